@@ -1,0 +1,238 @@
+"""Internal configuration: frozen dataclasses validated at construction.
+
+`ModelConfig` is read from a Hugging Face `config.json`; `CacheConfig`, `SchedulerConfig` and
+`ParallelPlan` describe how the engine runs it. Pydantic lives only at the Serve boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the valid values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a checkpoint, with the values every family needs named explicitly.
+
+    Family-specific values that only one model file reads stay in `hf` (the raw config.json).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    # MoE (num_experts == 0 for dense models)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    # MLA (DeepSeek V2/V3); zero elsewhere
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    path: str | None = None
+    hf: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model={str(path)!r}: no config.json in that folder")
+        hf = json.loads(config_file.read_text())
+        return cls.from_hf_dict(hf, path=str(path))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], path: str | None = None) -> ModelConfig:
+        architectures = hf.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"architectures={architectures!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        is_mla = arch in MLA_ARCHITECTURES
+        common = dict(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf.get("intermediate_size", 0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            path=path,
+            hf=hf,
+        )
+        moe = _moe_fields(arch, hf)
+        mla = _mla_fields(hf) if is_mla else {}
+        return cls(**common, **moe, **mla)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture in MLA_ARCHITECTURES
+
+    @cached_property
+    def kv_shape_per_token(self) -> tuple[int, ...]:
+        """Shape of one token's cache entry in one layer.
+
+        MLA caches the compressed latent and the shared rope key; other families cache K and V.
+        """
+        if self.is_mla:
+            return (self.kv_lora_rank + self.qk_rope_head_dim,)
+        return (2, self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.num_layers * math.prod(self.kv_shape_per_token) * dtype_bytes
+
+
+def _rope_theta(hf: dict) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _rope_scaling(hf: dict) -> dict | None:
+    """The rope scaling dict, None for plain RoPE (transformers 5 names it `rope_parameters`)."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return None if kind == "default" else dict(scaling, rope_type=kind)
+
+
+def _moe_fields(arch: str, hf: dict) -> dict:
+    if arch in MLA_ARCHITECTURES:
+        num_experts = hf.get("n_routed_experts") or 0
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+            num_shared_experts=hf.get("n_shared_experts") or 0,
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        return dict(
+            num_experts=hf["num_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+        )
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=hf["num_local_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["intermediate_size"],
+        )
+    return {}
+
+
+def _mla_fields(hf: dict) -> dict:
+    return dict(
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size={self.block_size} must be positive")
+        if self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How one phase spreads a model over workers: workers = tp x dp; ep divides workers."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for key in ("tp", "dp", "ep"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.num_workers % self.ep:
+            valid = [d for d in range(1, self.num_workers + 1) if self.num_workers % d == 0]
+            raise ConfigError(
+                f"ep={self.ep} must divide tp*dp={self.num_workers}; valid ep: {valid}"
+            )
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp * self.dp

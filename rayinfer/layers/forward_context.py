@@ -1,0 +1,42 @@
+"""What one forward pass needs besides token ids: where each token's KV goes and what it attends to.
+
+A batch mixes prefill chunks and decode steps. Sequence i contributes `query_lens[i]` new tokens
+that sit at positions `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1` of its context; every token
+attends causally to the whole context before it, read from the paged cache through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32: block ids of each sequence, -1 padded
+    query_lens_cpu: list[int]  # [B] new tokens per sequence, on the host for Python loops
+    seq_lens_cpu: list[int]  # [B] context lengths, on the host
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+
+@dataclass
+class ForwardContext:
+    """Passed explicitly through the model: metadata plus one cache tensor per layer.
+
+    `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shape_per_token]`.
+    """
+
+    attn: AttentionMetadata
+    kv_caches: list[torch.Tensor]

@@ -40,3 +40,33 @@ class ForwardContext:
 
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new."""
+    slots: list[int] = []
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        for position in range(seq_len - query_len, seq_len):
+            slots.append(table[position // block_size] * block_size + position % block_size)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = [t + [-1] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
+            len(block_tables), max_blocks
+        ),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        block_size=block_size,
+    )

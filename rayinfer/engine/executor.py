@@ -1,0 +1,29 @@
+"""The engine's view of whatever runs the model: one device in-process or a group of workers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from rayinfer.engine.batch import ModelBatch
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute(self, batch: ModelBatch) -> list[int]:
+        """Run one step; the next token of each request that samples, in batch order."""
+
+    @abstractmethod
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> Any:
+        """The KV of a request's first num_tokens tokens, as a payload decode can import."""
+
+    @abstractmethod
+    def import_kv(self, request_id: str, block_table: list[int], payload: Any) -> None:
+        """Write a payload from `export_kv` (or a reference to it) into these blocks."""
+
+    @abstractmethod
+    def free_requests(self, request_ids: list[str]) -> None:
+        """Forget per-request state (sampling generators) of finished requests."""
+
+    def shutdown(self) -> None:
+        """Release devices and workers."""

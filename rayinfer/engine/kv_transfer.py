@@ -1,0 +1,69 @@
+"""Pack a request's KV out of the paged cache and unpack it into another cache.
+
+The packed form is layout-free: per layer `[num_tokens, *kv_shape_per_token]`, so a cache with a
+different block size (or, later, a different parallel plan) can take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class KVPayload:
+    """The KV of one request plus its sampler state, as one worker exports it."""
+
+    kv: list[torch.Tensor]  # per layer [num_tokens, *kv_shape_per_token], on the CPU
+    generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+
+@dataclass
+class KVHandoff:
+    """What prefill gives decode: the prompt, the first token and where the KV lives.
+
+    `payload` is a KVPayload in-process, or an ObjectRef (per worker, a list) to one in the Ray
+    object store; decode resolves it from its own workers.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    payload: Any
+    num_bytes: int = 0
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """[num_tokens] int64 cache slots of a sequence's first num_tokens tokens."""
+    positions = torch.arange(num_tokens)
+    blocks = torch.tensor(block_table, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def pack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """Gather the tokens at `slots` from each layer cache into CPU tensors."""
+    packed = []
+    for cache in kv_caches:
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *kv_shape]
+        packed.append(flat[slots.to(cache.device)].cpu())
+    return packed
+
+
+def unpack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor, kv: list[torch.Tensor]) -> None:
+    """Scatter packed tokens into each layer cache at `slots`."""
+    if len(kv) != len(kv_caches):
+        raise ValueError(f"KV hand-off has {len(kv)} layers, this cache has {len(kv_caches)}")
+    for cache, layer_kv in zip(kv_caches, kv):
+        flat = cache.view(-1, *cache.shape[2:])
+        if tuple(layer_kv.shape[1:]) != tuple(flat.shape[1:]):
+            raise ValueError(
+                f"KV hand-off token shape {tuple(layer_kv.shape[1:])} does not match "
+                f"this cache's {tuple(flat.shape[1:])}"
+            )
+        flat[slots.to(cache.device)] = layer_kv.to(device=cache.device, dtype=cache.dtype)

@@ -1,0 +1,109 @@
+"""Turns a ModelBatch into tensors, runs the model over the paged cache and samples next tokens.
+
+One ModelRunner lives on each device (in-process, or inside a Ray worker actor). It owns the
+model's weights, the KV cache tensors and the per-request sampling generators.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayinfer.config import CacheConfig, ModelConfig
+from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.kv_transfer import KVPayload, pack_kv, token_slots, unpack_kv
+from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.layers.parallel import SINGLE, ParallelContext
+from rayinfer.layers.sampler import sample_tokens
+from rayinfer.models.loader import load_model
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE,
+    ):
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = load_model(model_config, dtype, self.device, parallel)
+        self.kv_caches = self._allocate_kv_caches()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        shape = (
+            self.cache_config.num_blocks,
+            self.cache_config.block_size,
+            *self.model_config.kv_shape_per_token,
+        )
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model_config.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelBatch) -> list[int]:
+        """Run one step; returns the next token of every request with `samples`, in order."""
+        requests = batch.requests
+        input_ids = [t for r in requests for t in r.token_ids]
+        positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
+        metadata = build_attention_metadata(
+            [len(r.token_ids) for r in requests],
+            [r.seq_len for r in requests],
+            [r.block_table for r in requests],
+            self.cache_config.block_size,
+            self.device,
+        )
+        ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            ctx,
+        )  # [T, H]
+        last_rows = [int(end) - 1 for r, end in zip(requests, metadata.query_start_loc[1:]) if r.samples]
+        if not last_rows:
+            return []
+        logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32
+        sampling = [r for r in requests if r.samples]
+        return sample_tokens(
+            logits,
+            [r.params.temperature for r in sampling],
+            [r.params.top_k for r in sampling],
+            [r.params.top_p for r in sampling],
+            [self._generator(r.request_id, r.params) for r in sampling],
+        )
+
+    def _generator(self, request_id: str, params) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        if request_id not in self.generators:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+            self.generators[request_id] = generator
+        return self.generators[request_id]
+
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+        slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
+        generator = self.generators.get(request_id)
+        state = generator.get_state() if generator is not None else None
+        return KVPayload(kv=pack_kv(self.kv_caches, slots), generator_state=state)
+
+    def import_kv(self, request_id: str, block_table: list[int], payload: KVPayload) -> None:
+        num_tokens = payload.kv[0].shape[0] if payload.kv else 0
+        slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
+        unpack_kv(self.kv_caches, slots, payload.kv)
+        if payload.generator_state is not None:
+            generator = torch.Generator()
+            generator.set_state(payload.generator_state)
+            self.generators[request_id] = generator
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)

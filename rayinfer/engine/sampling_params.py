@@ -1,0 +1,61 @@
+"""How a request wants its tokens chosen and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request's value is invalid; `field` names it so the server can answer 400."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`temperature=0` is greedy; `top_k=-1` and `top_p=1` disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = field(default=())
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError("max_tokens", f"must be > 0, got {self.max_tokens}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(
+                "temperature", f"must be a number >= 0, got {self.temperature!r}"
+            )
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            raise InvalidRequestError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,111 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step the running sequences go first, in arrival order: a decoding sequence needs one token,
+a sequence still in prefill takes as much of its prompt as the budget leaves. Waiting sequences
+are admitted after them while budget, sequence slots and cache blocks last. When the cache is
+full, the most recently admitted running sequence is preempted: its blocks are freed and it is
+recomputed later from its prompt and the tokens it already generated. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rayinfer.config import SchedulerConfig
+from rayinfer.engine.block_manager import BlockManager
+from rayinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, num_new):
+                self.block_manager.allocate_slots(seq, num_new)
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            admitted = self._admit(self.waiting[0], budget)
+            if admitted is None:
+                break
+            self.waiting.popleft()
+            scheduled.append(admitted)
+            budget -= admitted.num_new_tokens
+        return scheduled
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
+        self.block_manager.allocate_cached_prefix(seq)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.can_allocate_slots(seq, num_new):
+            self.block_manager.num_prefix_hit_tokens -= seq.num_cached_tokens
+            self.block_manager.free(seq)
+            seq.num_cached_tokens = 0
+            return None
+        self.block_manager.allocate_slots(seq, num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return ScheduledSequence(seq, num_new)
+
+    def _make_room(self, seq: Sequence, num_new: int) -> bool:
+        """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_allocate_slots(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """End a sequence; `keep_blocks` leaves its KV in the cache until `release` (hand-off)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if not keep_blocks:
+            self.block_manager.free(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)

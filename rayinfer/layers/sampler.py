@@ -1,0 +1,36 @@
+"""Choose the next token of each row from its logits: greedy, or temperature, top-k and top-p
+sampling with a per-request random generator (so a seeded request samples the same tokens
+whatever else shares its batch)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [B, V] float32
+    temperatures: list[float],  # [B]; 0 is greedy
+    top_ks: list[int],  # [B]; -1 is off
+    top_ps: list[float],  # [B]; 1.0 is off
+    generators: list[torch.Generator | None],  # [B]; CPU generators, None for greedy rows
+) -> list[int]:
+    tokens = logits.argmax(dim=-1).tolist()  # greedy for every row, overwritten when sampling
+    for row, temperature in enumerate(temperatures):
+        if temperature == 0:
+            continue
+        probs = _filtered_probs(logits[row].float().cpu() / temperature, top_ks[row], top_ps[row])
+        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+    return tokens
+
+
+def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[V] scaled logits -> [V] probabilities with tokens outside top-k / top-p zeroed."""
+    sorted_logits, order = scaled.sort(descending=True)  # [V], [V]
+    if 0 < top_k < sorted_logits.numel():
+        sorted_logits[top_k:] = float("-inf")
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    if top_p < 1.0:
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [V]
+        sorted_probs[mass_before >= top_p] = 0.0  # always keeps the most likely token
+    probs = torch.zeros_like(sorted_probs).scatter_(0, order, sorted_probs)
+    return probs / probs.sum()

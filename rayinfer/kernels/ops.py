@@ -24,3 +24,41 @@ def silu_and_mul(x):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+
+
+from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference  # noqa: E402
+
+
+def moe_routing(
+    router_logits,
+    top_k,
+    scoring="softmax",
+    renormalize=False,
+    num_groups=1,
+    topk_groups=1,
+    correction_bias=None,
+    routed_scaling_factor=1.0,
+) -> MoeRouting:
+    """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64)."""
+    return moe_routing_reference(
+        router_logits,
+        top_k,
+        scoring,
+        renormalize,
+        num_groups,
+        topk_groups,
+        correction_bias,
+        routed_scaling_factor,
+    )
+
+
+from rayinfer.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference  # noqa: E402
+
+
+def reshape_and_cache(key, value, kv_cache, slot_mapping):
+    reshape_and_cache_reference(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+    return paged_attention_reference(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -1,0 +1,227 @@
+"""Mixture-of-Experts block shared by every MoE family: router + routed experts + shared experts.
+
+Build one per MoE layer with a `RoutingMethod` that states how the family routes:
+
+  DeepSeek-V3 (`noaux_tc`):   RoutingMethod(top_k=num_experts_per_tok, scoring="sigmoid",
+                                  renormalize=norm_topk_prob, num_groups=n_group,
+                                  topk_groups=topk_group, use_correction_bias=True,
+                                  routed_scaling_factor=routed_scaling_factor)
+  DeepSeek-V2 (`group_limited_greedy`; `greedy` is num_groups=1):
+                              RoutingMethod(top_k, "softmax", renormalize=norm_topk_prob,
+                                  num_groups=n_group, topk_groups=topk_group,
+                                  routed_scaling_factor=routed_scaling_factor)
+  Qwen3-MoE:                  RoutingMethod(top_k=num_experts_per_tok, scoring="softmax",
+                                  renormalize=norm_topk_prob)
+  Mixtral (softmax over the top-k logits == renormalized softmax):
+                              RoutingMethod(top_k=num_experts_per_tok, scoring="softmax",
+                                  renormalize=True)
+
+  moe = MoE(hidden_size, num_experts, moe_intermediate_size, routing,
+            shared_intermediate_size=moe_intermediate_size * n_shared_experts (0: none),
+            parallel=parallel)
+
+Parameter names follow the checkpoints: `gate.weight` [E, H] (and `gate.e_score_correction_bias`
+[E]), `experts.w13` / `experts.w2` (stacked), `shared_experts.gate_up_proj` / `.down_proj`.
+Loading routed experts: `parse_expert_weight_name(name, projections)` splits a per-expert checkpoint
+name (`...mlp.experts.3.gate_proj.weight`; Mixtral: pass `MIXTRAL_EXPERT_PROJECTIONS` for
+`w1`/`w3`/`w2`) into (module prefix, expert id, part); then call
+`moe.experts.load_expert_weight(expert_id, part, tensor)`. Shared experts load through
+`GatedMLP.load_weight(projection_name, tensor)`.
+
+Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local;
+tokens routed elsewhere contribute zero here and the partial outputs are summed over the EP group
+(the shared experts, replicated, are added after that sum). Tensor parallelism splits the shared
+experts' intermediate dimension; routed experts are not split by TP.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayinfer.kernels import ops
+from rayinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
+
+DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class RoutingMethod:
+    """How a family turns router logits into top-k experts; see the module docstring."""
+
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    use_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+class ExpertWeightName(NamedTuple):
+    prefix: str  # module path holding `experts`, e.g. "model.layers.3.mlp"
+    expert_id: int  # global expert id in the checkpoint
+    part: str  # "gate", "up" or "down"
+
+
+def parse_expert_weight_name(
+    name: str, projections: dict[str, str] = DEFAULT_EXPERT_PROJECTIONS
+) -> ExpertWeightName | None:
+    """`<prefix>.experts.<e>.<proj>.weight` -> ExpertWeightName; None for any other name."""
+    match = _EXPERT_NAME.match(name)
+    if match is None or match["proj"] not in projections:
+        return None
+    return ExpertWeightName(match["prefix"], int(match["expert"]), projections[match["proj"]])
+
+
+def copy_checked(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Default weight loader: the whole tensor, with a shape check that names both shapes."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, parallel: ParallelContext = SINGLE
+    ):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=parallel)
+
+    def load_weight(self, projection: str, loaded: torch.Tensor) -> None:
+        """Checkpoint `gate_proj` / `up_proj` / `down_proj` weight -> this rank's slice."""
+        if projection == "down_proj":
+            self.down_proj.weight_loader(self.down_proj.weight, loaded)
+            return
+        shard_id = {"gate_proj": 0, "up_proj": 1}[projection]
+        self.gate_up_proj.weight_loader(self.gate_up_proj.weight, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class Router(nn.Module):
+    """Router logits in float32: `weight` [E, H], plus the noaux_tc correction bias [E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, use_correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight.weight_loader = copy_checked
+        self.e_score_correction_bias = None
+        if use_correction_bias:
+            bias = torch.zeros(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+            self.e_score_correction_bias.weight_loader = copy_checked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
+        return F.linear(x.float(), self.weight.float())
+
+
+class FusedExperts(nn.Module):
+    """This rank's routed experts, stacked.
+
+    w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext = SINGLE,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
+        self.first_local_expert = parallel.ep_rank * self.num_local_experts
+        shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
+        shape2 = (self.num_local_experts, hidden_size, intermediate_size)
+        self.w13 = nn.Parameter(torch.empty(shape13), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(shape2), requires_grad=False)
+
+    def load_expert_weight(self, expert_id: int, part: str, loaded: torch.Tensor) -> bool:
+        """Copy one expert's `gate`/`up` [I, H] or `down` [H, I]; False if not held on this rank."""
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} outside n_routed_experts={self.num_experts}")
+        local = expert_id - self.first_local_expert
+        if not 0 <= local < self.num_local_experts:
+            return False
+        size = self.intermediate_size
+        rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[part]
+        target = (self.w2 if part == "down" else self.w13).data[local, rows]
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expert {expert_id} {part}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+        return True
+
+    def forward(self, x, topk_weights, topk_ids):
+        """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].
+
+        Under expert parallelism the result holds only this rank's experts' share.
+        """
+        local_ids = topk_ids - self.first_local_expert  # [T, K]
+        if self.num_local_experts != self.num_experts:
+            outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
+            local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
+        return ops.fused_moe(x, self.w13, self.w2, topk_weights, local_ids)
+
+
+class MoE(nn.Module):
+    """Router + routed experts + optional shared experts; see the module docstring."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: RoutingMethod,
+        shared_intermediate_size: int = 0,
+        parallel: ParallelContext = SINGLE,
+    ):
+        super().__init__()
+        self.routing = routing
+        self.parallel = parallel
+        self.gate = Router(hidden_size, num_experts, routing.use_correction_bias)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel)
+        self.shared_experts = None
+        if shared_intermediate_size:
+            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, parallel)
+
+    def route(self, x: torch.Tensor) -> ops.MoeRouting:  # [T, H] -> ([T, K], [T, K])
+        method = self.routing
+        return ops.moe_routing(
+            self.gate(x),
+            method.top_k,
+            scoring=method.scoring,
+            renormalize=method.renormalize,
+            num_groups=method.num_groups,
+            topk_groups=method.topk_groups,
+            correction_bias=self.gate.e_score_correction_bias,
+            routed_scaling_factor=method.routed_scaling_factor,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        routing = self.route(x)
+        out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
+        if self.parallel.ep_size > 1:
+            self.parallel.ep_group.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

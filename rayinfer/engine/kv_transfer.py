@@ -35,8 +35,9 @@ class KVHandoff:
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int
-    payload: Any
+    payload: Any  # None when the request already finished at its first token
     num_bytes: int = 0
+    finish_reason: str | None = None  # set when there is nothing left to decode
 
 
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:

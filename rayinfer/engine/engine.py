@@ -1,0 +1,218 @@
+"""The engine loop: add requests, step, abort. It drives an Executor and knows no workers.
+
+A request can also run half-way: `prefill_only` requests stop after their first token and keep
+their KV until `take_handoff` exports it; `add_prefilled_request` starts a request from such a
+hand-off in another engine, which decodes it without recomputing the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.block_manager import BlockManager
+from rayinfer.engine.executor import Executor
+from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.request_state import RequestState
+from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from rayinfer.engine.scheduler import ScheduledSequence, Scheduler
+from rayinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class _PendingImport:
+    state: RequestState
+    payload: Any
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        executor: Executor,
+        tokenizer=None,
+    ):
+        capacity = cache_config.num_blocks * cache_config.block_size
+        if scheduler_config.max_model_len > capacity:
+            raise ConfigError(
+                f"max_model_len={scheduler_config.max_model_len} exceeds the KV cache's "
+                f"{capacity} tokens; raise num_blocks or lower max_model_len"
+            )
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.states: dict[str, RequestState] = {}
+        self.pending_imports: list[_PendingImport] = []
+        self.handoffs_ready: dict[str, RequestState] = {}
+        self.ready_outputs: list[RequestOutput] = []  # finished outside a step, reported next
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        self._arrivals = 0
+
+    # --- requests in -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_token_ids(prompt)
+        self._check_new_request(request_id, prompt_ids)
+        state = self._new_state(request_id, prompt_ids, params, prefill_only)
+        self.scheduler.add(state.seq)
+
+    def add_prefilled_request(self, handoff: KVHandoff, params: SamplingParams) -> None:
+        """Continue a request whose prompt was prefilled elsewhere; its KV arrives as a payload."""
+        self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
+        state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
+        self.pending_imports.append(_PendingImport(state, handoff.payload))
+        self._append_token(state, handoff.first_token_id)
+        first = state.take_output()  # the caller already has the first token
+        if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
+            self.pending_imports.pop()
+            self.ready_outputs.append(first)
+
+    def abort(self, request_id: str) -> None:
+        state = self.states.get(request_id) or self.handoffs_ready.pop(request_id, None)
+        if state is None:
+            return
+        self.pending_imports = [p for p in self.pending_imports if p.state is not state]
+        if state.seq.status == SequenceStatus.FINISHED:
+            self.scheduler.release(state.seq)
+        else:
+            self.scheduler.finish(state.seq, "abort")
+        self.executor.free_requests([request_id])
+        self.states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.has_unfinished or self.pending_imports)
+
+    # --- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and report every request that produced tokens or finished."""
+        self._admit_pending_imports()
+        scheduled = self.scheduler.schedule()
+        ready, self.ready_outputs = self.ready_outputs, []
+        if not scheduled:
+            return ready
+        tokens = self.executor.execute(self._model_batch(scheduled))
+        sampled = iter(tokens)
+        outputs = ready
+        for item in scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.mark_computed(seq)
+            if samples:
+                state = self.states[seq.request_id]
+                self._append_token(state, next(sampled))
+                outputs.append(state.take_output())
+        return outputs
+
+    def take_handoff(self, request_id: str) -> KVHandoff:
+        """Export the KV of a finished prefill-only request and free its blocks."""
+        state = self.handoffs_ready.pop(request_id)
+        seq = state.seq
+        payload = self.executor.export_kv(request_id, seq.block_table, seq.num_prompt_tokens)
+        self.scheduler.release(seq)
+        self.executor.free_requests([request_id])
+        return KVHandoff(
+            request_id=request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            first_token_id=seq.output_token_ids[0],
+            payload=payload,
+            num_bytes=getattr(payload, "num_bytes", 0),
+        )
+
+    # --- internals ---------------------------------------------------------------------------
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _check_new_request(self, request_id: str, prompt_ids: list[int]) -> None:
+        if request_id in self.states or request_id in self.handoffs_ready:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        limit = self.scheduler_config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"has {len(prompt_ids)} tokens; max_model_len={limit} leaves no room"
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+
+    def _new_state(self, request_id, prompt_ids, params, prefill_only) -> RequestState:
+        seq = Sequence(request_id, prompt_ids, params, self._arrivals, prefill_only)
+        self._arrivals += 1
+        state = RequestState(seq, self.tokenizer)
+        self.states[request_id] = state
+        return state
+
+    def _append_token(self, state: RequestState, token_id: int) -> None:
+        reason = state.append_token(token_id, self.eos_token_ids, self.scheduler_config.max_model_len)
+        seq = state.seq
+        if seq.prefill_only and reason is None:
+            reason = "prefilled"
+        if reason is None:
+            return
+        keep = seq.prefill_only and seq.status == SequenceStatus.RUNNING
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, reason, keep_blocks=keep)
+        state.finish(reason)
+        del self.states[seq.request_id]
+        if keep:
+            self.handoffs_ready[seq.request_id] = state
+        else:
+            self.executor.free_requests([seq.request_id])
+
+    def _model_batch(self, scheduled: list[ScheduledSequence]) -> ModelBatch:
+        requests = []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            requests.append(
+                ScheduledRequest(
+                    request_id=seq.request_id,
+                    token_ids=seq.token_ids[start : start + item.num_new_tokens],
+                    start_position=start,
+                    block_table=list(seq.block_table),
+                    samples=item.samples,
+                    params=seq.params,
+                )
+            )
+        return ModelBatch(requests)
+
+    def _admit_pending_imports(self) -> None:
+        still_pending = []
+        for pending in self.pending_imports:
+            seq = pending.state.seq
+            fits = self.block_manager.can_allocate_slots(seq, seq.num_tokens)
+            if not fits or len(self.scheduler.running) >= self.scheduler_config.max_num_seqs:
+                still_pending.append(pending)
+                continue
+            self.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
+            self.executor.import_kv(seq.request_id, seq.block_table, pending.payload)
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.mark_computed(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+        self.pending_imports = still_pending

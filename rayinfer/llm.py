@@ -1,0 +1,155 @@
+"""The offline API: `LLM(model).generate(prompts, params)`, plus the prefill/decode split."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from rayinfer.config import CacheConfig, ConfigError, ModelConfig, ParallelPlan, SchedulerConfig
+from rayinfer.engine.engine import LLMEngine
+from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
+from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs a model in this process.
+
+    model: "tiny" (the built-in DeepSeek-V3-style model) or a Hugging Face checkpoint folder.
+    device: "auto" (CUDA when visible, else CPU), "cpu" or "cuda". dtype: None picks float32 on
+    the CPU and bfloat16 on GPUs.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        parallel: ParallelPlan | None = None,
+    ):
+        path = resolve_model_path(model)
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        if num_kv_blocks is None:
+            num_kv_blocks = -(-max(4 * max_model_len, 16384) // block_size)
+        self.cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max(max_num_batched_tokens, 1), max_model_len
+        )
+        self.tokenizer = _load_tokenizer(tokenizer or path)
+        executor = self._make_executor(parallel or ParallelPlan())
+        self.engine = LLMEngine(
+            self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
+        )
+        self._request_ids = itertools.count()
+
+    def _make_executor(self, plan: ParallelPlan):
+        if plan.num_workers != 1:
+            raise ConfigError(
+                f"parallel={plan} needs {plan.num_workers} workers; the offline LLM runs one "
+                "device in-process today: use ParallelPlan(tp=1, dp=1, ep=1)"
+            )
+        from rayinfer.workers.in_process import InProcessExecutor
+
+        return InProcessExecutor(self.model_config, self.cache_config, self.device, self.dtype)
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); outputs in prompt order."""
+        prompts, params_list = _broadcast(prompts, params)
+        request_ids = self._add_all(prompts, params_list, prefill_only=False)
+        finished = self._run_until_done(request_ids)
+        return [finished[r] for r in request_ids]
+
+    def prefill(self, prompts, params=None) -> list[KVHandoff]:
+        """Prefill every prompt; each result carries the first token and the request's KV."""
+        prompts, params_list = _broadcast(prompts, params)
+        request_ids = self._add_all(prompts, params_list, prefill_only=True)
+        finished = self._run_until_done(request_ids)
+        handoffs = []
+        for request_id in request_ids:
+            output = finished[request_id]
+            if output.finish_reason == "prefilled":
+                handoffs.append(self.engine.take_handoff(request_id))
+            else:
+                handoffs.append(
+                    KVHandoff(
+                        request_id,
+                        output.prompt_token_ids,
+                        output.token_ids[0],
+                        payload=None,
+                        finish_reason=output.finish_reason,
+                    )
+                )
+        return handoffs
+
+    def decode(self, handoffs: list[KVHandoff], params=None) -> list[RequestOutput]:
+        """Continue prefilled requests (from this or another LLM) to their end."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(handoffs)
+        request_ids = []
+        for handoff, request_params in zip(handoffs, params_list):
+            if handoff.finish_reason is None:
+                self.engine.add_prefilled_request(handoff, request_params)
+            request_ids.append(handoff.request_id)
+        finished = self._run_until_done([h.request_id for h in handoffs if h.finish_reason is None])
+        return [finished.get(h.request_id) or _finished_output(h) for h in handoffs]
+
+    def _add_all(self, prompts, params_list, prefill_only: bool) -> list[str]:
+        request_ids = []
+        for prompt, request_params in zip(prompts, params_list):
+            request_id = f"llm-{next(self._request_ids)}"
+            self.engine.add_request(request_id, prompt, request_params, prefill_only)
+            request_ids.append(request_id)
+        return request_ids
+
+    def _run_until_done(self, request_ids: list[str]) -> dict[str, RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        while wanted - finished.keys():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return finished
+
+
+def _broadcast(prompts, params):
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if isinstance(params, list):
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        return list(prompts), params
+    return list(prompts), [params or SamplingParams()] * len(prompts)
+
+
+def _finished_output(handoff: KVHandoff) -> RequestOutput:
+    return RequestOutput(
+        handoff.request_id,
+        handoff.prompt_token_ids,
+        token_ids=[handoff.first_token_id],
+        finish_reason=handoff.finish_reason,
+    )
+
+
+def _load_tokenizer(path):
+    from rayinfer.engine.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_pretrained(path)
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,34 @@
+"""An Executor that runs the model on one device inside the calling process (no Ray actors)."""
+
+from __future__ import annotations
+
+import torch
+
+from rayinfer.config import CacheConfig, ModelConfig
+from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.executor import Executor
+from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.model_runner import ModelRunner
+
+
+class InProcessExecutor(Executor):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: str | torch.device,
+        dtype: torch.dtype,
+    ):
+        self.runner = ModelRunner(model_config, cache_config, device, dtype)
+
+    def execute(self, batch: ModelBatch) -> list[int]:
+        return self.runner.execute(batch)
+
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+        return self.runner.export_kv(request_id, block_table, num_tokens)
+
+    def import_kv(self, request_id: str, block_table: list[int], payload: KVPayload) -> None:
+        self.runner.import_kv(request_id, block_table, payload)
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        self.runner.free_requests(request_ids)

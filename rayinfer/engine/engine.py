@@ -13,7 +13,7 @@ from typing import Any
 from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.block_manager import BlockManager
-from rayinfer.engine.executor import Executor
+from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.request_state import RequestState
@@ -56,6 +56,7 @@ class LLMEngine:
         self.pending_imports: list[_PendingImport] = []
         self.handoffs_ready: dict[str, RequestState] = {}
         self.ready_outputs: list[RequestOutput] = []  # finished outside a step, reported next
+        self.num_kv_recomputes = 0  # hand-offs whose KV was lost, so decode recomputed the prompt
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
@@ -210,9 +211,19 @@ class LLMEngine:
                 still_pending.append(pending)
                 continue
             self.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
-            self.executor.import_kv(seq.request_id, seq.block_table, pending.payload)
+            try:
+                self.executor.import_kv(seq.request_id, seq.block_table, pending.payload)
+            except KVLostError:
+                self._recompute_lost_handoff(seq)
+                continue
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.mark_computed(seq)
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
         self.pending_imports = still_pending
+
+    def _recompute_lost_handoff(self, seq: Sequence) -> None:
+        """Queue the request to compute its prompt and first token here, as if preempted."""
+        self.block_manager.free(seq)
+        self.num_kv_recomputes += 1
+        self.scheduler.add(seq)

@@ -8,6 +8,10 @@ from typing import Any
 from rayinfer.engine.batch import ModelBatch
 
 
+class KVLostError(RuntimeError):
+    """A hand-off's KV is gone (its owner died or it was evicted); the prompt must be recomputed."""
+
+
 class Executor(ABC):
     @abstractmethod
     def execute(self, batch: ModelBatch) -> list[int]:
@@ -19,7 +23,9 @@ class Executor(ABC):
 
     @abstractmethod
     def import_kv(self, request_id: str, block_table: list[int], payload: Any) -> None:
-        """Write a payload from `export_kv` (or a reference to it) into these blocks."""
+        """Write a payload from `export_kv` (or a reference to it) into these blocks.
+
+        Raises KVLostError when the payload can no longer be read."""
 
     @abstractmethod
     def free_requests(self, request_ids: list[str]) -> None:

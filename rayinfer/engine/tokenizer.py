@@ -1,0 +1,267 @@
+"""Text <-> token ids for one checkpoint, and its chat template.
+
+`Tokenizer.from_pretrained(folder)` reads what transformers reads: `tokenizer.json` (through the
+`tokenizers` library), `tokenizer_config.json` (special tokens, `add_bos_token`, the chat template),
+`chat_template.jinja` / `additional_chat_templates/*.jinja`, and the eos ids of `config.json` and
+`generation_config.json`. Ids and rendered chat text equal transformers' `PreTrainedTokenizerFast`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files are missing or unusable; the message says what to do."""
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special tokens and chat templates of its checkpoint."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: dict[str, str],
+        eos_token_ids: Iterable[int] = (),
+        chat_templates: dict[str, str] | None = None,
+        name: str = "model",
+    ):
+        self.backend = backend
+        self.special_tokens = special_tokens  # bos_token, eos_token, ... -> token text
+        self.chat_templates = chat_templates or {}  # template name -> jinja source
+        self.name = name
+        eos_token = special_tokens.get("eos_token")
+        eos_ids = set(eos_token_ids)
+        if eos_token is not None and backend.token_to_id(eos_token) is not None:
+            eos_ids.add(backend.token_to_id(eos_token))
+        self.eos_token_ids: set[int] = eos_ids
+        bos_token = special_tokens.get("bos_token")
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.all_special_ids: set[int] = {
+            token_id
+            for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special
+        }
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"model {str(path)!r} has no tokenizer.json; pass token ids or set tokenizer=..."
+            )
+        config = _read_json(folder / "tokenizer_config.json")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        special_tokens = _special_tokens(config)
+        _add_missing_tokens(backend, config, special_tokens)
+        _apply_bos_eos_flags(backend, config, special_tokens)
+        return cls(
+            backend,
+            special_tokens,
+            eos_token_ids=_checkpoint_eos_ids(folder),
+            chat_templates=_chat_templates(folder, config),
+            name=str(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # transformers 5 ignores clean_up_tokenization_spaces for BPE models, and so does rayinfer.
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs,
+    ) -> str:
+        """The conversation rendered as text, exactly as transformers' `apply_chat_template`.
+
+        The text already holds the template's special tokens: encode it with
+        `add_special_tokens=False` (or call `encode_chat`).
+        """
+        template = self._select_template(chat_template, tools)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables.update(template_kwargs)
+        return _compile_template(template).render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def _select_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if not self.chat_templates:
+            raise TokenizerError(
+                f"model {self.name!r} has no chat template (no chat_template in "
+                "tokenizer_config.json and no chat_template.jinja); send a plain prompt to "
+                "/v1/completions or pass chat_template=..."
+            )
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if "default" in self.chat_templates:
+            return self.chat_templates["default"]
+        raise TokenizerError(
+            f"model {self.name!r} has several chat templates and none named 'default'; "
+            f"pass chat_template= one of {sorted(self.chat_templates)}"
+        )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    tokens = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+    return {key: text for key, text in tokens.items() if text is not None}
+
+
+def _add_missing_tokens(backend: BackendTokenizer, config: dict, special_tokens: dict) -> None:
+    """Register added and special tokens that tokenizer.json lacks, as transformers does."""
+    added = [
+        AddedToken(
+            entry["content"],
+            single_word=entry.get("single_word", False),
+            lstrip=entry.get("lstrip", False),
+            rstrip=entry.get("rstrip", False),
+            normalized=entry.get("normalized", False),
+            special=entry.get("special", True),
+        )
+        for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=_by_id)
+    ]
+    added += [AddedToken(text, special=True, normalized=False) for text in special_tokens.values()]
+    missing = [token for token in added if backend.token_to_id(token.content) is None]
+    if missing:
+        backend.add_tokens(missing)
+
+
+def _by_id(item: tuple[str, dict]) -> int:
+    return int(item[0])
+
+
+def _apply_bos_eos_flags(backend: BackendTokenizer, config: dict, special_tokens: dict) -> None:
+    """As transformers 5: explicit add_bos_token/add_eos_token rebuild the post-processor."""
+    explicit = "add_bos_token" in config or "add_eos_token" in config
+    if not explicit and backend.post_processor is not None:
+        return
+    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
+    add_bos = bool(config.get("add_bos_token")) and bos is not None
+    add_eos = bool(config.get("add_eos_token")) and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = (
+        f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    )
+    special = [(bos, backend.token_to_id(bos))] if add_bos else []
+    special += [(eos, backend.token_to_id(eos))] if add_eos else []
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=special
+    )
+
+
+def _checkpoint_eos_ids(folder: Path) -> set[int]:
+    """eos_token_id of config.json and generation_config.json: an int, a list, or absent."""
+    eos_ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        value = _read_json(folder / name).get("eos_token_id")
+        if isinstance(value, int):
+            eos_ids.add(value)
+        elif isinstance(value, list):
+            eos_ids.update(value)
+    return eos_ids
+
+
+def _chat_templates(folder: Path, config: dict) -> dict[str, str]:
+    """Template name -> source; template files win over tokenizer_config.json, as in HF."""
+    templates = {}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    for path in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        templates[path.stem] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    legacy = _read_json(folder / "chat_template.json").get("chat_template")
+    template = config.get("chat_template") or legacy
+    if isinstance(template, list):
+        return {entry["name"]: entry["template"] for entry in template}
+    return {"default": template} if template else {}
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile with the environment transformers uses: sandboxed, trim_blocks and lstrip_blocks."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text: render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
+            lineno
+        )
+
+    def _render_body(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters, which chat templates must not do.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)

@@ -21,11 +21,11 @@ from rayinfer.engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    samples: bool  # whether this step reaches the end of the sequence, so a token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
 
 
 class Scheduler:
@@ -54,7 +54,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._make_room(seq, num_new):
                 self.block_manager.allocate_slots(seq, num_new)
-                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             admitted = self._admit(self.waiting[0], budget)
@@ -76,7 +76,7 @@ class Scheduler:
         self.block_manager.allocate_slots(seq, num_new)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return ScheduledSequence(seq, num_new)
+        return ScheduledSequence.of(seq, num_new)
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""

@@ -1,0 +1,85 @@
+"""Scheduler: token budget, chunked prefill, admission limits and preemption, without torch."""
+
+from rayinfer.config import SchedulerConfig
+from rayinfer.engine.block_manager import BlockManager
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine.scheduler import Scheduler
+from rayinfer.engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks=32, block_size=4, budget=16, max_seqs=8) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
+    return Scheduler(config, BlockManager(num_blocks, block_size))
+
+
+def run_step(scheduler: Scheduler, next_token: int = 7):
+    """Mimic the engine: advance computed tokens and append a token where one is sampled."""
+    scheduled = scheduler.schedule()
+    for item in scheduled:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_new_tokens
+        scheduler.block_manager.mark_computed(item.seq)
+        if samples:
+            item.seq.output_token_ids.append(next_token)
+    return scheduled
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    scheduler = make_scheduler(budget=8)
+    seq = Sequence("a", list(range(20)), SamplingParams())
+    scheduler.add(seq)
+    chunks = [run_step(scheduler) for _ in range(3)]
+    assert [c[0].num_new_tokens for c in chunks] == [8, 8, 4]
+    assert [c[0].samples for c in chunks] == [False, False, True]
+    assert seq.output_token_ids == [7]
+
+
+def test_decodes_go_first_and_new_prompts_fill_the_rest():
+    scheduler = make_scheduler(budget=10)
+    first = Sequence("a", list(range(6)), SamplingParams())
+    scheduler.add(first)
+    run_step(scheduler)
+    second = Sequence("b", list(range(30)), SamplingParams())
+    scheduler.add(second)
+    scheduled = run_step(scheduler)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = make_scheduler(max_seqs=2)
+    for name in "abc":
+        scheduler.add(Sequence(name, [1, 2, 3], SamplingParams()))
+    scheduled = run_step(scheduler)
+    assert [s.seq.request_id for s in scheduled] == ["a", "b"]
+    assert [s.request_id for s in scheduler.waiting] == ["c"]
+
+
+def test_full_cache_preempts_the_latest_sequence_and_recomputes_it():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    first = Sequence("a", list(range(8)), SamplingParams())
+    second = Sequence("b", list(range(100, 108)), SamplingParams())
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)  # both prefilled: 2 blocks each, cache full
+    assert first.num_tokens == 9 and second.num_tokens == 9
+    scheduled = run_step(scheduler)  # `a` needs a third block: `b` is preempted
+    assert [s.seq.request_id for s in scheduled] == ["a"]
+    assert second.status == SequenceStatus.WAITING and second.num_computed_tokens == 0
+    assert scheduler.num_preemptions == 1
+    scheduler.finish(first, "stop")
+    scheduled = run_step(scheduler)
+    # Recompute covers prompt + output; its first block is still in the prefix cache.
+    assert scheduled[0].seq is second
+    assert second.num_cached_tokens == 4 and scheduled[0].num_new_tokens == 9 - 4
+
+
+def test_waiting_sequence_that_does_not_fit_stays_waiting():
+    scheduler = make_scheduler(num_blocks=2, block_size=4, budget=64)
+    first = Sequence("a", list(range(7)), SamplingParams())
+    scheduler.add(first)
+    run_step(scheduler)
+    blocked = Sequence("b", list(range(5)), SamplingParams())
+    scheduler.add(blocked)
+    scheduled = run_step(scheduler)
+    assert [s.seq.request_id for s in scheduled] == ["a"]
+    assert blocked.status == SequenceStatus.WAITING and blocked.block_table == []

@@ -1,0 +1,48 @@
+"""GQA attention over the paged K/V cache, for batches that mix prefill chunks and decodes.
+
+The layer's cache is `[num_blocks, block_size, 2, num_kv_heads, head_dim]` (index 0 holds K, 1
+holds V). Each step first writes the new tokens' K/V at `slot_mapping`, then every query attends
+causally to its sequence's whole context read back through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rayinfer.kernels import ops
+from rayinfer.layers.forward_context import ForwardContext
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, layer_idx: int):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, 2, Hkv, D]
+        expected = (2, self.num_kv_heads, self.head_dim)
+        if tuple(kv_cache.shape[2:]) != expected:
+            raise ValueError(
+                f"kv_caches[{self.layer_idx}] has per-token shape {tuple(kv_cache.shape[2:])}, "
+                f"expected {expected}; allocate it with ModelConfig.kv_shape_per_token"
+            )
+        attn = ctx.attn
+        ops.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
+        return ops.paged_attention(
+            q, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
+        )

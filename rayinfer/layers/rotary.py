@@ -1,0 +1,91 @@
+"""Rotary position embedding (neox style: the head's two halves rotate together).
+
+Scalings of Llama/Qwen configs: `default`, `linear` (positions divided by `factor`) and `llama3`
+(low frequencies divided by `factor`, a smooth ramp between). cos/sin are computed from the
+positions of the step, so no table of `max_position_embeddings` rows is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:  # [rotary_dim / 2] float32
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def scaled_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = default_inv_freq(rotary_dim, base)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"rope_scaling rope_type={rope_type!r} is not supported by RotaryEmbedding; "
+        f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rotary_dim` features of every head of q and k by the token's position."""
+
+    def __init__(
+        self, head_dim: int, base: float, scaling: dict | None = None, rotary_dim: int | None = None
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = scaled_inv_freq(self.rotary_dim, base, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim / 2] float32
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, rotary_dim / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+        return angles.cos(), angles.sin()
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim]; cos, sin [T, rotary_dim] float32."""
+        cos = cos[:, None, :].to(x.dtype)  # [T, 1, rotary_dim]
+        sin = sin[:, None, :].to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        rotated = rot * cos + rotate_half(rot) * sin
+        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k)."""
+        cos, sin = self.cos_sin(positions)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+def rotary_from_config(head_dim: int, base: float, scaling: dict | None) -> RotaryEmbedding:
+    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
+    return RotaryEmbedding(head_dim, base, scaling, rotary_dim=int(head_dim * partial))

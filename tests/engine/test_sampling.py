@@ -1,0 +1,85 @@
+"""Sampling parameters' validation and the sampler's filters."""
+
+import pytest
+import torch
+
+from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from rayinfer.layers.sampler import sample_tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 7}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_values_name_their_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(**kwargs)
+    assert error.value.field == field
+    assert field in str(error.value)
+
+
+def test_stop_accepts_a_string_or_a_list():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(3, 50)
+    tokens = sample_tokens(logits, [0.0] * 3, [-1] * 3, [1.0] * 3, [None] * 3)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature():
+    logits = torch.randn(4, 50)
+    tokens = sample_tokens(logits, [5.0] * 4, [1] * 4, [1.0] * 4, [seeded(i) for i in range(4)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token():
+    logits = torch.randn(4, 50)
+    tokens = sample_tokens(logits, [1.0] * 4, [-1] * 4, [1e-6] * 4, [seeded(i) for i in range(4)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_limits_the_support():
+    logits = torch.randn(1, 50)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    generator = seeded(0)
+    for _ in range(200):
+        assert sample_tokens(logits, [2.0], [5], [1.0], [generator])[0] in allowed
+
+
+def test_same_seed_samples_the_same_tokens_whatever_the_batch():
+    logits = torch.randn(3, 100)
+    alone = [sample_tokens(logits[1:2], [1.0], [-1], [0.9], [g])[0] for g in [seeded(7)] * 5]
+    generator = seeded(7)
+    batched = [
+        sample_tokens(logits, [0.0, 1.0, 1.0], [-1] * 3, [1.0, 0.9, 1.0], [None, generator, seeded(i)])[1]
+        for i in range(5)
+    ]
+    assert alone == batched
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log()[None]
+    generator = seeded(0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample_tokens(logits, [1.0], [-1], [1.0], [generator])[0]] += 1
+    torch.testing.assert_close(counts / counts.sum(), probs, atol=0.04, rtol=0)

@@ -62,3 +62,31 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
 
 def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale):
     return paged_attention_reference(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+from rayinfer.kernels.mla_attention import (  # noqa: E402
+    mla_causal_attention_reference,
+    mla_decode_attention_reference,
+    mla_gather_context_reference,
+    mla_write_cache_reference,
+)
+
+
+def mla_write_cache(kv_cache, slot_mapping, kv_c, k_pe):
+    """Store latents kv_c [T, L] and k_pe [T, R] into kv_cache [blocks, block_size, L + R]."""
+    mla_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe)
+
+
+def mla_gather_context(kv_cache, block_table, seq_len):
+    """One sequence's cached latents -> [seq_len, L + R]."""
+    return mla_gather_context_reference(kv_cache, block_table, seq_len)
+
+
+def mla_causal_attention(query, key, value, scale):
+    """query [q, N, Dqk] (last q of s tokens), key [s, N, Dqk], value [s, N, Dv] -> [q, N, Dv]."""
+    return mla_causal_attention_reference(query, key, value, scale)
+
+
+def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
+    """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L]."""
+    return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,125 @@
+"""Multi-head latent attention (DeepSeek V2/V3) over a paged cache of compressed latents.
+
+Per token the cache holds only the normed latent c_kv [L] and the roped shared key k_pe [R]
+(L = kv_lora_rank, R = qk_rope_head_dim), never per-head K/V. Two ways to attend:
+- expanded (prefill chunks): K_nope and V of the whole context are rebuilt with kv_b_proj, then
+  ordinary causal attention runs with K = [K_nope, k_pe] per head;
+- absorbed (decode, one query per sequence): q_nope is folded through W_UK into latent space, the
+  attention runs directly on the cached latents, and the latent output is mapped through W_UV.
+  Both give the same result; `use_absorbed_decode = False` forces the expanded form everywhere.
+Heads are split over tensor-parallel ranks (q/kv_b/o projections); the latent path is replicated.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+from torch import nn
+
+from rayinfer.config import ModelConfig
+from rayinfer.kernels import ops
+from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
+from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from rayinfer.layers.norm import RMSNorm
+from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
+from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+
+
+class MLAAttention(nn.Module):
+    use_absorbed_decode = True
+
+    def __init__(self, config: ModelConfig, layer_idx: int, parallel: ParallelContext = SINGLE):
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        self.num_local_heads = divide(num_heads, parallel.tp_size, "num_attention_heads")
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        bias = config.attention_bias
+        q_out = [num_heads * self.qk_head_dim]
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, parallel=parallel)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_out, parallel=parallel)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        kv_b_out = [num_heads * (self.nope_dim + self.v_head_dim)]
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, kv_b_out, parallel=parallel)
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias, parallel)
+        is_interleaved = bool(config.hf.get("rope_interleave", True))
+        self.rotary_emb = DeepseekRotaryEmbedding(
+            self.rope_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            is_interleaved,
+        )
+        self.scale = softmax_scale(self.qk_head_dim, config.rope_scaling)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, N, Dqk]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        return q.view(hidden.shape[0], self.num_local_heads, self.qk_head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext):
+        """positions [T], hidden [T, H] -> [T, H]; writes the tokens' latents into the cache."""
+        q_nope, q_pe = self._query(hidden).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, L]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, N, R], [T, R]
+        kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
+        ops.mla_write_cache(kv_cache, ctx.attn.slot_mapping, kv_c, k_pe)
+        out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
+        decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
+        if decode_seqs:
+            self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.attn, decode_seqs, out)
+        starts = list(accumulate(ctx.attn.query_lens_cpu, initial=0))  # [B + 1]
+        for seq in prefill_seqs:
+            rows = slice(starts[seq], starts[seq + 1])
+            self._attend_expanded(q_nope[rows], q_pe[rows], kv_cache, ctx.attn, seq, out[rows])
+        return self.o_proj(out.flatten(1))  # [T, H]
+
+    def _split_batch(self, attn: AttentionMetadata) -> tuple[list[int], list[int]]:
+        """Sequences attended in absorbed form (one new token) and in expanded form (the rest)."""
+        if not self.use_absorbed_decode:
+            return [], list(range(attn.num_seqs))
+        decode = [i for i, n in enumerate(attn.query_lens_cpu) if n == 1]
+        prefill = [i for i, n in enumerate(attn.query_lens_cpu) if n > 1]
+        return decode, prefill
+
+    def _kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [N, Dnope, L] and W_UV [N, Dv, L]."""
+        per_head = self.kv_b_proj.weight.view(self.num_local_heads, -1, self.kv_lora_rank)
+        return per_head.split([self.nope_dim, self.v_head_dim], dim=1)
+
+    def _attend_expanded(self, q_nope, q_pe, kv_cache, attn, seq: int, out: torch.Tensor):
+        """One sequence's q new tokens: q_nope [q, N, Dnope], q_pe [q, N, R] -> out [q, N, Dv]."""
+        context = ops.mla_gather_context(kv_cache, attn.block_tables[seq], attn.seq_lens_cpu[seq])
+        context = context.to(q_nope.dtype)  # [s, L + R]
+        kv_c, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(kv_c).view(-1, self.num_local_heads, self.nope_dim + self.v_head_dim)
+        k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
+        k_pe = k_pe[:, None, :].expand(-1, self.num_local_heads, -1)  # [s, N, R]
+        key = torch.cat((k_nope, k_pe), dim=-1)  # [s, N, Dqk]
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [q, N, Dqk]
+        out[:] = ops.mla_causal_attention(query, key, value, self.scale)
+
+    def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
+        rows = attn.query_start_loc[seqs].long()  # [B]: each sequence's single query
+        w_uk, w_uv = self._kv_b_weights()
+        q_latent = torch.einsum("bnd,ndl->bnl", q_nope[rows], w_uk)  # [B, N, L]
+        seq_lens = [attn.seq_lens_cpu[i] for i in seqs]
+        latent_out = ops.mla_decode_attention(
+            q_latent, q_pe[rows], kv_cache, attn.block_tables[seqs], seq_lens, self.scale
+        )  # [B, N, L]
+        out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]

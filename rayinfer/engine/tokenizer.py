@@ -4,6 +4,8 @@
 `tokenizers` library), `tokenizer_config.json` (special tokens, `add_bos_token`, the chat template),
 `chat_template.jinja` / `additional_chat_templates/*.jinja`, and the eos ids of `config.json` and
 `generation_config.json`. Ids and rendered chat text equal transformers' `PreTrainedTokenizerFast`.
+As in transformers 5, tokenizer.json's post-processor alone decides whether a bos token is added:
+`add_bos_token` / `add_eos_token` in tokenizer_config.json are ignored when tokenizer.json exists.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class TokenizerError(ValueError):
-    """A checkpoint's tokenizer files are missing or unusable; the message says what to do."""
+    """A checkpoint's tokenizer cannot do what was asked; the message says what to do."""
+
+
+class NoTokenizerError(FileNotFoundError):
+    """The checkpoint folder has no tokenizer.json: the model takes token ids only."""
 
 
 class Tokenizer:
@@ -60,14 +66,13 @@ class Tokenizer:
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise TokenizerError(
+            raise NoTokenizerError(
                 f"model {str(path)!r} has no tokenizer.json; pass token ids or set tokenizer=..."
             )
         config = _read_json(folder / "tokenizer_config.json")
         backend = BackendTokenizer.from_file(str(tokenizer_file))
         special_tokens = _special_tokens(config)
         _add_missing_tokens(backend, config, special_tokens)
-        _apply_bos_eos_flags(backend, config, special_tokens)
         return cls(
             backend,
             special_tokens,
@@ -173,25 +178,6 @@ def _add_missing_tokens(backend: BackendTokenizer, config: dict, special_tokens:
 
 def _by_id(item: tuple[str, dict]) -> int:
     return int(item[0])
-
-
-def _apply_bos_eos_flags(backend: BackendTokenizer, config: dict, special_tokens: dict) -> None:
-    """As transformers 5: explicit add_bos_token/add_eos_token rebuild the post-processor."""
-    explicit = "add_bos_token" in config or "add_eos_token" in config
-    if not explicit and backend.post_processor is not None:
-        return
-    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
-    add_bos = bool(config.get("add_bos_token")) and bos is not None
-    add_eos = bool(config.get("add_eos_token")) and eos is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = (
-        f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    )
-    special = [(bos, backend.token_to_id(bos))] if add_bos else []
-    special += [(eos, backend.token_to_id(eos))] if add_eos else []
-    backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=special
-    )
 
 
 def _checkpoint_eos_ids(folder: Path) -> set[int]:

@@ -1,0 +1,118 @@
+"""Paged GQA attention and reshape-and-cache against plain causal SDPA over whole sequences."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayinfer.kernels import ops
+from rayinfer.layers.forward_context import build_attention_metadata
+
+# (context length, new tokens): full prefill, chunk over a cached prefix, decodes, one token.
+MIXED_BATCH = [(9, 9), (13, 5), (7, 1), (1, 1), (20, 1)]
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Sequence:
+    query: torch.Tensor  # [s, Hq, D]: queries of every position (only the new ones are used)
+    key: torch.Tensor  # [s, Hkv, D]
+    value: torch.Tensor  # [s, Hkv, D]
+    num_new: int
+
+    @property
+    def num_cached(self) -> int:
+        return self.key.shape[0] - self.num_new
+
+
+def make_sequences(batch, num_heads, num_kv_heads, head_dim, dtype, generator):
+    def randn(n, heads):
+        return torch.randn(n, heads, head_dim, generator=generator).to(dtype)
+
+    return [
+        Sequence(randn(s, num_heads), randn(s, num_kv_heads), randn(s, num_kv_heads), q)
+        for s, q in batch
+    ]
+
+
+def shuffled_block_tables(seq_lens, block_size, generator):
+    """Every sequence's blocks scattered over a shared pool with spare blocks."""
+    counts = [-(-n // block_size) for n in seq_lens]
+    pool = torch.randperm(sum(counts) + 3, generator=generator).tolist()
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [pool[s : s + c] for s, c in zip(starts, counts, strict=True)], len(pool)
+
+
+def plain_causal_attention(seq: Sequence, scale: float) -> torch.Tensor:
+    """Causal SDPA over the whole sequence in float32; rows of the new tokens [num_new, Hq, D]."""
+    repeat = seq.query.shape[1] // seq.key.shape[1]
+    out = F.scaled_dot_product_attention(
+        seq.query.transpose(0, 1).float(),
+        seq.key.repeat_interleave(repeat, dim=1).transpose(0, 1).float(),
+        seq.value.repeat_interleave(repeat, dim=1).transpose(0, 1).float(),
+        is_causal=True,
+        scale=scale,
+    )
+    return out.transpose(0, 1)[seq.num_cached :]
+
+
+def cache_tokens(seqs, tables, kv_cache, block_size, new: bool):
+    """Write each sequence's cached prefix (new=False) or new tokens (new=True) into the cache."""
+    seq_lens = [s.key.shape[0] if new else s.num_cached for s in seqs]
+    query_lens = [s.num_new if new else s.num_cached for s in seqs]
+    attn = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    rows = [slice(s.num_cached, None) if new else slice(0, s.num_cached) for s in seqs]
+    keys = torch.cat([s.key[r] for s, r in zip(seqs, rows, strict=True)])
+    values = torch.cat([s.value[r] for s, r in zip(seqs, rows, strict=True)])
+    ops.reshape_and_cache(keys, values, kv_cache, attn.slot_mapping)
+    return attn
+
+
+def run_mixed_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Cache the prefixes, then write and attend the new tokens: (ours, reference) [T, Hq, D]."""
+    generator = torch.Generator().manual_seed(0)
+    seqs = make_sequences(batch, num_heads, num_kv_heads, head_dim, dtype, generator)
+    tables, num_blocks = shuffled_block_tables([s for s, _ in batch], block_size, generator)
+    kv_cache = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype)
+    cache_tokens(seqs, tables, kv_cache, block_size, new=False)
+    attn = cache_tokens(seqs, tables, kv_cache, block_size, new=True)
+    query = torch.cat([s.query[s.num_cached :] for s in seqs])  # [T, Hq, D]
+    scale = head_dim**-0.5
+    ours = ops.paged_attention(
+        query, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
+    )
+    reference = torch.cat([plain_causal_attention(s, scale) for s in seqs])
+    return ours, reference
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_mixed_batch_matches_causal_sdpa(dtype, num_heads, num_kv_heads, block_size):
+    ours, reference = run_mixed_batch(MIXED_BATCH, num_heads, num_kv_heads, 40, block_size, dtype)
+    assert ours.dtype == dtype
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(ours.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [[(1, 1)], [(17, 17)], [(17, 1)], [(30, 7)], [(5, 1)] * 4],
+    ids=["single-token", "prefill-only", "decode-only", "chunk-over-prefix", "decodes"],
+)
+def test_edge_batches_match_causal_sdpa(batch):
+    ours, reference = run_mixed_batch(batch, 4, 2, 16, 4, torch.float32)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_reshape_and_cache_writes_exactly_its_slots():
+    kv_cache = torch.zeros(4, 2, 2, 3, 5)  # [blocks, block_size, 2, Hkv, D]
+    key, value = torch.randn(3, 3, 5), torch.randn(3, 3, 5)
+    slot_mapping = torch.tensor([5, -1, 2])  # the middle token is padding
+    ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+    flat = kv_cache.view(8, 2, 3, 5)
+    assert torch.equal(flat[5, 0], key[0]) and torch.equal(flat[5, 1], value[0])
+    assert torch.equal(flat[2, 0], key[2]) and torch.equal(flat[2, 1], value[2])
+    untouched = [slot for slot in range(8) if slot not in (2, 5)]
+    assert torch.count_nonzero(flat[untouched]) == 0

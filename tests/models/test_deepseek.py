@@ -1,0 +1,177 @@
+"""DeepSeek V2/V3 against transformers: prefill logits and 20 greedy tokens, float32.
+
+The checkpoints exercise MLA with and without q_lora_rank, YaRN (with mscale != mscale_all_dim),
+both rope layouts, V3 sigmoid routing with a non-zero correction bias and group-limited top-k, V2
+softmax group_limited_greedy, a dense first layer and shared experts.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rayinfer.config import ModelConfig
+from rayinfer.layers.mla import MLAAttention
+from rayinfer.models.deepseek import DeepseekForCausalLM, is_moe_layer
+from tests.models.harness import (
+    assert_matches_transformers,
+    load_rayinfer,
+    make_prompts,
+    reinit_weights,
+    run_greedy,
+)
+
+TINY_MLA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=256,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
+CASES = {
+    "v3-q-lora": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1)),
+    "v3-yarn-neox": (
+        "deepseek_v3",
+        dict(
+            q_lora_rank=None,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            rope_parameters=YARN,
+            rope_interleave=False,
+        ),
+    ),
+    "v2-group-limited": (
+        "deepseek_v2",
+        dict(
+            q_lora_rank=None,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            n_shared_experts=2,
+            routed_scaling_factor=2.0,
+        ),
+    ),
+    "v2-yarn-q-lora-greedy": (
+        "deepseek_v2",
+        dict(q_lora_rank=24, topk_method="greedy", n_shared_experts=1, rope_parameters=YARN),
+    ),
+}
+
+
+def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
+    """A transformers DeepSeek with std-0.1 weights and a random non-zero correction bias."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY_MLA, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_weights(model, seed=0, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    model_type, overrides = CASES[request.param]
+    return make_deepseek_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+
+
+def test_prefill_and_greedy_match_transformers(checkpoint):
+    assert_matches_transformers(checkpoint)
+
+
+def test_chunked_prefill_and_mixed_batches_match_transformers(checkpoint):
+    # 3-token chunks over the cached latent prefix; late joiners share steps with decodes.
+    assert_matches_transformers(checkpoint, chunk_size=3, start_steps=[0, 2, 1, 5], block_size=3)
+
+
+def test_correction_bias_is_loaded_and_nonzero(checkpoint):
+    model, config = load_rayinfer(checkpoint)
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert routers, "every case has an MoE layer"
+    if config.architecture == "DeepseekV3ForCausalLM":
+        bias = routers[0].e_score_correction_bias
+        assert bias.abs().min() > 0
+        stored = load_file(checkpoint / "model.safetensors")[
+            "model.layers.1.mlp.gate.e_score_correction_bias"
+        ]
+        torch.testing.assert_close(bias, stored, rtol=0, atol=0)
+    else:
+        assert routers[0].e_score_correction_bias is None
+
+
+def test_absorbed_decode_equals_expanded(tmp_path, monkeypatch):
+    path = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **CASES["v3-q-lora"][1])
+    model, config = load_rayinfer(path)
+    prompts = make_prompts(config.vocab_size)
+    absorbed = run_greedy(model, config, prompts, max_new_tokens=8)
+    monkeypatch.setattr(MLAAttention, "use_absorbed_decode", False)
+    expanded = run_greedy(model, config, prompts, max_new_tokens=8)
+    assert absorbed.token_ids == expanded.token_ids
+    for mine, theirs in zip(absorbed.prompt_logits, expanded.prompt_logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_cache_holds_the_latent_not_expanded_kv(tmp_path):
+    path = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **CASES["v3-q-lora"][1])
+    config = ModelConfig.from_pretrained(path)
+    assert config.kv_shape_per_token == (16 + 8,)
+
+
+def _config(**overrides) -> ModelConfig:
+    hf = {**TINY_MLA, "architectures": ["DeepseekV3ForCausalLM"], "q_lora_rank": None}
+    hf.update(n_group=1, topk_group=1, n_shared_experts=1, **overrides)
+    return ModelConfig.from_hf_dict(hf)
+
+
+def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    config = _config(num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2)
+    assert [is_moe_layer(config, i) for i in range(5)] == [False, False, True, False, True]
+
+
+def test_load_weights_skips_mtp_layers_and_names_bad_tensors(tmp_path):
+    path = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **CASES["v3-q-lora"][1])
+    state = load_file(path / "model.safetensors")
+    config = ModelConfig.from_pretrained(path)
+    model = DeepseekForCausalLM(config)
+    extra = {
+        "model.layers.2.eh_proj.weight": torch.zeros(64, 128),  # an MTP layer of a V3 checkpoint
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4),
+    }
+    model.load_weights([*state.items(), *extra.items()])
+    bad_name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    bad = {**state, bad_name: torch.zeros(32, 64)}
+    with pytest.raises(ValueError, match=rf"{bad_name}.*checkpoint shape \(32, 64\)"):
+        model.load_weights(bad.items())
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gate.weight.*no such parameter"):
+        model.load_weights([("model.layers.0.mlp.gate.weight", torch.zeros(8, 64))])
+    missing = {k: v for k, v in state.items() if "kv_b_proj" not in k}
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        model.load_weights(missing.items())

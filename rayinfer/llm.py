@@ -100,7 +100,9 @@ class LLM:
 
     def decode(self, handoffs: list[KVHandoff], params=None) -> list[RequestOutput]:
         """Continue prefilled requests (from this or another LLM) to their end."""
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(handoffs)
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(handoffs)
+        )
         request_ids = []
         for handoff, request_params in zip(handoffs, params_list):
             if handoff.finish_reason is None:

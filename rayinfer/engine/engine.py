@@ -169,7 +169,9 @@ class LLMEngine:
         return state
 
     def _append_token(self, state: RequestState, token_id: int) -> None:
-        reason = state.append_token(token_id, self.eos_token_ids, self.scheduler_config.max_model_len)
+        reason = state.append_token(
+            token_id, self.eos_token_ids, self.scheduler_config.max_model_len
+        )
         seq = state.seq
         if seq.prefill_only and reason is None:
             reason = "prefilled"

@@ -64,7 +64,9 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             ctx,
         )  # [T, H]
-        last_rows = [int(end) - 1 for r, end in zip(requests, metadata.query_start_loc[1:]) if r.samples]
+        last_rows = [
+            int(end) - 1 for r, end in zip(requests, metadata.query_start_loc[1:]) if r.samples
+        ]
         if not last_rows:
             return []
         logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32

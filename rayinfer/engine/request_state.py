@@ -24,7 +24,9 @@ class RequestState:
         self._num_tokens_reported = 0
         self._num_chars_reported = 0
 
-    def append_token(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> str | None:
+    def append_token(
+        self, token_id: int, eos_token_ids: set[int], max_model_len: int
+    ) -> str | None:
         """Add a sampled token; returns why the request ends now, or None."""
         seq = self.seq
         seq.output_token_ids.append(token_id)

@@ -16,7 +16,9 @@ from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str = "weight") -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
 
 
 class ReplicatedLinear(nn.Module):

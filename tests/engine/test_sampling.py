@@ -69,7 +69,9 @@ def test_same_seed_samples_the_same_tokens_whatever_the_batch():
     alone = [sample_tokens(logits[1:2], [1.0], [-1], [0.9], [g])[0] for g in [seeded(7)] * 5]
     generator = seeded(7)
     batched = [
-        sample_tokens(logits, [0.0, 1.0, 1.0], [-1] * 3, [1.0, 0.9, 1.0], [None, generator, seeded(i)])[1]
+        sample_tokens(
+            logits, [0.0, 1.0, 1.0], [-1] * 3, [1.0, 0.9, 1.0], [None, generator, seeded(i)]
+        )[1]
         for i in range(5)
     ]
     assert alone == batched

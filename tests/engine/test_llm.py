@@ -1,0 +1,147 @@
+"""The offline engine end to end on a real (tiny, random) checkpoint: continuous batching,
+preemption, prefix caching, the prefill -> decode hand-off and input validation."""
+
+import pytest
+
+import rayinfer
+from rayinfer.config import ConfigError
+from rayinfer.engine.sampling_params import InvalidRequestError
+from tests.models.harness import TINY_DENSE, make_hf_checkpoint, make_prompts
+
+GREEDY = rayinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama", **TINY_DENSE)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(TINY_DENSE["vocab_size"], lengths=(5, 23, 3, 40, 9))
+
+
+@pytest.fixture(scope="module")
+def alone(checkpoint, prompts):
+    """Each prompt generated on its own: the reference every batching scheme must equal."""
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    return [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+
+
+def test_batch_equals_each_prompt_alone(checkpoint, prompts, alone):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == alone
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in outputs)
+
+
+def test_requests_joining_mid_flight_give_their_alone_tokens(checkpoint, prompts, alone):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu", max_num_batched_tokens=16)
+    engine = llm.engine
+    finished = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:  # a new request every third step, others mid-decode
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), prompt, GREEDY)
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.token_ids
+        steps += 1
+    assert [finished[i] for i in range(len(prompts))] == alone
+
+
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(checkpoint, prompts, alone):
+    llm = rayinfer.LLM(
+        str(checkpoint), device="cpu", block_size=4, num_kv_blocks=20, max_model_len=64
+    )
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == alone
+
+
+def test_shared_prefix_reuses_cached_blocks(checkpoint, prompts, alone):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu", block_size=4)
+    llm.generate(prompts[3], GREEDY)  # 40 tokens: 10 full blocks enter the cache
+    variant = prompts[3][:32] + [1, 2, 3]
+    fresh = rayinfer.LLM(str(checkpoint), device="cpu", block_size=4, enable_prefix_caching=False)
+    output = llm.generate(variant, GREEDY)[0]
+    assert output.num_cached_tokens == 32
+    assert llm.engine.block_manager.num_prefix_hit_tokens == 32
+    assert output.token_ids == fresh.generate(variant, GREEDY)[0].token_ids
+    assert llm.generate(prompts[3], GREEDY)[0].token_ids == alone[3]
+
+
+def test_prefill_hands_off_to_a_second_engine(checkpoint, prompts, alone):
+    prefill = rayinfer.LLM(str(checkpoint), device="cpu", block_size=8)
+    decode = rayinfer.LLM(str(checkpoint), device="cpu", block_size=4)
+    handoffs = prefill.prefill(prompts, GREEDY)
+    assert all(h.payload is not None and h.num_bytes > 0 for h in handoffs)
+    assert prefill.engine.block_manager.num_free_blocks == prefill.cache_config.num_blocks
+    outputs = decode.decode(handoffs, GREEDY)
+    assert [o.token_ids for o in outputs] == alone
+
+
+def test_seeded_sampling_survives_the_hand_off(checkpoint, prompts):
+    params = rayinfer.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=3)
+    single = rayinfer.LLM(str(checkpoint), device="cpu")
+    expected = single.generate(prompts[1], params)[0].token_ids
+    prefill = rayinfer.LLM(str(checkpoint), device="cpu")
+    decode = rayinfer.LLM(str(checkpoint), device="cpu")
+    assert decode.decode(prefill.prefill(prompts[1], params), params)[0].token_ids == expected
+
+
+def test_seed_makes_sampling_reproducible(checkpoint, prompts):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    params = rayinfer.SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=11)
+    first = llm.generate(prompts[:3], params)
+    again = llm.generate(prompts[:3], params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+
+
+def test_eos_ends_a_request_unless_ignored(checkpoint, prompts, alone):
+    eos = alone[0][4]
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    llm.engine.eos_token_ids = {eos}
+    stopped = llm.generate(prompts[0], rayinfer.SamplingParams(max_tokens=12, temperature=0))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == alone[0][: alone[0].index(eos) + 1]
+    assert llm.generate(prompts[0], GREEDY)[0].token_ids == alone[0]
+
+
+def test_abort_frees_the_request(checkpoint, prompts):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    llm.engine.add_request("x", prompts[3], GREEDY)
+    llm.engine.step()
+    llm.engine.abort("x")
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.cache_config.num_blocks
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([[]], GREEDY, "prompt"),
+        (list(range(70)), GREEDY, "prompt"),
+        ([1, 2, 999], GREEDY, "prompt"),
+        ("text without a tokenizer", GREEDY, "prompt"),
+    ],
+)
+def test_bad_requests_fail_clearly(checkpoint, prompt, params, field):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu", max_model_len=64)
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(prompt, params)
+    assert error.value.field == field
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_configuration_names_the_key(checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="model="):
+        rayinfer.LLM(str(tmp_path), device="cpu")
+    with pytest.raises(ConfigError, match="device="):
+        rayinfer.LLM(str(checkpoint), device="tpu")
+    with pytest.raises(ConfigError, match="dtype="):
+        rayinfer.LLM(str(checkpoint), device="cpu", dtype="float8")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        rayinfer.LLM(str(checkpoint), device="cpu", max_model_len=1000, num_kv_blocks=4)

@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = []
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.token_ids: list[int] = context  # context tokens, then every generated token
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = len(context)  # tokens before this one are emitted

@@ -1,0 +1,28 @@
+"""`python -m rayinfer.bench {engine,serve,comm,kernels} [options]`: each prints a table and can
+write JSON (and a PNG plot where it has one)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "engine": "offline engine prefill and decode tokens/s",
+    "serve": "concurrent HTTP requests against a running server (vllm bench serve style)",
+    "comm": "all-to-all schedules and transports against NCCL",
+    "kernels": "Triton kernels against their torch baselines",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        lines = [f"  {name:8s} {what}" for name, what in COMMANDS.items()]
+        print("usage: python -m rayinfer.bench COMMAND [options]\n" + "\n".join(lines))
+        return 2
+    module = importlib.import_module(f"rayinfer.bench.{argv[0]}")
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The "rayinfer" collective group: ray.util.collective's collectives over torch.distributed
+(NCCL on GPU, gloo on CPU), plus a bandwidth-aware all-to-all and MoE dispatch/combine."""
+
+import datetime
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from ray.util.collective.collective_group.base_collective_group import BaseGroup
+from ray.util.collective.types import ReduceOp
+
+from rayinfer.comm import moe
+from rayinfer.comm.cost_model import Choice, choose
+from rayinfer.comm.host_staged import HostStagedTransport
+from rayinfer.comm.layout import as_byte_rows, check_splits
+from rayinfer.comm.pending import Pending
+from rayinfer.comm.rendezvous import forget_store, make_store
+from rayinfer.comm.schedules import ScheduleContext, get_schedule
+from rayinfer.comm.topology import Topology
+from rayinfer.comm.transport import DistTransport, Transport
+
+BACKEND_NAME = "RAYINFER"
+_REDUCE_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+}
+
+
+class RayinferGroup(BaseGroup):
+    def __init__(
+        self, world_size: int, rank: int, group_name: str, store: dist.Store | None = None
+    ):
+        super().__init__(world_size, rank, group_name)
+        self.device = _device()
+        joined_through_ray = store is None
+        store = store or make_store(group_name, rank, world_size)
+        self.store = dist.PrefixStore(f"rayinfer/{group_name}", store)
+        self.pg = _process_group(self.store, rank, world_size, self.device)
+        self.barrier()
+        if joined_through_ray and rank == 0:
+            forget_store(group_name)
+        self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
+        self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rayinfer-comm-{group_name}")
+        self._last: Pending | None = None
+        self._background = threading.local()  # .active is set on the executor's thread
+
+    @classmethod
+    def backend(cls):
+        return BACKEND_NAME
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        return dist.is_available()
+
+    def destroy_group(self):
+        self._executor.shutdown(wait=True)
+        for t in self._transports.values():
+            t.close()
+        if hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+
+    # --- standard collectives (ray.util.collective passes tensors wrapped in lists) ---
+    def allreduce(self, tensor, allreduce_options=None):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _reduce_op(allreduce_options)
+        self.pg.allreduce([_one(tensor)], opts).wait()
+
+    def barrier(self, barrier_options=None):
+        probe = torch.zeros(1, device=self.device)
+        self.pg.allreduce([probe]).wait()
+
+    def reduce(self, tensor, reduce_options=None):
+        opts = dist.ReduceOptions()
+        opts.reduceOp = _reduce_op(reduce_options)
+        opts.rootRank = getattr(reduce_options, "root_rank", 0)
+        t = _one(tensor)
+        target = t if self.rank == opts.rootRank else t.clone()
+        self.pg.reduce([target], opts).wait()
+
+    def allgather(self, tensor_list, tensor, allgather_options=None):
+        outs = tensor_list[0] if isinstance(tensor_list[0], list) else tensor_list
+        self.pg.allgather([outs], [_one(tensor)]).wait()
+
+    def broadcast(self, tensor, broadcast_options=None):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = getattr(broadcast_options, "root_rank", 0)
+        self.pg.broadcast([_one(tensor)], opts).wait()
+
+    def reducescatter(self, tensor, tensor_list, reducescatter_options=None):
+        out = _one(tensor)
+        parts = tensor_list[0] if isinstance(tensor_list[0], list) else tensor_list
+        flat = torch.stack([p.reshape(out.shape) for p in parts])  # [world, *shape]
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _reduce_op(reducescatter_options)
+        self.pg.allreduce([flat], opts).wait()  # gloo has no reduce_scatter; bytes are small here
+        out.copy_(flat[self.rank])
+
+    def send(self, tensor, send_options):
+        self.pg.send([_one(tensor)], send_options.dst_rank, 0).wait()
+
+    def recv(self, tensor, recv_options):
+        self.pg.recv([_one(tensor)], recv_options.src_rank, 0).wait()
+
+    # --- all-to-all ---
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        schedule: str = "auto",
+        transport: str = "auto",
+        split_matrix: list[list[int]] | None = None,
+    ) -> Choice:
+        """out: [sum(out_splits), ...] any dtype: filled with rows from each rank, in rank order.
+        inp: [sum(in_splits), ...] same dtype: in_splits[d] rows for rank d, in rank order.
+        Zero splits are allowed. schedule: "auto", "nccl", "pairwise" or "hierarchical";
+        transport: "auto", "dist" or "host". split_matrix: [world][world] rows i -> j, if the
+        caller already has it; "auto" and "hierarchical" otherwise all-gather it (every rank
+        must decide alike). Returns the (schedule, transport) used and why."""
+        self._drain()
+        return self._all_to_all(out, inp, out_splits, in_splits, schedule, transport, split_matrix)
+
+    def all_to_all_async(self, out, inp, out_splits, in_splits, **kw) -> Pending[Choice]:
+        """As all_to_all, in the background; `out` is valid after `wait()`."""
+        return self._submit(self._all_to_all, out, inp, out_splits, in_splits, **kw)
+
+    def plan(self, split_matrix: list[list[int]], row_bytes: int) -> Choice:
+        """The (schedule, transport) `auto` picks for this exchange on this group's topology."""
+        return choose(self.topology, split_matrix, row_bytes)
+
+    def gather_split_matrix(self, in_splits: list[int]) -> list[list[int]]:
+        """-> [world, world]: rows rank i sends to rank j, for every i."""
+        mine = torch.tensor(in_splits, dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.pg.allgather([rows], [mine]).wait()
+        return [r.tolist() for r in rows]
+
+    # --- MoE ---
+    def dispatch(self, x, topk_ids, topk_weights, *, num_experts: int, use_fp8=False, **kw):
+        """See rayinfer.comm.moe.dispatch; returns a DispatchResult."""
+        self._drain()
+        return moe.dispatch(self, x, topk_ids, topk_weights, num_experts, use_fp8, **kw)
+
+    def dispatch_async(self, x, topk_ids, topk_weights, *, num_experts: int, use_fp8=False, **kw):
+        return self._submit(
+            moe.dispatch, self, x, topk_ids, topk_weights, num_experts, use_fp8, **kw
+        )
+
+    def combine(self, expert_out, handle, **kw):
+        """See rayinfer.comm.moe.combine; returns [T, H]."""
+        self._drain()
+        return moe.combine(self, expert_out, handle, **kw)
+
+    def combine_async(self, expert_out, handle, **kw):
+        return self._submit(moe.combine, self, expert_out, handle, **kw)
+
+    def transport(self, name: str) -> Transport:
+        if name not in self._transports:
+            if name != "host":
+                raise ValueError(f"unknown transport {name!r}; use 'dist', 'host' or 'auto'")
+            self._transports[name] = HostStagedTransport(
+                self.store, self.rank, self.world_size, self.device
+            )
+        return self._transports[name]
+
+    def _all_to_all(
+        self, out, inp, out_splits, in_splits, schedule="auto", transport="auto", split_matrix=None
+    ):
+        check_splits(out.shape[0], out_splits, self.world_size, "out_splits")
+        check_splits(inp.shape[0], in_splits, self.world_size, "in_splits")
+        out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
+        is_auto = "auto" in (schedule, transport)
+        matrix = split_matrix
+        if matrix is None and (is_auto or get_schedule(schedule).needs_split_matrix):
+            matrix = self.gather_split_matrix(in_splits)
+        if is_auto:
+            choice = self.plan(matrix, in_rows.shape[1]).override(schedule, transport)
+        else:
+            choice = Choice(schedule, transport, {}, "chosen by the caller")
+        chosen = get_schedule(choice.schedule)
+        ctx = ScheduleContext(
+            self.rank,
+            self.world_size,
+            self.transport(choice.transport),
+            self.topology.islands,
+            matrix,
+        )
+        chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
+        return choice
+
+    def _submit(self, fn, *args, **kw) -> Pending:
+        stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
+
+        def run():
+            self._background.active = True
+            if stream is None:
+                return fn(*args, **kw)
+            with torch.cuda.stream(stream):
+                return fn(*args, **kw)
+
+        self._last = Pending(self._executor.submit(run))
+        return self._last
+
+    def _drain(self) -> None:
+        """Calls run in issue order: wait for the background exchange before a blocking one."""
+        if self._last is not None and not getattr(self._background, "active", False):
+            self._last.wait()
+            self._last = None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _process_group(store, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=120)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, opts)
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
+
+
+def _one(tensor) -> torch.Tensor:
+    """ray.util.collective wraps single tensors in a list; accept either form."""
+    t = tensor[0] if isinstance(tensor, list) else tensor
+    return torch.as_tensor(t)
+
+
+def _reduce_op(options) -> dist.ReduceOp:
+    return _REDUCE_OPS[getattr(options, "reduceOp", ReduceOp.SUM)]

@@ -1,0 +1,178 @@
+"""Host-staged transport: GPU -> shared pinned host memory -> GPU, for GPUs without peer access.
+
+Each block is cut into chunks. The sender copies chunk i into a ring slot of its own shared
+segment (device-to-host on its own CUDA stream) and publishes a counter once the copy is done;
+the receiver sees the counter, copies the slot into its output (host-to-device on another
+stream) and, once done, tells the sender the slot is free. Both directions of every GPU's host
+link run at once, and chunk i+1 leaves while chunk i arrives. On CPU the copies are memcpy and
+the same protocol runs, so CI exercises it.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rayinfer.comm.shm import SharedSegments
+from rayinfer.comm.transport import Transfer, Transport
+
+_MIN_CHUNK_BYTES = 256 << 10
+
+
+@dataclass
+class _Job:
+    """One block in flight: [num_bytes] uint8 `buf`, cut into chunks of `chunk_bytes`."""
+
+    peer: int
+    buf: torch.Tensor
+    chunk_bytes: int
+    next_chunk: int = 0
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.buf.numel() // self.chunk_bytes)
+
+    def chunk(self, i: int) -> torch.Tensor:
+        return self.buf[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+
+
+class _Copier:
+    """Copies on two CUDA streams (device-to-host, host-to-device), or plain memcpy on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+
+    def begin(self) -> None:
+        if self.is_cuda:
+            caller = torch.cuda.current_stream()
+            self.d2h.wait_stream(caller)
+            self.h2d.wait_stream(caller)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool):
+        """Start dst <- src; returns a ticket for `is_done` (None: already done)."""
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        stream = self.d2h if to_host else self.h2d
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    @staticmethod
+    def is_done(ticket) -> bool:
+        return ticket is None or ticket.query()
+
+    def end(self) -> None:
+        if self.is_cuda:
+            torch.cuda.current_stream().wait_stream(self.h2d)
+
+
+class HostStagedTransport(Transport):
+    name = "host"
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        chunk_bytes: int = 4 << 20,
+        num_slots: int = 4,
+        timeout_s: float = 120.0,
+    ):
+        super().__init__(rank, world_size)
+        self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
+        self.shm = SharedSegments(
+            store, rank, world_size, chunk_bytes, num_slots, pin=device.type == "cuda"
+        )
+        self.copier = _Copier(device)
+        self.sent = [0] * world_size  # chunks issued to each peer, over all calls
+        self.received = [0] * world_size  # chunks issued from each peer, over all calls
+
+    def chunk_bytes_for(self, num_bytes: int) -> int:
+        """Both ends derive the same chunking from the block size alone; small blocks use
+        smaller chunks so that even they pipeline."""
+        return min(self.chunk_bytes, max(_MIN_CHUNK_BYTES, -(-num_bytes // 4)))
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        send_jobs = [self._job(t) for t in sends if t.buf.numel()]
+        recv_jobs = [self._job(t) for t in recvs if t.buf.numel()]
+        self.copier.begin()
+        in_flight_sends, in_flight_recvs = deque(), deque()
+        deadline, idle = time.monotonic() + self.timeout_s, 0
+        while send_jobs or recv_jobs or in_flight_sends or in_flight_recvs:
+            progress = self._issue_sends(send_jobs, in_flight_sends)
+            progress |= self._retire(in_flight_sends, self.shm.publish)
+            progress |= self._issue_recvs(recv_jobs, in_flight_recvs)
+            progress |= self._retire(in_flight_recvs, self.shm.consume)
+            idle = 0 if progress else idle + 1
+            if idle > 64:
+                self._back_off(deadline)
+        self.copier.end()
+
+    def _job(self, t: Transfer) -> _Job:
+        return _Job(t.peer, t.buf, self.chunk_bytes_for(t.buf.numel()))
+
+    def _issue_sends(self, jobs: list[_Job], in_flight: deque) -> bool:
+        progress = False
+        for job in list(jobs):
+            while job.next_chunk < job.num_chunks and self._has_free_slot(job.peer):
+                chunk = job.chunk(job.next_chunk)
+                seq = self.sent[job.peer]
+                slot = self.shm.slot(self.rank, job.peer, seq)[: chunk.numel()]
+                in_flight.append((self.copier.copy(slot, chunk, to_host=True), job.peer, seq + 1))
+                self.sent[job.peer] += 1
+                job.next_chunk += 1
+                progress = True
+            if job.next_chunk == job.num_chunks:
+                jobs.remove(job)
+        return progress
+
+    def _issue_recvs(self, jobs: list[_Job], in_flight: deque) -> bool:
+        progress = False
+        for job in list(jobs):
+            src = job.peer
+            while (
+                job.next_chunk < job.num_chunks
+                and self.shm.published(src, self.rank) > (self.received[src])
+            ):
+                chunk = job.chunk(job.next_chunk)
+                slot = self.shm.slot(src, self.rank, self.received[src])[: chunk.numel()]
+                self.received[src] += 1
+                in_flight.append(
+                    (self.copier.copy(chunk, slot, to_host=False), src, self.received[src])
+                )
+                job.next_chunk += 1
+                progress = True
+            if job.next_chunk == job.num_chunks:
+                jobs.remove(job)
+        return progress
+
+    def _has_free_slot(self, dst: int) -> bool:
+        return self.sent[dst] < self.shm.consumed(dst, self.rank) + self.shm.num_slots
+
+    def _retire(self, in_flight: deque, announce) -> bool:
+        """Announce finished copies in issue order (one stream, so they finish in order)."""
+        progress = False
+        while in_flight and self.copier.is_done(in_flight[0][0]):
+            _, peer, count = in_flight.popleft()
+            announce(peer, count)
+            progress = True
+        return progress
+
+    def _back_off(self, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {self.rank}: host-staged exchange made no progress for "
+                f"{self.timeout_s:.0f} s; every rank of the group must call the same collectives "
+                "in the same order"
+            )
+        time.sleep(0 if self.copier.is_cuda else 50e-6)
+
+    def close(self) -> None:
+        self.shm.close()

@@ -1,0 +1,140 @@
+"""All-to-all schedules: which blocks travel together, round by round. Picked by name.
+
+out, inp: [rows, row_bytes] uint8; out_splits[s] rows arrive from rank s, in_splits[d] rows
+leave for rank d, blocks ordered by rank in both tensors.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from rayinfer.comm.layout import offsets
+from rayinfer.comm.transport import Transfer, Transport
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """What a schedule may use. islands: ranks grouped by fast links (each island sorted).
+    split_matrix: [world, world] rows sent i -> j, only where the schedule needs it."""
+
+    rank: int
+    world_size: int
+    transport: Transport
+    islands: tuple[tuple[int, ...], ...]
+    split_matrix: list[list[int]] | None = None
+
+
+class Schedule(ABC):
+    name: str
+    needs_split_matrix: bool = False
+
+    @abstractmethod
+    def run(self, ctx: ScheduleContext, out, inp, out_splits: list[int], in_splits: list[int]):
+        """Fill `out` from every rank's `inp`."""
+
+
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def register_schedule(schedule: Schedule) -> Schedule:
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def get_schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown all-to-all schedule {name!r}; use one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+class OneShot(Schedule):
+    """Every pair at once (NCCL's all_to_all_single on the torch.distributed transport)."""
+
+    name = "nccl"
+
+    def run(self, ctx, out, inp, out_splits, in_splits):
+        ctx.transport.all_to_all(out, inp, out_splits, in_splits)
+
+
+class Pairwise(Schedule):
+    """world_size - 1 shifted rounds: in round k rank r sends to r + k and receives from r - k,
+    so each rank drives one outbound and one inbound stream at a time."""
+
+    name = "pairwise"
+
+    def run(self, ctx, out, inp, out_splits, in_splits):
+        out_at, in_at = offsets(out_splits), offsets(in_splits)
+        me, n = ctx.rank, ctx.world_size
+        out[out_at[me] : out_at[me + 1]].copy_(inp[in_at[me] : in_at[me + 1]])
+        for k in range(1, n):
+            dst, src = (me + k) % n, (me - k) % n
+            send = Transfer(dst, inp[in_at[dst] : in_at[dst + 1]].reshape(-1))
+            recv = Transfer(src, out[out_at[src] : out_at[src + 1]].reshape(-1))
+            ctx.transport.exchange([send], [recv])
+
+
+class Hierarchical(Schedule):
+    """Two phases over equal-size islands. Rank (I, i) first hands island-mate (I, j) every block
+    bound for local index j of any island; then (I, j) sends (J, j) one aggregated message with
+    the blocks of all of island I, so each slow cross-island pair carries one message."""
+
+    name = "hierarchical"
+    needs_split_matrix = True
+
+    def run(self, ctx, out, inp, out_splits, in_splits):
+        islands, S = ctx.islands, ctx.split_matrix
+        size = len(islands[0])
+        if any(len(isl) != size for isl in islands):
+            raise ValueError(f"hierarchical needs islands of equal size, got {islands}")
+        where = {r: (i, j) for i, isl in enumerate(islands) for j, r in enumerate(isl)}
+        my_island, my_index = where[ctx.rank]
+        out_at = offsets(out_splits)
+        row_bytes = inp.shape[1]
+        mates = islands[my_island]
+        # Phase 1: blocks for (J, j) for every island J, sent to mate (I, j), island order.
+        in_at = offsets(in_splits)
+        sends, recvs, staged = [], [], {}
+        for j, mate in enumerate(mates):
+            parts = [inp[in_at[isl[j]] : in_at[isl[j] + 1]] for isl in islands]
+            sizes = [S[mate][isl[my_index]] for isl in islands]
+            recv_buf = inp.new_empty((sum(sizes), row_bytes))
+            staged[mate] = (recv_buf, sizes)
+            if mate == ctx.rank:
+                recv_buf.copy_(torch.cat(parts))
+                continue
+            sends.append(Transfer(mate, torch.cat(parts).reshape(-1)))
+            recvs.append(Transfer(mate, recv_buf.reshape(-1)))
+        ctx.transport.exchange(sends, recvs)
+        # staged[mate]: blocks from `mate` bound for (J, my_index), island order.
+        blocks = {
+            (m, J): part
+            for m, (buf, sizes) in staged.items()
+            for J, part in enumerate(_split_rows(buf, sizes))
+        }
+        for m in mates:
+            out[out_at[m] : out_at[m + 1]].copy_(blocks[(m, my_island)])
+        # Phase 2: one aggregated message per other island, sources in island order.
+        sends, recvs, arriving = [], [], {}
+        for J, isl in enumerate(islands):
+            if J == my_island:
+                continue
+            peer = isl[my_index]
+            sends.append(Transfer(peer, torch.cat([blocks[(m, J)] for m in mates]).reshape(-1)))
+            sizes = [S[src][ctx.rank] for src in isl]
+            buf = inp.new_empty((sum(sizes), row_bytes))
+            arriving[J] = (buf, sizes)
+            recvs.append(Transfer(peer, buf.reshape(-1)))
+        ctx.transport.exchange(sends, recvs)
+        for J, (buf, sizes) in arriving.items():
+            for src, part in zip(islands[J], _split_rows(buf, sizes), strict=True):
+                out[out_at[src] : out_at[src + 1]].copy_(part)
+
+
+def _split_rows(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    at = offsets(sizes)
+    return [buf[at[i] : at[i + 1]] for i in range(len(sizes))]
+
+
+for _schedule in (OneShot(), Pairwise(), Hierarchical()):
+    register_schedule(_schedule)

@@ -1,0 +1,104 @@
+"""Shared host memory for the ranks of one node: one segment per rank, mapped by every rank.
+
+Segment of rank r: a header of 2 * world_size int64 counters, then one ring of `num_slots` slots
+of `slot_bytes` for each destination d (slot bytes r -> d live in r's segment).
+  header[d]              chunks rank r has published to d (grows forever)
+  header[world_size + s] chunks rank r has consumed from s (grows forever)
+On CUDA every segment is page-locked with cudaHostRegister, so copies to and from it are DMA.
+"""
+
+import os
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_HEADER_BYTES = 4096
+
+
+class SharedSegments:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        slot_bytes: int,
+        num_slots: int,
+        pin: bool,
+    ):
+        if 2 * world_size * 8 > _HEADER_BYTES:
+            raise ValueError(f"host-staged transport supports up to 256 ranks, got {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.segment_bytes = _HEADER_BYTES + world_size * num_slots * slot_bytes
+        token = _agree_on_token(store, rank)
+        paths = [f"/dev/shm/rayinfer-{token}-{r}" for r in range(world_size)]
+        _create_file(paths[rank], self.segment_bytes)
+        _wait_all(store, f"shm-created-{token}", world_size)
+        self.segments = [_map(p, self.segment_bytes) for p in paths]
+        _wait_all(store, f"shm-mapped-{token}", world_size)
+        os.unlink(paths[rank])  # the mappings stay valid; nothing is left behind in /dev/shm
+        self.headers = [_header(seg, world_size) for seg in self.segments]
+        self.is_pinned = pin and _pin(self.segments)
+
+    def slot(self, src: int, dst: int, seq: int) -> torch.Tensor:
+        """[slot_bytes] uint8: the ring slot that carries chunk `seq` from src to dst."""
+        start = _HEADER_BYTES + (dst * self.num_slots + seq % self.num_slots) * self.slot_bytes
+        return self.segments[src][start : start + self.slot_bytes]
+
+    def published(self, src: int, dst: int) -> int:
+        return int(self.headers[src][dst])
+
+    def consumed(self, dst: int, src: int) -> int:
+        return int(self.headers[dst][self.world_size + src])
+
+    def publish(self, dst: int, count: int) -> None:
+        self.headers[self.rank][dst] = count
+
+    def consume(self, src: int, count: int) -> None:
+        self.headers[self.rank][self.world_size + src] = count
+
+    def close(self) -> None:
+        if self.is_pinned:
+            for seg in self.segments:
+                torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
+        self.segments, self.headers = [], []
+
+
+def _agree_on_token(store: dist.Store, rank: int) -> str:
+    key = "shm-token"
+    if rank == 0:
+        store.set(key, uuid.uuid4().hex[:12])
+    return store.get(key).decode()
+
+
+def _wait_all(store: dist.Store, key: str, world_size: int) -> None:
+    store.add(key, 1)
+    while int(store.add(key, 0)) < world_size:
+        time.sleep(0.001)
+
+
+def _create_file(path: str, num_bytes: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, num_bytes)
+    finally:
+        os.close(fd)
+
+
+def _map(path: str, num_bytes: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
+
+
+def _header(segment: torch.Tensor, world_size: int) -> np.ndarray:
+    return segment[: 2 * world_size * 8].view(torch.int64).numpy()
+
+
+def _pin(segments: list[torch.Tensor]) -> bool:
+    for seg in segments:
+        err = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({err}); is /dev/shm large enough?")
+    return True

@@ -1,0 +1,98 @@
+"""Transports move byte blocks between ranks; schedules decide which blocks move together.
+
+Every rank calls `exchange` the same number of times per schedule (a transport may run a
+group-wide collective underneath, as the torch.distributed one does).
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rayinfer.comm.layout import offsets
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One block to send to, or receive from, `peer`.
+
+    buf: [num_bytes] uint8: contiguous bytes (a slice of the caller's rows, or a staging buffer).
+    """
+
+    peer: int
+    buf: torch.Tensor
+
+
+class Transport(ABC):
+    name: str
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        """Send every `sends` block and fill every `recvs` block; returns when `recvs` are usable
+        on the caller's stream and `sends` may be reused."""
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> None:
+        """All pairs at once. out, inp: [rows, row_bytes] uint8."""
+        out_at, in_at = offsets(out_splits), offsets(in_splits)
+        me = self.rank
+        out[out_at[me] : out_at[me + 1]].copy_(inp[in_at[me] : in_at[me + 1]])
+        peers = [p for p in range(self.world_size) if p != me]
+        sends = [Transfer(p, inp[in_at[p] : in_at[p + 1]].reshape(-1)) for p in peers]
+        recvs = [Transfer(p, out[out_at[p] : out_at[p + 1]].reshape(-1)) for p in peers]
+        self.exchange(sends, recvs)
+
+    def close(self) -> None:
+        """Release shared resources (buffers, files)."""
+
+
+class DistTransport(Transport):
+    """torch.distributed: each exchange is one alltoall_base (NCCL grouped send/recv on GPU,
+    gloo on CPU) in which ranks outside the exchange carry zero bytes."""
+
+    name = "dist"
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, world_size: int):
+        super().__init__(rank, world_size)
+        self.pg = pg
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        send_buf, in_splits = self._pack(sends)
+        recv_buf, out_splits = self._pack(recvs, allocate_only=True)
+        self.pg.alltoall_base(
+            recv_buf, send_buf, out_splits, in_splits, dist.AllToAllOptions()
+        ).wait()
+        if len(recvs) > 1:
+            at = offsets(out_splits)
+            for t in recvs:
+                t.buf.copy_(recv_buf[at[t.peer] : at[t.peer + 1]])
+
+    def all_to_all(self, out, inp, out_splits, in_splits) -> None:
+        self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
+
+    def _pack(self, transfers: list[Transfer], allocate_only: bool = False):
+        """Lay the blocks out in peer order: [total_bytes] uint8 plus bytes per peer."""
+        splits = [0] * self.world_size
+        for t in transfers:
+            splits[t.peer] = t.buf.numel()
+        if len(transfers) == 1:
+            return transfers[0].buf, splits
+        if not transfers:
+            return torch.empty(0, dtype=torch.uint8, device=self._device()), splits
+        ordered = sorted(transfers, key=lambda t: t.peer)
+        if allocate_only:
+            return torch.empty(sum(splits), dtype=torch.uint8, device=ordered[0].buf.device), splits
+        return torch.cat([t.buf for t in ordered]), splits
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if _uses_cuda(self.pg) else "cpu"
+
+
+def _uses_cuda(pg: dist.ProcessGroup) -> bool:
+    return "nccl" in pg.name().lower()

@@ -18,7 +18,7 @@ class RequestState:
         if tokenizer is not None:
             from rayinfer.engine.detokenizer import IncrementalDetokenizer
 
-            self.detokenizer = IncrementalDetokenizer(tokenizer)
+            self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
         self.text = ""
         self.finish_reason: str | None = None
         self._num_tokens_reported = 0

@@ -163,7 +163,8 @@ def _moe_fields(arch: str, hf: dict) -> dict:
         )
     if arch == "Qwen3MoeForCausalLM":
         return dict(
-            num_experts=hf["num_experts"],
+            # transformers >= 5 saves `num_local_experts`; hub checkpoints say `num_experts`
+            num_experts=hf.get("num_experts") or hf["num_local_experts"],
             num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
         )

@@ -23,6 +23,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # first: what templates read
 
 
 class TokenizerError(ValueError):
@@ -107,7 +108,7 @@ class Tokenizer:
         `add_special_tokens=False` (or call `encode_chat`).
         """
         template = self._select_template(chat_template, tools)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [_normalize_message(message) for message in messages]
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(template_kwargs)
         return _compile_template(template).render(
@@ -139,6 +140,16 @@ class Tokenizer:
             f"model {self.name!r} has several chat templates and none named 'default'; "
             f"pass chat_template= one of {sorted(self.chat_templates)}"
         )
+
+
+def _normalize_message(message: dict) -> dict:
+    """As transformers: drop None values (OpenAI clients send content=None) and copy the
+    reasoning under every name templates read."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def _read_json(path: Path) -> dict:

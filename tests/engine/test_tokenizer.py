@@ -214,6 +214,21 @@ def test_helpers_and_whitespace_control_match_transformers(tmp_path):
         ours.apply_chat_template(bad_role)
 
 
+def test_reasoning_fields_are_aliased_as_in_transformers(tmp_path):
+    template = (
+        "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}]{{ m.content }}"
+        "{% endfor %}"
+    )
+    ours, hf = load_both(save_chatml_style(tmp_path, chat_template=template))
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "because", "tool_calls": None},
+    ]
+    expected = hf.apply_chat_template(messages, tokenize=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == expected
+    assert expected == "[|]q[because|because]a"
+
+
 def test_named_templates_in_tokenizer_config(tmp_path):
     templates = [
         {"name": "default", "template": CHATML_TEMPLATE},

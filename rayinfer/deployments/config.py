@@ -1,0 +1,175 @@
+"""The Serve application's configuration: what `serve run rayinfer.app:build key=value ...` takes.
+
+Arguments arrive as dotted keys (`decode.autoscaling.max_replicas=2`, values as strings) from the
+CLI, or as nested mappings with typed values from a Serve config YAML. `AppConfig.from_args`
+accepts both; every unknown or invalid key fails with a message naming it and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rayinfer.config import ConfigError, ParallelPlan
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Serve's `autoscaling_config` for one deployment; on one machine the default is 1 replica."""
+
+    min_replicas: int = Field(1, ge=0, description="fewest replicas kept running")
+    max_replicas: int = Field(1, ge=1, description="most replicas (each holds its own workers)")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at start (default min)")
+    target_ongoing_requests: float = Field(
+        16, gt=0, description="requests per replica the autoscaler aims for"
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="load must last this long to scale up")
+    downscale_delay_s: float = Field(300.0, ge=0, description="idle this long to scale down")
+    look_back_period_s: float = Field(30.0, gt=0, description="window the load is averaged over")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report load")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}"
+            )
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas={initial} must lie in [min_replicas, max_replicas] = "
+                f"[{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+    def to_serve(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class PhaseConfig(_Strict):
+    """One phase (prefill or decode): its workers per replica, batching limits and autoscaling."""
+
+    tp: int = Field(1, ge=1, description="tensor-parallel workers per replica")
+    dp: int = Field(1, ge=1, description="data-parallel attention workers per replica")
+    ep: int = Field(1, ge=1, description="expert-parallel degree (divides tp*dp)")
+    max_ongoing_requests: int = Field(64, ge=1, description="requests one replica accepts at once")
+    max_num_seqs: int = Field(64, ge=1, description="sequences batched in one engine step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks per replica")
+    cpus_per_worker: float = Field(
+        0.5, gt=0, description="CPUs a worker reserves on a machine without GPUs"
+    )
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return ParallelPlan(tp=self.tp, dp=self.dp, ep=self.ep)
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp * self.dp
+
+
+class IngressConfig(_Strict):
+    max_ongoing_requests: int = Field(256, ge=1, description="requests one ingress replica serves")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="requests waiting for a replica before HTTP answers 503"
+    )
+
+
+def _default_decode() -> PhaseConfig:
+    return PhaseConfig(max_ongoing_requests=128, max_num_seqs=128, max_num_batched_tokens=1024)
+
+
+class AppConfig(_Strict):
+    """Everything `rayinfer.app.build` accepts."""
+
+    model: str = Field("tiny", description="'tiny' or a Hugging Face checkpoint folder")
+    tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
+    served_model_name: str | None = Field(None, description="name clients pass as `model`")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt plus output")
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    enable_prefix_caching: bool = True
+    health_check_period_s: float = Field(10.0, gt=0, description="how often replicas are probed")
+    prefill: PhaseConfig = Field(default_factory=PhaseConfig)
+    decode: PhaseConfig = Field(default_factory=_default_decode)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="after")
+    def _check_plans(self) -> AppConfig:
+        for phase in ("prefill", "decode"):
+            phase_config: PhaseConfig = getattr(self, phase)
+            try:
+                phase_config.plan  # noqa: B018  (constructing the plan validates it)
+            except ConfigError as error:
+                raise ValueError(f"{phase}.{error}") from None
+            if phase_config.num_workers != 1:
+                raise ValueError(
+                    f"{phase}.tp*{phase}.dp={phase_config.num_workers}: running one model across "
+                    f"several workers is not implemented yet; use {phase}.tp=1 {phase}.dp=1 "
+                    "(scale out with autoscaling replicas instead)"
+                )
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """Validate `serve run` arguments (dotted keys or nested mappings)."""
+        nested = nest_dotted_keys(args or {})
+        try:
+            return cls.model_validate(nested)
+        except ValidationError as error:
+            raise ConfigError(describe_validation_error(error, cls)) from None
+
+
+def nest_dotted_keys(args: dict[str, Any]) -> dict[str, Any]:
+    """{"decode.autoscaling.max_replicas": "2"} -> {"decode": {"autoscaling": {...: "2"}}}."""
+    nested: dict[str, Any] = {}
+    for key, value in args.items():
+        *parents, leaf = str(key).split(".")
+        node = nested
+        for depth, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"{'.'.join(parents[: depth + 1])} is set to {child!r} and also used as a "
+                    f"section by {key}; set one or the other"
+                )
+            node = child
+        if isinstance(value, dict):
+            value = nest_dotted_keys(value)
+            existing = node.get(leaf)
+            if isinstance(existing, dict):
+                value = {**existing, **value}
+        node[leaf] = value
+    return nested
+
+
+def describe_validation_error(error: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(model, item["loc"][:-1]))
+            lines.append(f"{key}: unknown key; allowed here: {allowed}")
+        else:
+            given = item.get("input")
+            message = item["msg"].removeprefix("Value error, ")
+            where = f"{key}={given!r}: " if key else ""
+            lines.append(f"{where}{message}")
+    return "invalid rayinfer app config: " + "; ".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)

@@ -1,0 +1,174 @@
+"""Drive one synchronous LLMEngine from a background thread for asyncio callers.
+
+The engine is not thread-safe, so only the loop thread touches it: callers post commands (add,
+add prefilled, abort) to a queue and read their request's events from an asyncio queue. Every
+request ends with a finished output or an error; if the engine itself fails, every open request
+gets that error and the loop reports itself unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rayinfer.engine.engine import LLMEngine
+from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before checking stop
+
+
+@dataclass
+class LoopEvent:
+    """What a request's stream receives: an output (with the hand-off if prefilled) or an error."""
+
+    output: RequestOutput | None = None
+    handoff: KVHandoff | None = None
+    export_s: float = 0.0
+    error: BaseException | None = None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str, on_step: Callable[[], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step or (lambda: None)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, _Stream] = {}
+        self.fatal_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # --- asyncio side ------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool
+    ) -> AsyncIterator[LoopEvent]:
+        async for event in self._stream(
+            request_id, ("add", request_id, prompt, params, prefill_only)
+        ):
+            yield event
+
+    async def continue_prefilled(
+        self, handoff: KVHandoff, params: SamplingParams
+    ) -> AsyncIterator[LoopEvent]:
+        async for event in self._stream(handoff.request_id, ("prefilled", handoff, params)):
+            yield event
+
+    async def _stream(self, request_id: str, command: tuple) -> AsyncIterator[LoopEvent]:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"the engine loop stopped: {self.fatal_error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self.streams[request_id] = stream
+        self.commands.put(command)
+        finished = False
+        try:
+            while not finished:
+                event: LoopEvent = await stream.events.get()
+                if event.error is not None:
+                    finished = True
+                    raise event.error
+                finished = event.output.finished
+                yield event
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:  # the caller went away (client disconnect, cancellation)
+                self.commands.put(("abort", request_id))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.commands.put(("stop",))
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.fatal_error is None and self.thread.is_alive()
+
+    # --- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._take_commands(block=not self._has_work())
+                if self._has_work():
+                    self._deliver(self.engine.step())
+                    self.on_step()
+        except BaseException as error:  # noqa: BLE001  (reported to every open request)
+            logger.exception("engine loop failed")
+            self.fatal_error = error
+            for request_id in list(self.streams):
+                self._send(request_id, LoopEvent(error=error))
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.engine.ready_outputs)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = (
+                self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind, *rest = command
+        if kind == "abort":
+            self.engine.abort(rest[0])
+            return
+        if kind == "stop":
+            return
+        request_id = rest[0] if kind == "add" else rest[0].request_id
+        try:
+            if kind == "add":
+                self.engine.add_request(*rest)
+            else:
+                self.engine.add_prefilled_request(*rest)
+        except Exception as error:  # invalid request: only this request fails
+            self._send(request_id, LoopEvent(error=error))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            event = LoopEvent(output=output)
+            if output.finish_reason == "prefilled":
+                start = time.perf_counter()
+                event.handoff = self.engine.take_handoff(output.request_id)
+                event.export_s = time.perf_counter() - start
+            if output.request_id not in self.streams and output.finished:
+                continue  # its caller left; the hand-off's refs are dropped here
+            self._send(output.request_id, event)
+
+    def _send(self, request_id: str, event: LoopEvent) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+        except RuntimeError:  # the caller's event loop is closed
+            self.streams.pop(request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters for metrics (read from the loop thread via on_step)."""
+        return {
+            "num_waiting": len(self.engine.scheduler.waiting) + len(self.engine.pending_imports),
+            "num_running": len(self.engine.scheduler.running),
+            "kv_usage": self.engine.block_manager.usage,
+            "num_kv_recomputes": self.engine.num_kv_recomputes,
+        }

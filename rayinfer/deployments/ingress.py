@@ -1,0 +1,127 @@
+"""The Ingress deployment: the OpenAI-compatible HTTP API and the Python-handle API.
+
+It tokenizes (applying the chat template), checks the request against the model, runs it through
+Prefill then Decode (`Pipeline`) and streams the detokenized text as SSE or returns it whole.
+"""
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rayinfer.deployments import protocol
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.metrics import ServeMetrics
+from rayinfer.deployments.pipeline import Pipeline
+from rayinfer.deployments.prompts import PromptBuilder
+from rayinfer.deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
+from rayinfer.deployments.replies import HttpReply, validation_to_openai
+from rayinfer.deployments.runtime import ModelSource
+from rayinfer.deployments.types import GenerateChunk, GenerateRequest, GenerateResponse, Timings
+
+app = FastAPI(
+    title="rayinfer", description="OpenAI-compatible API over disaggregated prefill/decode"
+)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+    answer = validation_to_openai(error.errors())
+    return JSONResponse(answer.body(), status_code=answer.status)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(
+        self, config: dict, source: ModelSource, prefill: DeploymentHandle, decode: DeploymentHandle
+    ):
+        self.config = AppConfig.model_validate(config)
+        self.source = source
+        self.metrics = ServeMetrics("ingress")
+        self.prompts = PromptBuilder(source)
+        self.pipeline = Pipeline(prefill, decode, self.metrics)
+
+    # --- HTTP --------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return protocol.models_body(self.source.served_model_name, self.source.max_model_len)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: ChatCompletionRequest):
+        return await self._serve_http(request, "chatcmpl", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: CompletionRequest):
+        return await self._serve_http(request, "cmpl", chat=False)
+
+    async def _serve_http(self, request, id_prefix: str, chat: bool):
+        self._check_model(request.model)
+        prompt_ids, params = self.prompts.build(request)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        timings = Timings()
+        deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
+        reply = HttpReply(request_id, self.source.served_model_name, chat, request, len(prompt_ids))
+        if request.stream:
+            return StreamingResponse(reply.stream(deltas, timings), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(deltas, timings))
+
+    def _check_model(self, model: str | None) -> None:
+        served = self.source.served_model_name
+        if model is not None and model != served:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{served}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    # --- Python handles ----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
+        """Run a request to its end: `handle.generate.remote(GenerateRequest(prompt=..., ...))`."""
+        request_id = f"gen-{uuid.uuid4().hex}"
+        prompt_ids, params, timings = self._handle_request(request)
+        text, token_ids, finish_reason = "", [], None
+        async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
+            text += delta.text
+            token_ids += delta.token_ids
+            finish_reason = delta.finish_reason or finish_reason
+        return GenerateResponse(
+            request_id, text, token_ids, len(prompt_ids), finish_reason, timings.as_dict()
+        )
+
+    async def generate_stream(
+        self, request: GenerateRequest | dict
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream a request: `handle.options(stream=True).generate_stream.remote(...)`."""
+        request_id = f"gen-{uuid.uuid4().hex}"
+        prompt_ids, params, timings = self._handle_request(request)
+        async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
+            yield GenerateChunk(request_id, delta.text, delta.token_ids, delta.finish_reason)
+
+    def _handle_request(self, request: GenerateRequest | dict):
+        if isinstance(request, dict):
+            try:
+                request = GenerateRequest.model_validate(request)
+            except ValidationError as error:
+                raise ValueError(validation_to_openai(error.errors()).message) from None
+        prompt_ids, params = self.prompts.build(request)
+        return prompt_ids, params, Timings()

@@ -1,0 +1,94 @@
+"""One request's path through the disaggregated server: prefill, hand-off, decode stream.
+
+Yields text deltas as they become safe to show. A prefill replica that dies is retried once on
+another replica; a decode failure ends the stream with the error (never a hang). Leaving the
+iterator early (client disconnect) cancels the decode stream, which aborts the request there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from ray.serve.handle import DeploymentHandle
+
+from rayinfer.deployments.metrics import ServeMetrics
+from rayinfer.deployments.types import DecodeRequest, PrefillRequest, PrefillResult, Timings
+from rayinfer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+REPLICA_GONE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class Pipeline:
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, metrics: ServeMetrics):
+        self.prefill_handle = prefill
+        self.decode_handle = decode.options(stream=True)
+        self.metrics = metrics
+
+    async def run(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timings: Timings
+    ) -> AsyncIterator[Delta]:
+        arrival = time.perf_counter()
+        status = "abort"
+        last = arrival
+        num_generated = 0
+        try:
+            async for delta in self._run(request_id, prompt_ids, params, timings):
+                now = time.perf_counter()
+                if num_generated == 0:
+                    timings.ttft_s = now - arrival
+                    self.metrics.ttft.observe(timings.ttft_s, tags=self.metrics.tags)
+                else:
+                    self.metrics.inter_token_latency.observe(now - last, tags=self.metrics.tags)
+                last = now
+                num_generated += len(delta.token_ids)
+                yield delta
+            status = "ok"
+        except Exception:
+            status = "error"
+            raise
+        finally:
+            self.metrics.count_request(status)
+            self.metrics.add_tokens(len(prompt_ids), num_generated)
+
+    async def _run(self, request_id, prompt_ids, params, timings: Timings) -> AsyncIterator[Delta]:
+        start = time.perf_counter()
+        result = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+        timings.prefill_s = time.perf_counter() - start
+        timings.kv_export_s = result.kv_export_s
+        if result.finish_reason is not None:
+            yield Delta(result.text, [result.first_token_id], result.finish_reason)
+            return
+        timings.kv_bytes = result.handoff.num_bytes
+        yield Delta(result.first_text, [result.first_token_id], None)
+        stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
+        finished = False
+        try:
+            async for chunk in stream:
+                if chunk.kv_import_s is not None:
+                    timings.kv_import_s = chunk.kv_import_s
+                    timings.was_recomputed = chunk.was_recomputed
+                finished = chunk.finish_reason is not None
+                yield Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason)
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _prefill(self, request: PrefillRequest) -> PrefillResult:
+        try:
+            return await self.prefill_handle.prefill.remote(request)
+        except REPLICA_GONE_ERRORS as error:
+            logger.warning("prefill of %s failed (%r); retrying once", request.request_id, error)
+            return await self.prefill_handle.prefill.remote(request)

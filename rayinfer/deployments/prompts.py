@@ -1,0 +1,76 @@
+"""Turn an API request into prompt token ids and SamplingParams, or a 400 naming the field."""
+
+from __future__ import annotations
+
+from rayinfer.deployments.protocol import ChatCompletionRequest, OpenAIError
+from rayinfer.deployments.runtime import ModelSource
+from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+class PromptBuilder:
+    def __init__(self, source: ModelSource):
+        self.tokenizer = source.load_tokenizer()
+        self.max_model_len = source.max_model_len
+        self.vocab_size = source.model_config.vocab_size
+
+    def build(self, request) -> tuple[list[int], SamplingParams]:
+        """request: ChatCompletionRequest, CompletionRequest or GenerateRequest."""
+        messages = (
+            request.chat_messages()
+            if isinstance(request, ChatCompletionRequest)
+            else (getattr(request, "messages", None))
+        )
+        field = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            prompt_ids = self._encode_chat(messages)
+        else:
+            prompt_ids = self._encode_prompt(request.prompt)
+        max_tokens = self._max_tokens(request.requested_max_tokens, len(prompt_ids), field)
+        try:
+            params = request.sampling_params(max_tokens)
+        except InvalidRequestError as error:
+            raise OpenAIError(400, str(error), param=error.field) from None
+        return prompt_ids, params
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "messages: this model has no tokenizer", param="messages")
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except Exception as error:  # TokenizerError, or the template raised
+            raise OpenAIError(400, f"messages: {error}", param="messages") from None
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if not prompt:
+            raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise OpenAIError(
+                    400, "prompt: this model has no tokenizer; send token ids", param="prompt"
+                )
+            return self.tokenizer.encode(prompt)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise OpenAIError(
+                400, f"prompt: token ids must lie in [0, {self.vocab_size})", param="prompt"
+            )
+        return list(prompt)
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, field: str) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise OpenAIError(
+                400,
+                f"{field}: the prompt has {num_prompt_tokens} tokens; this model's maximum "
+                f"context length is {self.max_model_len} tokens, which leaves no room to "
+                "generate. Shorten the prompt.",
+                param=field,
+            )
+        if requested is not None and requested > room:
+            raise OpenAIError(
+                400,
+                f"max_tokens: {requested} tokens requested, but the prompt has "
+                f"{num_prompt_tokens} tokens and this model's maximum context length is "
+                f"{self.max_model_len}; use max_tokens <= {room}",
+                param="max_tokens",
+            )
+        return requested or room

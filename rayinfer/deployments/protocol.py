@@ -1,0 +1,234 @@
+"""OpenAI-compatible request and response bodies, and the OpenAI error body.
+
+Fields OpenAI defines but rayinfer does not implement (n > 1, logprobs, penalties) are accepted at
+their neutral values and refused otherwise, naming the field. Unknown fields are ignored, as the
+OpenAI server does. Extensions (vLLM's `top_k`, `ignore_eos`) are marked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rayinfer.engine.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """Answered as `{"error": {...}}` with this HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def error_type(self) -> str:
+        if self.status == 404:
+            return "NotFoundError"
+        if self.status == 503:
+            return "ServiceUnavailableError"
+        return "invalid_request_error" if self.status < 500 else "internal_server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="extension: -1 disables")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: keep going past EOS (benchmarks)")
+    rayinfer_timings: bool = Field(False, description="extension: add hand-off timings")
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (off) or >= 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop or (),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(
+                part.get("text", "") for part in self.content if part.get("type") == "text"
+            )
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = Field(False, description="only false is supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            value = value[0]
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _no_echo(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def usage_body(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def chat_completion_body(request_id, model, text, finish_reason, usage) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def completion_body(request_id, model, text, finish_reason, usage) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage,
+    }
+
+
+def chat_chunk_body(request_id, model, delta: dict, finish_reason=None) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def completion_chunk_body(request_id, model, text, finish_reason=None) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def usage_chunk_body(request_id, model, object_name: str, usage: dict) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": object_name,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def models_body(served_model_name: str, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": served_model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "rayinfer",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -1,0 +1,57 @@
+"""What a Prefill or Decode replica shares: its engine, the loop thread, metrics, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray import serve
+
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.engine_loop import EngineLoop
+from rayinfer.deployments.metrics import ServeMetrics
+from rayinfer.deployments.runtime import ModelSource, build_engine
+
+
+def replica_suffix() -> str:
+    """A short id unique to this replica, so worker actor names never collide across replicas."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        import uuid
+
+        return uuid.uuid4().hex[:8]
+
+
+class PhaseReplica:
+    """Owns one engine over a WorkerGroup named `rayinfer-<phase>-<replica>-r<rank>`."""
+
+    phase = ""
+
+    def __init__(self, config: dict, source: ModelSource):
+        self.config = AppConfig.model_validate(config)
+        self.source = source
+        self.metrics = ServeMetrics(self.phase)
+        name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
+        self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)
+        self._num_kv_recomputes = 0
+        self.loop = EngineLoop(self.engine, name=name_prefix, on_step=self._record_step)
+
+    def _record_step(self) -> None:
+        """Runs on the loop thread after every step."""
+        stats = self.loop.stats()
+        self.metrics.observe_engine(stats["num_waiting"], stats["num_running"], stats["kv_usage"])
+        new_recomputes = stats["num_kv_recomputes"] - self._num_kv_recomputes
+        if new_recomputes:
+            self.metrics.kv_recomputes.inc(new_recomputes, tags=self.metrics.tags)
+            self._num_kv_recomputes = stats["num_kv_recomputes"]
+
+    async def check_health(self) -> None:
+        if not self.loop.is_healthy:
+            raise RuntimeError(f"{self.phase} engine loop stopped: {self.loop.fatal_error!r}")
+        await asyncio.to_thread(self.workers.check_health)
+
+    def worker_names(self) -> list[str]:
+        return list(self.workers.worker_names)
+
+    def num_kv_recomputes(self) -> int:
+        return self.engine.num_kv_recomputes

@@ -1,0 +1,90 @@
+"""OpenAI response bodies for one request: whole, or as server-sent events ending in [DONE]."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rayinfer.deployments import protocol
+from rayinfer.deployments.pipeline import Delta
+from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.types import Timings
+
+
+def validation_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field (`messages[0].content`)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return OpenAIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
+    loc = [part for part in first["loc"] if part != "body"]
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    if first["type"] == "missing":
+        return OpenAIError(400, f"{param}: field required", param=param)
+    message = first["msg"].removeprefix("Value error, ")
+    return OpenAIError(
+        400, f"{param or 'body'}: {message} (got {first.get('input')!r})", param or None
+    )
+
+
+class HttpReply:
+    """Formats one request's deltas as an OpenAI response body or as SSE events."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, request, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.request = request
+        self.num_prompt_tokens = num_prompt_tokens
+
+    async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
+        text, num_tokens, finish_reason = "", 0, None
+        try:
+            async for delta in deltas:
+                text += delta.text
+                num_tokens += len(delta.token_ids)
+                finish_reason = delta.finish_reason or finish_reason
+        except Exception as error:
+            raise OpenAIError(500, f"generation failed: {error}") from error
+        usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
+        build = protocol.chat_completion_body if self.chat else protocol.completion_body
+        body = build(self.request_id, self.model, text, finish_reason, usage)
+        if self.request.rayinfer_timings:
+            body["rayinfer_timings"] = timings.as_dict()
+        return body
+
+    async def stream(self, deltas: AsyncIterator[Delta], timings: Timings) -> AsyncIterator[str]:
+        num_tokens = 0
+        try:
+            if self.chat:
+                yield sse(self._chunk({"role": "assistant", "content": ""}))
+            async for delta in deltas:
+                num_tokens += len(delta.token_ids)
+                yield sse(self._chunk(delta.text, delta.finish_reason))
+        except Exception as error:  # the stream already started: report in-band, then end
+            yield sse(OpenAIError(500, f"generation failed: {error}").body())
+        if self.request.include_usage or self.request.rayinfer_timings:
+            yield sse(self._usage_chunk(num_tokens, timings))
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, content, finish_reason=None) -> dict:
+        if not self.chat:
+            return protocol.completion_chunk_body(
+                self.request_id, self.model, content, finish_reason
+            )
+        delta = content if isinstance(content, dict) else {"content": content}
+        return protocol.chat_chunk_body(self.request_id, self.model, delta, finish_reason)
+
+    def _usage_chunk(self, num_tokens: int, timings: Timings) -> dict:
+        object_name = "chat.completion.chunk" if self.chat else "text_completion"
+        usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
+        body = protocol.usage_chunk_body(self.request_id, self.model, object_name, usage)
+        if self.request.rayinfer_timings:
+            body["rayinfer_timings"] = timings.as_dict()
+        return body
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

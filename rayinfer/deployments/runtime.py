@@ -1,0 +1,99 @@
+"""Assemble what a replica runs from the AppConfig: model source, tokenizer, engine, workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from rayinfer.deployments.config import AppConfig, PhaseConfig
+from rayinfer.engine.engine import LLMEngine
+from rayinfer.engine.model_source import DTYPES, resolve_model_path
+from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
+from rayinfer.workers.group import WorkerGroup
+from rayinfer.workers.worker import WorkerSpec
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The checkpoint an app serves, resolved once at build time and shipped to every replica."""
+
+    path: str
+    tokenizer_path: str
+    served_model_name: str
+    max_model_len: int
+
+    @classmethod
+    def resolve(cls, config: AppConfig) -> ModelSource:
+        path = resolve_model_path(config.model)
+        model_config = ModelConfig.from_pretrained(path)
+        limit = model_config.max_position_embeddings
+        max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
+        if max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{limit}; use max_model_len<={limit}"
+            )
+        name = config.served_model_name or (
+            "tiny" if config.model == "tiny" else Path(config.model).name
+        )
+        return cls(str(path), str(config.tokenizer or path), name, max_model_len)
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_pretrained(self.path)
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        try:
+            return Tokenizer.from_pretrained(self.tokenizer_path)
+        except TokenizerError:
+            return None
+
+
+def uses_gpus(config: AppConfig) -> bool:
+    """Whether workers take GPUs: device=cuda, or auto with GPUs in the Ray cluster."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_engine(
+    config: AppConfig, source: ModelSource, phase: str, name_prefix: str
+) -> tuple[LLMEngine, WorkerGroup]:
+    """One replica's engine over a WorkerGroup scheduled into the replica's placement group."""
+    phase_config: PhaseConfig = getattr(config, phase)
+    model_config = source.model_config
+    block_size = config.block_size
+    num_blocks = phase_config.num_kv_blocks or -(
+        -max(4 * source.max_model_len, 16384) // block_size
+    )
+    cache_config = CacheConfig(block_size, num_blocks, config.enable_prefix_caching)
+    scheduler_config = SchedulerConfig(
+        phase_config.max_num_seqs, phase_config.max_num_batched_tokens, source.max_model_len
+    )
+    use_gpus = uses_gpus(config)
+    spec = WorkerSpec(
+        model_config=model_config,
+        cache_config=cache_config,
+        device="cuda" if use_gpus else "cpu",
+        dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
+        num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
+    )
+    group = WorkerGroup(
+        name_prefix,
+        spec,
+        num_workers=phase_config.num_workers,
+        use_gpus=use_gpus,
+        cpus_per_worker=phase_config.cpus_per_worker,
+    )
+    engine = LLMEngine(model_config, cache_config, scheduler_config, group, source.load_tokenizer())
+    return engine, group

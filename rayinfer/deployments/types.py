@@ -1,0 +1,112 @@
+"""What the deployments pass each other, and what Python handle callers send and receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import model_validator
+
+from rayinfer.deployments.protocol import _SamplingFields
+from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.sampling_params import SamplingParams
+
+
+class GenerateRequest(_SamplingFields):
+    """A request through a Python handle: `prompt` (text or token ids) or chat `messages`.
+
+    The sampling fields are those of the OpenAI API (max_tokens, temperature, top_p, top_k, stop,
+    seed, ignore_eos); `max_tokens=None` generates up to max_model_len.
+    """
+
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("messages must not be empty")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+@dataclass
+class GenerateChunk:
+    """One step of a streamed generation: the text and tokens added, and why it ended."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerateResponse:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PrefillResult:
+    """The first token and, unless the request already ended, the KV hand-off.
+
+    `handoff.payload` holds ObjectRefs owned by the prefill workers (nested, so Serve passes them
+    by reference); decode pulls the KV from the object store itself.
+    """
+
+    request_id: str
+    first_token_id: int
+    first_text: str  # the first token's text that is safe to stream (no stop-string prefix)
+    text: str  # the whole text when the request ended at its first token
+    finish_reason: str | None  # None when decode continues
+    handoff: KVHandoff | None
+    num_cached_tokens: int = 0
+    kv_export_s: float = 0.0
+
+
+@dataclass
+class DecodeRequest:
+    prefill: PrefillResult
+    params: SamplingParams
+
+
+@dataclass
+class DecodeChunk:
+    new_text: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    kv_import_s: float | None = None  # set on the first chunk
+    was_recomputed: bool = False  # the KV was lost and decode recomputed the prompt
+
+
+@dataclass
+class Timings:
+    """Per-request timings in seconds (with `rayinfer_timings=true`, also in the HTTP reply)."""
+
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_export_s: float = 0.0
+    kv_import_s: float = 0.0
+    kv_bytes: int = 0
+    was_recomputed: bool = False
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}

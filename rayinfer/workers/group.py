@@ -1,0 +1,138 @@
+"""WorkerGroup: an Executor whose workers are Ray actors, one per GPU (or one on the CPU).
+
+Inside a Serve replica the workers are scheduled into the replica's placement group: bundle 0 is
+the replica itself, bundle 1 + rank is worker `rank` (see `placement_bundles`), so autoscaling
+adds and removes whole groups. Each step runs SPMD on every worker; rank 0's tokens are the
+group's. With more than one worker the group forms a collective group (`init_collective`), which
+running one model across workers (tensor/expert parallelism) builds on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.executor import Executor, KVLostError
+from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
+
+REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
+
+
+def placement_bundles(num_workers: int, use_gpus: bool, cpus_per_worker: float) -> list[dict]:
+    """Bundle 0 for the replica actor, then one per worker: {"GPU": 1, "CPU": 1} or {"CPU": c}."""
+    worker = {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": float(cpus_per_worker)}
+    return [{"CPU": REPLICA_CPUS}] + [dict(worker) for _ in range(num_workers)]
+
+
+@dataclass
+class KVRefs:
+    """A request's KV in the object store: one shard per prefill worker (rank order)."""
+
+    shards: list[KVShard]
+    num_bytes: int
+
+    @property
+    def owners(self) -> list[str]:
+        return [shard.owner for shard in self.shards]
+
+
+@dataclass
+class TransferStats:
+    """Hand-off timings the group measured, drained by the replica into metrics."""
+
+    import_seconds: dict[str, float] = field(default_factory=dict)  # request_id -> seconds
+    lost_request_ids: set[str] = field(default_factory=set)  # hand-offs whose KV was gone
+
+
+class WorkerGroup(Executor):
+    def __init__(
+        self,
+        name_prefix: str,
+        spec: WorkerSpec,
+        num_workers: int = 1,
+        use_gpus: bool = False,
+        cpus_per_worker: float = 0.5,
+        placement_group: PlacementGroup | None = None,
+        collective_backend: str = "rayinfer",
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        self.name_prefix = name_prefix
+        self.num_workers = num_workers
+        self.stats = TransferStats()
+        placement_group = placement_group or get_current_placement_group()
+        self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
+        self.workers = [
+            self._start_worker(rank, spec, use_gpus, cpus_per_worker, placement_group)
+            for rank in range(num_workers)
+        ]
+        self.descriptions = ray.get([w.describe.remote() for w in self.workers])
+        if num_workers > 1:
+            self.init_collective(collective_backend)
+
+    def _start_worker(self, rank, spec, use_gpus, cpus_per_worker, placement_group):
+        options = {"name": self.worker_names[rank], "max_restarts": 0, "max_concurrency": 1}
+        if use_gpus:
+            options.update(num_gpus=1, num_cpus=1)
+        else:
+            options.update(num_cpus=cpus_per_worker)
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=1 + rank
+            )
+        actor_class = ray.remote(Worker)
+        return actor_class.options(**options).remote(
+            self.worker_names[rank], rank, self.num_workers, spec
+        )
+
+    def init_collective(self, backend: str) -> None:
+        """Form one collective group of all workers, named after the group."""
+        group_name = f"{self.name_prefix}-collective"
+        ray.get(
+            [
+                worker.init_collective.remote(self.num_workers, rank, backend, group_name)
+                for rank, worker in enumerate(self.workers)
+            ]
+        )
+
+    # --- Executor ----------------------------------------------------------------------------
+    def execute(self, batch: ModelBatch) -> list[int]:
+        results = ray.get([worker.execute.remote(batch) for worker in self.workers])
+        return results[0]
+
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVRefs:
+        shards = ray.get(
+            [w.export_kv.remote(request_id, block_table, num_tokens) for w in self.workers]
+        )
+        return KVRefs(shards=shards, num_bytes=sum(shard.num_bytes for shard in shards))
+
+    def import_kv(self, request_id: str, block_table: list[int], payload: KVRefs) -> None:
+        start = time.perf_counter()
+        imported = ray.get(
+            [w.import_kv.remote(request_id, block_table, payload.shards) for w in self.workers]
+        )
+        self.stats.import_seconds[request_id] = time.perf_counter() - start
+        if not all(imported):
+            self.stats.lost_request_ids.add(request_id)
+            raise KVLostError(
+                f"request {request_id!r}: its KV in the object store is gone (owners "
+                f"{payload.owners} died or the object was evicted); decode recomputes the prompt"
+            )
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        for worker in self.workers:
+            worker.free_requests.remote(request_ids)
+
+    def check_health(self, timeout_s: float = 30.0) -> None:
+        """Raise if any worker is dead or does not answer within timeout_s."""
+        ray.get([worker.describe.remote() for worker in self.workers], timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []

@@ -1,15 +1,19 @@
 """The built-in "tiny" checkpoint: deterministic bytes, transformers 5 format, varied output."""
 
 import hashlib
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import rayinfer
 from rayinfer.config import ModelConfig
 from rayinfer.engine.tokenizer import Tokenizer
-from rayinfer.models.tiny import TINY_VERSION, ensure_tiny_model, write_tiny_model
+from rayinfer.models.tiny import TINY_VERSION, ensure_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +24,7 @@ EXPECTED_FILES = {
     "tokenizer.json",
     "tokenizer_config.json",
 }
-PROMPTS = ["The quick brown fox", "Hello, how are you?", "Once upon a time", "Water boils at"]
+PROMPTS = ["The quick brown fox", "Hello, how are you?", "Water boils at"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,10 @@ def file_hashes(folder) -> dict[str, str]:
 
 
 def test_two_writes_are_byte_identical(tiny_dir, tmp_path):
-    write_tiny_model(tmp_path)
+    """Written again in a fresh process (its own hash seeds, threads and RNG state)."""
+    code = f"from rayinfer.models.tiny import write_tiny_model; write_tiny_model({str(tmp_path)!r})"
+    repo_root = Path(rayinfer.__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=True)
     assert set(file_hashes(tmp_path)) == EXPECTED_FILES
     assert file_hashes(tmp_path) == file_hashes(tiny_dir)
 
@@ -73,7 +80,7 @@ def test_transformers_loads_it_and_greedy_text_varies(tiny_dir):
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         assert ids == hf_tokenizer.encode(prompt) and ids[0] == 0  # <|begin_of_text|>
-        output = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+        output = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
         new_ids = output[0, len(ids) :].tolist()
         assert len(set(new_ids)) >= 5, (prompt, new_ids)
 

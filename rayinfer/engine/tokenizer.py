@@ -1,7 +1,8 @@
 """Text <-> token ids for one checkpoint, and its chat template.
 
 `Tokenizer.from_pretrained(folder)` reads what transformers reads: `tokenizer.json` (through the
-`tokenizers` library), `tokenizer_config.json` (special tokens, `add_bos_token`, the chat template),
+`tokenizers` library), `tokenizer_config.json` (special tokens as strings or {"content": ...},
+added tokens, the chat template as a string or a list of named templates),
 `chat_template.jinja` / `additional_chat_templates/*.jinja`, and the eos ids of `config.json` and
 `generation_config.json`. Ids and rendered chat text equal transformers' `PreTrainedTokenizerFast`.
 As in transformers 5, tokenizer.json's post-processor alone decides whether a bos token is added:

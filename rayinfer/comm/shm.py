@@ -8,6 +8,8 @@ On CUDA every segment is page-locked with cudaHostRegister, so copies to and fro
 """
 
 import os
+import shutil
+import tempfile
 import time
 import uuid
 
@@ -34,12 +36,16 @@ class SharedSegments:
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.segment_bytes = _HEADER_BYTES + world_size * num_slots * slot_bytes
         token = _agree_on_token(store, rank)
-        paths = [f"/dev/shm/rayinfer-{token}-{r}" for r in range(world_size)]
+        folder = _shared_folder(self.segment_bytes * world_size) if rank == 0 else None
+        if rank == 0:
+            store.set(f"shm-folder-{token}", folder)
+        folder = store.get(f"shm-folder-{token}").decode()
+        paths = [f"{folder}/rayinfer-{token}-{r}" for r in range(world_size)]
         _create_file(paths[rank], self.segment_bytes)
         _wait_all(store, f"shm-created-{token}", world_size)
         self.segments = [_map(p, self.segment_bytes) for p in paths]
         _wait_all(store, f"shm-mapped-{token}", world_size)
-        os.unlink(paths[rank])  # the mappings stay valid; nothing is left behind in /dev/shm
+        os.unlink(paths[rank])  # the mappings stay valid; nothing is left behind
         self.headers = [_header(seg, world_size) for seg in self.segments]
         self.is_pinned = pin and _pin(self.segments)
 
@@ -83,9 +89,16 @@ def _wait_all(store: dist.Store, key: str, world_size: int) -> None:
 def _create_file(path: str, num_bytes: int) -> None:
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, num_bytes)
+        os.posix_fallocate(fd, 0, num_bytes)  # fail now (ENOSPC), not with SIGBUS on first touch
     finally:
         os.close(fd)
+
+
+def _shared_folder(num_bytes: int) -> str:
+    """/dev/shm when it has room (containers often cap it at 64 MB), else the temp folder."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * num_bytes:
+        return "/dev/shm"
+    return tempfile.gettempdir()
 
 
 def _map(path: str, num_bytes: int) -> torch.Tensor:

@@ -21,6 +21,12 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str = "weight"
         )
 
 
+def _check_full_size(loaded: torch.Tensor, dim: int, size: int) -> None:
+    """Before taking this rank's slice: the whole checkpoint tensor has the unsplit size."""
+    if loaded.dim() <= dim or loaded.shape[dim] != size:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: expected {size} along dim {dim}")
+
+
 class ReplicatedLinear(nn.Module):
     """Every rank holds the whole weight."""
 
@@ -75,6 +81,7 @@ class ColumnParallelLinear(nn.Module):
             return
         size = self.output_sizes[part]
         start = sum(self.output_sizes[:part])
+        _check_full_size(loaded, 0, size * self.parallel.tp_size)
         local = loaded.narrow(0, self.parallel.tp_rank * size, size)
         target = param.data.narrow(0, start, size)
         _check_shape(target, local)
@@ -105,6 +112,7 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self.bias_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_full_size(loaded, 1, self.in_local * self.parallel.tp_size)
         local = loaded.narrow(1, self.parallel.tp_rank * self.in_local, self.in_local)
         _check_shape(param, local)
         param.data.copy_(local)

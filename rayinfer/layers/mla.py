@@ -53,7 +53,9 @@ class MLAAttention(nn.Module):
         kv_b_out = [num_heads * (self.nope_dim + self.v_head_dim)]
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, kv_b_out, parallel=parallel)
         self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias, parallel)
-        is_interleaved = bool(config.hf.get("rope_interleave", True))
+        # V2 always rotates interleaved pairs; V3 reads `rope_interleave` (default true)
+        is_v2 = config.architecture == "DeepseekV2ForCausalLM"
+        is_interleaved = is_v2 or bool(config.hf.get("rope_interleave", True))
         self.rotary_emb = DeepseekRotaryEmbedding(
             self.rope_dim,
             config.rope_theta,

@@ -2,6 +2,7 @@
 (NCCL on GPU, gloo on CPU), plus a bandwidth-aware all-to-all and MoE dispatch/combine."""
 
 import datetime
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,6 +43,7 @@ class RayinferGroup(BaseGroup):
         self.barrier()
         if joined_through_ray and rank == 0:
             forget_store(group_name)
+        self._plans: dict[int, Choice] = {}
         self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
         self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rayinfer-comm-{group_name}")
@@ -129,9 +131,29 @@ class RayinferGroup(BaseGroup):
         """As all_to_all, in the background; `out` is valid after `wait()`."""
         return self._submit(self._all_to_all, out, inp, out_splits, in_splits, **kw)
 
+    @property
+    def topology(self) -> Topology:
+        """What `auto` plans on: a uniform placeholder until set (e.g. from probe.probe)."""
+        return self._topology
+
+    @topology.setter
+    def topology(self, topology: Topology) -> None:
+        self._topology = topology
+        self._plans.clear()
+
     def plan(self, split_matrix: list[list[int]], row_bytes: int) -> Choice:
-        """The (schedule, transport) `auto` picks for this exchange on this group's topology."""
-        return choose(self.topology, split_matrix, row_bytes)
+        """The (schedule, transport) `auto` picks for this exchange on this group's topology.
+
+        Planned once per size class (mean bytes per pair in steps of sqrt(2)) on a uniform
+        exchange of that size, and remembered: running the model on every call cost ~100 us
+        of Python. Every rank holds the same matrix, so every rank picks the same plan."""
+        n = self.world_size
+        pair_rows = sum(sum(row) - row[i] for i, row in enumerate(split_matrix)) / max(n * n - n, 1)
+        size_class = round(2 * math.log2(max(pair_rows * row_bytes, 1.0)))
+        if size_class not in self._plans:
+            pair_bytes = int(2 ** (size_class / 2))
+            self._plans[size_class] = choose(self.topology, [[pair_bytes] * n] * n, 1)
+        return self._plans[size_class]
 
     def gather_split_matrix(self, in_splits: list[int]) -> list[list[int]]:
         """-> [world, world]: rows rank i sends to rank j, for every i."""
@@ -200,6 +222,7 @@ class RayinferGroup(BaseGroup):
             self._background.active = True
             if stream is None:
                 return fn(*args, **kw)
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
             with torch.cuda.stream(stream):
                 return fn(*args, **kw)
 

@@ -9,12 +9,14 @@ the same protocol runs, so CI exercises it.
 """
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from rayinfer.comm.cudart import CudaRuntime
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer, Transport
 
@@ -39,13 +41,15 @@ class _Job:
 
 
 class _Copier:
-    """Copies on two CUDA streams (device-to-host, host-to-device), or plain memcpy on CPU."""
+    """Copies on two CUDA streams (device-to-host, host-to-device), or plain memcpy on CPU.
+    On CUDA, tickets are events; copies go through ctypes (cudart.py) when it loads."""
 
     def __init__(self, device: torch.device):
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
+            self.runtime = _runtime_or_none()
 
     def begin(self) -> None:
         if self.is_cuda:
@@ -59,17 +63,29 @@ class _Copier:
             dst.copy_(src)
             return None
         stream = self.d2h if to_host else self.h2d
+        if self.runtime is not None:
+            self.runtime.copy_async(dst, src, stream)
+            return self.runtime.record(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             return stream.record_event()
 
-    @staticmethod
-    def is_done(ticket) -> bool:
-        return ticket is None or ticket.query()
+    def is_done(self, ticket) -> bool:
+        if ticket is None:
+            return True
+        return self.runtime.is_done(ticket) if self.runtime is not None else ticket.query()
 
     def end(self) -> None:
         if self.is_cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
+
+
+def _runtime_or_none():
+    try:
+        return CudaRuntime()
+    except (OSError, AttributeError, RuntimeError) as e:
+        warnings.warn(f"host-staged transport: slower torch copies ({e})", stacklevel=2)
+        return None
 
 
 class HostStagedTransport(Transport):
@@ -82,13 +98,14 @@ class HostStagedTransport(Transport):
         world_size: int,
         device: torch.device,
         chunk_bytes: int | None = None,
-        num_slots: int = 4,
+        num_slots: int | None = None,
         timeout_s: float = 120.0,
     ):
         super().__init__(rank, world_size)
         # 4 MiB chunks keep a 55 GB/s link busy for ~75 us per Python step; CPU runs (CI) use
         # 256 KiB so that 8 ranks share 64 MiB of shared memory.
         chunk_bytes = chunk_bytes or ((4 << 20) if device.type == "cuda" else _MIN_CHUNK_BYTES)
+        num_slots = num_slots or (8 if device.type == "cuda" and world_size <= 4 else 4)
         self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
         self.shm = SharedSegments(
             store, rank, world_size, chunk_bytes, num_slots, pin=device.type == "cuda"

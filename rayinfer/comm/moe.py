@@ -120,14 +120,19 @@ def combine(
 
 
 def _pack(x, local_ids, weights, use_fp8: bool) -> torch.Tensor:
-    """-> [S, row_bytes] uint8: payload | (fp8: scale f32) | ids int32 [K] | weights f32 [K]."""
+    """-> [S, row_bytes] uint8: payload | (fp8: scale f32) | ids int32 [K] | weights f32 [K] |
+    zeros up to a multiple of 64 bytes."""
     if use_fp8:
         q = quantize_per_token(x)
         payload = [q.values.view(torch.uint8), q.scales.unsqueeze(1).view(torch.uint8)]
     else:
         payload = [x.contiguous().view(torch.uint8)]
     meta = [local_ids.int().view(torch.uint8), weights.contiguous().view(torch.uint8)]
-    return torch.cat(payload + meta, dim=1)
+    row_bytes = sum(p.shape[1] for p in payload + meta)
+    # Rows padded to 64 bytes: an FP8 row of 7236 bytes made NCCL's all-to-all 1.75x slower
+    # than the bf16 rows twice its size (2x H200, NCCL_P2P_DISABLE=1, 16k tokens).
+    pad = [local_ids.new_zeros((x.shape[0], -row_bytes % 64), dtype=torch.uint8)]
+    return torch.cat(payload + meta + pad, dim=1)
 
 
 def _unpack(rows, hidden: int, k: int, dtype, use_fp8: bool):
@@ -140,5 +145,5 @@ def _unpack(rows, hidden: int, k: int, dtype, use_fp8: bool):
     else:
         x = rows[:, :at].contiguous().view(dtype)
     ids = rows[:, at : at + 4 * k].contiguous().view(torch.int32).long()
-    weights = rows[:, at + 4 * k :].contiguous().view(torch.float32)
+    weights = rows[:, at + 4 * k : at + 8 * k].contiguous().view(torch.float32)
     return x, ids, weights

@@ -1,10 +1,203 @@
-"""Routed experts: every token runs through its top-k experts' SwiGLU MLPs, weighted and summed."""
+"""Routed experts: every token runs through its top-k experts' SwiGLU MLPs, weighted and summed.
+
+The Triton path is a grouped GEMM over tokens sorted and padded per expert tile (moe_align):
+  1. gate+up: act[slot] = silu(x[token] @ w13[e, :I].T) * (x[token] @ w13[e, I:].T)   [T*K, I]
+  2. down:    out_slot[slot] = topk_weight[slot] * act[slot] @ w2[e].T               [T*K, H]
+  3. top-k reduction: out[t] = sum_k out_slot[t*K + k] over slots routed to a held expert.
+FP8 weights (DeepSeek-V3: float8_e4m3fn with one float32 scale per 128x128 block) multiply
+activations quantized per token and per 128 channels (fp8_quant) and rescale every K step.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from rayinfer.kernels.activation import silu_and_mul_reference
+from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
+from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.tile_configs import pick_tile_config
+
+SCALE_BLOCK = 128
+DEFAULT_CONFIG = {
+    "w13": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 3},
+    "w2": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+           "num_stages": 3},
+}  # fmt: skip
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
+    N, K, num_slots, up_offset, num_blocks_m,
+    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
+
+    A row of a is slot // SLOTS_PER_A_ROW (x for gate+up, the slot's own act row for down).
+    With FUSE_SILU, b rows n and up_offset + n are multiplied and combined as silu(gate) * up.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    slots = tl.load(sorted_slot_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    is_real = slots < num_slots
+    a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    up_ptrs = b_ptrs + up_offset * stride_bn  # [BK, BN]
+    if USE_FP8:
+        a_scale_ptrs = a_scale_ptr + a_rows * stride_asm  # [BM]
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SCALE_BLOCK) * stride_bsn
+        up_scale_ptrs = b_scale_ptr + expert * stride_bse
+        up_scale_ptrs += ((offs_n + up_offset) // SCALE_BLOCK) * stride_bsn  # [BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        k_in = offs_k < K - k_step * BLOCK_K
+        a = tl.load(a_ptrs, mask=is_real[:, None] & k_in[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+        if USE_FP8:
+            scale_col = k_step * BLOCK_K // SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptrs + scale_col, mask=is_real, other=0.0)[:, None]
+            acc += tl.dot(a, b) * a_scale * tl.load(b_scale_ptrs + scale_col)[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        if FUSE_SILU:
+            up = tl.load(up_ptrs, mask=k_in[:, None], other=0.0)
+            if USE_FP8:
+                acc_up += tl.dot(a, up) * a_scale * tl.load(up_scale_ptrs + scale_col)[None, :]
+            else:
+                acc_up = tl.dot(a, up, acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if FUSE_SILU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_topk_kernel(
+    slot_out_ptr, topk_ids_ptr, out_ptr,
+    H, num_experts,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum over k of slot_out[t*K + k], skipping slots routed to experts not held."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(TOP_K):
+        expert = tl.load(topk_ids_ptr + token * TOP_K + k)
+        num_cols_held = tl.where((expert >= 0) & (expert < num_experts), H, 0)
+        row = slot_out_ptr + (token * TOP_K + k) * H
+        acc += tl.load(row + cols, mask=cols < num_cols_held, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale):
+    num_experts, two_i, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"shapes disagree: x {tuple(x.shape)} [T, H], w13 {tuple(w13.shape)} [E, 2I, H], "
+            f"w2 {tuple(w2.shape)} [E, H, I]"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [T={x.shape[0]}, K]"
+        )
+    if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("x needs contiguous rows and w13, w2 must be contiguous")
+    is_fp8 = w13.dtype == torch.float8_e4m3fn
+    if is_fp8 != (w13_scale is not None) or is_fp8 != (w2_scale is not None):
+        raise ValueError("float8_e4m3fn w13/w2 need w13_scale and w2_scale, and only they do")
+    if is_fp8:
+        for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            want = (num_experts, *(triton.cdiv(d, SCALE_BLOCK) for d in w.shape[1:]))
+            if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                raise ValueError(f"{name}_scale must be float32 {want}, got {tuple(scale.shape)}")
+    elif x.dtype != w13.dtype or w13.dtype != w2.dtype:
+        raise ValueError(f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
+
+
+def _pick_config(x, w13, num_slots):
+    device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    kind = "fp8" if w13.dtype == torch.float8_e4m3fn else "bf16"
+    shape_key = f"{kind},E={w13.shape[0]},I={w13.shape[1] // 2},H={w13.shape[2]}"
+    config = pick_tile_config("fused_moe", device_name, shape_key, x.shape[0])
+    if config is None:
+        config = pick_tile_config("fused_moe", device_name, kind, x.shape[0])
+    return config or DEFAULT_CONFIG
+
+
+def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k):
+    """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights)."""
+    tile = config[stage]
+    is_w13 = stage == "w13"
+    num_blocks_m = alignment.block_expert_ids.numel()
+    n_out = c.shape[1]
+    grid = (num_blocks_m * triton.cdiv(n_out, tile["BLOCK_N"]),)
+    use_fp8 = b_scale is not None
+    _moe_gemm_kernel[grid](
+        a, b, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights,
+        *alignment, n_out, a.shape[1], topk_weights.numel(), n_out, num_blocks_m,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a_scale.stride(0) if use_fp8 else 0,
+        b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
+        SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
+        USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, **tile,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H] bfloat16/float16/float32
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows then up rows; x.dtype or float8_e4m3fn
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int: ids outside [0, E) are experts this rank does not hold
+    w13_scale: torch.Tensor | None = None,  # [E, 2I/128, H/128] float32 for FP8 weights
+    w2_scale: torch.Tensor | None = None,  # [E, H/128, I/128] float32 for FP8 weights
+    config: dict | None = None,  # {"w13": tile, "w2": tile}; same BLOCK_M in both
+) -> torch.Tensor:  # [T, H] x.dtype
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    config = config or _pick_config(x, w13, num_tokens * top_k)
+    alignment = moe_align(topk_ids, num_experts, config["w13"]["BLOCK_M"])
+    weights = topk_weights.float().contiguous()
+    act = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)  # [T*K, I]
+    slot_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*K, H]
+    x_in, x_scale = fp8_quant(x) if w13_scale is not None else (x, None)
+    _launch_gemm(x_in, w13, act, x_scale, w13_scale, weights, alignment, "w13", config, top_k)
+    act_in, act_scale = fp8_quant(act) if w2_scale is not None else (act, None)
+    _launch_gemm(act_in, w2, slot_out, act_scale, w2_scale, weights, alignment, "w2", config, 1)
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](
+        slot_out, topk_ids.contiguous(), out, hidden, num_experts, TOP_K=top_k, BLOCK_H=1024
+    )
+    return out
 
 
 def fused_moe_reference(
@@ -27,4 +220,25 @@ def fused_moe_reference(
         hidden = silu_and_mul_reference(x[tokens] @ w13[expert].t())  # [n, I]
         expert_out = hidden @ w2[expert].t()  # [n, H]
         out.index_add_(0, tokens, expert_out.float() * weight_of_slot[slots, None].float())
+    return out.to(x.dtype)
+
+
+def dequantize_experts_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] float8_e4m3fn with [E, N/128, K/128] block scales -> [E, N, K] float32."""
+    rows = scale.repeat_interleave(SCALE_BLOCK, 1)[:, : w.shape[1]]  # [E, N, K/128]
+    return w.float() * rows.repeat_interleave(SCALE_BLOCK, 2)[:, :, : w.shape[2]]
+
+
+def fused_moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale):
+    """The FP8 path in float32: activations quantized per token per 128 channels like the kernel."""
+    x_q = fp8_dequant_reference(*fp8_quant_reference(x))  # [T, H] float32
+    w13_full = dequantize_experts_reference(w13, w13_scale)  # [E, 2I, H]
+    w2_full = dequantize_experts_reference(w2, w2_scale)  # [E, H, I]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for token, (ids, weights) in enumerate(zip(topk_ids.tolist(), topk_weights.tolist())):
+        for expert, weight in zip(ids, weights):
+            if 0 <= expert < w13.shape[0]:
+                act = silu_and_mul_reference(x_q[token : token + 1] @ w13_full[expert].t())
+                act = fp8_dequant_reference(*fp8_quant_reference(act))  # [1, I]
+                out[token] += weight * (act @ w2_full[expert].t())[0]
     return out.to(x.dtype)

@@ -22,7 +22,14 @@ def silu_and_mul(x):
     return silu_and_mul_reference(x)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
+    float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H]."""
+    if _on_cuda(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if w13_scale is not None:
+        w13 = dequantize_experts_reference(w13, w13_scale).to(x.dtype)
+        w2 = dequantize_experts_reference(w2, w2_scale).to(x.dtype)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -90,3 +97,25 @@ def mla_causal_attention(query, key, value, scale):
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
     """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L]."""
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
+
+
+from rayinfer.kernels.fp8_gemm import fp8_gemm as fp8_gemm_triton  # noqa: E402
+from rayinfer.kernels.fp8_gemm import fp8_gemm_reference  # noqa: E402
+from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton  # noqa: E402
+from rayinfer.kernels.fp8_quant import fp8_quant_reference  # noqa: E402
+from rayinfer.kernels.fused_moe import dequantize_experts_reference  # noqa: E402
+from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton  # noqa: E402
+
+
+def fp8_quant(x, group_size=128):
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, K/group] float32), x ~= q * scale."""
+    if _on_cuda(x):
+        return fp8_quant_triton(x, group_size)
+    return fp8_quant_reference(x, group_size)
+
+
+def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+    """a [M, K] fp8 with a_scale [M, K/128], b [N, K] fp8 with b_scale [N/128, K/128] -> [M, N]."""
+    if _on_cuda(a):
+        return fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
+    return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype)

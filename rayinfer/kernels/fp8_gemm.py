@@ -1,0 +1,122 @@
+"""W8A8 FP8 GEMM with DeepSeek-V3 block scales: out = (a * a_scale) @ (b * b_scale).T.
+
+a [M, K] float8_e4m3fn with a_scale [M, K/128] (per token, per 128 channels, from fp8_quant);
+b [N, K] float8_e4m3fn with b_scale [N/128, K/128] (one per 128x128 weight block, the checkpoint's
+`weight_scale_inv`). Each K step of 128 multiplies in FP8 on the tensor cores and rescales the
+partial product in float32 before adding it to the accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rayinfer.kernels.tile_configs import pick_tile_config
+
+SCALE_BLOCK = 128
+DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
+                  "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the columns together, so B tiles are reused in L2.
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped rows: loads need no mask
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]  # [BM, BK]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BK, BN]
+    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM]
+    b_scale_ptrs = b_scale_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k_step * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        scale_col = k_step * BLOCK_K // SCALE_BLOCK
+        a_scale = tl.load(a_scale_ptrs + scale_col)  # [BM]
+        b_scale = tl.load(b_scale_ptrs + scale_col)  # [BN]
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _check_operands(a, a_scale, b, b_scale):
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a [M, K] and b [N, K] disagree: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need contiguous rows (K innermost); call .contiguous()")
+    (m, k), n = a.shape, b.shape[0]
+    want_a = (m, triton.cdiv(k, SCALE_BLOCK))
+    want_b = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK))
+    if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
+        raise ValueError(
+            f"a_scale {tuple(a_scale.shape)} / b_scale {tuple(b_scale.shape)} must be {want_a} / "
+            f"{want_b}: per token per {SCALE_BLOCK} channels, per {SCALE_BLOCK}x{SCALE_BLOCK} block"
+        )
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise ValueError("a_scale and b_scale must be float32")
+
+
+def fp8_gemm(
+    a: torch.Tensor,  # [M, K] float8_e4m3fn
+    a_scale: torch.Tensor,  # [M, K/128] float32
+    b: torch.Tensor,  # [N, K] float8_e4m3fn
+    b_scale: torch.Tensor,  # [N/128, K/128] float32
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: dict | None = None,
+) -> torch.Tensor:  # [M, N] out_dtype
+    _check_operands(a, a_scale, b, b_scale)
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    device_name = torch.cuda.get_device_name(a.device) if a.is_cuda else "cpu"
+    config = config or pick_tile_config("fp8_gemm", device_name, f"N={n},K={k}", m)
+    config = config or DEFAULT_CONFIG
+    if SCALE_BLOCK % config["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the scale block {SCALE_BLOCK}")
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    _fp8_block_gemm_kernel[grid](
+        a, b, out, a_scale, b_scale, m, n, k,
+        a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0), b_scale.stride(0),
+        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % config["BLOCK_K"] == 0, **config,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+    """Dequantize both operands to float32 and multiply."""
+    a_full = a.float() * a_scale.repeat_interleave(SCALE_BLOCK, 1)[:, : a.shape[1]]  # [M, K]
+    b_rows = b_scale.repeat_interleave(SCALE_BLOCK, 0)[: b.shape[0]]  # [N, K/128]
+    b_full = b.float() * b_rows.repeat_interleave(SCALE_BLOCK, 1)[:, : b.shape[1]]  # [N, K]
+    return (a_full @ b_full.t()).to(out_dtype)

@@ -1,0 +1,89 @@
+"""Activation quantization for W8A8 FP8 GEMMs: one float32 scale per token per group of channels.
+
+DeepSeek-V3 quantizes activations per token and per 128 channels (matching its 128x128 weight
+blocks): each group's max magnitude maps to 448, the float8_e4m3fn maximum, and `x ~= q * scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_SCALE = 1e-10  # an all-zero group gets this scale instead of dividing by zero
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """Round float32 to 3 mantissa bits, to nearest even, so the fp8 cast below is exact.
+
+    The Triton interpreter's fp8 cast drops the carry into the exponent (124.3 -> 64, not 128);
+    rounding here first makes CPU and GPU agree with torch. A few integer ops per element.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_quant_kernel(
+    x_ptr, q_ptr, scale_ptr,
+    num_cols, num_groups,
+    stride_xm, stride_qm, stride_sm,
+    GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):  # fmt: skip
+    """One program per (row, group of GROUP_SIZE channels)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
+    q = _round_to_e4m3_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * stride_sm + group, scale)
+
+
+def fp8_quant(
+    x: torch.Tensor, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8_e4m3fn, [M, ceil(K / group)] float32)
+    """x [M, K] (rows contiguous) -> (q, scale) with x[m, k] ~= q[m, k] * scale[m, k // group]."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be 2-D with contiguous rows, got {tuple(x.shape)} {x.stride()}")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} must be a power of two >= 16")
+    num_rows, num_cols = x.shape
+    num_groups = triton.cdiv(num_cols, group_size)
+    q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scale
+    _fp8_quant_kernel[(num_rows, num_groups)](
+        x, q, scale, num_cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
+        GROUP_SIZE=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=1 if group_size <= 128 else 4,
+    )  # fmt: skip
+    return q, scale
+
+
+def fp8_quant_reference(
+    x: torch.Tensor, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8_e4m3fn, [M, ceil(K / group)] float32)
+    num_rows, num_cols = x.shape
+    num_groups = -(-num_cols // group_size)
+    padded = torch.zeros(num_rows, num_groups * group_size, dtype=torch.float32, device=x.device)
+    padded[:, :num_cols] = x.float()
+    groups = padded.view(num_rows, num_groups, group_size)
+    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(num_rows, -1)[:, :num_cols]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_dequant_reference(
+    q: torch.Tensor,  # [M, K] float8_e4m3fn
+    scale: torch.Tensor,  # [M, ceil(K / group)] float32
+    group_size: int = 128,
+) -> torch.Tensor:  # [M, K] float32
+    expanded = scale.repeat_interleave(group_size, dim=1)[:, : q.shape[1]]
+    return q.float() * expanded

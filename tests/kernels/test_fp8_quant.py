@@ -1,0 +1,45 @@
+"""fp8_quant: per-token, per-group FP8 activation quantization against the torch reference."""
+
+import pytest
+import torch
+
+from rayinfer.kernels.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    fp8_dequant_reference,
+    fp8_quant,
+    fp8_quant_reference,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "rows,cols,group_size", [(4, 256, 128), (6, 123, 128), (1, 128, 128), (5, 300, 64), (3, 17, 16)]
+)
+def test_fp8_quant_matches_reference(rows, cols, group_size, dtype):
+    generator = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=generator) * 3).to(dtype)
+    q, scale = fp8_quant(x, group_size)
+    q_ref, scale_ref = fp8_quant_reference(x, group_size)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, -(-cols // group_size))
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+    # e4m3 keeps 3 mantissa bits: each value within half a step (1/16 relative) of the input.
+    restored = fp8_dequant_reference(q, scale, group_size)
+    torch.testing.assert_close(restored, x.float(), rtol=1 / 16, atol=scale.max().item() / 8)
+
+
+def test_fp8_quant_maps_group_max_to_fp8_max_and_zero_groups_to_zero():
+    x = torch.zeros(2, 256)
+    x[0, 5], x[1, 200] = -7.0, 0.5
+    q, scale = fp8_quant(x)
+    torch.testing.assert_close(
+        scale, torch.tensor([[7 / FP8_MAX, MIN_SCALE], [MIN_SCALE, 0.5 / FP8_MAX]])
+    )
+    assert q[0, 5].float() == -FP8_MAX and q[1, 200].float() == FP8_MAX
+    assert q.float().count_nonzero() == 2
+
+
+def test_fp8_quant_rejects_strided_rows():
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fp8_quant(torch.randn(8, 4).t())

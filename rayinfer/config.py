@@ -132,6 +132,12 @@ class ModelConfig:
             return (self.kv_lora_rank + self.qk_rope_head_dim,)
         return (2, self.num_kv_heads, self.head_dim)
 
+    def kv_shape_per_token_on_rank(self, tp_size: int) -> tuple[int, ...]:
+        """One tensor-parallel rank's share: K/V heads split; MLA's latent is replicated."""
+        if self.is_mla or tp_size == 1:
+            return self.kv_shape_per_token
+        return (2, self.num_kv_heads // tp_size, self.head_dim)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * math.prod(self.kv_shape_per_token) * dtype_bytes
 

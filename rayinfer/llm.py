@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, ModelConfig, ParallelPlan, SchedulerConfig
+from rayinfer.config import CacheConfig, ModelConfig, ParallelPlan, SchedulerConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
@@ -56,14 +56,33 @@ class LLM:
         self._request_ids = itertools.count()
 
     def _make_executor(self, plan: ParallelPlan):
-        if plan.num_workers != 1:
-            raise ConfigError(
-                f"parallel={plan} needs {plan.num_workers} workers; the offline LLM runs one "
-                "device in-process today: use ParallelPlan(tp=1, dp=1, ep=1)"
-            )
-        from rayinfer.workers.in_process import InProcessExecutor
+        """One device in-process; several workers (one Ray actor per GPU) for a larger plan."""
+        if plan.num_workers == 1:
+            from rayinfer.workers.in_process import InProcessExecutor
 
-        return InProcessExecutor(self.model_config, self.cache_config, self.device, self.dtype)
+            return InProcessExecutor(self.model_config, self.cache_config, self.device, self.dtype)
+        import ray
+
+        from rayinfer.workers.group import WorkerGroup
+        from rayinfer.workers.worker import WorkerSpec
+
+        if not ray.is_initialized():
+            ray.init()
+        use_gpus = self.device.type == "cuda"
+        spec = WorkerSpec(
+            self.model_config,
+            self.cache_config,
+            device=self.device.type,
+            dtype=self.dtype,
+            num_threads=0 if use_gpus else 1,
+            plan=plan,
+        )
+        prefix = f"rayinfer-llm-{id(self):x}"
+        return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)
+
+    def shutdown(self) -> None:
+        """Stop the workers (a multi-worker plan's Ray actors)."""
+        self.engine.executor.shutdown()
 
     def generate(
         self,

@@ -16,8 +16,9 @@ import torch
 class KVPayload:
     """The KV of one request plus its sampler state, as one worker exports it."""
 
-    kv: list[torch.Tensor]  # per layer [num_tokens, *kv_shape_per_token], on the CPU
+    kv: list[torch.Tensor]  # per layer [num_tokens, *kv_shape_on_this_rank], on the CPU
     generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
+    kv_heads: tuple[int, int] | None = None  # (first, count) of the K/V heads held; None: all
 
     @property
     def num_bytes(self) -> int:
@@ -68,3 +69,19 @@ def unpack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor, kv: list[torch
                 f"this cache's {tuple(flat.shape[1:])}"
             )
         flat[slots.to(cache.device)] = layer_kv.to(device=cache.device, dtype=cache.dtype)
+
+
+def select_kv_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) -> list[torch.Tensor]:
+    """Per layer [num_tokens, *shape] for the K/V heads (first, count) one rank needs, from the
+    payloads of another plan's ranks (any head split; replicated payloads need no merging)."""
+    if heads is None or payloads[0].kv_heads is None:
+        return payloads[0].kv
+    first, count = heads
+    ordered = sorted({p.kv_heads: p for p in payloads}.values(), key=lambda p: p.kv_heads[0])
+    covering = [p for p in ordered if p.kv_heads[0] < first + count and sum(p.kv_heads) > first]
+    start = covering[0].kv_heads[0]
+    merged = []
+    for layer in range(len(covering[0].kv)):
+        heads_dim = torch.cat([p.kv[layer] for p in covering], dim=2)  # [N, 2, heads, D]
+        merged.append(heads_dim[:, :, first - start : first - start + count])
+    return merged

@@ -10,7 +10,13 @@ import torch
 
 from rayinfer.config import CacheConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch
-from rayinfer.engine.kv_transfer import KVPayload, pack_kv, token_slots, unpack_kv
+from rayinfer.engine.kv_transfer import (
+    KVPayload,
+    pack_kv,
+    select_kv_heads,
+    token_slots,
+    unpack_kv,
+)
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import sample_tokens
@@ -30,16 +36,17 @@ class ModelRunner:
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.parallel = parallel
+        self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size)
+        self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
+        if not model_config.is_mla:
+            self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
         self.model = load_model(model_config, dtype, self.device, parallel)
         self.kv_caches = self._allocate_kv_caches()
         self.generators: dict[str, torch.Generator] = {}
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        shape = (
-            self.cache_config.num_blocks,
-            self.cache_config.block_size,
-            *self.model_config.kv_shape_per_token,
-        )
+        shape = (self.cache_config.num_blocks, self.cache_config.block_size, *self.kv_shape)
         return [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.model_config.num_layers)
@@ -95,15 +102,22 @@ class ModelRunner:
         slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
         generator = self.generators.get(request_id)
         state = generator.get_state() if generator is not None else None
-        return KVPayload(kv=pack_kv(self.kv_caches, slots), generator_state=state)
+        kv = pack_kv(self.kv_caches, slots)
+        return KVPayload(kv=kv, generator_state=state, kv_heads=self.kv_heads)
 
-    def import_kv(self, request_id: str, block_table: list[int], payload: KVPayload) -> None:
-        num_tokens = payload.kv[0].shape[0] if payload.kv else 0
+    def import_kv(
+        self, request_id: str, block_table: list[int], payload: KVPayload | list[KVPayload]
+    ) -> None:
+        """Write a hand-off into these blocks; a list holds the shards of every prefill rank,
+        from which this rank takes its own K/V heads (any prefill plan to any decode plan)."""
+        payloads = payload if isinstance(payload, list) else [payload]
+        kv = select_kv_heads(payloads, self.kv_heads)
+        num_tokens = kv[0].shape[0] if kv else 0
         slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
-        unpack_kv(self.kv_caches, slots, payload.kv)
-        if payload.generator_state is not None:
+        unpack_kv(self.kv_caches, slots, kv)
+        if payloads[0].generator_state is not None:
             generator = torch.Generator()
-            generator.set_state(payload.generator_state)
+            generator.set_state(payloads[0].generator_state)
             self.generators[request_id] = generator
 
     def free_requests(self, request_ids: list[str]) -> None:

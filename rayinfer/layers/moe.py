@@ -219,9 +219,23 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         routing = self.route(x)
-        out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
-        if self.parallel.ep_size > 1:
-            self.parallel.ep_group.all_reduce(out)
+        if self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep:
+            out = self._exchange_with_experts(x, routing)
+        else:
+            out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
+            if self.parallel.ep_size > 1:  # every EP rank saw the same tokens: sum the shares
+                self.parallel.ep_group.all_reduce(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _exchange_with_experts(self, x: torch.Tensor, routing: ops.MoeRouting) -> torch.Tensor:
+        """Send each token once to every EP rank holding one of its experts; sum the results."""
+        group = self.parallel.ep_group
+        received = group.dispatch(
+            x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
+        )  # received.x [R, H]; topk_ids [R, K] local to this rank, -1 elsewhere
+        expert_out = ops.fused_moe(
+            received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
+        )  # [R, H]
+        return group.combine(expert_out, received.handle)  # [T, H] in the original order

@@ -1,7 +1,8 @@
 """Where a layer sits in a parallel plan: its tensor- and expert-parallel rank and group.
 
 Layers shard their weights by these numbers; with sizes 1 (the default) they are plain layers.
-The `group` carries the collectives (`all_reduce`, `all_gather`, `dispatch`, `combine`).
+Groups are `LayerGroup`s: the few collectives layers call, over any `ray.util.collective`-style
+group (rayinfer's own backend in practice).
 """
 
 from __future__ import annotations
@@ -9,15 +10,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+
+class LayerGroup:
+    """The collectives layers use, on top of a group with `allreduce`/`allgather` (in place,
+    ray.util.collective naming) and, for expert parallelism, `dispatch`/`combine`."""
+
+    def __init__(self, group: Any, rank: int, size: int):
+        self.group = group
+        self.rank = rank
+        self.size = size
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the group, in place."""
+        self.group.allreduce(tensor)
+
+    def all_gather_concat(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's `tensor` (same shape everywhere) along `dim`, in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, **options):
+        return self.group.dispatch(x, topk_ids, topk_weights, num_experts=num_experts, **options)
+
+    def combine(self, expert_out, handle, **options):
+        return self.group.combine(expert_out, handle, **options)
+
 
 @dataclass(frozen=True)
 class ParallelContext:
+    """tp: attention heads and dense layers split; ep: routed experts split.
+
+    `tokens_differ_across_ep` is True when the EP group's ranks hold different tokens (data-
+    parallel attention), so experts must exchange tokens (dispatch/combine) rather than sum
+    partial outputs of the same tokens (all-reduce).
+    """
+
     tp_rank: int = 0
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
-    tp_group: Any = None
-    ep_group: Any = None
+    tp_group: LayerGroup | None = None
+    ep_group: LayerGroup | None = None
+    tokens_differ_across_ep: bool = False
 
     def __post_init__(self):
         if not 0 <= self.tp_rank < self.tp_size:
@@ -31,5 +68,9 @@ SINGLE = ParallelContext()
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by the parallel size {denominator}")
+        valid = [d for d in range(1, numerator + 1) if numerator % d == 0]
+        raise ValueError(
+            f"{what}={numerator} is not divisible by the parallel size {denominator}; "
+            f"sizes that divide it: {valid}"
+        )
     return numerator // denominator

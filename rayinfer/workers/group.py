@@ -2,9 +2,11 @@
 
 Inside a Serve replica the workers are scheduled into the replica's placement group: bundle 0 is
 the replica itself, bundle 1 + rank is worker `rank` (see `placement_bundles`), so autoscaling
-adds and removes whole groups. Each step runs SPMD on every worker; rank 0's tokens are the
-group's. With more than one worker the group forms a collective group (`init_collective`), which
-running one model across workers (tensor/expert parallelism) builds on.
+adds and removes whole groups. Each step runs SPMD on every worker. The spec's ParallelPlan
+splits the model: each data-parallel replica (`tp` consecutive workers) runs its own share of the
+requests (a request stays on the replica that first took it), and the first worker of each
+replica reports that share's tokens. The workers form their tensor- and expert-parallel
+collective groups themselves (see `Worker`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.executor import Executor, KVLostError
+from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
 
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
@@ -54,16 +57,22 @@ class WorkerGroup(Executor):
         self,
         name_prefix: str,
         spec: WorkerSpec,
-        num_workers: int = 1,
+        num_workers: int | None = None,
         use_gpus: bool = False,
         cpus_per_worker: float = 0.5,
         placement_group: PlacementGroup | None = None,
-        collective_backend: str = "rayinfer",
     ):
-        if num_workers < 1:
-            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        num_workers = num_workers or spec.plan.num_workers
+        if num_workers != spec.plan.num_workers:
+            raise ValueError(
+                f"num_workers={num_workers} but plan {spec.plan} needs {spec.plan.num_workers}"
+            )
         self.name_prefix = name_prefix
         self.num_workers = num_workers
+        self.plan = spec.plan
+        self.kv_is_replicated = spec.model_config.is_mla  # every TP rank caches the full latent
+        self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
+        self.dp_rank_of: dict[str, int] = {}  # request_id -> the DP replica holding its KV
         self.stats = TransferStats()
         placement_group = placement_group or get_current_placement_group()
         self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
@@ -72,8 +81,6 @@ class WorkerGroup(Executor):
             for rank in range(num_workers)
         ]
         self.descriptions = ray.get([w.describe.remote() for w in self.workers])
-        if num_workers > 1:
-            self.init_collective(collective_backend)
 
     def _start_worker(self, rank, spec, use_gpus, cpus_per_worker, placement_group):
         options = {"name": self.worker_names[rank], "max_restarts": 0, "max_concurrency": 1}
@@ -90,31 +97,44 @@ class WorkerGroup(Executor):
             self.worker_names[rank], rank, self.num_workers, spec
         )
 
-    def init_collective(self, backend: str) -> None:
-        """Form one collective group of all workers, named after the group."""
-        group_name = f"{self.name_prefix}-collective"
-        ray.get(
-            [
-                worker.init_collective.remote(self.num_workers, rank, backend, group_name)
-                for rank, worker in enumerate(self.workers)
-            ]
-        )
-
     # --- Executor ----------------------------------------------------------------------------
     def execute(self, batch: ModelBatch) -> list[int]:
-        results = ray.get([worker.execute.remote(batch) for worker in self.workers])
-        return results[0]
+        shares = [ModelBatch([]) for _ in range(self.plan.dp)]
+        for request in batch.requests:
+            shares[self._dp_rank(request.request_id)].requests.append(request)
+        calls = [
+            worker.execute.remote(shares[placement.dp_rank])
+            for worker, placement in zip(self.workers, self.placements)
+        ]
+        leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
+        results = ray.get(calls)
+        tokens_of = {}
+        for rank in leaders:
+            sampling = [
+                r.request_id for r in shares[self.placements[rank].dp_rank].requests if r.samples
+            ]
+            tokens_of.update(zip(sampling, results[rank]))
+        return [tokens_of[r.request_id] for r in batch.requests if r.samples]
 
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVRefs:
+        exporters = self._holders(request_id)
+        if self.kv_is_replicated:
+            exporters = exporters[:1]
         shards = ray.get(
-            [w.export_kv.remote(request_id, block_table, num_tokens) for w in self.workers]
+            [
+                self.workers[rank].export_kv.remote(request_id, block_table, num_tokens)
+                for rank in exporters
+            ]
         )
         return KVRefs(shards=shards, num_bytes=sum(shard.num_bytes for shard in shards))
 
     def import_kv(self, request_id: str, block_table: list[int], payload: KVRefs) -> None:
         start = time.perf_counter()
         imported = ray.get(
-            [w.import_kv.remote(request_id, block_table, payload.shards) for w in self.workers]
+            [
+                self.workers[rank].import_kv.remote(request_id, block_table, payload.shards)
+                for rank in self._holders(request_id)
+            ]
         )
         self.stats.import_seconds[request_id] = time.perf_counter() - start
         if not all(imported):
@@ -124,7 +144,23 @@ class WorkerGroup(Executor):
                 f"{payload.owners} died or the object was evicted); decode recomputes the prompt"
             )
 
+    def _dp_rank(self, request_id: str) -> int:
+        """The DP replica of a request: fixed at first sight, the least loaded one."""
+        if request_id not in self.dp_rank_of:
+            loads = [0] * self.plan.dp
+            for dp_rank in self.dp_rank_of.values():
+                loads[dp_rank] += 1
+            self.dp_rank_of[request_id] = loads.index(min(loads))
+        return self.dp_rank_of[request_id]
+
+    def _holders(self, request_id: str) -> list[int]:
+        """Ranks of the workers caching this request's KV (its DP replica's TP group)."""
+        dp_rank = self._dp_rank(request_id)
+        return [i for i, p in enumerate(self.placements) if p.dp_rank == dp_rank]
+
     def free_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.dp_rank_of.pop(request_id, None)
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
 

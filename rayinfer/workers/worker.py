@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rayinfer.config import CacheConfig, ModelConfig
+from rayinfer.config import CacheConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
+from rayinfer.workers.placement import WorkerPlacement
 
 # The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError).
 LOST_OBJECT_ERRORS = (
@@ -32,6 +34,7 @@ class KVShard:
     ref: ray.ObjectRef  # -> KVPayload, owned by the worker named `owner`
     num_bytes: int
     owner: str  # the worker actor's name
+    kv_heads: tuple[int, int] | None = None  # (first, count) of K/V heads; None: all of them
 
 
 @dataclass
@@ -44,6 +47,8 @@ class WorkerSpec:
     dtype: torch.dtype | None  # None: float32 on the CPU, bfloat16 on GPUs
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
     import_timeout_s: float = 60.0
+    plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
+    collective_backend: str = "rayinfer"
 
 
 class Worker:
@@ -61,7 +66,38 @@ class Worker:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
-        self.runner = ModelRunner(spec.model_config, spec.cache_config, self.device, self.dtype)
+        self.placement = WorkerPlacement(rank, spec.plan)
+        parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
+        self.runner = ModelRunner(
+            spec.model_config, spec.cache_config, self.device, self.dtype, parallel
+        )
+
+    def _join_groups(self, prefix: str) -> ParallelContext:
+        """Form this worker's tensor- and expert-parallel collective groups with its peers (every
+        worker of the group runs this in its constructor, concurrently)."""
+        import ray.util.collective as collective
+
+        if self.spec.collective_backend == "rayinfer":
+            import rayinfer.comm  # noqa: F401  (registers the backend)
+        placement, plan = self.placement, self.spec.plan
+        groups = {}
+        for kind, group_name in placement.group_names(prefix).items():
+            size, rank = (
+                (plan.tp, placement.tp_rank) if kind == "tp" else (plan.ep, placement.ep_rank)
+            )
+            collective.init_collective_group(
+                size, rank, backend=self.spec.collective_backend, group_name=group_name
+            )
+            groups[kind] = LayerGroup(collective.get_group_handle(group_name), rank, size)
+        return ParallelContext(
+            tp_rank=placement.tp_rank,
+            tp_size=plan.tp,
+            ep_rank=placement.ep_rank,
+            ep_size=plan.ep,
+            tp_group=groups.get("tp"),
+            ep_group=groups.get("ep"),
+            tokens_differ_across_ep=placement.tokens_differ_across_ep,
+        )
 
     def describe(self) -> dict:
         return {
@@ -72,30 +108,31 @@ class Worker:
             "pid": os.getpid(),
         }
 
-    def init_collective(self, world_size: int, rank: int, backend: str, group_name: str) -> None:
-        """Join the group's collective group (one model over several workers uses it)."""
-        import ray.util.collective as collective
-
-        if backend == "rayinfer":
-            import rayinfer.comm  # noqa: F401  (registers the backend)
-        collective.init_collective_group(world_size, rank, backend=backend, group_name=group_name)
-
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
 
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVShard:
         payload = self.runner.export_kv(request_id, block_table, num_tokens)
-        return KVShard(ref=ray.put(payload), num_bytes=payload.num_bytes, owner=self.name)
+        return KVShard(ray.put(payload), payload.num_bytes, self.name, payload.kv_heads)
 
     def import_kv(self, request_id: str, block_table: list[int], shards: list[KVShard]) -> bool:
-        """Write this rank's shard into the cache; False when its object is gone."""
-        shard = shards[self.rank % len(shards)]
+        """Write this rank's part of a hand-off (from any prefill plan) into the cache; False
+        when an object it needs is gone."""
+        needed = [shard for shard in shards if self._needs(shard.kv_heads)]
         try:
-            payload: KVPayload = ray.get(shard.ref, timeout=self.spec.import_timeout_s)
+            payloads: list[KVPayload] = ray.get(
+                [shard.ref for shard in needed], timeout=self.spec.import_timeout_s
+            )
         except LOST_OBJECT_ERRORS:
             return False
-        self.runner.import_kv(request_id, block_table, payload)
+        self.runner.import_kv(request_id, block_table, payloads)
         return True
 
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
+
+    def _needs(self, shard_heads: tuple[int, int] | None) -> bool:
+        mine = self.runner.kv_heads
+        if shard_heads is None or mine is None:
+            return True
+        return shard_heads[0] < mine[0] + mine[1] and mine[0] < shard_heads[0] + shard_heads[1]

@@ -44,9 +44,10 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, name: str, on_step: Callable[[], None] | None = None):
+    def __init__(self, engine: LLMEngine, name: str, on_tick: Callable[[], None] | None = None):
+        """on_tick runs on the loop thread after every step, and every IDLE_WAIT_S when idle."""
         self.engine = engine
-        self.on_step = on_step or (lambda: None)
+        self.on_tick = on_tick or (lambda: None)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.fatal_error: BaseException | None = None
@@ -104,7 +105,7 @@ class EngineLoop:
                 self._take_commands(block=not self._has_work())
                 if self._has_work():
                     self._deliver(self.engine.step())
-                    self.on_step()
+                self.on_tick()
         except BaseException as error:  # noqa: BLE001  (reported to every open request)
             logger.exception("engine loop failed")
             self.fatal_error = error
@@ -165,7 +166,7 @@ class EngineLoop:
             self.streams.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters for metrics (read from the loop thread via on_step)."""
+        """Engine counters for metrics (read from the loop thread, in on_tick)."""
         return {
             "num_waiting": len(self.engine.scheduler.waiting) + len(self.engine.pending_imports),
             "num_running": len(self.engine.scheduler.running),

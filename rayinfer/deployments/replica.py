@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ray import serve
 
@@ -10,6 +11,8 @@ from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineLoop
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.runtime import ModelSource, build_engine
+
+GAUGE_REFRESH_S = 0.5
 
 
 def replica_suffix() -> str:
@@ -34,10 +37,15 @@ class PhaseReplica:
         name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
         self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)
         self._num_kv_recomputes = 0
-        self.loop = EngineLoop(self.engine, name=name_prefix, on_step=self._record_step)
+        self._last_report = 0.0
+        self.loop = EngineLoop(self.engine, name=name_prefix, on_tick=self._report_engine)
 
-    def _record_step(self) -> None:
-        """Runs on the loop thread after every step."""
+    def _report_engine(self) -> None:
+        """Runs on the loop thread. Ray drops a gauge not set for 2 report intervals: refresh."""
+        now = time.monotonic()
+        if now - self._last_report < GAUGE_REFRESH_S:
+            return
+        self._last_report = now
         stats = self.loop.stats()
         self.metrics.observe_engine(stats["num_waiting"], stats["num_running"], stats["kv_usage"])
         new_recomputes = stats["num_kv_recomputes"] - self._num_kv_recomputes

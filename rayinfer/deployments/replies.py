@@ -18,6 +18,8 @@ def validation_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
     loc = [part for part in first["loc"] if part != "body"]
+    if not loc and first["type"] == "model_attributes_type":
+        return OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)")
     param = ""
     for part in loc:
         param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)

@@ -1,0 +1,259 @@
+"""A private Ray cluster plus a real `serve run rayinfer.app:build` subprocess, for e2e tests.
+
+The cluster is started with `ray start --head` in its own short temp dir, with every port found
+free at run time, so it cannot collide with the pytest process's own cluster (`ray_cluster` in
+tests/conftest.py): that one is found through RAY_ADDRESS or /tmp/ray, and neither points here.
+Only the subprocesses get RAY_ADDRESS. Every wait is bounded; `stop` always tears everything down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PORT_NAMES = (
+    "port",
+    "node-manager-port",
+    "object-manager-port",
+    "ray-client-server-port",
+    "dashboard-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free TCP ports on 127.0.0.1 (all held open until all are chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class ServeCluster:
+    app_args: list[str]
+    num_cpus: int = 4
+    temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
+    ports: dict[str, int] = field(default_factory=dict)
+    serve_process: subprocess.Popen | None = None
+
+    @property
+    def ray_address(self) -> str:
+        return f"127.0.0.1:{self.ports['port']}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['dashboard-port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics-export-port']}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        return self.temp_dir / "serve_run.log"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        python_path = [str(REPO_ROOT), env.get("PYTHONPATH", "")]
+        env.update(
+            PYTHONPATH=os.pathsep.join(p for p in python_path if p),
+            RAY_ADDRESS=self.ray_address,
+            RAY_metrics_report_interval_ms="1000",
+            RAY_USAGE_STATS_ENABLED="0",
+            OMP_NUM_THREADS="1",
+        )
+        return env
+
+    def start(self, timeout_s: float = 240) -> None:
+        assert "RAY_ADDRESS" not in os.environ, "unset RAY_ADDRESS: the tests start their own"
+        self.ports = dict(zip((*PORT_NAMES, "http"), free_ports(len(PORT_NAMES) + 1)))
+        port_flags = [f"--{name}={self.ports[name]}" for name in PORT_NAMES]
+        self._run(
+            [
+                "ray",
+                "start",
+                "--head",
+                f"--temp-dir={self.temp_dir}",
+                f"--num-cpus={self.num_cpus}",
+                "--num-gpus=0",
+                "--include-dashboard=true",
+                "--disable-usage-stats",
+                *port_flags,
+            ],
+            timeout_s=120,
+        )
+        self._run(["serve", "start", f"--http-port={self.ports['http']}"], timeout_s=60)
+        command = ["serve", "run", "rayinfer.app:build", *self.app_args]
+        with open(self.log_path, "wb") as log:
+            self.serve_process = subprocess.Popen(
+                command, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            )
+        self.wait_until_ready(timeout_s)
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.serve_process.poll() is not None:
+                raise RuntimeError(f"serve run exited early:\n{self.log_tail()}")
+            if "is ready at" in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(1)
+        raise TimeoutError(f"serve run not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def _run(self, command: list[str], timeout_s: float) -> str:
+        result = subprocess.run(
+            command,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=REPO_ROOT,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def run_python(self, script: str, *args: str, timeout_s: float = 120) -> str:
+        """Run a Python file connected to this cluster (handles cannot live in pytest's process)."""
+        return self._run([sys.executable, script, *args], timeout_s)
+
+    def serve_status(self) -> dict:
+        import yaml
+
+        text = self._run(["serve", "status", f"--address={self.dashboard_url}"], timeout_s=60)
+        return yaml.safe_load(text)
+
+    def running_replicas(self, deployment: str, app: str = "default") -> int:
+        status = self.serve_status()["applications"][app]["deployments"][deployment]
+        return status["replica_states"].get("RUNNING", 0)
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+    def metric_sum(self, name: str) -> float:
+        """Sum of every sample of a Prometheus metric (all tags)."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def get_json(self, path: str) -> dict:
+        with urllib.request.urlopen(self.http_url + path, timeout=30) as response:
+            return json.loads(response.read())
+
+    def stop(self) -> None:
+        if self.serve_process is not None and self.serve_process.poll() is None:
+            self.serve_process.terminate()
+            try:
+                self.serve_process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.serve_process.kill()
+        for command in (["serve", "shutdown", "-y", f"--address={self.dashboard_url}"],):
+            try:
+                subprocess.run(command, env=self.env(), capture_output=True, timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        # `ray stop` would also stop the pytest process's own cluster: end only this cluster's
+        # processes (those naming its temp dir) and their children (the worker processes).
+        stop_processes(cluster_process_ids(self.temp_dir, self.ports.get("port")))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _parent_ids() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return parents
+
+
+def _names_cluster(args: list[bytes], temp_dir: Path, gcs_port: int | None) -> bool:
+    if any(str(temp_dir).encode() in arg for arg in args):
+        return True
+    suffix = f":{gcs_port}".encode()  # the Ray client server names only the GCS address
+    return gcs_port is not None and any(
+        arg.startswith(b"--address=") and arg.endswith(suffix) for arg in args
+    )
+
+
+def cluster_process_ids(temp_dir: Path, gcs_port: int | None = None) -> list[int]:
+    """Processes whose command line names temp_dir or the GCS port, plus their descendants."""
+    roots = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if _names_cluster(args, temp_dir, gcs_port):
+                roots.add(int(entry.name))
+    parents = _parent_ids()
+    found = set(roots)
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= children
+        grew = bool(children)
+    return sorted(found)
+
+
+def stop_processes(pids: list[int], grace_s: float = 10) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.2)
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 1.0, what: str = "condition"):
+    """Poll predicate() until it returns a truthy value; raise after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as error:  # not up yet (connection refused, 503, a status without the key)
+            last_error = error
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not reached within {timeout_s}s (last error: {last_error!r})")

@@ -1,0 +1,83 @@
+"""Run by test_server.py inside the test cluster: lose a hand-off's KV, decode must recompute.
+
+Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV object
+before anyone read it, then decodes the hand-off. Prints JSON: the decoded text, whether decode
+reported a recompute, and the greedy text of the same prompt through the normal path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import ray
+from ray import serve
+
+from rayinfer.deployments.types import DecodeRequest, GenerateRequest, PrefillRequest
+from rayinfer.engine.sampling_params import SamplingParams
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8, 250, 31]
+MAX_TOKENS = 12
+
+
+def kill_and_wait(actor, timeout_s: float = 30) -> None:
+    """Kill an actor and return once it is dead (its owned objects are then lost)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.describe.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"actor still alive {timeout_s}s after ray.kill")
+
+
+def wait_until_lost(ref, timeout_s: float = 30) -> None:
+    """Ray notices an owner's death within about a second; until then the object still reads."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ref, timeout=5)
+        except ray.exceptions.ObjectLostError:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
+
+
+def main() -> None:
+    ray.init(address="auto", log_to_driver=False)
+    ingress = serve.get_app_handle("default")
+    reference = ingress.generate.remote(
+        GenerateRequest(prompt=PROMPT_IDS, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ).result()
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prefill = serve.get_deployment_handle("Prefill", app_name="default")
+    result = prefill.prefill.remote(PrefillRequest("lost-kv-0", PROMPT_IDS, params)).result()
+    owners = result.handoff.payload.owners
+    for owner in owners:
+        kill_and_wait(ray.get_actor(owner, namespace="serve"))
+    wait_until_lost(result.handoff.payload.shards[0].ref)
+
+    decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)
+    text, token_ids, chunks = result.first_text, [result.first_token_id], []
+    for chunk in decode.generate.remote(DecodeRequest(result, params)):
+        chunks.append(chunk)
+        text += chunk.new_text
+        token_ids += chunk.new_token_ids
+    report = {
+        "owners": owners,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": chunks[-1].finish_reason,
+        "was_recomputed": chunks[0].was_recomputed,
+        "reference_text": reference.text,
+        "reference_token_ids": reference.token_ids,
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""End to end: the real `serve run rayinfer.app:build` CLI on a private cluster, driven over HTTP
+with the openai client, through Python handles, and watched through `serve status` and Prometheus.
+
+One server for the module (starting one costs ~40 s on 2 cores). Its decode deployment autoscales
+between 1 and 2 replicas with short delays so the autoscaling test fits in CI; the KV-loss test
+kills a prefill worker and runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.cluster import REPO_ROOT, ServeCluster, wait_for
+
+pytestmark = pytest.mark.slow
+
+APP_ARGS = [
+    "max_model_len=256",
+    "health_check_period_s=2",
+    "decode.autoscaling.max_replicas=2",
+    "decode.autoscaling.target_ongoing_requests=1",
+    "decode.autoscaling.upscale_delay_s=1",
+    "decode.autoscaling.downscale_delay_s=3",
+    "decode.autoscaling.look_back_period_s=2",
+    "decode.autoscaling.metrics_interval_s=0.5",
+]
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def server():
+    cluster = ServeCluster(APP_ARGS)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", timeout=120)
+
+
+def chat(client, stream: bool, max_tokens: int = 12):
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the river."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=stream,
+    )
+
+
+def test_models_and_health(server, client):
+    assert server.get_json("/health") == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_chat_stream_equals_whole(client):
+    whole = chat(client, stream=False)
+    streamed = "".join(
+        chunk.choices[0].delta.content or "" for chunk in chat(client, stream=True) if chunk.choices
+    )
+    assert whole.choices[0].message.content
+    assert streamed == whole.choices[0].message.content
+    assert whole.usage.completion_tokens <= 12
+    assert whole.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_equals_offline_llm(client):
+    import rayinfer
+
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    offline = rayinfer.LLM("tiny", max_model_len=256).generate(
+        PROMPT, rayinfer.SamplingParams(max_tokens=16, temperature=0)
+    )[0]
+    assert reply.choices[0].text == offline.text
+    assert reply.usage.completion_tokens == len(offline.token_ids)
+    assert reply.choices[0].finish_reason == offline.finish_reason
+
+
+def test_serve_status_and_handoff_metric(server, client):
+    deployments = server.serve_status()["applications"]["default"]["deployments"]
+    assert {"Ingress", "Prefill", "Decode"} <= set(deployments)
+    assert all(d["status"] == "HEALTHY" for d in deployments.values())
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    wait_for(
+        lambda: server.metric_sum("ray_rayinfer_kv_handoff_bytes_total") > 0,
+        timeout_s=60,
+        what="a non-zero ray_rayinfer_kv_handoff_bytes_total",
+    )
+
+
+def test_prometheus_lists_rayinfer_metrics(server):
+    wait_for(
+        lambda: server.metric_sum("ray_rayinfer_time_to_first_token_seconds_count") > 0,
+        timeout_s=60,
+        what="a non-zero TTFT count",
+    )
+    text = server.metrics_text()
+    for name in ("requests_total", "kv_cache_usage", "queue_length", "generation_tokens_total"):
+        assert f"ray_rayinfer_{name}" in text
+
+
+def test_32_concurrent_streams_complete(server):
+    async def one(client, index: int) -> tuple[int, int, str]:
+        max_tokens = 8 + index % 5
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"{PROMPT} number {index}",
+            max_tokens=max_tokens,
+            temperature=0.8,
+            seed=index,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage, finish_reason = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish_reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return max_tokens, usage.completion_tokens, finish_reason
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="x", timeout=180)
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 32
+    for wanted, got, finish_reason in results:
+        assert (got, finish_reason) == (wanted, "length")
+
+
+BAD_BODIES = {
+    "missing messages": ("chat", {"model": "tiny"}, "messages"),
+    "empty prompt": ("completions", {"model": "tiny", "prompt": ""}, "prompt"),
+    "max_tokens=-1": ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    "temperature=hot": ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    "top_p=7": ("completions", {"prompt": "hi", "top_p": 7}, "top_p"),
+    "prompt too long": ("completions", {"prompt": "fox " * 400}, "prompt"),
+    "messages not a list": ("chat", {"messages": "hi"}, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_input_is_400_naming_the_field(server, case):
+    route, body, field = BAD_BODIES[case]
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    reply = httpx.post(server.http_url + path, json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == field
+    assert field in error["message"]
+
+
+def test_malformed_json_and_unknown_model_then_still_serving(server, client):
+    url = server.http_url + "/v1/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    broken = httpx.post(url, content=b'{"messages": [', headers=headers, timeout=30)
+    assert broken.status_code == 400
+    assert "JSON" in broken.json()["error"]["message"]
+    unknown = httpx.post(
+        url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "a"}]}
+    )
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    assert chat(client, stream=False, max_tokens=3).choices[0].message.content is not None
+
+
+def test_python_handle_example(server):
+    output = server.run_python(str(REPO_ROOT / "examples" / "handle_client.py"))
+    report = json.loads(output.strip().splitlines()[-1])
+    assert report["whole"] and report["whole"] == report["streamed"]
+    assert report["chat"]
+
+
+def test_decode_scales_up_under_load_and_back_down(server):
+    wait_for(lambda: server.running_replicas("Decode") == 1, timeout_s=90, what="1 decode replica")
+    stop = threading.Event()
+
+    def keep_busy():
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                http.post(
+                    server.http_url + "/v1/completions",
+                    json={"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True},
+                )
+
+    threads = [threading.Thread(target=keep_busy, daemon=True) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: server.running_replicas("Decode") == 2, timeout_s=90, what="2 decode")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    wait_for(lambda: server.running_replicas("Decode") == 1, timeout_s=90, what="back to 1")
+
+
+def test_lost_kv_is_recomputed(server, client):
+    output = server.run_python(str(REPO_ROOT / "tests" / "serve" / "lost_kv_client.py"))
+    report = json.loads(output.strip().splitlines()[-1])
+    assert report["was_recomputed"]
+    assert report["token_ids"] == report["reference_token_ids"]
+    assert report["text"] == report["reference_text"]
+    assert report["finish_reason"] == "length"
+    wait_for(
+        lambda: server.metric_sum("ray_rayinfer_kv_recomputes_total") > 0,
+        timeout_s=60,
+        what="a counted KV recompute",
+    )
+    # The Prefill replica whose worker died is replaced; the server keeps serving.
+    wait_for(lambda: chat(client, stream=False, max_tokens=3), timeout_s=90, what="recovery")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from rayinfer.config import ModelConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.embedding import LMHead, VocabEmbedding
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.mla import MLAAttention
@@ -31,18 +31,24 @@ _MLP_PROJECTION = re.compile(
 
 
 def routing_method(config: ModelConfig) -> RoutingMethod:
+    """V3 always routes `noaux_tc` with sigmoid scores; V2 softmax, `greedy` or grouped."""
     hf = config.hf
-    is_v3 = config.architecture == "DeepseekV3ForCausalLM"
-    topk_method = hf.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
-    scoring = hf.get("scoring_func") or ("sigmoid" if topk_method == "noaux_tc" else "softmax")
-    is_grouped = topk_method in ("noaux_tc", "group_limited_greedy")
-    num_groups = (hf.get("n_group") or 1) if is_grouped else 1
+    if config.architecture == "DeepseekV3ForCausalLM":
+        topk_method = "noaux_tc"
+    else:
+        topk_method = hf.get("topk_method") or "greedy"
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(
+                f"topk_method={topk_method!r} is not a DeepSeek-V2 routing; "
+                "use 'greedy' or 'group_limited_greedy'"
+            )
+    num_groups = (hf.get("n_group") or 1) if topk_method != "greedy" else 1
     return RoutingMethod(
         top_k=config.num_experts_per_tok,
-        scoring=scoring,
+        scoring="sigmoid" if topk_method == "noaux_tc" else "softmax",
         renormalize=bool(hf.get("norm_topk_prob", False)),
         num_groups=num_groups,
-        topk_groups=(hf.get("topk_group") or num_groups) if is_grouped else 1,
+        topk_groups=(hf.get("topk_group") or num_groups) if num_groups > 1 else 1,
         use_correction_bias=topk_method == "noaux_tc",
         routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
     )

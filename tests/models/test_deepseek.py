@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rayinfer.config import ModelConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.mla import MLAAttention
 from rayinfer.models.deepseek import DeepseekForCausalLM, is_moe_layer
@@ -163,6 +163,12 @@ def _config(**overrides) -> ModelConfig:
 def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq():
     config = _config(num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2)
     assert [is_moe_layer(config, i) for i in range(5)] == [False, False, True, False, True]
+
+
+def test_unknown_v2_topk_method_is_refused():
+    hf = {**TINY_MLA, "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "sinkhorn"}
+    with pytest.raises(ConfigError, match="topk_method='sinkhorn'"):
+        DeepseekForCausalLM(ModelConfig.from_hf_dict(hf))
 
 
 def test_load_weights_skips_mtp_layers_and_names_bad_tensors(tmp_path):

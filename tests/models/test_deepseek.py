@@ -5,6 +5,7 @@ both rope layouts, V3 sigmoid routing with a non-zero correction bias and group-
 softmax group_limited_greedy, a dense first layer and shared experts.
 """
 
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.mla import MLAAttention
+from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
 from rayinfer.models.deepseek import DeepseekForCausalLM, is_moe_layer
 from tests.models.harness import (
     allocate_caches,
@@ -152,6 +154,35 @@ def test_cache_holds_the_latent_not_expanded_kv(tmp_path):
     path = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **CASES["v3-q-lora"][1])
     config = ModelConfig.from_pretrained(path)
     assert config.kv_shape_per_token == (16 + 8,)
+
+
+@pytest.mark.parametrize(
+    "model_type,rope",
+    [
+        # DeepSeek-V3's config.json, and DeepSeek-V2-Lite's (mscale == mscale_all_dim != 1)
+        ("deepseek_v3", dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32)),
+        ("deepseek_v2", dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32)),
+        ("deepseek_v3", dict(factor=8.0, mscale=1.0, mscale_all_dim=0.5, truncate=False)),
+    ],
+)
+def test_yarn_frequencies_and_scales_match_transformers(model_type, rope):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    module = import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    scaling = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddings=4096)
+    scaling.update(beta_slow=1, **rope)
+    hf_config = AutoConfig.for_model(
+        model_type, qk_rope_head_dim=64, qk_nope_head_dim=128, max_position_embeddings=163840,
+        rope_parameters=scaling,
+    )  # fmt: skip
+    hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    rotary = DeepseekRotaryEmbedding(64, 10000.0, scaling, 163840, is_interleaved=True)
+    torch.testing.assert_close(rotary.inv_freq, hf_inv_freq, rtol=1e-6, atol=0)
+    assert rotary.attention_factor == pytest.approx(hf_attention_factor, rel=1e-7)
+    hf_scale = module.yarn_apply_mscale(hf_config.rope_parameters, 192**-0.5)
+    assert softmax_scale(192, scaling) == pytest.approx(hf_scale, rel=1e-7)
+    assert softmax_scale(192, scaling) != pytest.approx(192**-0.5)
 
 
 def _config(**overrides) -> ModelConfig:

@@ -28,10 +28,12 @@ name (`...mlp.experts.3.gate_proj.weight`; Mixtral: pass `MIXTRAL_EXPERT_PROJECT
 `moe.experts.load_expert_weight(expert_id, part, tensor)`. Shared experts load through
 `GatedMLP.load_weight(projection_name, tensor)`.
 
-Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local;
-tokens routed elsewhere contribute zero here and the partial outputs are summed over the EP group
-(the shared experts, replicated, are added after that sum). Tensor parallelism splits the shared
-experts' intermediate dimension; routed experts are not split by TP.
+Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
+When every EP rank holds the same tokens, each computes its experts' share and the shares are
+summed over the EP group; when ranks hold different tokens (`tokens_differ_across_ep`), tokens are
+sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
+replicated, are added afterwards. Tensor parallelism splits the shared experts' intermediate
+dimension; routed experts are not split by TP.
 """
 
 from __future__ import annotations

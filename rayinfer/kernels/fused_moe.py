@@ -35,7 +35,7 @@ def _moe_gemm_kernel(
     N, K, num_slots, up_offset, num_blocks_m,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
@@ -69,9 +69,13 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
-        k_in = offs_k < K - k_step * BLOCK_K
-        a = tl.load(a_ptrs, mask=is_real[:, None] & k_in[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+        if EVEN_K:  # no K mask: keeps the loads 16 bytes wide
+            a = tl.load(a_ptrs, mask=is_real[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_in = offs_k < K - k_step * BLOCK_K
+            a = tl.load(a_ptrs, mask=is_real[:, None] & k_in[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
         if USE_FP8:
             scale_col = k_step * BLOCK_K // SCALE_BLOCK
             a_scale = tl.load(a_scale_ptrs + scale_col, mask=is_real, other=0.0)[:, None]
@@ -79,7 +83,10 @@ def _moe_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if FUSE_SILU:
-            up = tl.load(up_ptrs, mask=k_in[:, None], other=0.0)
+            if EVEN_K:
+                up = tl.load(up_ptrs)
+            else:
+                up = tl.load(up_ptrs, mask=k_in[:, None], other=0.0)
             if USE_FP8:
                 acc_up += tl.dot(a, up) * a_scale * tl.load(up_scale_ptrs + scale_col)[None, :]
             else:
@@ -165,7 +172,8 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         a_scale.stride(0) if use_fp8 else 0,
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
         SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-        USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, **tile,
+        USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=a.shape[1] % tile["BLOCK_K"] == 0,
+        **tile,
     )  # fmt: skip
 
 

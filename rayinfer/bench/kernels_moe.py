@@ -1,0 +1,226 @@
+"""`python -m rayinfer.bench kernels moe [--out FILE] [--sweep]`: fused MoE and FP8 GEMM on CUDA.
+
+1. Correctness (relative error vs float32 references on random inputs).
+2. With --sweep: tile configs per GEMM stage, the best written to the JSON (copy them into
+   rayinfer/kernels/configs/{fused_moe,fp8_gemm}.json).
+3. Timings (`triton.testing.do_bench` medians) at DeepSeek-V3 shapes against torch baselines of the
+   same run: fused MoE vs `torch._grouped_mm` and a per-expert loop at 128 and 4,096 tokens (bf16
+   and FP8 experts); fp8_gemm vs `torch._scaled_mm` with per-tensor scales and dequantize + bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+import triton.testing
+
+from rayinfer.bench import moe_cases
+from rayinfer.bench.moe_cases import BF16, FP8, MoeShape
+from rayinfer.kernels import fused_moe as fused_moe_module
+from rayinfer.kernels.fp8_gemm import fp8_gemm
+from rayinfer.kernels.fp8_quant import fp8_quant
+from rayinfer.kernels.moe_align import moe_align
+
+PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, PEAK_BYTES_PER_S = 800.0, 1462.0, 4.23e12
+GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)
+
+
+def bench_ms(fn, rep: int = 100) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def tile(bm, bn, bk, warps, stages, group_m=8) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
+def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
+    """BLOCK_M -> stage tiles to try (both GEMMs of one call share BLOCK_M)."""
+    bk = 128
+    if num_tokens <= 256:
+        if fp8:
+            return {16: [tile(16, 64, bk, 4, 4, 1), tile(16, 128, bk, 4, 3, 1),
+                         tile(16, 32, bk, 4, 5, 1)]}  # fmt: skip
+        return {16: [tile(16, 64, 128, 4, 4, 1), tile(16, 64, 64, 4, 5, 1),
+                     tile(16, 128, 64, 4, 4, 1), tile(16, 32, 128, 4, 5, 1)]}  # fmt: skip
+    if fp8:
+        return {64: [tile(64, 128, bk, 4, 3, 16), tile(64, 64, bk, 4, 4, 16)],
+                128: [tile(128, 128, bk, 8, 3, 16), tile(128, 64, bk, 4, 3, 16)]}  # fmt: skip
+    return {64: [tile(64, 128, 64, 4, 4, 16), tile(64, 64, 64, 4, 4, 16),
+                 tile(64, 128, 64, 8, 3, 16)],
+            128: [tile(128, 128, 64, 8, 3, 16), tile(128, 64, 64, 4, 4, 16)]}  # fmt: skip
+
+
+def stage_fns(x, experts, weights, ids, block_m):
+    """Callables running each GEMM stage alone with a given tile (for the sweep)."""
+    num_tokens, top_k = ids.shape
+    alignment = moe_align(ids, experts.w13.shape[0], block_m)
+    inter = experts.w2.shape[2]
+    act = torch.randn(num_tokens * top_k, inter, dtype=BF16, device=x.device)
+    slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=BF16, device=x.device)
+    fp8 = experts.w13_scale is not None
+    x_in, x_scale = fp8_quant(x) if fp8 else (x, None)
+    act_in, act_scale = fp8_quant(act) if fp8 else (act, None)
+    launch = fused_moe_module._launch_gemm
+    w13_args = (x_in, experts.w13, torch.empty_like(act), x_scale, experts.w13_scale)
+    w2_args = (act_in, experts.w2, slot_out, act_scale, experts.w2_scale)
+    return {
+        "w13": lambda t: launch(*w13_args, weights, alignment, "w13", {"w13": t}, top_k),
+        "w2": lambda t: launch(*w2_args, weights, alignment, "w2", {"w2": t}, 1),
+    }
+
+
+def sweep_moe(x, experts, weights, ids, fp8) -> tuple[dict, list]:
+    """Best {"w13": tile, "w2": tile} over the candidates; also every (stage, tile, ms)."""
+    best, log = None, []
+    for block_m, tiles in moe_candidates(fp8, x.shape[0]).items():
+        fns = stage_fns(x, experts, weights, ids, block_m)
+        chosen, total = {}, 0.0
+        for stage, fn in fns.items():
+            timed = []
+            for t in tiles:
+                try:
+                    timed.append((bench_ms(functools.partial(fn, t), rep=25), t))
+                except Exception as error:  # out of shared memory / registers for this tile
+                    log.append({"stage": stage, "tile": t, "error": str(error)[:200]})
+            for ms, t in timed:
+                log.append({"stage": stage, "tile": t, "ms": ms})
+            if not timed:
+                raise RuntimeError(f"every {stage} tile failed: {log[-1]}")
+            ms, chosen[stage] = min(timed, key=lambda pair: pair[0])
+            total += ms
+        if best is None or total < best[0]:
+            best = (total, chosen)
+    return best[1], log
+
+
+def time_moe(shape: MoeShape, experts, num_tokens, fp8, sweep, loop_baseline) -> dict:
+    device = experts.w13.device
+    weights, ids = moe_cases.random_routing(num_tokens, shape, device, seed=num_tokens)
+    x = torch.randn(num_tokens, shape.hidden, dtype=BF16, device=device)
+    result = {"tokens": num_tokens, "dtype": "fp8" if fp8 else "bf16"}
+    config = None
+    if sweep:
+        config, result["sweep"] = sweep_moe(x, experts, weights, ids, fp8)
+        result["config"] = config
+    scales = (experts.w13_scale, experts.w2_scale)
+    ours = bench_ms(lambda: fused_moe_module.fused_moe(x, experts.w13, experts.w2, weights, ids,
+                                                       *scales, config=config))  # fmt: skip
+    flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
+    weight_bytes = experts.w13.numel() * experts.w13.element_size() * 3 / 2
+    result.update(ms=ours, tflops=flops / ours / 1e9, weight_gb=weight_bytes / 1e9,
+                  hbm_share=weight_bytes / (ours / 1e3) / PEAK_BYTES_PER_S)  # fmt: skip
+    if not fp8:
+        base = bench_ms(lambda: moe_cases.grouped_mm_moe(x, experts, weights, ids))
+        result.update(grouped_mm_ms=base, speedup_vs_grouped_mm=base / ours)
+        if loop_baseline:
+            loop = bench_ms(lambda: moe_cases.per_expert_loop_moe(x, experts, weights, ids), rep=1)
+            result.update(loop_ms=loop, speedup_vs_loop=loop / ours)
+    return result
+
+
+def time_fp8_gemm(m, n, k, sweep) -> dict:
+    device = "cuda"
+    a, a_scale = fp8_quant(torch.randn(m, k, dtype=BF16, device=device))
+    b = torch.randn(n, k, device=device).to(FP8)
+    b_scale = torch.rand(n // 128, k // 128, device=device) + 0.5
+    result, config = {"M": m, "N": n, "K": k}, None
+    if sweep:
+        bms = (16, 64) if m <= 256 else (64, 128)
+        shapes = ((128, 4, 4), (128, 8, 3), (64, 4, 5)) if m <= 256 else ((128, 4, 4),
+                  (128, 8, 3), (256, 8, 3))  # fmt: skip
+        tiles = [tile(bm, bn, 128, w, s) for bm in bms for bn, w, s in shapes]
+        timed = []
+        for t in tiles:
+            try:
+                run = functools.partial(fp8_gemm, a, a_scale, b, b_scale, config=t)
+                timed.append((bench_ms(run, rep=25), t))
+            except Exception as error:
+                result.setdefault("errors", []).append(f"{t}: {str(error)[:120]}")
+        result["sweep"] = [{"tile": t, "ms": ms} for ms, t in timed]
+        config = result["config"] = min(timed, key=lambda pair: pair[0])[1]
+    flops = 2 * m * n * k
+    ours = bench_ms(lambda: fp8_gemm(a, a_scale, b, b_scale, config=config))
+    one = torch.ones((), device=device)
+    b_t = b.t()
+    scaled = bench_ms(lambda: torch._scaled_mm(a, b_t, scale_a=one, scale_b=one, out_dtype=BF16))
+    b_bf16 = torch.randn(n, k, dtype=BF16, device=device)
+    a_bf16 = torch.randn(m, k, dtype=BF16, device=device)
+    bf16 = bench_ms(lambda: a_bf16 @ b_bf16.t())
+    dequant = bench_ms(lambda: _dequant_matmul(a, a_scale, b, b_scale))
+    result.update(
+        ms=ours, tflops=flops / ours / 1e9, scaled_mm_tflops=flops / scaled / 1e9,
+        ratio_vs_scaled_mm=scaled / ours, bf16_tflops=flops / bf16 / 1e9,
+        dequant_bf16_tflops=flops / dequant / 1e9, speedup_vs_dequant=dequant / ours,
+    )  # fmt: skip
+    return result
+
+
+def _dequant_matmul(a, a_scale, b, b_scale):
+    a_full = a.to(BF16) * a_scale.repeat_interleave(128, 1).to(BF16)
+    b_full = b.to(BF16) * b_scale.repeat_interleave(128, 0).repeat_interleave(128, 1).to(BF16)
+    return a_full @ b_full.t()
+
+
+def print_table(results: dict) -> None:
+    print("\ncorrectness:", json.dumps(results["checks"]))
+    for r in (r for r in results["moe"] if "error" not in r):
+        extra = "".join(f" {k}={r[k]:.3g}" for k in ("grouped_mm_ms", "speedup_vs_grouped_mm",
+                        "loop_ms", "speedup_vs_loop") if k in r)  # fmt: skip
+        print(f"moe {r['dtype']} T={r['tokens']}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s "
+              f"hbm={r['hbm_share']:.0%}{extra} cfg={r.get('config')}")  # fmt: skip
+    for r in (r for r in results["fp8_gemm"] if "error" not in r):
+        print(f"fp8_gemm M={r['M']} N={r['N']} K={r['K']}: {r['tflops']:.0f} TFLOP/s, scaled_mm "
+              f"{r['scaled_mm_tflops']:.0f} (x{r['ratio_vs_scaled_mm']:.2f}), bf16 "
+              f"{r['bf16_tflops']:.0f}, dequant+bf16 {r['dequant_bf16_tflops']:.0f} "
+              f"cfg={r.get('config')}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayinfer.bench kernels moe")
+    parser.add_argument("--out", default=None, help="write all results to this JSON file")
+    parser.add_argument("--sweep", action="store_true", help="try tile configs first")
+    parser.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels moe: no CUDA device; nothing to measure")
+        return 0
+    shape, results = MoeShape(), {"device": torch.cuda.get_device_name()}
+    bf16 = moe_cases.random_experts(shape, fp8=False, device="cuda")
+    fp8 = moe_cases.random_experts(shape, fp8=True, device="cuda")
+    try:
+        results["checks"] = moe_cases.correctness_checks(shape, bf16, fp8, "cuda")
+    except Exception as error:  # still time the kernels; the error is in the results
+        results["checks"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    print("correctness:", json.dumps(results["checks"]), flush=True)
+    results["moe"], results["fp8_gemm"] = [], []
+    for experts, is_fp8 in ((bf16, False), (fp8, True)):
+        for num_tokens in (128, 4096):
+            run = functools.partial(time_moe, shape, experts, num_tokens, is_fp8)
+            record(results, "moe", functools.partial(run, args.sweep, not args.no_loop), args.out)
+    del bf16, fp8
+    for n, k in GEMM_SHAPES:
+        for m in (128, 4096):
+            record(
+                results, "fp8_gemm", functools.partial(time_fp8_gemm, m, n, k, args.sweep), args.out
+            )
+    print_table(results)
+    return 0
+
+
+def record(results: dict, section: str, run, out: str | None) -> None:
+    """Run one measurement; keep going on failure; rewrite the JSON after each (partial runs)."""
+    try:
+        result = run()
+    except Exception as error:  # a failed case must not lose the others' numbers
+        result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    results[section].append(result)
+    print(section, {k: v for k, v in result.items() if k != "sweep"}, flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.executor import Executor, KVLostError
+from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
 
@@ -128,7 +129,11 @@ class WorkerGroup(Executor):
         )
         return KVRefs(shards=shards, num_bytes=sum(shard.num_bytes for shard in shards))
 
-    def import_kv(self, request_id: str, block_table: list[int], payload: KVRefs) -> None:
+    def import_kv(self, request_id: str, block_table: list[int], payload) -> None:
+        """`payload`: KVRefs from another group, or a KVPayload from an in-process engine."""
+        if isinstance(payload, KVPayload):
+            shard = KVShard(ray.put(payload), payload.num_bytes, "driver", payload.kv_heads)
+            payload = KVRefs([shard], payload.num_bytes)
         start = time.perf_counter()
         imported = ray.get(
             [

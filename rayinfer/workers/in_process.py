@@ -27,7 +27,12 @@ class InProcessExecutor(Executor):
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
         return self.runner.export_kv(request_id, block_table, num_tokens)
 
-    def import_kv(self, request_id: str, block_table: list[int], payload: KVPayload) -> None:
+    def import_kv(self, request_id: str, block_table: list[int], payload) -> None:
+        """`payload`: a KVPayload, or a WorkerGroup's KVRefs (fetched from the object store)."""
+        if hasattr(payload, "shards"):
+            import ray
+
+            payload = ray.get([shard.ref for shard in payload.shards])
         self.runner.import_kv(request_id, block_table, payload)
 
     def free_requests(self, request_ids: list[str]) -> None:

@@ -1,0 +1,125 @@
+"""One model across several CPU workers (Ray actors, gloo through rayinfer's collective backend):
+every parallel plan gives the single-worker greedy tokens, and a prefill under one plan hands its
+KV off to a decode under another."""
+
+import pytest
+
+import rayinfer
+from rayinfer import ParallelPlan, SamplingParams
+from tests.models.harness import make_hf_checkpoint, make_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+DEEPSEEK_V3 = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=256,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+QWEN3_MOE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {
+        "deepseek_v3": make_hf_checkpoint(
+            tmp_path_factory.mktemp("ds"), "deepseek_v3", **DEEPSEEK_V3
+        ),
+        "qwen3_moe": make_hf_checkpoint(tmp_path_factory.mktemp("q3"), "qwen3_moe", **QWEN3_MOE),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(128, lengths=(5, 19, 3, 11))
+
+
+@pytest.fixture(scope="module")
+def single_worker_tokens(checkpoints, prompts):
+    return {
+        family: [
+            o.token_ids for o in rayinfer.LLM(str(path), device="cpu").generate(prompts, GREEDY)
+        ]
+        for family, path in checkpoints.items()
+    }
+
+
+def run_plan(path, plan: ParallelPlan, prompts) -> list[list[int]]:
+    llm = rayinfer.LLM(str(path), device="cpu", parallel=plan)
+    try:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "family, plan",
+    [
+        ("deepseek_v3", ParallelPlan(tp=2)),  # heads split, latent replicated, experts all-reduced
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2)),  # DP attention, experts by dispatch/combine
+        ("qwen3_moe", ParallelPlan(tp=2, ep=2)),  # GQA heads split, experts split in the TP group
+        ("qwen3_moe", ParallelPlan(dp=2)),  # two replicas inside one group, no communication
+        ("deepseek_v3", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers: EP spans both DP replicas
+        ("qwen3_moe", ParallelPlan(tp=4, ep=2)),  # 4 workers: two EP groups inside one TP group
+    ],
+    ids=str,
+)
+def test_plan_gives_the_single_worker_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan
+):
+    assert run_plan(checkpoints[family], plan, prompts) == single_worker_tokens[family]
+
+
+@pytest.mark.parametrize(
+    "family, prefill_plan, decode_plan",
+    [
+        ("qwen3_moe", ParallelPlan(tp=2), ParallelPlan(tp=1)),  # merge K/V heads
+        ("qwen3_moe", ParallelPlan(tp=1), ParallelPlan(tp=2, ep=2)),  # split K/V heads
+        ("deepseek_v3", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # latent, any layout
+    ],
+    ids=str,
+)
+def test_prefill_plan_hands_off_to_a_different_decode_plan(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, prefill_plan, decode_plan
+):
+    path = str(checkpoints[family])
+    prefill = rayinfer.LLM(path, device="cpu", parallel=prefill_plan)
+    decode = rayinfer.LLM(path, device="cpu", parallel=decode_plan, block_size=8)
+    try:
+        outputs = decode.decode(prefill.prefill(prompts, GREEDY), GREEDY)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert [o.token_ids for o in outputs] == single_worker_tokens[family]
+
+
+def test_invalid_plans_list_the_valid_ones():
+    with pytest.raises(ValueError, match="valid ep"):
+        ParallelPlan(tp=2, ep=3)

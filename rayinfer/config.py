@@ -243,3 +243,17 @@ class ParallelPlan:
     @property
     def num_workers(self) -> int:
         return self.tp * self.dp
+
+    def check_fits(self, model: ModelConfig, key: str = "parallel") -> None:
+        """Fail, naming the key and the sizes that work, when the model cannot be split so."""
+        limits = [("tp", self.tp, "num_attention_heads", model.num_attention_heads)]
+        if not model.is_mla:
+            limits.append(("tp", self.tp, "num_key_value_heads", model.num_kv_heads))
+        if model.is_moe:
+            limits.append(("ep", self.ep, "num_experts", model.num_experts))
+        for name, size, what, total in limits:
+            if total % size:
+                valid = [d for d in range(1, total + 1) if total % d == 0]
+                raise ConfigError(
+                    f"{key}.{name}={size} does not divide {what}={total}; use one of {valid}"
+                )

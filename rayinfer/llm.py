@@ -49,7 +49,9 @@ class LLM:
             max_num_seqs, max(max_num_batched_tokens, 1), max_model_len
         )
         self.tokenizer = _load_tokenizer(tokenizer or path)
-        executor = self._make_executor(parallel or ParallelPlan())
+        parallel = parallel or ParallelPlan()
+        parallel.check_fits(self.model_config)
+        executor = self._make_executor(parallel)
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
         )

@@ -109,12 +109,6 @@ class AppConfig(_Strict):
                 phase_config.plan  # noqa: B018  (constructing the plan validates it)
             except ConfigError as error:
                 raise ValueError(f"{phase}.{error}") from None
-            if phase_config.num_workers != 1:
-                raise ValueError(
-                    f"{phase}.tp*{phase}.dp={phase_config.num_workers}: running one model across "
-                    f"several workers is not implemented yet; use {phase}.tp=1 {phase}.dp=1 "
-                    "(scale out with autoscaling replicas instead)"
-                )
         return self
 
     @classmethod

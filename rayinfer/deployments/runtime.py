@@ -87,6 +87,7 @@ def build_engine(
         device="cuda" if use_gpus else "cpu",
         dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
         num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
+        plan=phase_config.plan,
     )
     group = WorkerGroup(
         name_prefix,

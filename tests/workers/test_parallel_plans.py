@@ -123,3 +123,14 @@ def test_prefill_plan_hands_off_to_a_different_decode_plan(
 def test_invalid_plans_list_the_valid_ones():
     with pytest.raises(ValueError, match="valid ep"):
         ParallelPlan(tp=2, ep=3)
+
+
+def test_plan_that_does_not_fit_the_model_names_the_key(checkpoints):
+    from rayinfer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide num_attention_heads=4"):
+        rayinfer.LLM(str(checkpoints["qwen3_moe"]), device="cpu", parallel=ParallelPlan(tp=3))
+    with pytest.raises(ConfigError, match=r"parallel.ep=16 does not divide num_experts=8"):
+        rayinfer.LLM(
+            str(checkpoints["qwen3_moe"]), device="cpu", parallel=ParallelPlan(dp=16, ep=16)
+        )

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rayinfer.kernels.paged_attention import split_k_decode
+from rayinfer.kernels.prefill_attention import prefill_attention
 
 
 def mla_write_cache_reference(
@@ -81,3 +86,88 @@ def mla_decode_attention_reference(
         probs = (scores.float() * scale).softmax(dim=-1).to(kv_c.dtype)  # [N, s]
         out[seq] = probs @ kv_c  # [N, L]
     return out
+
+
+# ---- Triton paths: absorbed decode (split-K over the latent cache) and expanded prefill ----
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,  # [B, N, L]
+    q_pe: torch.Tensor,  # [B, N, R]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]: new tokens already written
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    seq_lens: torch.Tensor | list[int],  # [B] context length, the new token included
+    scale: float,
+) -> torch.Tensor:  # [B, N, L]
+    """Each program holds BLOCK_H heads' queries and streams the shared latent rows once; the
+    value tile is the key's latent part, so a cached byte is read once per head tile."""
+    latent_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_rank + rope_dim:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [blocks, bs, "
+                         f"L + R = {latent_rank + rope_dim}]")  # fmt: skip
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("q_latent, q_pe need a dense last dim; kv_cache must be contiguous")
+    if not torch.is_tensor(seq_lens):
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+    layout = dict(
+        heads_per_program=None, queries_per_kv=q_latent.shape[1], block_size=kv_cache.shape[1],
+        head_dim_v=latent_rank, has_pe=True, stride_kv_head=0, value_offset=0, value_is_key=True,
+    )  # fmt: skip
+    slots = kv_cache.view(-1, latent_rank + rope_dim)  # [num_slots, L + R]
+    return split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens.to(torch.int32), scale,
+                          layout, "mla_attention")  # fmt: skip
+
+
+def mla_causal_attention(
+    query: torch.Tensor,  # [q, N, Dqk]: the last q tokens of the context
+    key: torch.Tensor,  # [s, N, Dqk]
+    value: torch.Tensor,  # [s, N, Dv]
+    scale: float,
+) -> torch.Tensor:  # [q, N, Dv]
+    """Expanded-form prefill of one sequence (Dqk = 128 nope + 64 rope runs as two dots)."""
+    device = query.device
+    cu_seqlens_q = torch.tensor([0, query.shape[0]], dtype=torch.int32, device=device)
+    cu_seqlens_k = torch.tensor([0, key.shape[0]], dtype=torch.int32, device=device)
+    return prefill_attention(query, key.to(query.dtype), value.to(query.dtype), cu_seqlens_q,
+                             cu_seqlens_k, query.shape[0], scale)  # fmt: skip
+
+
+@triton.jit
+def _mla_write_cache_kernel(
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_mapping_ptr,
+    stride_kv_c, stride_k_pe, stride_slot,
+    LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    kv_c = tl.load(kv_c_ptr + token * stride_kv_c + offs_l, mask=offs_l < LATENT_RANK)
+    k_pe = tl.load(k_pe_ptr + token * stride_k_pe + offs_r, mask=offs_r < ROPE_DIM)
+    row = cache_ptr + slot * stride_slot
+    tl.store(row + offs_l, kv_c.to(cache_ptr.dtype.element_ty), mask=offs_l < LATENT_RANK)
+    tl.store(row + LATENT_RANK + offs_r, k_pe.to(cache_ptr.dtype.element_ty),
+             mask=offs_r < ROPE_DIM)  # fmt: skip
+
+
+def mla_write_cache(
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]: updated in place
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 skips the token
+    kv_c: torch.Tensor,  # [T, L]
+    k_pe: torch.Tensor,  # [T, R]
+) -> None:
+    latent_rank, rope_dim = kv_c.shape[-1], k_pe.shape[-1]
+    if kv_cache.shape[-1] != latent_rank + rope_dim or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be contiguous [blocks, bs, "
+                         f"{latent_rank + rope_dim}]")  # fmt: skip
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or slot_mapping.shape[0] != kv_c.shape[0]:
+        raise ValueError("kv_c/k_pe must be contiguous in the last dim, one slot per token")
+    if kv_c.shape[0] == 0:
+        return
+    _mla_write_cache_kernel[(kv_c.shape[0],)](
+        kv_c, k_pe, kv_cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), kv_cache.shape[-1],
+        LATENT_RANK=latent_rank, ROPE_DIM=rope_dim,
+        BLOCK_L=triton.next_power_of_2(latent_rank), BLOCK_R=triton.next_power_of_2(rope_dim),
+    )  # fmt: skip

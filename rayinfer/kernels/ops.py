@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
 from rayinfer.kernels.fused_moe import fused_moe_reference
+from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
 
 
@@ -15,10 +17,16 @@ def _on_cuda(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x, weight, eps, residual=None):
+    """x [..., H] (plus residual [..., H]) -> normed, or (normed, x + residual)."""
+    if _on_cuda(x):
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 
 def silu_and_mul(x):
+    """[..., 2I] gate then up -> [..., I]."""
+    if _on_cuda(x):
+        return silu_and_mul_triton(x)
     return silu_and_mul_reference(x)
 
 
@@ -59,18 +67,42 @@ def moe_routing(
     )
 
 
-from rayinfer.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from rayinfer.kernels.paged_attention import (  # noqa: E402
+    paged_attention_reference,
+    paged_decode_attention,
+)
+from rayinfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton  # noqa: E402
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference  # noqa: E402
 
 
 def reshape_and_cache(key, value, kv_cache, slot_mapping):
-    reshape_and_cache_reference(key, value, kv_cache, slot_mapping)
+    """Write K/V [T, Hkv, D] into kv_cache [blocks, block_size, 2, Hkv, D] at slot_mapping [T]."""
+    if _on_cuda(key):
+        reshape_and_cache_triton(key.contiguous(), value.contiguous(), kv_cache, slot_mapping)
+    else:
+        reshape_and_cache_reference(key, value, kv_cache, slot_mapping)
 
 
-def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale):
-    return paged_attention_reference(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_query_len=None):  # fmt: skip
+    """query [T, Hq, D] of a mixed batch over the paged cache -> [T, Hq, D]. A batch of only
+    decodes (T == B) takes the split-K decode kernel; any prefill chunk takes the varlen kernel."""
+    if not _on_cuda(query):
+        return paged_attention_reference(
+            query, kv_cache, block_tables, seq_lens, query_start_loc, scale
+        )
+    if query.shape[0] == seq_lens.shape[0]:
+        return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
+    max_query_len = max_query_len or query.shape[0]
+    return paged_prefill_attention(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    )
 
 
+from rayinfer.kernels.mla_attention import mla_causal_attention as mla_causal_attention_triton  # noqa: E402, I001
+from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton  # noqa: E402
+from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_triton  # noqa: E402
 from rayinfer.kernels.mla_attention import (  # noqa: E402
     mla_causal_attention_reference,
     mla_decode_attention_reference,
@@ -81,7 +113,10 @@ from rayinfer.kernels.mla_attention import (  # noqa: E402
 
 def mla_write_cache(kv_cache, slot_mapping, kv_c, k_pe):
     """Store latents kv_c [T, L] and k_pe [T, R] into kv_cache [blocks, block_size, L + R]."""
-    mla_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe)
+    if _on_cuda(kv_c):
+        mla_write_cache_triton(kv_cache, slot_mapping, kv_c.contiguous(), k_pe.contiguous())
+    else:
+        mla_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe)
 
 
 def mla_gather_context(kv_cache, block_table, seq_len):
@@ -91,11 +126,15 @@ def mla_gather_context(kv_cache, block_table, seq_len):
 
 def mla_causal_attention(query, key, value, scale):
     """query [q, N, Dqk] (last q of s tokens), key [s, N, Dqk], value [s, N, Dv] -> [q, N, Dv]."""
+    if _on_cuda(query):
+        return mla_causal_attention_triton(query, key, value, scale)
     return mla_causal_attention_reference(query, key, value, scale)
 
 
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
     """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L]."""
+    if _on_cuda(q_latent):
+        return mla_decode_attention_triton(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
 
 

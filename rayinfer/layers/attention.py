@@ -44,5 +44,11 @@ class PagedAttention(nn.Module):
         attn = ctx.attn
         ops.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
         return ops.paged_attention(
-            q, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
+            q,
+            kv_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            max_query_len=max(attn.query_lens_cpu, default=1),
         )

@@ -1,0 +1,245 @@
+"""Causal flash attention over packed variable-length sequences (prefill and chunked prefill).
+
+Sequence b owns queries `cu_seqlens_q[b]:cu_seqlens_q[b+1]`: the last q tokens of its s-token
+context (causal mask aligned bottom-right, as flash-attn's varlen: query j sits at position
+s - q + j). Its keys/values come from one of two places:
+- contiguous: `key`/`value` rows `cu_seqlens_k[b]:cu_seqlens_k[b+1]` (plain prefill, MLA's
+  expanded form);
+- paged: the layer cache `[num_blocks, block_size, 2, Hkv, D]` through `block_tables[b]`, with
+  `seq_lens[b]` tokens (chunked prefill over a cached prefix: the new tokens are already written).
+GQA: query head h reads kv head h // (Hq / Hkv). The query/key head dim may differ from the value
+head dim (MLA: 192 = 128 nope + 64 rope, value 128); a non-power-of-two qk dim is split into a
+power-of-two part and a remainder so no FLOPs go to padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rayinfer.kernels.paged_attention import causal_attention, launch_params
+
+
+@triton.jit
+def _load_rows(ptr, rows, offs_d, stride_row, HEAD_DIM: tl.constexpr, row_mask):
+    """[BLOCK_N] row ids -> [BLOCK_N, BLOCK_D] tile (masked past HEAD_DIM and row_mask)."""
+    ptrs = ptr + rows[:, None] * stride_row + offs_d[None, :]
+    return tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _key_rows(block_table_ptr, k_start, offs_n, IS_PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Context positions [BLOCK_N] -> row (slot) ids in the key/value tensors."""
+    if IS_PAGED:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+        rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    else:
+        rows = (k_start + offs_n).to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q0, q1, k_ptr, v_ptr, block_table_ptr, k_start, offs_m_pos,
+    lo, hi, kv_len, stride_kt, stride_vt,
+    HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles [lo, hi); q0/q1 are pre-scaled by scale * log2(e)."""
+    offs_d0 = tl.arange(0, BLOCK_D0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        in_bounds = offs_n < kv_len
+        rows = _key_rows(block_table_ptr, k_start, tl.where(in_bounds, offs_n, 0), IS_PAGED,
+                         BLOCK_SIZE)  # fmt: skip
+        k0 = _load_rows(k_ptr, rows, offs_d0, stride_kt, HEAD_DIM0, in_bounds)
+        qk = tl.dot(q0, tl.trans(k0))  # [BLOCK_M, BLOCK_N]
+        if HEAD_DIM1 > 0:
+            offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
+            k1 = _load_rows(k_ptr, rows, offs_d1, stride_kt, HEAD_DIM0 + HEAD_DIM1, in_bounds)
+            qk = tl.dot(q1, tl.trans(k1), qk)
+        if MASKED:
+            visible = in_bounds[None, :]
+            if IS_CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_ptr, rows, offs_dv, stride_vt, HEAD_DIM_V, in_bounds)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+    scale, num_queries_per_kv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_block_table,
+    HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):  # fmt: skip
+    # Heaviest (last, under the causal mask) query tiles first: less tail imbalance.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    if IS_PAGED:
+        k_start = 0
+        kv_len = tl.load(kv_lens_ptr + seq)
+    else:
+        k_start = tl.load(kv_lens_ptr + seq)
+        kv_len = tl.load(kv_lens_ptr + seq + 1) - k_start
+    kv_head = head // num_queries_per_kv
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the sequence
+    offs_m_pos = kv_len - q_len + offs_m  # [BLOCK_M] context positions of the queries
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_mask = offs_m < q_len
+    q_head_ptr = q_ptr + head * stride_qh
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
+    q0 = _load_rows(q_head_ptr, q_rows, tl.arange(0, BLOCK_D0), stride_qt, HEAD_DIM0, q_mask)
+    q0 = (q0 * qk_scale).to(q_ptr.dtype.element_ty)
+    q1 = q0
+    if HEAD_DIM1 > 0:
+        offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
+        q1 = _load_rows(q_head_ptr, q_rows, offs_d1, stride_qt, HEAD_DIM0 + HEAD_DIM1, q_mask)
+        q1 = (q1 * qk_scale).to(q_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if IS_CAUSAL:
+        first_pos = kv_len - q_len + tile * BLOCK_M
+        unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        masked_end = tl.minimum(kv_len, first_pos + BLOCK_M)
+    else:
+        unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
+        masked_end = kv_len
+    table_ptr = block_tables_ptr + seq * stride_block_table
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
+        0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
+        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, False, IS_CAUSAL,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
+        unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
+        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, True, IS_CAUSAL,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    out_ptrs = out_ptr + head * stride_oh + q_rows[:, None] * stride_ot + offs_dv[None, :]
+    out_mask = q_mask[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """qk head dim -> (power-of-two part, remainder): 128 -> (128, 0), 192 -> (128, 64)."""
+    main = 1 << (head_dim.bit_length() - 1)
+    return (head_dim, 0) if main == head_dim else (main, head_dim - main)
+
+
+def _check(query, key, value, cu_seqlens_q, kv_lens):
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise ValueError(f"query {query.shape}, key {key.shape}, value {value.shape} must be 3-D")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query head dim {query.shape[-1]} != key head dim {key.shape[-1]}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim; call .contiguous()")
+    if cu_seqlens_q.dtype != torch.int32 or kv_lens.dtype != torch.int32:
+        raise ValueError("cu_seqlens_q / seq lens must be int32 (AttentionMetadata's dtype)")
+
+
+def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, is_paged,
+            block_size, max_query_len, is_causal):  # fmt: skip
+    num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, query.shape[1]
+    dim0, dim1 = split_head_dim(query.shape[-1])
+    params = launch_params("prefill_attention", query.device)
+    block_m, block_n = params["BLOCK_M"], params["BLOCK_N"]
+    grid = (triton.cdiv(max(max_query_len, 1), block_m), num_seqs, num_heads)
+    _prefill_attention_kernel[grid](
+        query, key, value, out, block_tables, cu_seqlens_q, kv_lens,
+        scale, num_heads // key.shape[1],
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        HEAD_DIM0=dim0, HEAD_DIM1=dim1, HEAD_DIM_V=value.shape[-1],
+        BLOCK_D0=triton.next_power_of_2(dim0), BLOCK_D1=max(16, triton.next_power_of_2(dim1)),
+        BLOCK_DV=triton.next_power_of_2(value.shape[-1]),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        IS_PAGED=is_paged, IS_CAUSAL=is_causal,
+        num_warps=params["num_warps"], num_stages=params["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, Hq, Dqk]: packed queries of all sequences
+    key: torch.Tensor,  # [S, Hkv, Dqk]: packed keys of all sequences' contexts
+    value: torch.Tensor,  # [S, Hkv, Dv]
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32: query rows of each sequence
+    cu_seqlens_k: torch.Tensor,  # [B + 1] int32: key rows of each sequence (q_len <= kv_len)
+    max_query_len: int,
+    scale: float,
+    is_causal: bool = True,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Varlen flash attention over contiguous K/V; the queries are each context's last tokens."""
+    _check(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+    no_table = cu_seqlens_q  # unused when not paged; any int32 tensor
+    return _launch(query, key, value, out, no_table[None], cu_seqlens_q, cu_seqlens_k, scale,
+                   False, 1, max_query_len, is_causal)  # fmt: skip
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, Hkv, D]: new tokens already written
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    seq_lens: torch.Tensor,  # [B] int32: context length after this step
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's new tokens over its whole paged context."""
+    if kv_cache.dim() != 5 or kv_cache.shape[2] != 2:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [blocks, bs, 2, Hkv, D]")
+    slots = kv_cache.flatten(0, 1)  # [num_slots, 2, Hkv, D]
+    key, value = slots[:, 0], slots[:, 1]  # [num_slots, Hkv, D] views, slot stride 2*Hkv*D
+    _check(query, key, value, query_start_loc, seq_lens)
+    out = torch.empty_like(query)
+    return _launch(query, key, value, out, block_tables, query_start_loc, seq_lens, scale, True,
+                   kv_cache.shape[1], max_query_len, True)  # fmt: skip
+
+
+def prefill_attention_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len,
+                                scale, is_causal=True):  # fmt: skip
+    """Per-sequence SDPA: same contract as `prefill_attention`."""
+    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+    q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for seq in range(len(q_starts) - 1):
+        rows = slice(q_starts[seq], q_starts[seq + 1])
+        keys = slice(k_starts[seq], k_starts[seq + 1])
+        if is_causal:
+            out[rows] = causal_attention(query[rows], key[keys], value[keys], scale)
+        else:
+            q, k, v = (t.transpose(0, 1) for t in (query[rows], key[keys], value[keys]))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            gqa = q.shape[0] != k.shape[0]
+            out[rows] = sdpa(q, k, v, scale=scale, enable_gqa=gqa).transpose(0, 1)
+    return out

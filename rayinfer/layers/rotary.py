@@ -1,8 +1,11 @@
 """Rotary position embedding (neox style: the head's two halves rotate together).
 
-Scalings of Llama/Qwen configs: `default`, `linear` (positions divided by `factor`) and `llama3`
-(low frequencies divided by `factor`, a smooth ramp between). cos/sin are computed from the
-positions of the step, so no table of `max_position_embeddings` rows is kept.
+Scalings of Llama/Qwen configs: `default`, `linear` (positions divided by `factor`), `llama3`
+(low frequencies divided by `factor`, a smooth ramp between) and `yarn` (frequencies from
+`rotary_yarn.yarn_inv_freq`, cos/sin times its attention factor). cos/sin are computed from the
+positions of the step, so no table of `max_position_embeddings` rows is kept. `dynamic` NTK is not
+supported: transformers rescales it by the longest sequence of the batch, which a paged batch of
+unrelated requests cannot reproduce.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from rayinfer.layers.rotary_yarn import yarn_inv_freq
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:  # [rotary_dim / 2] float32
@@ -35,15 +40,20 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def scaled_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def scaled_inv_freq(
+    rotary_dim: int, base: float, scaling: dict | None, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [rotary_dim / 2] float32, factor applied to cos and sin)."""
     inv_freq = default_inv_freq(rotary_dim, base)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
-        return llama3_inv_freq(inv_freq, scaling)
+        return llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return yarn_inv_freq(rotary_dim, base, scaling, max_position)
     raise ValueError(
         f"rope_scaling rope_type={rope_type!r} is not supported by RotaryEmbedding; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -59,18 +69,25 @@ class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` features of every head of q and k by the token's position."""
 
     def __init__(
-        self, head_dim: int, base: float, scaling: dict | None = None, rotary_dim: int | None = None
+        self,
+        head_dim: int,
+        base: float,
+        scaling: dict | None = None,
+        rotary_dim: int | None = None,
+        max_position: int = 4096,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = scaled_inv_freq(self.rotary_dim, base, scaling)
+        inv_freq, self.attention_factor = scaled_inv_freq(
+            self.rotary_dim, base, scaling, max_position
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim / 2] float32
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, rotary_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
-        return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim]; cos, sin [T, rotary_dim] float32."""
@@ -86,6 +103,11 @@ class RotaryEmbedding(nn.Module):
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
-def rotary_from_config(head_dim: int, base: float, scaling: dict | None) -> RotaryEmbedding:
-    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
-    return RotaryEmbedding(head_dim, base, scaling, rotary_dim=int(head_dim * partial))
+def rotary_from_config(config) -> RotaryEmbedding:
+    """The rotary embedding of a Llama-family `ModelConfig` (every head feature rotates)."""
+    return RotaryEmbedding(
+        config.head_dim,
+        config.rope_theta,
+        config.rope_scaling,
+        max_position=config.max_position_embeddings,
+    )

@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         if config.architecture in QK_NORM_ARCHITECTURES:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_emb = rotary_from_config(head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_from_config(config)
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext):
@@ -121,9 +121,24 @@ class LlamaModel(nn.Module):
         return hidden
 
 
+def check_full_attention(config: ModelConfig) -> None:
+    """Sliding-window attention (Mistral-style configs, Qwen2 `use_sliding_window`) is not built."""
+    window = config.hf.get("sliding_window")
+    if (
+        window
+        and config.hf.get("use_sliding_window", True)
+        and window < config.max_position_embeddings
+    ):
+        raise ValueError(
+            f"sliding_window={window} is not supported (rayinfer attends to the whole context); "
+            "use a checkpoint without a sliding window or set sliding_window to null"
+        )
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
+        check_full_attention(config)
         self.config = config
         self.model = LlamaModel(config, parallel, self.make_mlp_factory(config, parallel))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel)

@@ -13,12 +13,16 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=32,
 )
 LINEAR_ROPE = dict(rope_type="linear", rope_theta=500.0, factor=2.0)
+YARN_ROPE = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64
+)
 CASES = {
     "llama": ("llama", {}),
     "llama3-rope-tied": ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
     "llama-linear-rope-bias": ("llama", dict(rope_parameters=LINEAR_ROPE, attention_bias=True)),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", dict(head_dim=24)),
+    "qwen3-yarn-rope": ("qwen3", dict(rope_parameters=YARN_ROPE)),
     "qwen3-mha": ("qwen3", dict(num_key_value_heads=4, attention_bias=True)),
 }
 
@@ -37,3 +41,12 @@ def test_prefill_and_greedy_match_transformers(checkpoint):
 def test_chunked_prefill_and_mixed_batches_match_transformers(checkpoint):
     # 4-token chunks over the cached prefix; sequences joining late share steps with decodes.
     assert_matches_transformers(checkpoint, chunk_size=4, start_steps=[0, 3, 1, 6], block_size=3)
+
+
+def test_sliding_window_config_is_refused():
+    from rayinfer.config import ModelConfig
+    from rayinfer.models.llama import LlamaForCausalLM
+
+    hf = dict(TINY_DENSE, architectures=["LlamaForCausalLM"], sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        LlamaForCausalLM(ModelConfig.from_hf_dict(hf))

@@ -50,6 +50,8 @@ class HttpReply:
                 finish_reason = delta.finish_reason or finish_reason
         except Exception as error:
             raise OpenAIError(500, f"generation failed: {error}") from error
+        finally:
+            await deltas.aclose()
         usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
         build = protocol.chat_completion_body if self.chat else protocol.completion_body
         body = build(self.request_id, self.model, text, finish_reason, usage)
@@ -67,6 +69,8 @@ class HttpReply:
                 yield sse(self._chunk(delta.text, delta.finish_reason))
         except Exception as error:  # the stream already started: report in-band, then end
             yield sse(OpenAIError(500, f"generation failed: {error}").body())
+        finally:  # also on client disconnect: closing the pipeline aborts the request
+            await deltas.aclose()
         if self.request.include_usage or self.request.rayinfer_timings:
             yield sse(self._usage_chunk(num_tokens, timings))
         yield "data: [DONE]\n\n"

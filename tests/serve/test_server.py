@@ -175,6 +175,28 @@ def test_malformed_json_and_unknown_model_then_still_serving(server, client):
     assert chat(client, stream=False, max_tokens=3).choices[0].message.content is not None
 
 
+def test_client_disconnect_aborts_the_request(server):
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.http_url + "/v1/completions", json=body, timeout=60) as reply:
+        chunks = reply.iter_lines()
+        for _ in range(3):
+            next(chunks)
+    wait_for(
+        lambda: aborted_requests(server, "decode") > 0,
+        timeout_s=60,
+        what="an aborted decode request",
+    )
+
+
+def aborted_requests(server, phase: str) -> float:
+    total = 0.0
+    for line in server.metrics_text().splitlines():
+        if line.startswith("ray_rayinfer_requests_total{") and f'phase="{phase}"' in line:
+            if 'status="abort"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_python_handle_example(server):
     output = server.run_python(str(REPO_ROOT / "examples" / "handle_client.py"))
     report = json.loads(output.strip().splitlines()[-1])

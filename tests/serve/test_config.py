@@ -1,0 +1,79 @@
+"""AppConfig: dotted CLI keys and nested YAML mappings, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayinfer.app import build, phase_options
+from rayinfer.config import ConfigError
+from rayinfer.deployments.config import AppConfig, nest_dotted_keys
+
+
+def test_dotted_cli_strings_become_typed_nested_fields():
+    config = AppConfig.from_args(
+        {
+            "model": "tiny",
+            "decode.autoscaling.max_replicas": "2",
+            "decode.autoscaling.upscale_delay_s": "1.5",
+            "prefill.max_num_batched_tokens": "512",
+            "enable_prefix_caching": "false",
+        }
+    )
+    assert config.decode.autoscaling.max_replicas == 2
+    assert config.decode.autoscaling.upscale_delay_s == 1.5
+    assert config.prefill.max_num_batched_tokens == 512
+    assert config.prefill.autoscaling.max_replicas == 1  # phases autoscale independently
+    assert config.enable_prefix_caching is False
+
+
+def test_yaml_mappings_and_dotted_keys_merge():
+    nested = nest_dotted_keys(
+        {"decode": {"autoscaling": {"min_replicas": 1}}, "decode.autoscaling.max_replicas": 3}
+    )
+    assert nested == {"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 3}}}
+    assert AppConfig.from_args(nested).decode.autoscaling.max_replicas == 3
+
+
+def test_defaults_are_one_replica_per_phase():
+    config = AppConfig.from_args({})
+    for phase in (config.prefill, config.decode):
+        assert (phase.autoscaling.min_replicas, phase.autoscaling.max_replicas) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"decode.autoscaling.max_replica": "2"}, "decode.autoscaling.max_replica: unknown key"),
+        ({"prefil.tp": "1"}, "prefil: unknown key; allowed here: model"),
+        ({"dtype": "fp8"}, "dtype='fp8'"),
+        ({"max_model_len": "abc"}, "max_model_len='abc'"),
+        ({"decode.autoscaling.min_replicas": "3"}, "min_replicas=3 exceeds max_replicas=1"),
+        ({"prefill.ep": "2"}, "prefill.ep=2 must divide"),
+        ({"decode": "1", "decode.tp": "1"}, "decode is set to '1' and also used as a section"),
+    ],
+)
+def test_invalid_args_name_the_key(args, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        AppConfig.from_args(args)
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(ConfigError) as error:
+        AppConfig.from_args({"decode.autoscaling.max_replica": "2"})
+    assert "max_replicas" in str(error.value) and "target_ongoing_requests" in str(error.value)
+
+
+def test_build_fails_before_touching_ray_on_a_bad_key():
+    with pytest.raises(ConfigError, match="decode.autoscaling.max_replica"):
+        build({"decode.autoscaling.max_replica": 2})
+
+
+def test_phase_options_reserve_whole_worker_groups():
+    config = AppConfig.from_args({"decode.autoscaling.max_replicas": "2"})
+    cpu = phase_options(config, config.decode, use_gpus=False)
+    assert cpu["placement_group_strategy"] == "STRICT_PACK"
+    assert cpu["placement_group_bundles"] == [{"CPU": 0.1}, {"CPU": 0.5}]
+    assert cpu["autoscaling_config"]["max_replicas"] == 2
+    config = AppConfig.from_args({"prefill.tp": "2", "prefill.ep": "2"})
+    gpu = phase_options(config, config.prefill, use_gpus=True)
+    assert gpu["placement_group_bundles"][1:] == [{"GPU": 1.0, "CPU": 1.0}] * 2

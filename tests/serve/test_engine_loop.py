@@ -1,0 +1,108 @@
+"""EngineLoop: one thread drives the engine; callers stream, hand off, cancel, fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import rayinfer
+from rayinfer.deployments.engine_loop import EngineLoop
+from rayinfer.engine.engine import LLMEngine
+from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+PROMPTS = [[5, 17, 42, 99], [7, 123], [64, 8, 250, 31, 11, 12], [300]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return rayinfer.LLM("tiny", max_model_len=128, num_kv_blocks=64)
+
+
+def new_loop(llm) -> EngineLoop:
+    from rayinfer.workers.in_process import InProcessExecutor
+
+    executor = InProcessExecutor(llm.model_config, llm.cache_config, llm.device, llm.dtype)
+    engine = LLMEngine(
+        llm.model_config, llm.cache_config, llm.scheduler_config, executor, llm.tokenizer
+    )
+    return EngineLoop(engine, name="test-loop")
+
+
+async def final_output(loop, request_id, prompt, params, prefill_only=False):
+    last = None
+    async for event in loop.generate(request_id, prompt, params, prefill_only):
+        last = event
+    return last
+
+
+def test_concurrent_streams_equal_offline(llm):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    offline = llm.generate(PROMPTS, params)
+    loop = new_loop(llm)
+
+    async def run():
+        return await asyncio.gather(
+            *(final_output(loop, f"r{i}", p, params) for i, p in enumerate(PROMPTS))
+        )
+
+    events = asyncio.run(run())
+    loop.stop()
+    assert [e.output.token_ids for e in events] == [o.token_ids for o in offline]
+    assert [e.output.text for e in events] == [o.text for o in offline]
+
+
+def test_prefill_hands_off_to_a_second_loop(llm):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = llm.generate(PROMPTS[0], params)[0].token_ids
+    prefill, decode = new_loop(llm), new_loop(llm)
+
+    async def run():
+        first = await final_output(prefill, "h0", PROMPTS[0], params, prefill_only=True)
+        assert first.output.finish_reason == "prefilled"
+        assert first.handoff.num_bytes > 0 and first.export_s > 0
+        token_ids = list(first.output.token_ids)
+        async for event in decode.continue_prefilled(first.handoff, params):
+            token_ids += event.output.new_token_ids
+        return token_ids
+
+    assert asyncio.run(run()) == expected
+    prefill.stop()
+    decode.stop()
+
+
+def test_leaving_a_stream_aborts_the_request(llm):
+    loop = new_loop(llm)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def read_two_then_leave():
+        stream = loop.generate("long", PROMPTS[1], params, False)
+        await anext(stream)
+        await anext(stream)
+        await stream.aclose()
+
+    asyncio.run(read_two_then_leave())
+    deadline = time.monotonic() + 30
+    while loop.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not loop.engine.has_unfinished_requests()
+    loop.stop()
+
+
+def test_an_invalid_request_fails_alone(llm):
+    loop = new_loop(llm)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(
+            final_output(loop, "bad", [], params),
+            final_output(loop, "good", PROMPTS[0], params),
+            return_exceptions=True,
+        )
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, InvalidRequestError) and bad.field == "prompt"
+    assert good.output.finish_reason == "length" and len(good.output.token_ids) == 4
+    assert loop.is_healthy
+    loop.stop()

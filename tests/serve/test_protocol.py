@@ -1,0 +1,144 @@
+"""OpenAI request validation (400 naming the field), prompt limits, and the SSE reply format."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.pipeline import Delta
+from rayinfer.deployments.prompts import PromptBuilder
+from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from rayinfer.deployments.replies import HttpReply, validation_to_openai
+from rayinfer.deployments.runtime import ModelSource
+from rayinfer.deployments.types import GenerateRequest, Timings
+
+
+def error_for(model, body: dict) -> OpenAIError:
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    return validation_to_openai(caught.value.errors())
+
+
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (ChatCompletionRequest, {}, "messages"),
+        (ChatCompletionRequest, {"messages": []}, "messages"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+        ),
+        (CompletionRequest, {"prompt": ""}, "prompt"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": -1}, "max_tokens"),
+        (CompletionRequest, {"prompt": "a", "temperature": "hot"}, "temperature"),
+        (CompletionRequest, {"prompt": "a", "top_p": 7}, "top_p"),
+        (CompletionRequest, {"prompt": "a", "top_k": 0}, "top_k"),
+        (CompletionRequest, {"prompt": "a", "n": 2}, "n"),
+        (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),
+        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
+    ],
+)
+def test_invalid_fields_answer_400_naming_them(model, body, param):
+    error = error_for(model, body)
+    assert error.status == 400
+    assert error.param == param
+    assert error.body()["error"]["param"] == param
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_ignored_and_single_prompt_lists_unwrap():
+    request = CompletionRequest.model_validate({"prompt": [[1, 2, 3]], "user": "me"})
+    assert request.prompt == [1, 2, 3]
+
+
+def test_generate_request_needs_prompt_or_messages():
+    with pytest.raises(ValidationError, match="exactly one of prompt or messages"):
+        GenerateRequest(max_tokens=3)
+    with pytest.raises(ValidationError, match="prompt must not be empty"):
+        GenerateRequest(prompt=[])
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptBuilder:
+    return PromptBuilder(ModelSource.resolve(AppConfig(max_model_len=64)))
+
+
+def test_prompt_limits_name_the_field(prompts):
+    too_long = CompletionRequest(prompt=list(range(10, 80)))
+    with pytest.raises(OpenAIError, match="maximum context length is 64") as error:
+        prompts.build(too_long)
+    assert error.value.param == "prompt"
+    with pytest.raises(OpenAIError) as error:
+        prompts.build(CompletionRequest(prompt=[1, 2, 3], max_tokens=62))
+    assert error.value.param == "max_tokens"
+    with pytest.raises(OpenAIError) as error:
+        prompts.build(CompletionRequest(prompt=[1, 10**6]))
+    assert error.value.param == "prompt"
+
+
+def test_default_max_tokens_fills_the_context(prompts):
+    prompt_ids, params = prompts.build(CompletionRequest(prompt=[5, 6, 7], temperature=0))
+    assert prompt_ids == [5, 6, 7]
+    assert params.max_tokens == 61 and params.is_greedy
+
+
+def test_chat_prompt_uses_the_template(prompts):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
+    prompt_ids, _ = prompts.build(request)
+    assert prompt_ids == prompts.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+
+
+async def deltas_then(error: Exception | None = None):
+    yield Delta("Hel", [1], None)
+    yield Delta("lo", [2, 3], None)
+    if error is not None:
+        raise error
+    yield Delta("!", [4], "length")
+
+
+def collect_events(reply: HttpReply, deltas) -> list:
+    async def run():
+        return [event async for event in reply.stream(deltas, Timings(ttft_s=0.5))]
+
+    events = asyncio.run(run())
+    assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_chat_stream_events():
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    bodies = collect_events(HttpReply("chatcmpl-1", "tiny", True, request, 7), deltas_then())
+    assert bodies[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies[1:-1])
+    assert text == "Hello!"
+    assert bodies[-2]["choices"][0]["finish_reason"] == "length"
+    assert bodies[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
+
+
+def test_stream_error_is_reported_in_band_then_done():
+    request = CompletionRequest(prompt="x", stream=True, rayinfer_timings=True)
+    reply = HttpReply("cmpl-1", "tiny", False, request, 1)
+    bodies = collect_events(reply, deltas_then(RuntimeError("decode replica died")))
+    assert [b["choices"][0]["text"] for b in bodies[:2]] == ["Hel", "lo"]
+    assert "decode replica died" in bodies[2]["error"]["message"]
+    assert bodies[3]["rayinfer_timings"]["ttft_s"] == 0.5
+
+
+def test_whole_reply_body():
+    request = CompletionRequest(prompt="x")
+    reply = HttpReply("cmpl-2", "tiny", False, request, 2)
+    body = asyncio.run(reply.whole(deltas_then(), Timings()))
+    assert body["choices"][0]["text"] == "Hello!"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 4

@@ -19,7 +19,9 @@ class LLM:
 
     model: "tiny" (the built-in DeepSeek-V3-style model) or a Hugging Face checkpoint folder.
     device: "auto" (CUDA when visible, else CPU), "cpu" or "cuda". dtype: None picks float32 on
-    the CPU and bfloat16 on GPUs.
+    the CPU and bfloat16 on GPUs. parallel: how several workers (one Ray actor per GPU) split the
+    model; two_batch_overlap: overlap the MoE all-to-all of one micro-batch with the other's
+    compute (for plans whose experts exchange tokens).
     """
 
     def __init__(
@@ -36,6 +38,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         parallel: ParallelPlan | None = None,
+        two_batch_overlap: bool = False,
     ):
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(path)
@@ -51,6 +54,7 @@ class LLM:
         self.tokenizer = _load_tokenizer(tokenizer or path)
         parallel = parallel or ParallelPlan()
         parallel.check_fits(self.model_config)
+        self.two_batch_overlap = two_batch_overlap
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
@@ -62,7 +66,13 @@ class LLM:
         if plan.num_workers == 1:
             from rayinfer.workers.in_process import InProcessExecutor
 
-            return InProcessExecutor(self.model_config, self.cache_config, self.device, self.dtype)
+            return InProcessExecutor(
+                self.model_config,
+                self.cache_config,
+                self.device,
+                self.dtype,
+                self.two_batch_overlap,
+            )
         import ray
 
         from rayinfer.workers.group import WorkerGroup
@@ -78,6 +88,7 @@ class LLM:
             dtype=self.dtype,
             num_threads=0 if use_gpus else 1,
             plan=plan,
+            two_batch_overlap=self.two_batch_overlap,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)

@@ -20,6 +20,10 @@ from rayinfer.engine.kv_transfer import (
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import sample_tokens
+from rayinfer.layers.two_batch_overlap import (
+    forward_two_batch_overlap,
+    supports_two_batch_overlap,
+)
 from rayinfer.models.loader import load_model
 
 
@@ -31,6 +35,7 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         parallel: ParallelContext = SINGLE,
+        two_batch_overlap: bool = False,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -42,6 +47,7 @@ class ModelRunner:
         if not model_config.is_mla:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
         self.model = load_model(model_config, dtype, self.device, parallel)
+        self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.kv_caches = self._allocate_kv_caches()
         self.generators: dict[str, torch.Generator] = {}
 
@@ -66,7 +72,9 @@ class ModelRunner:
             self.device,
         )
         ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        hidden = self.model(
+        forward = forward_two_batch_overlap if self.two_batch_overlap else type(self.model).__call__
+        hidden = forward(
+            self.model,
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             ctx,

@@ -70,3 +70,29 @@ def build_attention_metadata(
         seq_lens_cpu=list(seq_lens),
         block_size=block_size,
     )
+
+
+def split_forward_context(ctx: ForwardContext, num_seqs_first: int) -> tuple[ForwardContext, ...]:
+    """Two contexts over the same caches: sequences [0, n) and [n, B) of `ctx`."""
+    attn = ctx.attn
+    first_tokens = sum(attn.query_lens_cpu[:num_seqs_first])
+
+    def part(seqs: slice, tokens: slice, offset: int) -> ForwardContext:
+        return ForwardContext(
+            attn=AttentionMetadata(
+                slot_mapping=attn.slot_mapping[tokens],
+                query_start_loc=attn.query_start_loc[seqs.start : (seqs.stop or attn.num_seqs) + 1]
+                - offset,
+                seq_lens=attn.seq_lens[seqs],
+                block_tables=attn.block_tables[seqs],
+                query_lens_cpu=attn.query_lens_cpu[seqs],
+                seq_lens_cpu=attn.seq_lens_cpu[seqs],
+                block_size=attn.block_size,
+            ),
+            kv_caches=ctx.kv_caches,
+        )
+
+    return (
+        part(slice(0, num_seqs_first), slice(0, first_tokens), 0),
+        part(slice(num_seqs_first, None), slice(first_tokens, None), first_tokens),
+    )

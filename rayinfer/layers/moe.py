@@ -241,3 +241,30 @@ class MoE(nn.Module):
             received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
         )  # [R, H]
         return group.combine(expert_out, received.handle)  # [T, H] in the original order
+
+    # --- stages for overlapping the exchange with other work (two-batch overlap) ---------------
+    @property
+    def exchanges_tokens(self) -> bool:
+        """Whether forward sends tokens to other ranks (dispatch/combine) and so can overlap."""
+        return self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep
+
+    def start_dispatch(self, x: torch.Tensor):
+        """Route [T, H] tokens and send them off in the background; pass to `start_combine`."""
+        routing = self.route(x)
+        return self.parallel.ep_group.dispatch_async(
+            x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
+        )
+
+    def start_combine(self, pending_dispatch):
+        """Run this rank's experts on what arrived; send the results back in the background."""
+        received = pending_dispatch.wait()
+        expert_out = ops.fused_moe(
+            received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
+        )  # [R, H]
+        return self.parallel.ep_group.combine_async(expert_out, received.handle)
+
+    def finish(self, x: torch.Tensor, pending_combine) -> torch.Tensor:
+        """[T, H] input and the combine in flight -> the block's output [T, H]."""
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = pending_combine.wait()
+        return out if shared is None else out + shared

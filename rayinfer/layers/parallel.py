@@ -38,6 +38,15 @@ class LayerGroup:
     def combine(self, expert_out, handle, **options):
         return self.group.combine(expert_out, handle, **options)
 
+    def dispatch_async(self, x, topk_ids, topk_weights, num_experts: int, **options):
+        """Like dispatch, in the background; `.wait()` on the result gives the DispatchResult."""
+        return self.group.dispatch_async(
+            x, topk_ids, topk_weights, num_experts=num_experts, **options
+        )
+
+    def combine_async(self, expert_out, handle, **options):
+        return self.group.combine_async(expert_out, handle, **options)
+
 
 @dataclass(frozen=True)
 class ParallelContext:

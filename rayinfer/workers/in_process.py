@@ -18,8 +18,11 @@ class InProcessExecutor(Executor):
         cache_config: CacheConfig,
         device: str | torch.device,
         dtype: torch.dtype,
+        two_batch_overlap: bool = False,
     ):
-        self.runner = ModelRunner(model_config, cache_config, device, dtype)
+        self.runner = ModelRunner(
+            model_config, cache_config, device, dtype, two_batch_overlap=two_batch_overlap
+        )
 
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)

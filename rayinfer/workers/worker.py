@@ -48,6 +48,7 @@ class WorkerSpec:
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
     import_timeout_s: float = 60.0
     plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
+    two_batch_overlap: bool = False  # overlap one micro-batch's all-to-all with the other's math
     collective_backend: str = "rayinfer"
 
 
@@ -69,7 +70,12 @@ class Worker:
         self.placement = WorkerPlacement(rank, spec.plan)
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
         self.runner = ModelRunner(
-            spec.model_config, spec.cache_config, self.device, self.dtype, parallel
+            spec.model_config,
+            spec.cache_config,
+            self.device,
+            self.dtype,
+            parallel,
+            spec.two_batch_overlap,
         )
 
     def _join_groups(self, prefix: str) -> ParallelContext:

@@ -71,8 +71,8 @@ def single_worker_tokens(checkpoints, prompts):
     }
 
 
-def run_plan(path, plan: ParallelPlan, prompts) -> list[list[int]]:
-    llm = rayinfer.LLM(str(path), device="cpu", parallel=plan)
+def run_plan(path, plan: ParallelPlan, prompts, overlap: bool = False) -> list[list[int]]:
+    llm = rayinfer.LLM(str(path), device="cpu", parallel=plan, two_batch_overlap=overlap)
     try:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
     finally:
@@ -95,6 +95,22 @@ def test_plan_gives_the_single_worker_tokens(
     ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan
 ):
     assert run_plan(checkpoints[family], plan, prompts) == single_worker_tokens[family]
+
+
+@pytest.mark.parametrize(
+    "family, plan",
+    [
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2)),  # dispatch/combine overlapped with attention
+        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4)),
+        ("deepseek_v3", ParallelPlan()),  # one worker: micro-batches without communication
+    ],
+    ids=str,
+)
+def test_two_batch_overlap_gives_the_same_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan
+):
+    tokens = run_plan(checkpoints[family], plan, prompts, overlap=True)
+    assert tokens == single_worker_tokens[family]
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,9 @@ class PhaseConfig(_Strict):
     tp: int = Field(1, ge=1, description="tensor-parallel workers per replica")
     dp: int = Field(1, ge=1, description="data-parallel attention workers per replica")
     ep: int = Field(1, ge=1, description="expert-parallel degree (divides tp*dp)")
+    two_batch_overlap: bool = Field(
+        False, description="overlap one micro-batch's MoE all-to-all with the other's compute"
+    )
     max_ongoing_requests: int = Field(64, ge=1, description="requests one replica accepts at once")
     max_num_seqs: int = Field(64, ge=1, description="sequences batched in one engine step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")

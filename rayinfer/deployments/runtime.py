@@ -88,6 +88,7 @@ def build_engine(
         dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
         num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
         plan=phase_config.plan,
+        two_batch_overlap=phase_config.two_batch_overlap,
     )
     group = WorkerGroup(
         name_prefix,

@@ -1,7 +1,9 @@
 """Build a model from a Hugging Face checkpoint folder: safetensors, single file or sharded.
 
-Tensors are read one at a time with `safetensors.safe_open`, cast to the target dtype and handed
-to the model's `load_weights`. FP8 block-scaled weights (DeepSeek-V3) are dequantized on the way.
+The model is built with its parameters in the target dtype (a few, such as DeepSeek's expert
+correction bias, stay float32). Tensors are read one at a time with `safetensors.safe_open` and
+handed to the model's `load_weights`, whose weight loaders copy them into those parameters and so
+cast them; FP8 block-scaled weights (DeepSeek-V3) are dequantized to the target dtype on the way.
 Before anything is read, every checkpoint tensor the model needs is checked to be present.
 """
 
@@ -48,6 +50,8 @@ def load_model(
             raise WeightLoadError(
                 f"checkpoint tensor {reader.current_name!r} in {config.path}: {error}"
             ) from error
+        finally:
+            weights.close()  # ends the progress bar's line even when loading failed
     return model.eval()
 
 
@@ -104,18 +108,24 @@ class CheckpointReader:
         return self._handles[file].get_tensor(name)
 
     def weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in file order, floating tensors cast to `dtype`, FP8 dequantized."""
+        """(name, tensor) in file order on `device`; FP8 weights dequantized to `dtype`."""
         names = sorted(self.names, key=lambda n: (self.file_of[n], n))
-        for name in tqdm(names, desc=f"Loading {self.folder.name}", unit="tensor"):
-            self.current_name = name
-            yield name, self.read(name, dtype).to(device)
+        with tqdm(names, desc=f"Loading {self.folder.name}", unit="tensor") as progress:
+            for name in progress:
+                self.current_name = name
+                yield name, self.read(name, dtype, device)
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        tensor = self.get(name)
+    def read(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        """Moved to `device` before dequantizing, which runs faster on a GPU.
+
+        Other tensors keep the checkpoint's dtype: casting here to `dtype` would round a float32
+        parameter (the noaux_tc correction bias) through bfloat16 and change expert choices.
+        """
+        tensor = self.get(name).to(device)
         scale_name = name + SCALE_SUFFIX
         if tensor.dtype == torch.float8_e4m3fn and scale_name in self.file_of:
-            return dequantize_block_fp8(tensor, self.get(scale_name), dtype)
-        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+            return dequantize_block_fp8(tensor, self.get(scale_name).to(device), dtype)
+        return tensor
 
 
 def checkpoint_files(folder: Path) -> dict[str, str]:

@@ -140,3 +140,18 @@ def test_folder_without_weights_is_an_error(llama_path, tmp_path):
     (tmp_path / "config.json").write_text((llama_path / "config.json").read_text())
     with pytest.raises(WeightLoadError, match="model.safetensors"):
         load(tmp_path)
+
+
+def test_float32_parameters_keep_checkpoint_precision_in_bfloat16_models(tmp_path):
+    from rayinfer.models.tiny import write_tiny_model
+
+    write_tiny_model(tmp_path)  # DeepSeek-V3 layout with an expert correction bias
+    model = load(tmp_path, torch.bfloat16)
+    tensors = load_file(tmp_path / "model.safetensors")
+    biases = {n: t for n, t in tensors.items() if n.endswith("e_score_correction_bias")}
+    assert biases
+    params = dict(model.named_parameters())
+    for name, bias in biases.items():
+        assert params[name].dtype == torch.float32
+        assert not torch.equal(bias.to(torch.bfloat16).float(), bias), "bias must need float32"
+        assert torch.equal(params[name], bias), name

@@ -6,12 +6,13 @@ import itertools
 
 import torch
 
-from rayinfer.config import CacheConfig, ModelConfig, ParallelPlan, SchedulerConfig
+from rayinfer.config import CacheConfig, ConfigError, ModelConfig, ParallelPlan, SchedulerConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.models.dummy import LOAD_FORMATS
 
 
 class LLM:
@@ -21,7 +22,8 @@ class LLM:
     device: "auto" (CUDA when visible, else CPU), "cpu" or "cuda". dtype: None picks float32 on
     the CPU and bfloat16 on GPUs. parallel: how several workers (one Ray actor per GPU) split the
     model; two_batch_overlap: overlap the MoE all-to-all of one micro-batch with the other's
-    compute (for plans whose experts exchange tokens).
+    compute (for plans whose experts exchange tokens). load_format "dummy" draws random weights
+    instead of reading safetensors (a folder with config.json is enough; for benchmarks).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         parallel: ParallelPlan | None = None,
         two_batch_overlap: bool = False,
+        load_format: str = "safetensors",
     ):
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(path)
@@ -55,6 +58,9 @@ class LLM:
         parallel = parallel or ParallelPlan()
         parallel.check_fits(self.model_config)
         self.two_batch_overlap = two_batch_overlap
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+        self.load_format = load_format
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
@@ -72,6 +78,7 @@ class LLM:
                 self.device,
                 self.dtype,
                 self.two_batch_overlap,
+                self.load_format,
             )
         import ray
 
@@ -89,6 +96,7 @@ class LLM:
             num_threads=0 if use_gpus else 1,
             plan=plan,
             two_batch_overlap=self.two_batch_overlap,
+            load_format=self.load_format,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)

@@ -24,6 +24,7 @@ from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
     supports_two_batch_overlap,
 )
+from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
 
 
@@ -36,6 +37,7 @@ class ModelRunner:
         dtype: torch.dtype,
         parallel: ParallelContext = SINGLE,
         two_batch_overlap: bool = False,
+        load_format: str = "safetensors",
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -46,7 +48,10 @@ class ModelRunner:
         self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
         if not model_config.is_mla:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
-        self.model = load_model(model_config, dtype, self.device, parallel)
+        if load_format == "dummy":
+            self.model = build_dummy_model(model_config, dtype, self.device, parallel)
+        else:
+            self.model = load_model(model_config, dtype, self.device, parallel)
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.kv_caches = self._allocate_kv_caches()
         self.generators: dict[str, torch.Generator] = {}

@@ -19,9 +19,15 @@ class InProcessExecutor(Executor):
         device: str | torch.device,
         dtype: torch.dtype,
         two_batch_overlap: bool = False,
+        load_format: str = "safetensors",
     ):
         self.runner = ModelRunner(
-            model_config, cache_config, device, dtype, two_batch_overlap=two_batch_overlap
+            model_config,
+            cache_config,
+            device,
+            dtype,
+            two_batch_overlap=two_batch_overlap,
+            load_format=load_format,
         )
 
     def execute(self, batch: ModelBatch) -> list[int]:

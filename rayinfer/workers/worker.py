@@ -49,6 +49,7 @@ class WorkerSpec:
     import_timeout_s: float = 60.0
     plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
     two_batch_overlap: bool = False  # overlap one micro-batch's all-to-all with the other's math
+    load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
     collective_backend: str = "rayinfer"
 
 
@@ -76,6 +77,7 @@ class Worker:
             self.dtype,
             parallel,
             spec.two_batch_overlap,
+            spec.load_format,
         )
 
     def _join_groups(self, prefix: str) -> ParallelContext:

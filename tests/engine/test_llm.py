@@ -145,3 +145,12 @@ def test_bad_configuration_names_the_key(checkpoint, tmp_path):
         rayinfer.LLM(str(checkpoint), device="cpu", dtype="float8")
     with pytest.raises(ConfigError, match="max_model_len"):
         rayinfer.LLM(str(checkpoint), device="cpu", max_model_len=1000, num_kv_blocks=4)
+
+
+def test_dummy_load_format_needs_only_config_json(checkpoint, tmp_path):
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    llm = rayinfer.LLM(str(tmp_path), device="cpu", load_format="dummy")
+    output = llm.generate([1, 2, 3], GREEDY)[0]
+    assert len(output.token_ids) == 12
+    with pytest.raises(ConfigError, match="load_format"):
+        rayinfer.LLM(str(tmp_path), device="cpu", load_format="npz")

@@ -24,6 +24,8 @@ class LLM:
     model; two_batch_overlap: overlap the MoE all-to-all of one micro-batch with the other's
     compute (for plans whose experts exchange tokens). load_format "dummy" draws random weights
     instead of reading safetensors (a folder with config.json is enough; for benchmarks).
+    all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy
+    through pinned host memory, for GPUs without peer-to-peer) or {"use_fp8": True}.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LLM:
         parallel: ParallelPlan | None = None,
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
+        all_to_all: dict | None = None,
     ):
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(path)
@@ -61,6 +64,7 @@ class LLM:
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
         self.load_format = load_format
+        self.all_to_all = all_to_all
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
@@ -97,6 +101,7 @@ class LLM:
             plan=plan,
             two_batch_overlap=self.two_batch_overlap,
             load_format=self.load_format,
+            all_to_all=self.all_to_all,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)

@@ -17,10 +17,18 @@ class LayerGroup:
     """The collectives layers use, on top of a group with `allreduce`/`allgather` (in place,
     ray.util.collective naming) and, for expert parallelism, `dispatch`/`combine`."""
 
-    def __init__(self, group: Any, rank: int, size: int):
+    def __init__(self, group: Any, rank: int, size: int, all_to_all: dict | None = None):
         self.group = group
         self.rank = rank
         self.size = size
+        # Options for every MoE exchange: schedule, transport ("dist"/"host"/"auto"), use_fp8.
+        self.all_to_all = dict(all_to_all or {})
+
+    def _options(self, options: dict, for_dispatch: bool) -> dict:
+        merged = {**self.all_to_all, **options}
+        if not for_dispatch:
+            merged.pop("use_fp8", None)  # combine always sends the activations' own dtype
+        return merged
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the group, in place."""
@@ -33,18 +41,21 @@ class LayerGroup:
         return torch.cat(parts, dim=dim)
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts: int, **options):
+        options = self._options(options, for_dispatch=True)
         return self.group.dispatch(x, topk_ids, topk_weights, num_experts=num_experts, **options)
 
     def combine(self, expert_out, handle, **options):
-        return self.group.combine(expert_out, handle, **options)
+        return self.group.combine(expert_out, handle, **self._options(options, for_dispatch=False))
 
     def dispatch_async(self, x, topk_ids, topk_weights, num_experts: int, **options):
         """Like dispatch, in the background; `.wait()` on the result gives the DispatchResult."""
+        options = self._options(options, for_dispatch=True)
         return self.group.dispatch_async(
             x, topk_ids, topk_weights, num_experts=num_experts, **options
         )
 
     def combine_async(self, expert_out, handle, **options):
+        options = self._options(options, for_dispatch=False)
         return self.group.combine_async(expert_out, handle, **options)
 
 

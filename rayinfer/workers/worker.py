@@ -50,6 +50,7 @@ class WorkerSpec:
     plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
     two_batch_overlap: bool = False  # overlap one micro-batch's all-to-all with the other's math
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
+    all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"
 
 
@@ -96,7 +97,8 @@ class Worker:
             collective.init_collective_group(
                 size, rank, backend=self.spec.collective_backend, group_name=group_name
             )
-            groups[kind] = LayerGroup(collective.get_group_handle(group_name), rank, size)
+            handle = collective.get_group_handle(group_name)
+            groups[kind] = LayerGroup(handle, rank, size, self.spec.all_to_all)
         return ParallelContext(
             tp_rank=placement.tp_rank,
             tp_size=plan.tp,

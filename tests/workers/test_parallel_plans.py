@@ -71,8 +71,10 @@ def single_worker_tokens(checkpoints, prompts):
     }
 
 
-def run_plan(path, plan: ParallelPlan, prompts, overlap: bool = False) -> list[list[int]]:
-    llm = rayinfer.LLM(str(path), device="cpu", parallel=plan, two_batch_overlap=overlap)
+def run_plan(path, plan, prompts, overlap=False, all_to_all=None) -> list[list[int]]:
+    llm = rayinfer.LLM(
+        str(path), device="cpu", parallel=plan, two_batch_overlap=overlap, all_to_all=all_to_all
+    )
     try:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
     finally:
@@ -111,6 +113,15 @@ def test_two_batch_overlap_gives_the_same_tokens(
 ):
     tokens = run_plan(checkpoints[family], plan, prompts, overlap=True)
     assert tokens == single_worker_tokens[family]
+
+
+def test_host_staged_exchange_gives_the_same_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens
+):
+    """Experts exchange tokens through shared host memory (the transport for GPUs without P2P)."""
+    plan = ParallelPlan(dp=2, ep=2)
+    tokens = run_plan(checkpoints["deepseek_v3"], plan, prompts, all_to_all={"transport": "host"})
+    assert tokens == single_worker_tokens["deepseek_v3"]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`python -m rayinfer.bench {engine,serve,comm,kernels} [options]`: each prints a table and can
+"""`python -m rayinfer.bench {engine,serve,comm,kernels,parallel} [options]`: each prints a table and can
 write JSON (and a PNG plot where it has one)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ COMMANDS = {
     "serve": "concurrent HTTP requests against a running server (vllm bench serve style)",
     "comm": "all-to-all schedules and transports against NCCL",
     "kernels": "Triton kernels against their torch baselines",
+    "parallel": "prefill/decode per parallel plan across GPUs vs transformers on one GPU",
 }
 
 

@@ -1,0 +1,201 @@
+"""Prefill and decode throughput of one model across the GPUs of one host, per parallel plan,
+against transformers' own forward of the same model on one GPU (measured in the same run).
+
+    python -m rayinfer.bench parallel --config benchmarks/configs/deepseek-v2-lite \
+        --plans tp=1 dp=2,ep=2 tp=2 --transports dist host --prompt-lens 4096 16384
+
+Weights are random (load_format="dummy"), so only config.json is needed. Model-FLOPs
+utilization counts 2 x active parameters per token against the GPU's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rayinfer.config import ModelConfig, ParallelPlan
+
+H200_BF16_PEAK_FLOPS = 800e12  # measured dense bf16 matmul ceiling (shared/device/README.md)
+
+
+def active_params_per_token(config: ModelConfig) -> int:
+    """Weights one token multiplies with (embedding lookup excluded, LM head included)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    if config.is_mla:
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        q = (
+            h * heads * qk
+            if not config.q_lora_rank
+            else (h * config.q_lora_rank + config.q_lora_rank * heads * qk)
+        )
+        kv = h * (config.kv_lora_rank + config.qk_rope_head_dim)
+        kv += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+        attention = q + kv + heads * config.v_head_dim * h
+    else:
+        attention = h * config.head_dim * (2 * heads + 2 * config.num_kv_heads)
+    dense_mlp = 3 * h * config.intermediate_size
+    num_dense = config.hf.get("first_k_dense_replace", 0) if config.is_moe else config.num_layers
+    moe = (
+        3
+        * h
+        * config.moe_intermediate_size
+        * (config.num_experts_per_tok + config.num_shared_experts)
+        + h * config.num_experts
+    )
+    num_moe = config.num_layers - num_dense
+    return (
+        config.num_layers * attention
+        + num_dense * dense_mlp
+        + num_moe * moe
+        + h * config.vocab_size
+    )
+
+
+def parse_plan(text: str) -> ParallelPlan:
+    """'dp=2,ep=2' -> ParallelPlan(dp=2, ep=2)."""
+    sizes = dict(part.split("=") for part in text.split(",") if part)
+    return ParallelPlan(**{key: int(value) for key, value in sizes.items()})
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m rayinfer.bench parallel")
+    parser.add_argument("--config", required=True, help="folder with the model's config.json")
+    parser.add_argument("--plans", nargs="+", default=["tp=1"])
+    parser.add_argument("--transports", nargs="+", default=["dist"], help="dist and/or host")
+    parser.add_argument("--overlap", nargs="+", default=["off"], help="off and/or on")
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
+    parser.add_argument("--decode-batches", nargs="*", type=int, default=[1, 64])
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, float]:
+    """Input tokens/s of transformers' forward on one GPU, one sequence per call."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    results = {}
+    for length in prompt_lens:
+        ids = torch.randint(0, hf_config.vocab_size, (1, length), device="cuda")
+        times = []
+        with torch.inference_mode():
+            model(ids[:, :128])  # warm-up
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model(ids, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        results[length] = length / median(times)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
+    from rayinfer import LLM, SamplingParams
+
+    longest = max(args.prompt_lens)
+    llm = LLM(
+        config_dir,
+        device="cuda",
+        load_format="dummy",
+        parallel=plan,
+        two_batch_overlap=overlap,
+        all_to_all={"transport": transport},
+        max_model_len=longest + args.decode_tokens + 8,
+        max_num_batched_tokens=longest,
+        enable_prefix_caching=False,
+    )
+    vocab = llm.model_config.vocab_size
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(count, length):
+        return [
+            torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)
+        ]
+
+    try:
+        llm.generate(prompts(plan.dp, 128), first)  # warm-up
+        result = {"prefill": {}, "decode": {}}
+        for length in args.prompt_lens:
+            times = []
+            for _ in range(args.repeats):
+                batch = prompts(plan.dp, length)  # one sequence per DP replica
+                start = time.perf_counter()
+                llm.generate(batch, first)
+                times.append(time.perf_counter() - start)
+            result["prefill"][length] = plan.dp * length / median(times)
+        decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+        for batch_size in args.decode_batches:
+            batch = prompts(batch_size, 64)
+            start = time.perf_counter()
+            llm.generate(batch, first)
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            llm.generate(prompts(batch_size, 64), decode)
+            total = time.perf_counter() - start
+            result["decode"][batch_size] = (
+                batch_size * (args.decode_tokens - 1) / max(total - prefill_s, 1e-9)
+            )
+        return result
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = ModelConfig.from_pretrained(args.config)
+    flops_per_token = 2 * active_params_per_token(config)
+    report = {"config": args.config, "active_params": flops_per_token // 2, "runs": []}
+    if args.baseline == "transformers":
+        report["transformers"] = transformers_prefill(args.config, args.prompt_lens, args.repeats)
+        for length, rate in report["transformers"].items():
+            mfu = rate * flops_per_token / H200_BF16_PEAK_FLOPS
+            print(f"transformers 1 GPU  prefill {length:6d}: {rate:10.0f} tok/s  MFU {mfu:.1%}")
+    for plan_text in args.plans:
+        plan = parse_plan(plan_text)
+        for transport in args.transports if plan.ep > 1 and plan.ep > plan.tp else ["dist"]:
+            for overlap in args.overlap:
+                run = rayinfer_run(args.config, plan, transport, overlap == "on", args)
+                run.update(plan=plan_text, transport=transport, overlap=overlap)
+                report["runs"].append(run)
+                print_run(run, plan, flops_per_token, report.get("transformers", {}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_run(run, plan, flops_per_token, baseline) -> None:
+    label = f"{run['plan']} {run['transport']} overlap={run['overlap']}"
+    for length, rate in run["prefill"].items():
+        per_gpu = rate / plan.num_workers
+        mfu = per_gpu * flops_per_token / H200_BF16_PEAK_FLOPS
+        ratio = (
+            f"  {per_gpu / baseline[length]:.2f}x transformers/GPU" if length in baseline else ""
+        )
+        print(
+            f"{label:32s} prefill {length:6d}: {rate:10.0f} tok/s "
+            f"({per_gpu:8.0f}/GPU, MFU {mfu:.1%}){ratio}"
+        )
+    for batch, rate in run["decode"].items():
+        print(f"{label:32s} decode batch {batch:4d}: {rate:10.1f} tok/s")

@@ -4,8 +4,10 @@ A schedule is a list of rounds; a round is a set of flows (src, dst, bytes) that
   dist round  = slowest latency + bytes / bandwidth of its tightest resource: one pair's path,
                 one rank's port out or in, or a shared cross-island link; an all-pairs-at-once
                 round is further divided by the fitted one_shot_efficiency.
-  host round  = host_latency + the busiest direction of any rank's host link + one chunk of
-                pipeline fill (a chunk must reach host memory before it can leave it).
+  host round  = host_latency + the busiest of: each direction of any rank's host link, and the
+                shared cross-island links (host memory sits behind one socket, so traffic
+                between islands still crosses them); plus one chunk of pipeline fill (a chunk
+                must reach host memory before it can leave it).
 Every rank holds the same topology and split matrix, so every rank picks the same plan.
 """
 
@@ -77,29 +79,36 @@ def dist_round_s(topo: Topology, flows: list[Flow], is_one_shot: bool) -> float:
     if not flows:
         return 0.0
     latency = max(topo.latency[s][d] for s, d, _ in flows)
-    out_bytes, in_bytes, cross_bytes = {}, {}, {}
+    out_bytes, in_bytes = {}, {}
     pair_s = 0.0
     for s, d, b in flows:
         pair_s = max(pair_s, b / topo.bandwidth[s][d])
         out_bytes[s] = out_bytes.get(s, 0) + b
         in_bytes[d] = in_bytes.get(d, 0) + b
-        link = (topo.island_of(s), topo.island_of(d))
-        if link[0] != link[1] and topo.cross_link(*link):
-            cross_bytes[link] = cross_bytes.get(link, 0) + b
     port_s = max(
         max(b / topo.port_bandwidth(r) for r, b in out_bytes.items()),
         max(b / topo.port_bandwidth(r) for r, b in in_bytes.items()),
     )
-    cross_s = max((b / topo.cross_link(*k) for k, b in cross_bytes.items()), default=0.0)
+    cross_s = _cross_link_s(topo, flows)
     efficiency = topo.one_shot_efficiency if is_one_shot else 1.0
     return latency + max(pair_s, port_s, cross_s) / efficiency
+
+
+def _cross_link_s(topo: Topology, flows: list[Flow]) -> float:
+    """Time the busiest shared cross-island link needs, per direction."""
+    cross_bytes = {}
+    for s, d, b in flows:
+        link = (topo.island_of(s), topo.island_of(d))
+        if link[0] != link[1] and topo.cross_link(*link):
+            cross_bytes[link] = cross_bytes.get(link, 0) + b
+    return max((b / topo.cross_link(*k) for k, b in cross_bytes.items()), default=0.0)
 
 
 def host_round_s(topo: Topology, flows: list[Flow]) -> float:
     flows = [f for f in flows if f[2] > 0]
     if not flows:
         return 0.0
-    busiest_s, fill_s = 0.0, 0.0
+    busiest_s, fill_s = _cross_link_s(topo, flows), 0.0
     for r in range(topo.world_size):
         out_b = sum(b for s, _, b in flows if s == r)
         in_b = sum(b for _, d, b in flows if d == r)

@@ -44,6 +44,7 @@ class RayinferGroup(BaseGroup):
         if joined_through_ray and rank == 0:
             forget_store(group_name)
         self._plans: dict[int, Choice] = {}
+        self._key_counts: dict[str, int] = {}
         self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
         self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rayinfer-comm-{group_name}")
@@ -181,12 +182,19 @@ class RayinferGroup(BaseGroup):
     def combine_async(self, expert_out, handle, **kw):
         return self._submit(moe.combine, self, expert_out, handle, **kw)
 
+    def next_key(self, prefix: str) -> str:
+        """A store key unique to this call: every rank makes the same calls in the same order,
+        so every rank gets the same key, and no rank can read a value left by an earlier call."""
+        self._key_counts[prefix] = self._key_counts.get(prefix, 0) + 1
+        return f"{prefix}-{self._key_counts[prefix]}"
+
     def transport(self, name: str) -> Transport:
         if name not in self._transports:
             if name != "host":
                 raise ValueError(f"unknown transport {name!r}; use 'dist', 'host' or 'auto'")
+            store = dist.PrefixStore(self.next_key("host"), self.store)
             self._transports[name] = HostStagedTransport(
-                self.store, self.rank, self.world_size, self.device
+                store, self.rank, self.world_size, self.device
             )
         return self._transports[name]
 

@@ -23,22 +23,26 @@ PROBE_BYTES = (64 << 10, 32 << 20)
 CACHE_DIR = Path(os.environ.get("RAYINFER_CACHE", Path.home() / ".cache" / "rayinfer"))
 
 
-def probe(group, use_cache: bool = True, iters: int = 5) -> Topology:
-    """Measure (or load) the topology of `group` (a RayinferGroup); every rank gets the same one."""
+def probe(
+    group, use_cache: bool = True, iters: int = 5, message_bytes: tuple[int, int] = PROBE_BYTES
+) -> Topology:
+    """Measure (or load) the topology of `group` (a RayinferGroup); every rank gets the same one.
+    message_bytes: the small and the large size each pair is timed at."""
     key = hardware_key(group.world_size)
     path = CACHE_DIR / f"topology-{key}.json"
+    call = group.next_key("probe")
     if group.rank == 0:
         text = path.read_text() if use_cache and path.exists() else None
-        group.store.set(f"probe-cached-{key}", "1" if text else "0")
-    is_cached = group.store.get(f"probe-cached-{key}") == b"1"
+        group.store.set(f"{call}-cached", "1" if text else "0")
+    is_cached = group.store.get(f"{call}-cached") == b"1"
     if not is_cached:
-        text = _measure(group, iters).to_json()
+        text = _measure(group, iters, message_bytes).to_json()
         if group.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if group.rank == 0:
-        group.store.set(f"probe-result-{key}", text)
-    return Topology.from_json(group.store.get(f"probe-result-{key}").decode())
+        group.store.set(f"{call}-result", text)
+    return Topology.from_json(group.store.get(f"{call}-result").decode())
 
 
 def hardware_key(world_size: int) -> str:
@@ -82,15 +86,18 @@ def _is_fast(link: str) -> bool:
     return link.startswith("NV") or link in ("PIX", "PXB")
 
 
-def _measure(group, iters: int) -> Topology:
+def _measure(group, iters: int, sizes: tuple[int, int]) -> Topology:
     n = group.world_size
     dist_t = [
-        [_pair_fit(group, "dist", i, j, iters) if i != j else (0.0, 1e12) for j in range(n)]
+        [_pair_fit(group, "dist", i, j, iters, sizes) if i != j else (0.0, 1e12) for j in range(n)]
         for i in range(n)
     ]
     host_t = (
         [
-            [_pair_fit(group, "host", i, j, iters) if i != j else (0.0, 1e12) for j in range(n)]
+            [
+                _pair_fit(group, "host", i, j, iters, sizes) if i != j else (0.0, 1e12)
+                for j in range(n)
+            ]
             for i in range(n)
         ]
         if group.device.type == "cuda"
@@ -120,13 +127,13 @@ def _measure(group, iters: int) -> Topology:
         is_host_staged_available=host_t is not None,
         note=topo_text,
     )
-    return _fit_one_shot(group, base, iters)
+    return _fit_one_shot(group, base, iters, sizes[1])
 
 
-def _pair_fit(group, transport: str, a: int, b: int, iters: int) -> tuple[float, float]:
+def _pair_fit(group, transport: str, a: int, b: int, iters: int, sizes) -> tuple[float, float]:
     """(latency s, bytes/s per direction) of a <-> b, both directions at once."""
-    times = [_time_pair(group, transport, a, b, size, iters) for size in PROBE_BYTES]
-    small, large = PROBE_BYTES
+    times = [_time_pair(group, transport, a, b, size, iters) for size in sizes]
+    small, large = sizes
     slope = max((times[1] - times[0]) / (large - small), 1e-13)
     return max(times[0] - small * slope, 1e-6), 1.0 / slope
 
@@ -142,9 +149,9 @@ def _time_pair(group, transport: str, a: int, b: int, size: int, iters: int) -> 
     return median_time(group, run, iters)
 
 
-def _fit_one_shot(group, topo: Topology, iters: int) -> Topology:
-    """Measure a uniform all-pairs dist exchange of the larger probe size per pair."""
-    n, size = group.world_size, PROBE_BYTES[1]
+def _fit_one_shot(group, topo: Topology, iters: int, size: int) -> Topology:
+    """Measure a uniform all-pairs dist exchange of `size` bytes per pair."""
+    n = group.world_size
     if n == 1:
         return topo
     inp = torch.ones(size * n, dtype=torch.uint8, device=group.device).view(n, size)

@@ -1,0 +1,218 @@
+"""The "rayinfer" backend in real Ray actors (CPU, gloo): world sizes 2, 4 and 8 share one set
+of eight actors, created once for the module; each world size is its own collective group."""
+
+import importlib
+import sys
+
+import pytest
+import ray
+import torch
+from ray.util import collective as col
+
+import rayinfer.comm  # noqa: F401  (registers the backend in the driver)
+from rayinfer.comm.fp8 import error_bound
+from rayinfer.comm.refs import (
+    all_to_all_ref,
+    identity_experts,
+    moe_identity_ref,
+    random_split_matrix,
+)
+from rayinfer.comm.topology import Topology
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+WORLD_SIZES = (2, 4, 8)
+SCHEDULES = ("nccl", "pairwise", "hierarchical")
+TRANSPORTS = ("dist", "host")
+
+
+@ray.remote(num_cpus=0)
+class Member:
+    def __init__(self):
+        importlib.import_module("rayinfer.comm")  # registers the backend in this worker
+        torch.set_num_threads(1)
+
+    def join(self, world_size: int, rank: int, group_name: str) -> None:
+        col.init_collective_group(world_size, rank, backend="rayinfer", group_name=group_name)
+
+    def call(self, fn, group_name: str, *args):
+        return fn(col.get_group_handle(group_name), *args)
+
+
+@pytest.fixture(scope="module")
+def members(ray_cluster):
+    actors = [Member.remote() for _ in range(max(WORLD_SIZES))]
+    ray.get([a.join.remote(n, r, f"ws{n}") for n in WORLD_SIZES for r, a in enumerate(actors[:n])])
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+def run(members, world_size: int, fn, *args) -> list:
+    """fn(group, rank-independent args...) on every member of the world_size group."""
+    return ray.get([a.call.remote(fn, f"ws{world_size}", *args) for a in members[:world_size]])
+
+
+def two_islands(n: int) -> Topology:
+    """Islands of even and odd ranks (not contiguous, so the island mapping is exercised)."""
+    return Topology.from_matrix(
+        [[10.0] * n] * n, islands=[list(range(0, n, 2)), list(range(1, n, 2))]
+    )
+
+
+def _all_to_all_cases(group, seed: int) -> list[str]:
+    n, me = group.world_size, group.rank
+    group.topology = two_islands(n)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for trial in range(2):
+        matrix = random_split_matrix(n, 6, gen)
+        matrix[trial % n] = [0] * n  # one rank sends nothing
+        dtype = (torch.bfloat16, torch.int64)[trial]
+        inputs = [(torch.randn(sum(row), 3, 5, generator=gen) * 100).to(dtype) for row in matrix]
+        expected = all_to_all_ref(inputs, matrix)[me]
+        for schedule in SCHEDULES:
+            for transport in TRANSPORTS:
+                out = torch.full_like(expected, 7)
+                group.all_to_all(
+                    out, inputs[me], [r[me] for r in matrix], matrix[me], schedule, transport
+                )
+                if not torch.equal(out, expected):
+                    failures.append(f"rank {me} {schedule}/{transport} {dtype} {matrix}")
+        out = torch.empty_like(expected)
+        group.all_to_all(out, inputs[me], [r[me] for r in matrix], matrix[me])  # auto
+        if not torch.equal(out, expected):
+            failures.append(f"rank {me} auto {matrix}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_to_all_equals_reference_for_every_schedule_and_transport(members, world_size):
+    """Random uneven splits with zeros (and a rank that sends nothing), bf16 and int64 rows:
+    exact equality with the single-process reference."""
+    failures = run(members, world_size, _all_to_all_cases, world_size)
+    assert sum(failures, []) == []
+
+
+def _routing(num_tokens: int, num_experts: int, topk: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(1)[:, :topk]
+    weights = torch.rand(num_tokens, topk, generator=gen)
+    return x, ids, weights
+
+
+def _moe_roundtrip(group, num_experts: int, topk: int, transport: str, is_async: bool):
+    num_tokens = (0, 1, 5, 33)[group.rank % 4]  # a rank with no tokens, one with a single token
+    x, ids, weights = _routing(num_tokens, num_experts, topk, seed=group.rank)
+    kw = dict(num_experts=num_experts, transport=transport)
+    if is_async:
+        res = group.dispatch_async(x, ids, weights, **kw).wait()
+    else:
+        res = group.dispatch(x, ids, weights, **kw)
+    assert res.x.shape[0] == res.topk_ids.shape[0] == sum(res.handle.out_splits)
+    assert bool((res.topk_weights[res.topk_ids < 0] == 0).all())
+    out = identity_experts(res.x, res.topk_weights)
+    y = (
+        group.combine_async(out, res.handle, transport=transport).wait()
+        if is_async
+        else (group.combine(out, res.handle, transport=transport))
+    )
+    torch.testing.assert_close(y, moe_identity_ref(x, weights), rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "num_experts,topk,transport,is_async",
+    [(16, 4, "dist", False), (16, 4, "host", True), (8, 8, "host", False)],
+    ids=["dist", "host-async", "topk-equals-experts"],
+)
+def test_dispatch_identity_combine_returns_input_times_weight_sum(
+    members, world_size, num_experts, topk, transport, is_async
+):
+    if num_experts % world_size:
+        pytest.skip("experts must split evenly")
+    assert all(run(members, world_size, _moe_roundtrip, num_experts, topk, transport, is_async))
+
+
+def _fp8_error(group):
+    x, ids, weights = _routing(40, 16, 4, seed=10 + group.rank)
+    x = (x * torch.logspace(-3, 2, 64)).to(torch.bfloat16)  # channels across five decades
+    exact = group.dispatch(x, ids, weights, num_experts=16, transport="host")
+    fp8 = group.dispatch(x, ids, weights, num_experts=16, transport="host", use_fp8=True)
+    assert torch.equal(fp8.topk_ids, exact.topk_ids)
+    err = (fp8.x.float() - exact.x.float()).abs()
+    return float((err / error_bound(exact.x)).max()) if err.numel() else 0.0
+
+
+@pytest.mark.parametrize("world_size", (2, 8))
+def test_fp8_dispatch_error_within_documented_bound(members, world_size):
+    """fp8.py documents |err| <= |x| (2^-4 + 2^-8) + scale 2^-10; bf16 dispatch is the truth."""
+    assert max(run(members, world_size, _fp8_error)) <= 1.0
+
+
+def _standard_collectives(group, name: str):
+    n, me = group.world_size, group.rank
+    base = torch.arange(6, dtype=torch.float32) + 10 * me
+    t = base.clone()
+    col.allreduce(t, name)
+    torch.testing.assert_close(t, sum(torch.arange(6.0) + 10 * r for r in range(n)))
+    t = base.clone()
+    col.allreduce(t, name, op=col.types.ReduceOp.MAX)
+    torch.testing.assert_close(t, torch.arange(6.0) + 10 * (n - 1))
+    gathered = [torch.empty(6) for _ in range(n)]
+    col.allgather(gathered, base, name)
+    torch.testing.assert_close(
+        torch.stack(gathered), torch.stack([torch.arange(6.0) + 10 * r for r in range(n)])
+    )
+    t = base.clone()
+    col.broadcast(t, src_rank=n - 1, group_name=name)
+    torch.testing.assert_close(t, torch.arange(6.0) + 10 * (n - 1))
+    t = base.clone()
+    col.reduce(t, dst_rank=1, group_name=name)
+    expected = sum(torch.arange(6.0) + 10 * r for r in range(n)) if me == 1 else base
+    torch.testing.assert_close(t, expected)
+    parts = [base + i for i in range(n)]
+    out = torch.empty(6)
+    col.reducescatter(out, parts, name)
+    torch.testing.assert_close(out, sum(torch.arange(6.0) + 10 * r + me for r in range(n)))
+    col.barrier(name)
+    if me in (0, 1):
+        t = base.clone() if me == 0 else torch.empty(6)
+        col.send(t, 1, name) if me == 0 else col.recv(t, 0, name)
+        torch.testing.assert_close(t, torch.arange(6.0))
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_standard_collectives_match_torch(members, world_size):
+    """allreduce (sum, max), allgather, broadcast, reduce, reducescatter, barrier, send/recv
+    through ray.util.collective's own functions."""
+    assert all(run(members, world_size, _standard_collectives, f"ws{world_size}"))
+
+
+def _probe(group, cache_dir: str):
+    from rayinfer.comm import probe as probe_module
+
+    probe_module.CACHE_DIR = __import__("pathlib").Path(cache_dir)
+    sizes = (4 << 10, 256 << 10)
+    first = probe_module.probe(group, iters=2, message_bytes=sizes)
+    again = probe_module.probe(group, iters=2, message_bytes=sizes)  # from the disk cache
+    return first == again and len(first.bandwidth) == group.world_size
+
+
+def test_probe_measures_and_caches(members, tmp_path):
+    assert all(run(members, 2, _probe, str(tmp_path)))
+    assert len(list(tmp_path.glob("topology-*.json"))) == 1
+
+
+def test_declarative_group_from_the_driver(members):
+    """create_collective_group in the driver; members find the group on first use."""
+    col.create_collective_group(members[:2], 2, [0, 1], backend="rayinfer", group_name="declared")
+    assert all(run(members, 2, _standard_collectives_declared))
+
+
+def _standard_collectives_declared(group):
+    t = torch.ones(3)
+    col.allreduce(t, "declared")
+    return bool((t == 2).all())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rayinfer.kernels.tile_configs import pick_tile_config
 
@@ -23,7 +24,7 @@ DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
 def _fp8_block_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn,
     SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -55,7 +56,7 @@ def _fp8_block_gemm_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         scale_col = k_step * BLOCK_K // SCALE_BLOCK
-        a_scale = tl.load(a_scale_ptrs + scale_col)  # [BM]
+        a_scale = tl.load(a_scale_ptrs + scale_col * stride_ask)  # [BM]
         b_scale = tl.load(b_scale_ptrs + scale_col)  # [BN]
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
@@ -65,6 +66,43 @@ def _fp8_block_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _fp8_block_gemm_tma_kernel(
+    a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr,
+    M, N, K,
+    stride_asm, stride_ask, stride_bsn,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The same product with tiles moved by the TMA engine (K % 16 == 0; edges zero-padded)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM]
+    b_scale_ptrs = b_scale_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, k_step * BLOCK_K])  # [BM, BK]
+        b = b_desc.load([pid_n * BLOCK_N, k_step * BLOCK_K])  # [BN, BK]
+        scale_col = k_step * BLOCK_K // SCALE_BLOCK
+        a_scale = tl.load(a_scale_ptrs + scale_col * stride_ask)  # [BM]
+        b_scale = tl.load(b_scale_ptrs + scale_col)  # [BN]
+        acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def _is_tma_compatible(*tensors) -> bool:
+    """TMA needs 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
 def _check_operands(a, a_scale, b, b_scale):
@@ -88,7 +126,7 @@ def _check_operands(a, a_scale, b, b_scale):
 
 def fp8_gemm(
     a: torch.Tensor,  # [M, K] float8_e4m3fn
-    a_scale: torch.Tensor,  # [M, K/128] float32
+    a_scale: torch.Tensor,  # [M, K/128] float32, any strides (column-major loads coalesce)
     b: torch.Tensor,  # [N, K] float8_e4m3fn
     b_scale: torch.Tensor,  # [N/128, K/128] float32
     out_dtype: torch.dtype = torch.bfloat16,
@@ -104,12 +142,22 @@ def fp8_gemm(
     config = config or DEFAULT_CONFIG
     if SCALE_BLOCK % config["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the scale block {SCALE_BLOCK}")
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
-    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    tiles = {key: value for key, value in config.items() if key != "USE_TMA"}
+    grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
+    b_scale = b_scale.contiguous()
+    if config.get("USE_TMA") and _is_tma_compatible(a, b, out):
+        _fp8_block_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a, [tiles["BLOCK_M"], tiles["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(b, [tiles["BLOCK_N"], tiles["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(out, [tiles["BLOCK_M"], tiles["BLOCK_N"]]),
+            a_scale, b_scale, m, n, k, *a_scale.stride(), b_scale.stride(0),
+            SCALE_BLOCK=SCALE_BLOCK, **tiles,
+        )  # fmt: skip
+        return out
     _fp8_block_gemm_kernel[grid](
         a, b, out, a_scale, b_scale, m, n, k,
-        a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0), b_scale.stride(0),
-        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % config["BLOCK_K"] == 0, **config,
+        a.stride(0), b.stride(0), out.stride(0), *a_scale.stride(), b_scale.stride(0),
+        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tiles["BLOCK_K"] == 0, **tiles,
     )  # fmt: skip
     return out
 

@@ -30,7 +30,7 @@ def _round_to_e4m3_grid(x):
 def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr,
     num_cols, num_groups,
-    stride_xm, stride_qm, stride_sm,
+    stride_xm, stride_qm, stride_sm, stride_sg,
     GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, group of GROUP_SIZE channels)."""
@@ -42,13 +42,17 @@ def _fp8_quant_kernel(
     scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
     q = _round_to_e4m3_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * stride_sm + group, scale)
+    tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 def fp8_quant(
-    x: torch.Tensor, group_size: int = 128
+    x: torch.Tensor, group_size: int = 128, column_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8_e4m3fn, [M, ceil(K / group)] float32)
-    """x [M, K] (rows contiguous) -> (q, scale) with x[m, k] ~= q[m, k] * scale[m, k // group]."""
+    """x [M, K] (rows contiguous) -> (q, scale) with x[m, k] ~= q[m, k] * scale[m, k // group].
+
+    column_major_scales stores scale transposed (strides (1, M)), so a GEMM tile reads the
+    scales of its rows for one K group in one coalesced load.
+    """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D with contiguous rows, got {tuple(x.shape)} {x.stride()}")
     if group_size < 16 or group_size & (group_size - 1):
@@ -56,11 +60,13 @@ def fp8_quant(
     num_rows, num_cols = x.shape
     num_groups = triton.cdiv(num_cols, group_size)
     q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    scale_shape = (num_groups, num_rows) if column_major_scales else (num_rows, num_groups)
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    scale = scale.t() if column_major_scales else scale  # [M, G]
     if num_rows == 0:
         return q, scale
     _fp8_quant_kernel[(num_rows, num_groups)](
-        x, q, scale, num_cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
+        x, q, scale, num_cols, num_groups, x.stride(0), q.stride(0), *scale.stride(),
         GROUP_SIZE=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=1 if group_size <= 128 else 4,
     )  # fmt: skip

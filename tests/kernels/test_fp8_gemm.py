@@ -8,6 +8,7 @@ from rayinfer.kernels.fp8_quant import fp8_quant_reference
 from rayinfer.models.fp8 import quantize_block_fp8
 
 SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
+TMA_TILES = {**SMALL_TILES, "USE_TMA": True}
 
 
 def _operands(m, n, k, seed):
@@ -25,6 +26,8 @@ def _operands(m, n, k, seed):
         (6, 42, 123, SMALL_TILES),  # odd sizes, K not a multiple of the tile
         (1, 128, 384, SMALL_TILES),  # one token
         (40, 200, 300, SMALL_TILES),  # partial scale blocks in N and K
+        (40, 200, 320, TMA_TILES),  # TMA tiles, zero-padded at the M and N edges
+        (6, 42, 123, TMA_TILES),  # K rows not 16-byte aligned: falls back to pointer loads
     ],
 )
 def test_fp8_gemm_matches_reference(m, n, k, config, out_dtype, tol):
@@ -41,3 +44,12 @@ def test_fp8_gemm_names_the_bad_scale():
         fp8_gemm(a, a_scale, b, b_scale.t().contiguous().repeat(1, 2))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_gemm(a.float(), a_scale, b, b_scale)
+
+
+def test_fp8_gemm_reads_column_major_activation_scales():
+    a, a_scale, b, b_scale = _operands(24, 256, 384, seed=5)
+    transposed = a_scale.t().contiguous().t()  # same values, strides (1, M)
+    expected = fp8_gemm_reference(a, a_scale, b, b_scale, torch.float32)
+    for config in (SMALL_TILES, TMA_TILES):
+        out = fp8_gemm(a, transposed, b, b_scale, torch.float32, config=config)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())

@@ -43,3 +43,12 @@ def test_fp8_quant_maps_group_max_to_fp8_max_and_zero_groups_to_zero():
 def test_fp8_quant_rejects_strided_rows():
     with pytest.raises(ValueError, match="contiguous rows"):
         fp8_quant(torch.randn(8, 4).t())
+
+
+def test_fp8_quant_column_major_scales_hold_the_same_values():
+    x = torch.randn(5, 384)
+    q, scale = fp8_quant(x, column_major_scales=True)
+    q_ref, scale_ref = fp8_quant_reference(x)
+    assert scale.stride() == (1, 5)
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)

@@ -83,14 +83,16 @@ class GreedyResult:
     token_ids: list[list[int]]  # per prompt, the generated tokens
 
 
-def load_rayinfer(path: Path, dtype: torch.dtype = torch.float32):
+def load_rayinfer(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     config = ModelConfig.from_pretrained(path)
-    return load_model(config, dtype, "cpu"), config
+    return load_model(config, dtype, device), config
 
 
-def allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> list:
+def allocate_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu"
+) -> list:
     shape = (num_blocks, block_size, *config.kv_shape_per_token)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
 
 @torch.no_grad()
@@ -110,7 +112,8 @@ def run_greedy(
     blocks_per_seq = [math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts]
     offsets = [sum(blocks_per_seq[:i]) for i in range(len(prompts))]
     tables = [list(range(o, o + n)) for o, n in zip(offsets, blocks_per_seq, strict=True)]
-    caches = allocate_caches(config, sum(blocks_per_seq), block_size, dtype)
+    device = next(model.parameters()).device
+    caches = allocate_caches(config, sum(blocks_per_seq), block_size, dtype, device)
     step = 0
     while any(len(r.generated) < max_new_tokens for r in runs):
         active = [
@@ -141,18 +144,20 @@ def run_step(model, runs, tables, caches, block_size, chunk_size) -> None:
         remaining = len(run.tokens) - run.num_computed
         query_lens.append(min(remaining, chunk_size) if chunk_size else remaining)
     seq_lens = [r.num_computed + n for r, n in zip(runs, query_lens, strict=True)]
+    device = caches[0].device
     positions = torch.tensor(
-        [p for r, s in zip(runs, seq_lens, strict=True) for p in range(r.num_computed, s)]
+        [p for r, s in zip(runs, seq_lens, strict=True) for p in range(r.num_computed, s)],
+        device=device,
     )
     chunks = [r.tokens[r.num_computed : s] for r, s in zip(runs, seq_lens, strict=True)]
-    input_ids = torch.tensor([token for chunk in chunks for token in chunk])
-    attn = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    input_ids = torch.tensor([token for chunk in chunks for token in chunk], device=device)
+    attn = build_attention_metadata(query_lens, seq_lens, tables, block_size, device)
     hidden = model(input_ids, positions, ForwardContext(attn, caches))  # [T, H]
     logits = model.compute_logits(hidden)  # [T, V]
     for run, chunk_logits, seq_len in zip(runs, logits.split(query_lens), seq_lens, strict=True):
         prompt_part = max(0, min(seq_len, run.prompt_len) - run.num_computed)
         if prompt_part:
-            run.prompt_logits.append(chunk_logits[:prompt_part])
+            run.prompt_logits.append(chunk_logits[:prompt_part].cpu())
         run.num_computed = seq_len
         if seq_len == len(run.tokens):
             run.tokens.append(int(chunk_logits[-1].argmax()))
@@ -192,10 +197,12 @@ def assert_matches_transformers(
     path: Path,
     prompts: list[list[int]] | None = None,
     max_new_tokens: int = 20,
+    device: str = "cpu",
     **run_kwargs,
 ) -> GreedyResult:
-    """rayinfer vs transformers on `prompts` (4 of different lengths by default); returns ours."""
-    model, config = load_rayinfer(path)
+    """rayinfer (on `device`) vs transformers (on the CPU) on `prompts`, 4 of different lengths
+    by default; returns ours."""
+    model, config = load_rayinfer(path, device=device)
     prompts = prompts or make_prompts(config.vocab_size)
     ours = run_greedy(model, config, prompts, max_new_tokens, **run_kwargs)
     assert_same_greedy(ours, run_transformers(path, prompts, max_new_tokens))

@@ -1,6 +1,7 @@
 """Llama, Qwen2 and Qwen3 against transformers: prefill logits and 20 greedy tokens, float32."""
 
 import pytest
+import torch
 
 from tests.models.harness import TINY_DENSE, assert_matches_transformers, make_hf_checkpoint
 
@@ -50,3 +51,8 @@ def test_sliding_window_config_is_refused():
     hf = dict(TINY_DENSE, architectures=["LlamaForCausalLM"], sliding_window=8)
     with pytest.raises(ValueError, match="sliding_window=8"):
         LlamaForCausalLM(ModelConfig.from_hf_dict(hf))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_matches_transformers_on_cuda(checkpoint):
+    assert_matches_transformers(checkpoint, device="cuda", chunk_size=4, start_steps=[0, 3, 1, 6])

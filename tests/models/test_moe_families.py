@@ -1,6 +1,7 @@
 """Qwen3-MoE and Mixtral against transformers: prefill logits and 20 greedy tokens, float32."""
 
 import pytest
+import torch
 
 from tests.models.harness import TINY_DENSE, assert_matches_transformers, make_hf_checkpoint
 
@@ -28,3 +29,8 @@ def test_prefill_and_greedy_match_transformers(checkpoint):
 
 def test_chunked_prefill_and_mixed_batches_match_transformers(checkpoint):
     assert_matches_transformers(checkpoint, chunk_size=4, start_steps=[0, 3, 1, 6], block_size=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_matches_transformers_on_cuda(checkpoint):
+    assert_matches_transformers(checkpoint, device="cuda", chunk_size=4, start_steps=[0, 3, 1, 6])

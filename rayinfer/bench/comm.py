@@ -25,7 +25,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TOKENS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-A2A_VARIANTS = ["nccl-raw", "nccl/dist", "pairwise/dist", "nccl/host", "pairwise/host", "auto"]
+A2A_VARIANTS = [
+    "nccl-raw",
+    "nccl/dist",
+    "pairwise/dist",
+    "nccl/host",
+    "pairwise/host",
+    "auto",
+    "fp8 rows host",
+]
 DISPATCH_VARIANTS = [
     "bf16 nccl/dist",
     "bf16 auto",
@@ -132,7 +140,7 @@ def check_correctness(group, hidden: int) -> dict:
     ]
     expected = all_to_all_ref(inputs, matrix)[me]
     exact = True
-    for variant in A2A_VARIANTS[1:-1]:
+    for variant in A2A_VARIANTS[1:-2]:
         schedule, transport = variant.split("/")
         out = torch.empty_like(expected)
         group.all_to_all(out, inputs[me], [r[me] for r in matrix], matrix[me], schedule, transport)
@@ -177,8 +185,15 @@ def time_all_to_all(group, tokens: int, args, phase: str) -> list[dict]:
         call = functools.partial(
             group.all_to_all, out, inp, share, share, schedule, transport, matrix
         )
+        row_bytes = args.hidden * 2
         if variant == "nccl-raw":  # all_to_all_single itself: the process group's alltoall_base
             call = functools.partial(_raw_all_to_all, group.pg, out, inp, share)
+        if variant == "fp8 rows host":  # what FP8 dispatch moves: e4m3 + scale, 64-byte rows
+            row_bytes = -(-(args.hidden + 4) // 64) * 64
+            rows8 = torch.empty(tokens, row_bytes, dtype=torch.uint8, device=group.device)
+            call = functools.partial(
+                group.all_to_all, rows8, torch.ones_like(rows8), share, share, "pairwise", "host"
+            )
         seconds = median_time(group, call, args.iters, warmup=2)
         choice = group.plan(matrix, args.hidden * 2) if variant == "auto" else None
         name = f"{choice.schedule}/{choice.transport}" if choice else variant
@@ -190,7 +205,7 @@ def time_all_to_all(group, tokens: int, args, phase: str) -> list[dict]:
                 variant=variant,
                 picked=name,
                 seconds=seconds,
-                bytes=(tokens - share[group.rank]) * args.hidden * 2,  # bytes leaving for peers
+                bytes=(tokens - share[group.rank]) * row_bytes,  # bytes leaving for peers
                 predicted_s=predicted.get(name),
             )
         )
@@ -248,7 +263,8 @@ def format_table(rows: list[dict]) -> str:
     for phase in ("nvlink", "p2p-off"):
         a2a = [r for r in rows if r["phase"] == phase and r["kind"] == "all_to_all"]
         lines += [
-            f"\n### all_to_all, {phase} (GB/s leaving each rank; us; x NCCL; model error)",
+            f"\n### all_to_all, {phase} (GB/s leaving each rank for peers; us; x NCCL"
+            " (time ratio = tokens/s ratio); model = predicted / measured time)",
             "| tokens/rank | " + " | ".join(A2A_VARIANTS) + " |",
             "|---" * (len(A2A_VARIANTS) + 1) + "|",
         ]

@@ -21,6 +21,7 @@ class CudaRuntime:
         self.lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.lib.cudaEventRecord.argtypes = [vp, vp]
         self.lib.cudaEventQuery.argtypes = [vp]
+        self.lib.cudaStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         self._free_events: list[ctypes.c_void_p] = []
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -38,6 +39,15 @@ class CudaRuntime:
         event = self._free_events.pop() if self._free_events else self._new_event()
         _check(self.lib.cudaEventRecord(event, stream.cuda_stream), "cudaEventRecord")
         return event
+
+    def order(self, first: torch.cuda.Stream, then: torch.cuda.Stream, event) -> None:
+        """Work queued on `then` from now on waits for the work queued on `first` so far.
+        `event` is the caller's own, reused on every call."""
+        _check(self.lib.cudaEventRecord(event, first.cuda_stream), "cudaEventRecord")
+        _check(self.lib.cudaStreamWaitEvent(then.cuda_stream, event, 0), "cudaStreamWaitEvent")
+
+    def new_event(self) -> ctypes.c_void_p:
+        return self._new_event()
 
     def is_done(self, event: ctypes.c_void_p) -> bool:
         """True once the work before `event` finished; the event then returns to the pool."""

@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param_name, shard_id = packed_parameter(name)
             if param_name not in params:
-                raise KeyError(
+                raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of "
                     f"{type(self).__name__}; is config.json's architecture right?"
                 )

@@ -155,3 +155,11 @@ def test_float32_parameters_keep_checkpoint_precision_in_bfloat16_models(tmp_pat
         assert params[name].dtype == torch.float32
         assert not torch.equal(bias.to(torch.bfloat16).float(), bias), "bias must need float32"
         assert torch.equal(params[name], bias), name
+
+
+def test_unknown_tensor_error_names_it(llama_path, tmp_path):
+    name = "model.layers.0.self_attn.rotary_proj.weight"
+    extra = lambda tensors: {**tensors, name: torch.zeros(4, 4)}
+    broken = rewrite_checkpoint(llama_path, tmp_path / "broken", extra)
+    with pytest.raises(WeightLoadError, match=f"{name}.*matches no parameter"):
+        load(broken)

@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,9 @@ class ServeCluster:
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
     ports: dict[str, int] = field(default_factory=dict)
     serve_process: subprocess.Popen | None = None
+    # Its own auth token: Ray turns token auth on for `ray start` when ~/.ray/auth_token exists
+    # (any earlier `ray.init()` writes one), and then clients must send that token too.
+    auth_token: str = field(default_factory=lambda: uuid.uuid4().hex + uuid.uuid4().hex)
 
     @property
     def ray_address(self) -> str:
@@ -84,6 +88,8 @@ class ServeCluster:
         env.update(
             PYTHONPATH=os.pathsep.join(p for p in python_path if p),
             RAY_ADDRESS=self.ray_address,
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self.auth_token,
             RAY_metrics_report_interval_ms="1000",
             RAY_USAGE_STATS_ENABLED="0",
             OMP_NUM_THREADS="1",
@@ -186,7 +192,7 @@ class ServeCluster:
                 pass
         # `ray stop` would also stop the pytest process's own cluster: end only this cluster's
         # processes (those naming its temp dir) and their children (the worker processes).
-        stop_processes(cluster_process_ids(self.temp_dir, self.ports.get("port")))
+        stop_processes(cluster_process_ids(self.temp_dir, self.auth_token))
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
@@ -202,26 +208,27 @@ def _parent_ids() -> dict[int, int]:
     return parents
 
 
-def _names_cluster(args: list[bytes], temp_dir: Path, gcs_port: int | None) -> bool:
-    if any(str(temp_dir).encode() in arg for arg in args):
-        return True
-    suffix = f":{gcs_port}".encode()  # the Ray client server names only the GCS address
-    return gcs_port is not None and any(
-        arg.startswith(b"--address=") and arg.endswith(suffix) for arg in args
-    )
+def _belongs_to_cluster(entry: Path, temp_dir: Path, auth_token: str) -> bool:
+    """Its command line names the temp dir, or it inherited the cluster's private token (Ray's
+    agents and client server rename themselves and name neither)."""
+    try:
+        if str(temp_dir).encode() in (entry / "cmdline").read_bytes():
+            return True
+        token = f"RAY_AUTH_TOKEN={auth_token}".encode()
+        return token in (entry / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
-def cluster_process_ids(temp_dir: Path, gcs_port: int | None = None) -> list[int]:
-    """Processes whose command line names temp_dir or the GCS port, plus their descendants."""
-    roots = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                args = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if _names_cluster(args, temp_dir, gcs_port):
-                roots.add(int(entry.name))
+def cluster_process_ids(temp_dir: Path, auth_token: str) -> list[int]:
+    """This cluster's processes (see `_belongs_to_cluster`) and all their descendants."""
+    roots = {
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and int(entry.name) != os.getpid()
+        and _belongs_to_cluster(entry, temp_dir, auth_token)
+    }
     parents = _parent_ids()
     found = set(roots)
     grew = True

@@ -1,10 +1,13 @@
 """ModelConfig from config.json: supported families, the values each reads, clear refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from rayinfer.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelPlan
+
+V2_LITE = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "deepseek-v2-lite"
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
@@ -21,7 +24,7 @@ def test_folder_without_config_json_is_named(tmp_path):
 
 
 def test_mla_caches_the_latent_and_gqa_caches_heads():
-    deepseek = ModelConfig.from_pretrained("benchmarks/configs/deepseek-v2-lite")
+    deepseek = ModelConfig.from_pretrained(V2_LITE)
     assert deepseek.kv_shape_per_token == (512 + 64,)
     assert deepseek.kv_bytes_per_token(2) == 27 * 576 * 2
     assert deepseek.kv_shape_per_token_on_rank(4) == (576,)  # replicated on every TP rank

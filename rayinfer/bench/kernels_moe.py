@@ -39,33 +39,31 @@ def tile(bm, bn, bk, warps, stages, group_m=8) -> dict:
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
+def with_tma(tiles: list[dict]) -> list[dict]:
+    return tiles + [{**t, "USE_TMA": True} for t in tiles]
+
+
 def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
-    """BLOCK_M -> stage tiles to try (both GEMMs of one call share BLOCK_M). Run 1 (2026-11-29)
-    kept 16-row tiles for 128 tokens, 128 rows (bf16) and 64 rows (fp8) for 4,096 tokens."""
+    """BLOCK_M -> stage tiles to try (both GEMMs of one call share BLOCK_M): the best of runs 1
+    and 2 (2026-11-29), each with pointer and TMA weight loads."""
     if num_tokens <= 256:
         if fp8:
-            return {16: [tile(16, 32, 128, 4, 5, 1), tile(16, 64, 128, 4, 4, 1),
-                         tile(16, 128, 128, 4, 3, 1), tile(16, 32, 128, 4, 6, 1)]}  # fmt: skip
-        return {16: [tile(16, 32, 128, 4, 5, 1), tile(16, 64, 128, 4, 4, 1),
-                     tile(16, 32, 128, 4, 6, 1), tile(16, 64, 128, 4, 5, 1)]}  # fmt: skip
+            return {16: with_tma([tile(16, 32, 128, 4, 6, 1), tile(16, 64, 128, 4, 4, 1),
+                                  tile(16, 128, 128, 4, 3, 1)])}  # fmt: skip
+        return {16: with_tma([tile(16, 64, 128, 4, 5, 1), tile(16, 32, 128, 4, 5, 1)])}
     if fp8:
-        return {64: [tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 3, 16),
-                     tile(64, 64, 128, 4, 5, 16), tile(64, 128, 128, 4, 4, 16),
-                     tile(64, 64, 128, 4, 4, 32)]}  # fmt: skip
-    return {128: [tile(128, 128, 64, 8, 3, 16), tile(128, 128, 64, 8, 4, 16),
-                  tile(128, 128, 64, 8, 3, 32), tile(128, 256, 64, 8, 3, 16),
-                  tile(128, 128, 64, 8, 3, 64)]}  # fmt: skip
+        return {64: with_tma([tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 4, 16)])}
+    return {128: with_tma([tile(128, 128, 64, 8, 3, 16), tile(128, 256, 64, 8, 3, 16),
+                           tile(128, 128, 64, 8, 3, 32)])}  # fmt: skip
 
 
 def gemm_candidates(m: int) -> list[dict]:
-    """Run 1 kept 64x128 (w4, s4) pointer tiles at M=4,096; TMA variants added in run 2."""
+    """Run 2 kept TMA 64x128 (w4, s4) at M=4,096 and pointer 64x64 / 32x64 tiles at M=128."""
     if m <= 256:
-        shapes = [(64, 64, 4, 5), (64, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 5)]
-    else:
-        shapes = [(64, 128, 4, 4), (64, 128, 4, 5), (128, 128, 8, 3), (128, 128, 8, 4),
-                  (64, 256, 8, 3)]  # fmt: skip
-    tiles = [tile(bm, bn, 128, w, s) for bm, bn, w, s in shapes]
-    return tiles + [{**t, "USE_TMA": True} for t in tiles]
+        return [tile(64, 64, 128, 4, 5), tile(32, 64, 128, 4, 5), tile(64, 128, 128, 4, 4)]
+    tiles = [tile(64, 128, 128, 4, 4), tile(64, 128, 128, 4, 4, 16), tile(64, 256, 128, 8, 3),
+             tile(128, 128, 128, 8, 4), tile(64, 128, 128, 4, 3)]  # fmt: skip
+    return [{**t, "USE_TMA": True} for t in tiles]
 
 
 def stage_fns(x, experts, weights, ids, block_m):
@@ -162,6 +160,10 @@ def time_fp8_gemm(m, n, k, sweep) -> dict:
         config = result["config"] = min(timed, key=lambda pair: pair[0])[1]
     flops = 2 * m * n * k
     ours = bench_ms(lambda: fp8_gemm(a, a_scale, b, b_scale, config=config))
+    row_major = a_scale.contiguous()
+    result["row_major_scales_ms"] = bench_ms(
+        lambda: fp8_gemm(a, row_major, b, b_scale, config=config)
+    )
     one = torch.ones((), device=device)
     b_t = b.t()
     scaled = bench_ms(lambda: torch._scaled_mm(a, b_t, scale_a=one, scale_b=one, out_dtype=BF16))

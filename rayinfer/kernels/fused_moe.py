@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rayinfer.kernels.activation import silu_and_mul_reference
 from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
@@ -29,13 +30,28 @@ DEFAULT_CONFIG = {
 
 
 @triton.jit
+def _load_weight_tile(
+    b_ptr, b_offs, row, k_step, k_in,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """[BK, BN] of an expert's weight rows; with USE_TMA, b_ptr is a descriptor over [E*N, K]."""
+    if USE_TMA:
+        tile = b_ptr.load([row, k_step * BLOCK_K]).T
+    elif EVEN_K:  # no K mask: keeps the loads 16 bytes wide
+        tile = tl.load(b_ptr + b_offs + k_step * BLOCK_K)
+    else:
+        tile = tl.load(b_ptr + b_offs + k_step * BLOCK_K, mask=k_in[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
     N, K, num_slots, up_offset, num_blocks_m,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
@@ -59,8 +75,8 @@ def _moe_gemm_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-    up_ptrs = b_ptrs + up_offset * stride_bn  # [BK, BN]
+    b_offs = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)  # TMA row
     if USE_FP8:
         a_scale_ptrs = a_scale_ptr + a_rows * stride_asm  # [BM]
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SCALE_BLOCK) * stride_bsn
@@ -69,13 +85,12 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:  # no K mask: keeps the loads 16 bytes wide
+        k_in = offs_k < K - k_step * BLOCK_K
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=is_real[:, None], other=0.0)
-            b = tl.load(b_ptrs)
         else:
-            k_in = offs_k < K - k_step * BLOCK_K
             a = tl.load(a_ptrs, mask=is_real[:, None] & k_in[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+        b = _load_weight_tile(b_ptr, b_offs, b_row, k_step, k_in, USE_TMA, EVEN_K, BLOCK_K)
         if USE_FP8:
             scale_col = k_step * BLOCK_K // SCALE_BLOCK
             a_scale = tl.load(a_scale_ptrs + scale_col, mask=is_real, other=0.0)[:, None]
@@ -83,17 +98,15 @@ def _moe_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if FUSE_SILU:
-            if EVEN_K:
-                up = tl.load(up_ptrs)
-            else:
-                up = tl.load(up_ptrs, mask=k_in[:, None], other=0.0)
+            up_offs = b_offs + up_offset * stride_bn
+            up = _load_weight_tile(
+                b_ptr, up_offs, b_row + up_offset, k_step, k_in, USE_TMA, EVEN_K, BLOCK_K
+            )
             if USE_FP8:
                 acc_up += tl.dot(a, up) * a_scale * tl.load(up_scale_ptrs + scale_col)[None, :]
             else:
                 acc_up = tl.dot(a, up, acc_up)
-            up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     if FUSE_SILU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
@@ -159,21 +172,26 @@ def _pick_config(x, w13, num_slots):
 
 def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k):
     """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights)."""
-    tile = config[stage]
+    tile = {key: value for key, value in config[stage].items() if key != "USE_TMA"}
     is_w13 = stage == "w13"
     num_blocks_m = alignment.block_expert_ids.numel()
-    n_out = c.shape[1]
+    n_out, k = c.shape[1], a.shape[1]
     grid = (num_blocks_m * triton.cdiv(n_out, tile["BLOCK_N"]),)
     use_fp8 = b_scale is not None
+    use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
+    weights = b
+    if use_tma:  # the experts' rows as one [E*N, K] matrix, read in [BN, BK] boxes
+        box = [tile["BLOCK_N"], tile["BLOCK_K"]]
+        weights = TensorDescriptor.from_tensor(b.view(-1, k), box)
     _moe_gemm_kernel[grid](
-        a, b, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights,
-        *alignment, n_out, a.shape[1], topk_weights.numel(), n_out, num_blocks_m,
+        a, weights, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights,
+        *alignment, n_out, k, topk_weights.numel(), n_out, num_blocks_m,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0) if use_fp8 else 0,
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
         SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-        USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=a.shape[1] % tile["BLOCK_K"] == 0,
-        **tile,
+        USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tile["BLOCK_K"] == 0,
+        USE_TMA=use_tma, **tile,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from rayinfer.models.fp8 import quantize_block_fp8
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 SMALL_TILES = {"w13": SMALL, "w2": SMALL}
+TMA_TILES = {"w13": {**SMALL, "USE_TMA": True}, "w2": {**SMALL, "USE_TMA": True}}
 
 CASES = {
     "normal": dict(T=16, H=64, I=32, E=8, K=2),
@@ -53,6 +54,15 @@ def test_fused_moe_matches_reference(name, dtype, tol):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("name", ["normal", "odd", "foreign_ids"])
+def test_fused_moe_tma_weight_tiles(name):
+    """Expert weights read through a TMA descriptor (odd K falls back to pointer loads)."""
+    x, w13, w2, weights, ids = _problem(CASES[name], torch.float32, seed=7)
+    out = fused_moe(x, w13, w2, weights, ids, config=TMA_TILES)
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_moe_default_tiles():
     x, w13, w2, weights, ids = _problem(dict(T=20, H=96, I=64, E=3, K=2), torch.float32, seed=1)
     expected = fused_moe_reference(x, w13, w2, weights, ids)
@@ -74,9 +84,10 @@ def test_fused_moe_fp8_block_scales(case):
     x, w13, w2, weights, ids = _problem(case, torch.float32, seed=case["T"])
     w13_q, w13_scale = _quantize_experts(w13)
     w2_q, w2_scale = _quantize_experts(w2)
-    out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=SMALL_TILES)
     expected = fused_moe_fp8_reference(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for tiles in (SMALL_TILES, TMA_TILES):
+        out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=tiles)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # FP8 activations and weights stay within a few percent of the unquantized experts.
     unquantized = fused_moe_reference(x, w13, w2, weights, ids)
     assert (out - unquantized).norm() / unquantized.norm() < 0.08

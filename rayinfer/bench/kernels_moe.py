@@ -54,7 +54,8 @@ def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
     if fp8:
         return {64: with_tma([tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 4, 16)])}
     return {128: with_tma([tile(128, 128, 64, 8, 3, 16), tile(128, 256, 64, 8, 3, 16),
-                           tile(128, 128, 64, 8, 3, 32)])}  # fmt: skip
+                           tile(128, 128, 64, 8, 3, 32)]),
+            64: with_tma([tile(64, 256, 64, 8, 3, 16), tile(64, 128, 64, 4, 4, 16)])}  # fmt: skip
 
 
 def gemm_candidates(m: int) -> list[dict]:

@@ -47,6 +47,8 @@ def rounds(schedule: str, topo: Topology, matrix: list[list[int]]) -> list[list[
     if schedule == "nccl":
         return [[(s, d, matrix[s][d]) for s in range(n) for d in range(n) if s != d]]
     if schedule == "pairwise":
+        if n == 2:
+            return None  # the same single message as the one-shot exchange: leave ties to it
         return [[(s, (s + k) % n, matrix[s][(s + k) % n]) for s in range(n)] for k in range(1, n)]
     if schedule == "hierarchical":
         return _hierarchical_rounds(topo.islands, matrix)

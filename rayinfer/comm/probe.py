@@ -8,14 +8,14 @@ sequence of exchanges; rank 0 assembles the result and shares it through the gro
 
 import hashlib
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from rayinfer.comm import nvidia_smi
 from rayinfer.comm.cost_model import dist_round_s, rounds
+from rayinfer.comm.nvidia_smi import is_fast_link
 from rayinfer.comm.topology import Topology, find_islands
 from rayinfer.comm.transport import Transfer
 
@@ -53,81 +53,76 @@ def hardware_key(world_size: int) -> str:
         os.environ.get("NCCL_SHM_DISABLE", ""),
     ]
     if torch.cuda.is_available():
-        parts.append(_run(["nvidia-smi", "--query-gpu=name,pci.bus_id", "--format=csv,noheader"]))
+        parts.append(
+            nvidia_smi.run(["nvidia-smi", "--query-gpu=name,pci.bus_id", "--format=csv,noheader"])
+        )
     else:
         parts.append("cpu")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
-def parse_topo_matrix(text: str) -> dict[str, dict[str, str]]:
-    """`nvidia-smi topo -m` -> {"GPU0": {"GPU1": "NV18", ...}, ...} (GPU rows and columns only)."""
-    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header = lines[0].split() if lines else []
-    gpus = [h for h in header if h.startswith("GPU")]
-    links = {}
-    for line in lines[1:]:
-        cells = line.split()
-        if cells and cells[0] in gpus:
-            links[cells[0]] = dict(zip(gpus, cells[1 : 1 + len(gpus)], strict=False))
-    return links
-
-
-def islands_from_links(links: dict[str, dict[str, str]]) -> list[list[int]]:
-    """GPUs joined by NVLink (NV#) or one PCIe switch (PIX, PXB) share an island."""
-    names = sorted(links, key=lambda g: int(g[3:]))
+def islands_from_links(links: tuple[tuple[str, ...], ...]) -> list[list[int]]:
+    """Ranks whose GPUs share NVLink or one PCIe switch (`topo -m`) form an island."""
+    n = len(links)
     fast = [
-        [1.0 if i == j or _is_fast(links[a][b]) else 0.0 for j, b in enumerate(names)]
-        for i, a in enumerate(names)
+        [1.0 if i == j or is_fast_link(links[i][j]) else 0.0 for j in range(n)] for i in range(n)
     ]
     return find_islands(fast, ratio=1.0)
 
 
-def _is_fast(link: str) -> bool:
-    return link.startswith("NV") or link in ("PIX", "PXB")
-
-
 def _measure(group, iters: int, sizes: tuple[int, int]) -> Topology:
-    n = group.world_size
-    dist_t = [
-        [_pair_fit(group, "dist", i, j, iters, sizes) if i != j else (0.0, 1e12) for j in range(n)]
-        for i in range(n)
-    ]
-    host_t = (
-        [
-            [
-                _pair_fit(group, "host", i, j, iters, sizes) if i != j else (0.0, 1e12)
-                for j in range(n)
-            ]
-            for i in range(n)
-        ]
-        if group.device.type == "cuda"
-        else None
-    )
-    bandwidth = [[bw for _, bw in row] for row in dist_t]
-    latency = [[lat for lat, _ in row] for row in dist_t]
-    for i in range(n):
-        bandwidth[i][i] = max(b for j, b in enumerate(bandwidth[i]) if j != i) if n > 1 else 1e12
-    topo_text = _run(["nvidia-smi", "topo", "-m"]) if group.device.type == "cuda" else ""
-    host_bw = (
-        [min(b for j, (_, b) in enumerate(host_t[i]) if j != i) for i in range(n)]
-        if host_t
-        else [25e9] * n
-    )
-    host_lat = (
-        max((host_t[i][j][0] for i in range(n) for j in range(n) if i != j), default=20e-6)
-        if host_t
-        else 20e-6
-    )
+    n, is_cuda = group.world_size, group.device.type == "cuda"
+    dist_fits = _fit_pairs(group, "dist", iters, sizes)
+    host_fits = _fit_pairs(group, "host", iters, sizes) if is_cuda else {}
+    bandwidth = _pair_matrix(n, dist_fits, 1)
+    gpus = _gather_gpu_indices(group) if is_cuda else None
     base = Topology(
-        bandwidth=tuple(map(tuple, bandwidth)),
-        latency=tuple(map(tuple, latency)),
-        host_bandwidth=tuple(host_bw),
-        host_latency=host_lat,
+        bandwidth=bandwidth,
+        latency=_pair_matrix(n, dist_fits, 0),
+        host_bandwidth=_host_bandwidth(n, host_fits),
+        host_latency=max((lat for lat, _ in host_fits.values()), default=20e-6),
         islands=tuple(tuple(i) for i in find_islands(bandwidth)),
-        is_host_staged_available=host_t is not None,
-        note=topo_text,
+        p2p=nvidia_smi.peer_access(gpus) if gpus else None,
+        links=nvidia_smi.links_between(gpus) if gpus else None,
+        is_host_staged_available=is_cuda,
     )
     return _fit_one_shot(group, base, iters, sizes[1])
+
+
+def _fit_pairs(group, transport: str, iters: int, sizes) -> dict[tuple[int, int], tuple]:
+    """(latency s, bytes/s per direction) for every pair i < j, both directions at once."""
+    n = group.world_size
+    return {
+        (i, j): _pair_fit(group, transport, i, j, iters, sizes)
+        for i in range(n)
+        for j in range(i + 1, n)
+    }
+
+
+def _pair_matrix(n: int, fits: dict, field: int) -> tuple[tuple[float, ...], ...]:
+    """[N][N] of one fitted field, symmetric; the diagonal is the row's best (bandwidth) or 0."""
+    rows = [
+        [fits[min(i, j), max(i, j)][field] if i != j else 0.0 for j in range(n)] for i in range(n)
+    ]
+    for i in range(n):
+        rows[i][i] = max(rows[i]) if field == 1 and n > 1 else rows[i][i]
+    return tuple(tuple(row) for row in rows)
+
+
+def _host_bandwidth(n: int, fits: dict) -> tuple[float, ...]:
+    """Each rank's slowest host-staged pair, or 25 GB/s where nothing was measured (CPU)."""
+    if not fits:
+        return (25e9,) * n
+    return tuple(min(bw for (i, j), (_, bw) in fits.items() if r in (i, j)) for r in range(n))
+
+
+def _gather_gpu_indices(group) -> list[int] | None:
+    """nvidia-smi index of every rank's GPU, shared through the group's store."""
+    key = group.next_key("gpu-index")
+    mine = nvidia_smi.my_gpu_index()
+    group.store.set(f"{key}-{group.rank}", "" if mine is None else str(mine))
+    values = [group.store.get(f"{key}-{r}").decode() for r in range(group.world_size)]
+    return None if "" in values else [int(v) for v in values]
 
 
 def _pair_fit(group, transport: str, a: int, b: int, iters: int, sizes) -> tuple[float, float]:
@@ -190,12 +185,3 @@ class _MaxOption:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _run(cmd: list[str]) -> str:
-    if shutil.which(cmd[0]) is None:
-        return ""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""

@@ -83,52 +83,58 @@ class Hierarchical(Schedule):
     needs_split_matrix = True
 
     def run(self, ctx, out, inp, out_splits, in_splits):
-        islands, S = ctx.islands, ctx.split_matrix
-        size = len(islands[0])
-        if any(len(isl) != size for isl in islands):
-            raise ValueError(f"hierarchical needs islands of equal size, got {islands}")
-        where = {r: (i, j) for i, isl in enumerate(islands) for j, r in enumerate(isl)}
-        my_island, my_index = where[ctx.rank]
+        size = len(ctx.islands[0])
+        if any(len(isl) != size for isl in ctx.islands):
+            raise ValueError(f"hierarchical needs islands of equal size, got {ctx.islands}")
         out_at = offsets(out_splits)
-        row_bytes = inp.shape[1]
-        mates = islands[my_island]
-        # Phase 1: blocks for (J, j) for every island J, sent to mate (I, j), island order.
-        in_at = offsets(in_splits)
+        blocks = self._gather_in_island(ctx, inp, in_splits)
+        island = next(i for i, isl in enumerate(ctx.islands) if ctx.rank in isl)
+        for mate in ctx.islands[island]:
+            out[out_at[mate] : out_at[mate + 1]].copy_(blocks[(mate, island)])
+        for src, part in self._cross_islands(ctx, blocks, island, inp):
+            out[out_at[src] : out_at[src + 1]].copy_(part)
+
+    @staticmethod
+    def _gather_in_island(ctx, inp, in_splits) -> dict[tuple[int, int], torch.Tensor]:
+        """Phase 1. Returns {(mate, J): rows from mate bound for (J, my index)}."""
+        islands, S, me = ctx.islands, ctx.split_matrix, ctx.rank
+        island = next(isl for isl in islands if me in isl)
+        my_index, in_at = island.index(me), offsets(in_splits)
         sends, recvs, staged = [], [], {}
-        for j, mate in enumerate(mates):
-            parts = [inp[in_at[isl[j]] : in_at[isl[j] + 1]] for isl in islands]
+        for j, mate in enumerate(island):
+            parts = torch.cat([inp[in_at[isl[j]] : in_at[isl[j] + 1]] for isl in islands])
             sizes = [S[mate][isl[my_index]] for isl in islands]
-            recv_buf = inp.new_empty((sum(sizes), row_bytes))
-            staged[mate] = (recv_buf, sizes)
-            if mate == ctx.rank:
-                recv_buf.copy_(torch.cat(parts))
-                continue
-            sends.append(Transfer(mate, torch.cat(parts).reshape(-1)))
-            recvs.append(Transfer(mate, recv_buf.reshape(-1)))
+            staged[mate] = (
+                parts if mate == me else inp.new_empty((sum(sizes), inp.shape[1])),
+                sizes,
+            )
+            if mate != me:
+                sends.append(Transfer(mate, parts.reshape(-1)))
+                recvs.append(Transfer(mate, staged[mate][0].reshape(-1)))
         ctx.transport.exchange(sends, recvs)
-        # staged[mate]: blocks from `mate` bound for (J, my_index), island order.
-        blocks = {
-            (m, J): part
-            for m, (buf, sizes) in staged.items()
+        return {
+            (mate, J): part
+            for mate, (buf, sizes) in staged.items()
             for J, part in enumerate(_split_rows(buf, sizes))
         }
-        for m in mates:
-            out[out_at[m] : out_at[m + 1]].copy_(blocks[(m, my_island)])
-        # Phase 2: one aggregated message per other island, sources in island order.
+
+    @staticmethod
+    def _cross_islands(ctx, blocks, island: int, inp):
+        """Phase 2. Yields (source rank, its rows for me) for every rank of other islands."""
+        islands, S, me = ctx.islands, ctx.split_matrix, ctx.rank
+        mates, my_index = islands[island], islands[island].index(me)
         sends, recvs, arriving = [], [], {}
         for J, isl in enumerate(islands):
-            if J == my_island:
+            if J == island:
                 continue
             peer = isl[my_index]
             sends.append(Transfer(peer, torch.cat([blocks[(m, J)] for m in mates]).reshape(-1)))
-            sizes = [S[src][ctx.rank] for src in isl]
-            buf = inp.new_empty((sum(sizes), row_bytes))
-            arriving[J] = (buf, sizes)
-            recvs.append(Transfer(peer, buf.reshape(-1)))
+            sizes = [S[src][me] for src in isl]
+            arriving[J] = (inp.new_empty((sum(sizes), inp.shape[1])), sizes)
+            recvs.append(Transfer(peer, arriving[J][0].reshape(-1)))
         ctx.transport.exchange(sends, recvs)
         for J, (buf, sizes) in arriving.items():
-            for src, part in zip(islands[J], _split_rows(buf, sizes), strict=True):
-                out[out_at[src] : out_at[src + 1]].copy_(part)
+            yield from zip(islands[J], _split_rows(buf, sizes), strict=True)
 
 
 def _split_rows(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

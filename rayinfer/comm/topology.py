@@ -22,7 +22,9 @@ class Topology:
         missing pairs are limited only by their pair bandwidth.
     one_shot_efficiency: fraction of the pair/port bandwidth that an all-pairs-at-once dist
         exchange reaches (NCCL over the CPU root complex collapses below 1; fitted by the probe).
-    p2p: [N][N] whether GPU i can access GPU j directly (None: unknown)."""
+    p2p: [N][N] whether GPU i can access GPU j directly (None: unknown).
+    links: [N][N] `nvidia-smi topo -m` link names (NV18, PIX, PXB, PHB, NODE, SYS; None: unknown).
+    is_host_staged_available: ranks share a node's memory and have GPUs to stage from."""
 
     bandwidth: tuple[tuple[float, ...], ...]
     latency: tuple[tuple[float, ...], ...]
@@ -32,6 +34,7 @@ class Topology:
     cross_bandwidth: dict[str, float] = field(default_factory=dict)
     one_shot_efficiency: float = 1.0
     p2p: tuple[tuple[bool, ...], ...] | None = None
+    links: tuple[tuple[str, ...], ...] | None = None
     is_host_staged_available: bool = True
     note: str = ""
 
@@ -104,7 +107,7 @@ class Topology:
     @classmethod
     def from_json(cls, text: str) -> "Topology":
         d = json.loads(text)
-        for key in ("bandwidth", "latency", "p2p"):
+        for key in ("bandwidth", "latency", "p2p", "links"):
             if d.get(key) is not None:
                 d[key] = tuple(tuple(row) for row in d[key])
         d["host_bandwidth"] = tuple(d["host_bandwidth"])

@@ -2,7 +2,8 @@
 
 import pytest
 
-from rayinfer.comm.probe import hardware_key, islands_from_links, parse_topo_matrix
+from rayinfer.comm import nvidia_smi
+from rayinfer.comm.probe import hardware_key, islands_from_links
 from rayinfer.comm.topology import Topology, find_islands
 
 TOPO_M = """\
@@ -17,10 +18,33 @@ Legend:
 """
 
 
+P2P_R = """\
+ \tGPU0\tGPU1\tGPU2\tGPU3\t
+ GPU0\tX\tOK\tNS\tNS\t
+ GPU1\tOK\tX\tNS\tNS\t
+ GPU2\tNS\tNS\tX\tOK\t
+ GPU3\tNS\tNS\tOK\tX\t
+
+Legend:
+  X    = Self
+"""
+
+
 def test_parse_topo_matrix_and_islands():
-    links = parse_topo_matrix(TOPO_M)
-    assert links["GPU0"]["GPU1"] == "PIX" and links["GPU2"]["GPU3"] == "NV4"
-    assert islands_from_links(links) == [[0, 1], [2, 3]]
+    table = nvidia_smi.parse_gpu_matrix(TOPO_M)
+    assert table["GPU0"]["GPU1"] == "PIX" and table["GPU2"]["GPU3"] == "NV4"
+
+
+def test_links_and_peer_access_of_the_ranks_gpus(monkeypatch):
+    """Ranks 0..2 on GPUs 3, 1, 0: tables are re-indexed by rank."""
+    fake = {"-m": TOPO_M, "-p2p": P2P_R}
+    monkeypatch.setattr(nvidia_smi, "run", lambda cmd: fake[cmd[2]])
+    links = nvidia_smi.links_between([3, 1, 0])
+    assert links == (("X", "SYS", "SYS"), ("SYS", "X", "PIX"), ("SYS", "PIX", "X"))
+    assert islands_from_links(links) == [[0], [1, 2]]
+    access = nvidia_smi.peer_access([3, 1, 0])
+    assert access == ((False, False, False), (False, False, True), (False, True, False))
+    assert nvidia_smi.links_between([7]) is None  # a GPU nvidia-smi does not list
 
 
 def test_find_islands_groups_fast_links():

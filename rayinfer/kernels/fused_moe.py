@@ -52,6 +52,7 @@ def _moe_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
@@ -96,7 +97,7 @@ def _moe_gemm_kernel(
             a_scale = tl.load(a_scale_ptrs + scale_col, mask=is_real, other=0.0)[:, None]
             acc += tl.dot(a, b) * a_scale * tl.load(b_scale_ptrs + scale_col)[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if FUSE_SILU:
             up_offs = b_offs + up_offset * stride_bn
             up = _load_weight_tile(
@@ -105,7 +106,7 @@ def _moe_gemm_kernel(
             if USE_FP8:
                 acc_up += tl.dot(a, up) * a_scale * tl.load(up_scale_ptrs + scale_col)[None, :]
             else:
-                acc_up = tl.dot(a, up, acc_up)
+                acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     if FUSE_SILU:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -179,6 +180,7 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
     grid = (num_blocks_m * triton.cdiv(n_out, tile["BLOCK_N"]),)
     use_fp8 = b_scale is not None
     use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
+    # float32 experts (tiny models, parity tests) multiply in IEEE fp32: tf32 would cost ~1e-3.
     weights = b
     if use_tma:  # the experts' rows as one [E*N, K] matrix, read in [BN, BK] boxes
         box = [tile["BLOCK_N"], tile["BLOCK_K"]]
@@ -191,7 +193,7 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
         SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
         USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tile["BLOCK_K"] == 0,
-        USE_TMA=use_tma, **tile,
+        USE_TMA=use_tma, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **tile,
     )  # fmt: skip
 
 

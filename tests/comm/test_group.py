@@ -206,13 +206,22 @@ def test_probe_measures_and_caches(members, tmp_path):
     assert len(list(tmp_path.glob("topology-*.json"))) == 1
 
 
-def test_declarative_group_from_the_driver(members):
-    """create_collective_group in the driver; members find the group on first use."""
+def test_declarative_group_from_the_driver_then_destroyed(members):
+    """create_collective_group in the driver; members find the group on first use, use both
+    transports, then destroy it (shared memory unmapped, process group shut down)."""
     col.create_collective_group(members[:2], 2, [0, 1], backend="rayinfer", group_name="declared")
-    assert all(run(members, 2, _standard_collectives_declared))
+    assert all(ray.get([a.call.remote(_use_then_destroy, "declared") for a in members[:2]]))
 
 
-def _standard_collectives_declared(group):
+def _use_then_destroy(group):
     t = torch.ones(3)
     col.allreduce(t, "declared")
-    return bool((t == 2).all())
+    out = torch.empty(4, 2)
+    group.all_to_all(out, torch.full((4, 2), float(group.rank)), [2, 2], [2, 2], "nccl", "host")
+    col.destroy_collective_group("declared")
+    return (
+        bool((t == 2).all())
+        and out[:2].sum() == 0
+        and out[2:].sum() == 4
+        and not (col.is_group_initialized("declared"))
+    )

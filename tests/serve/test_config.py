@@ -77,3 +77,31 @@ def test_phase_options_reserve_whole_worker_groups():
     config = AppConfig.from_args({"prefill.tp": "2", "prefill.ep": "2"})
     gpu = phase_options(config, config.prefill, use_gpus=True)
     assert gpu["placement_group_bundles"][1:] == [{"GPU": 1.0, "CPU": 1.0}] * 2
+
+
+def test_example_serve_config_is_valid():
+    import yaml
+
+    from tests.serve.cluster import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / "examples" / "serve_config.yaml").read_text())
+    [app] = config["applications"]
+    assert app["import_path"] == "rayinfer.app:build"
+    parsed = AppConfig.from_args(app["args"])
+    assert parsed.decode.autoscaling.max_replicas == 2
+
+
+def test_grafana_dashboard_charts_every_serve_metric():
+    import json
+
+    from rayinfer.deployments.metrics import METRIC_NAMES
+    from tests.serve.cluster import REPO_ROOT
+
+    path = REPO_ROOT / "rayinfer" / "deployments" / "grafana_dashboard.json"
+    exprs = " ".join(
+        target["expr"]
+        for panel in json.loads(path.read_text())["panels"]
+        for target in panel["targets"]
+    )
+    missing = [name for name in METRIC_NAMES if f"ray_{name}" not in exprs]
+    assert not missing, f"metrics without a dashboard panel: {missing}"

@@ -9,7 +9,7 @@ works in any process that imported it. Inside each worker (a Ray actor):
 
     col.init_collective_group(world_size, rank, backend="rayinfer", group_name="ep")
     group = col.get_group_handle("ep")           # a RayinferGroup
-    group.topology = rayinfer.comm.probe(group)  # optional: measure links (cached on disk)
+    group.topology = probe(group)  # rayinfer.comm.probe.probe: measure links (cached on disk)
     group.all_to_all(out, inp, out_splits, in_splits)          # schedule/transport "auto"
     res = group.dispatch(x, topk_ids, topk_weights, num_experts=256, use_fp8=True)
     y = group.combine(expert_out, res.handle)
@@ -21,7 +21,6 @@ from rayinfer.comm.cost_model import Choice, choose, predict
 from rayinfer.comm.group import BACKEND_NAME, RayinferGroup
 from rayinfer.comm.moe import DispatchHandle, DispatchResult
 from rayinfer.comm.pending import Pending
-from rayinfer.comm.probe import probe
 from rayinfer.comm.topology import Topology
 
 if not _global_registry.is_registered(BACKEND_NAME):
@@ -37,5 +36,4 @@ __all__ = [
     "Topology",
     "choose",
     "predict",
-    "probe",
 ]

@@ -111,6 +111,11 @@ def _moe_roundtrip(group, num_experts: int, topk: int, transport: str, is_async:
         res = group.dispatch(x, ids, weights, **kw)
     assert res.x.shape[0] == res.topk_ids.shape[0] == sum(res.handle.out_splits)
     assert bool((res.topk_weights[res.topk_ids < 0] == 0).all())
+    per_rank = num_experts // group.world_size
+    unique_pairs = {(t, e // per_rank) for t, row in enumerate(ids.tolist()) for e in row}
+    assert sum(res.handle.in_splits) == len(
+        unique_pairs
+    )  # one row per (token, rank), not per expert
     out = identity_experts(res.x, res.topk_weights)
     y = (
         group.combine_async(out, res.handle, transport=transport).wait()

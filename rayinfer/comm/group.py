@@ -156,12 +156,13 @@ class RayinferGroup(BaseGroup):
             self._plans[size_class] = choose(self.topology, [[pair_bytes] * n] * n, 1)
         return self._plans[size_class]
 
-    def gather_split_matrix(self, in_splits: list[int]) -> list[list[int]]:
-        """-> [world, world]: rows rank i sends to rank j, for every i."""
-        mine = torch.tensor(in_splits, dtype=torch.int64, device=self.device)
+    def gather_split_matrix(self, in_splits: list[int] | torch.Tensor) -> list[list[int]]:
+        """in_splits: [world] int (list, or a tensor on this group's device, which saves a
+        device sync) -> [world][world]: rows rank i sends to rank j, for every i."""
+        mine = torch.as_tensor(in_splits, dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         self.pg.allgather([rows], [mine]).wait()
-        return [r.tolist() for r in rows]
+        return torch.stack(rows).tolist()  # one device sync for the whole matrix
 
     # --- MoE ---
     def dispatch(self, x, topk_ids, topk_weights, *, num_experts: int, use_fp8=False, **kw):

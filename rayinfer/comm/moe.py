@@ -19,7 +19,7 @@ class AllToAll(Protocol):
     world_size: int
 
     def all_to_all(self, out, inp, out_splits: list[int], in_splits: list[int], **kw): ...
-    def gather_split_matrix(self, in_splits: list[int]) -> list[list[int]]: ...
+    def gather_split_matrix(self, in_splits) -> list[list[int]]: ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def dispatch(
     goes_to = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
     goes_to.scatter_(1, dest, True)  # [T, N]
     dest_ids, token_ids = goes_to.t().nonzero(as_tuple=True)  # [S], grouped by destination
-    matrix = comm.gather_split_matrix(goes_to.sum(0).tolist())
+    matrix = comm.gather_split_matrix(goes_to.sum(0))
     in_splits, out_splits = matrix[comm.rank], [row[comm.rank] for row in matrix]
     on_dest = dest[token_ids] == dest_ids.unsqueeze(1)  # [S, K]
     local_ids = torch.where(

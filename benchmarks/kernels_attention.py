@@ -5,8 +5,11 @@
 """
 
 import sys
+from pathlib import Path
 
-from rayinfer.bench.kernels_attention import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rayinfer.bench.kernels_attention import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,13 +26,14 @@ def paged_gqa_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, bloc
     """A mixed batch: query [T, Hq, D], kv_cache [blocks, bs, 2, Hkv, D], metadata tensors."""
     table = shuffled_block_tables(seq_lens, block_size, device)
     num_blocks = int(table.max()) + 1
-    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, device=device)
+    kv_shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
+    kv_cache = torch.randn(kv_shape, device=device, dtype=dtype)  # in dtype: 16 GB, not 48
     query = torch.randn(sum(query_lens), num_heads, head_dim, device=device)
     starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return dict(
         query=query.to(dtype),
-        kv_cache=kv_cache.to(dtype),
+        kv_cache=kv_cache,
         block_tables=table,
         seq_lens=lens,
         query_start_loc=starts,
@@ -43,12 +44,13 @@ def paged_mla_case(seq_lens, num_heads, latent_rank, rope_dim, block_size, dtype
     """Absorbed decode: q_latent [B, N, L], q_pe [B, N, R], kv_cache [blocks, bs, L + R]."""
     table = shuffled_block_tables(seq_lens, block_size, device)
     num_blocks = int(table.max()) + 1
-    kv_cache = torch.randn(num_blocks, block_size, latent_rank + rope_dim, device=device)
+    kv_shape = (num_blocks, block_size, latent_rank + rope_dim)
+    kv_cache = torch.randn(kv_shape, device=device, dtype=dtype)
     batch = len(seq_lens)
     return dict(
         q_latent=(torch.randn(batch, num_heads, latent_rank, device=device) * 0.1).to(dtype),
         q_pe=torch.randn(batch, num_heads, rope_dim, device=device).to(dtype),
-        kv_cache=kv_cache.to(dtype),
+        kv_cache=kv_cache,
         block_tables=table,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )

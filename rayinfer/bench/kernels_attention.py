@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 
 import torch
 import triton.testing
 
 from rayinfer.bench.attention_cases import gather_paged, paged_gqa_case, paged_mla_case
 from rayinfer.bench.attention_checks import run_checks
-from rayinfer.kernels import mla_attention, paged_attention, prefill_attention
+from rayinfer.kernels import activation, mla_attention, paged_attention, prefill_attention, rotary
+from rayinfer.kernels import rms_norm as rms_norm_ops
 
 BF16 = torch.bfloat16
 PEAK_TFLOPS = 800.0  # H200 dense bf16
@@ -141,24 +143,60 @@ def time_decode_mla(device, batch, seq_len, heads, params=None) -> dict:
     with launch_params_override("mla_attention", params):
         ours = bench_ms(lambda: mla_attention.mla_decode_attention(*args, case["seq_lens"], scale))
 
-    def gather_then_sdpa():
+    def gather_then_attend():
+        """torch's absorbed MLA: gather the latents, two matmuls and a softmax (SDPA's math
+        path would expand the shared latent to every head: 72 GiB at 8 x 32k x 128 heads)."""
         context = gather_paged(case["kv_cache"], case["block_tables"], seq_len)  # [B, S, 576]
-        query = torch.cat((case["q_latent"], case["q_pe"]), dim=-1)[:, :, None]  # [B, N, 1, 576]
-        key = context[:, None]  # [B, 1, S, 576]
-        return SDPA(query, key, key[..., :512], scale=scale, enable_gqa=True)
+        query = torch.cat((case["q_latent"], case["q_pe"]), dim=-1)  # [B, N, 576]
+        scores = torch.bmm(query, context.transpose(1, 2)).float() * scale  # [B, N, S]
+        return torch.bmm(scores.softmax(-1).to(BF16), context[..., :512])  # [B, N, 512]
 
-    baseline = bench_ms(gather_then_sdpa)
+    baseline = bench_ms(gather_then_attend)
     kv_bytes = batch * seq_len * 576 * 2
     return dict(
         kernel=f"decode mla {heads} heads",
         shape=f"B={batch} ctx={seq_len}",
         ours_ms=ours,
         baseline_ms=baseline,
-        baseline="gather + SDPA",
+        baseline="gather + bmm/softmax/bmm",
         ratio=baseline / ours,
         tb_per_s=kv_bytes / ours / 1e9,
         roofline_share=kv_bytes / ours / 1e-3 / PEAK_BYTES_PER_S,
     )
+
+
+def time_small_ops(device) -> list[dict]:
+    """Memory-bound fused ops vs the torch references they replace, as HBM bandwidth."""
+    tokens = 4096
+    x, residual = (torch.randn(tokens, 7168, device=device, dtype=BF16) for _ in range(2))
+    weight = torch.ones(7168, device=device, dtype=BF16)
+    gate_up = torch.randn(tokens, 2 * 2048, device=device, dtype=BF16)
+    positions = torch.arange(tokens, device=device)
+    q_pe = torch.randn(tokens, 128, 64, device=device, dtype=BF16)
+    k_pe = torch.randn(tokens, 1, 64, device=device, dtype=BF16)
+    latent = torch.randn(tokens, 512, device=device, dtype=BF16)
+    cache = torch.zeros(tokens // 16, 16, 576, device=device, dtype=BF16)
+    slots = torch.randperm(tokens, device=device)
+    inv_freq = torch.rand(32, device=device)
+    cases = [  # (name, ours, reference, bytes read + written)
+        ("rms_norm + residual", lambda: rms_norm_ops.rms_norm(x, weight, 1e-6, residual),
+         lambda: rms_norm_ops.rms_norm_reference(x, weight, 1e-6, residual), 4 * x.nbytes),
+        ("silu_and_mul", lambda: activation.silu_and_mul(gate_up),
+         lambda: activation.silu_and_mul_reference(gate_up), 1.5 * gate_up.nbytes),
+        ("rope + mla cache write", lambda: rotary.rotary_embedding_and_cache(
+            positions, q_pe, k_pe, inv_freq, cache, slots, latent, True),
+         lambda: rotary.rotary_embedding_and_cache_reference(
+            positions, q_pe, k_pe, inv_freq, cache, slots, latent, True),
+         2 * (q_pe.nbytes + k_pe.nbytes) + 2 * latent.nbytes),
+    ]  # fmt: skip
+    rows = []
+    for name, ours_fn, reference_fn, num_bytes in cases:
+        ours, baseline = bench_ms(ours_fn), bench_ms(reference_fn)
+        rows.append(dict(kernel=name, shape=f"{tokens} tokens", ours_ms=ours,
+                         baseline_ms=baseline, baseline="torch reference", ratio=baseline / ours,
+                         tb_per_s=num_bytes / ours / 1e9,
+                         roofline_share=num_bytes / ours / 1e-3 / PEAK_BYTES_PER_S))  # fmt: skip
+    return rows
 
 
 PREFILL_SWEEP = [
@@ -167,6 +205,9 @@ PREFILL_SWEEP = [
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
 ]
 DECODE_SWEEP = [
     dict(BLOCK_N=64, num_warps=4, num_stages=3),
@@ -186,33 +227,59 @@ MLA_SWEEP = [
 ]
 
 
-def run_sweeps(device) -> list[dict]:
-    rows = []
-    for params in PREFILL_SWEEP:
-        rows.append({**time_prefill(device, 8192, params=params), "params": params})
-    for params in DECODE_SWEEP:
-        for batch, seq_len in ((1, 131072), (32, 32768)):
-            row = time_decode_gqa(device, batch, seq_len, params=params)
-            rows.append({**row, "params": params})
-    for params in MLA_SWEEP:
-        for batch, heads in ((8, 128), (32, 16)):
-            rows.append({**time_decode_mla(device, batch, 32768, heads, params=params),
-                         "params": params})  # fmt: skip
-    return rows
+SWEEPS = {  # op -> (configs, shapes timed for each, timing function)
+    "prefill_attention": (PREFILL_SWEEP, [(8192,), (16384,)], time_prefill),
+    "paged_attention": (DECODE_SWEEP, [(1, 131072), (32, 32768), (128, 4096)], time_decode_gqa),
+    "mla_attention": (MLA_SWEEP, [(8, 32768, 128), (32, 8192, 16), (1, 131072, 16)],
+                      time_decode_mla),
+}  # fmt: skip
 
 
-def run_timings(device) -> list[dict]:
-    rows = [time_prefill(device, n) for n in (4096, 8192, 16384)]
-    rows.append(time_prefill(device, 8192, dim_qk=192, dim_v=128))
-    rows.append(time_paged_prefill(device, 16384, 16384))
-    rows.append(time_paged_prefill(device, 16384, 4096))
+def safe_row(fn, *args, **kwargs) -> dict | None:
+    """One measurement; a config that fails to compile or run is printed and skipped."""
+    try:
+        row = fn(*args, **kwargs)
+    except Exception as error:  # out of resources, out of memory: report and go on
+        print(f"skipped {fn.__name__}{args[1:]} {kwargs}: {type(error).__name__}: {error}"[:300])
+        torch.cuda.empty_cache()
+        return None
+    print_table([row] if "params" not in kwargs else [{**row, "params": kwargs["params"]}])
+    return row
+
+
+def run_sweeps(device) -> tuple[list[dict], dict]:
+    """Every config of each op on its shapes; the best by geometric-mean time per op."""
+    rows, best = [], {}
+    for op, (configs, shapes, timer) in SWEEPS.items():
+        scores = []
+        for params in configs:
+            timed = [safe_row(timer, device, *shape, params=params) for shape in shapes]
+            rows += [{**r, "params": params} for r in timed if r]
+            if all(timed):
+                log_time = sum(math.log(r["ours_ms"]) for r in timed)
+                scores.append((log_time, configs.index(params)))
+        best[op] = configs[min(scores)[1]] if scores else None
+        print(f"best {op}: {best[op]}")
+    return rows, best
+
+
+def run_timings(device, best: dict) -> list[dict]:
+    prefill, decode, mla = (best.get(op) for op in SWEEPS)
+    rows = [safe_row(time_prefill, device, n, params=prefill) for n in (4096, 8192, 16384)]
+    rows.append(safe_row(time_prefill, device, 8192, dim_qk=192, dim_v=128, params=prefill))
+    rows.append(safe_row(time_paged_prefill, device, 16384, 16384))
+    rows.append(safe_row(time_paged_prefill, device, 16384, 4096))
     for batch, seq_len in ((1, 4096), (1, 131072), (1, 1048576), (8, 32768), (32, 4096),
                            (32, 32768), (128, 4096), (128, 32768)):  # fmt: skip
-        rows.append(time_decode_gqa(device, batch, seq_len))
+        rows.append(safe_row(time_decode_gqa, device, batch, seq_len, params=decode))
     for heads in (16, 128):
         for batch, seq_len in ((1, 4096), (1, 131072), (8, 32768), (32, 8192), (128, 4096)):
-            rows.append(time_decode_mla(device, batch, seq_len, heads))
-    return rows
+            rows.append(safe_row(time_decode_mla, device, batch, seq_len, heads, params=mla))
+    try:
+        rows += time_small_ops(device)
+    except Exception as error:  # the attention numbers above still count
+        print(f"small ops skipped: {type(error).__name__}: {error}"[:300])
+    return [r for r in rows if r]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -240,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     for check in checks:
         print(f"{'ok ' if check['ok'] else 'BAD'} {check['check']:45s} "
               f"max |err| {check['max_abs_error']:.2e} (atol {check['atol']:.0e})")  # fmt: skip
-    sweeps = run_sweeps(device) if args.sweep else []
-    if sweeps:
-        print_table(sweeps)
-    timings = run_timings(device)
+    sweeps, best = run_sweeps(device) if args.sweep else ([], {})
+    timings = run_timings(device, best)
+    print("== timings (best swept configs) ==")
     print_table(timings)
-    result = dict(gpu=torch.cuda.get_device_name(), checks=checks, sweeps=sweeps, timings=timings)
+    result = dict(gpu=torch.cuda.get_device_name(), checks=checks, sweeps=sweeps, best=best,
+                  timings=timings)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

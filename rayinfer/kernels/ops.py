@@ -158,3 +158,27 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
     if _on_cuda(a):
         return fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
     return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype)
+
+
+from rayinfer.kernels import rotary as _rotary  # noqa: E402
+
+
+def rotary_embedding(positions, query, key, inv_freq, is_interleaved=False, attention_factor=1.0):
+    """positions [T]; query [T, Hq, D], key [T, Hk, D]; inv_freq [R / 2] -> rotated copies."""
+    if _on_cuda(query):
+        return _rotary.rotary_embedding(
+            positions, query, key, inv_freq.float(), is_interleaved, attention_factor
+        )
+    return _rotary.rotary_embedding_reference(
+        positions, query, key, inv_freq, is_interleaved, attention_factor
+    )
+
+
+def rotary_embedding_and_cache(positions, query, key, inv_freq, kv_cache, slot_mapping, companion,
+                               is_interleaved=False, attention_factor=1.0):  # fmt: skip
+    """RoPE, then the rotated key (GQA: with V; MLA: k_pe [T, 1, R] with c_kv) into the cache."""
+    fn = _rotary.rotary_embedding_and_cache
+    if not _on_cuda(query):
+        fn = _rotary.rotary_embedding_and_cache_reference
+    return fn(positions, query, key, inv_freq.float(), kv_cache, slot_mapping, companion,
+              is_interleaved, attention_factor)  # fmt: skip

@@ -71,6 +71,11 @@ def causal_attention(
 # ---- Triton: split-K decode over the paged cache (shared by GQA and absorbed MLA) ----
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 runs are for checks: exact fp32 dots, not tf32 (p99 logit error 6e-3 on GPU)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def launch_params(op: str, device: torch.device) -> dict:
     """Tile sizes of an attention kernel from `configs/<op>.json`: the entry of this GPU (by
     `torch.cuda.get_device_name`), else the "default" entry; "cpu" for the interpreter."""
@@ -92,10 +97,13 @@ def _decode_split_kernel(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, VALUE_IS_KEY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head group, split): partial softmax . V over the split's context tokens."""
-    seq = tl.program_id(0)
-    head_start = tl.program_id(1) * HEADS_PER_PROGRAM
+    # Head groups vary fastest: MLA's groups of one (sequence, split) run together and share its
+    # latent rows through L2 instead of each reading them from HBM.
+    head_start = tl.program_id(0) * HEADS_PER_PROGRAM
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * tokens_per_split
@@ -129,14 +137,14 @@ def _decode_split_kernel(
             mask=in_bounds[:, None] & (offs_d0[None, :] < HEAD_DIM0),
             other=0.0,
         )
-        qk = tl.dot(q0, tl.trans(k0))  # [BLOCK_H, BLOCK_N]
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         if HEAD_DIM1 > 0:
             k1 = tl.load(
                 row_ptrs + HEAD_DIM0 + offs_d1[None, :],
                 mask=in_bounds[:, None] & (offs_d1[None, :] < HEAD_DIM1),
                 other=0.0,
             )
-            qk = tl.dot(q1, tl.trans(k1), qk)
+            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
         qk = tl.where(in_bounds[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -150,7 +158,7 @@ def _decode_split_kernel(
                 mask=in_bounds[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
                 other=0.0,
             )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     mid_ptrs = mid_out_ptr + seq * stride_mid_b + heads[:, None] * stride_mid_h
     mid_ptrs += split * stride_mid_s + offs_dv[None, :]
@@ -220,7 +228,7 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
     mid_lse = q0.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
     dim0, dim1 = q0.shape[-1], (q1.shape[-1] if layout["has_pe"] else 0)
     block_dv = triton.next_power_of_2(dim_v)
-    _decode_split_kernel[(num_seqs, num_groups, split.num_splits)](
+    _decode_split_kernel[(num_groups, num_seqs, split.num_splits)](
         q0, q1, kv_cache_slots, mid_out, mid_lse, block_tables, seq_lens,
         scale, num_heads, split.tokens_per_split,
         q0.stride(0), q0.stride(1), q1.stride(0), q1.stride(1),
@@ -232,6 +240,7 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
         QUERIES_PER_KV=layout["queries_per_kv"],
         BLOCK_H=max(16, triton.next_power_of_2(heads_per_program)),
         BLOCK_N=params["BLOCK_N"], BLOCK_SIZE=block_size, VALUE_IS_KEY=layout["value_is_key"],
+        DOT_PRECISION=dot_precision(q0.dtype),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     out = q0.new_empty(num_seqs, num_heads, dim_v)

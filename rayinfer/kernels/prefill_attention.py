@@ -18,14 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from rayinfer.kernels.paged_attention import causal_attention, launch_params
+from rayinfer.kernels.paged_attention import causal_attention, dot_precision, launch_params
 
 
 @triton.jit
-def _load_rows(ptr, rows, offs_d, stride_row, HEAD_DIM: tl.constexpr, row_mask):
-    """[BLOCK_N] row ids -> [BLOCK_N, BLOCK_D] tile (masked past HEAD_DIM and row_mask)."""
+def _load_rows(ptr, rows, offs_d, stride_row, HEAD_DIM: tl.constexpr, row_mask,
+               IS_DIM_PADDED: tl.constexpr, IS_ROW_MASKED: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] row ids -> [BLOCK_N, BLOCK_D] tile. Masks only where asked: a column mask on
+    an unpadded head dim would cost the loads their vector width."""
     ptrs = ptr + rows[:, None] * stride_row + offs_d[None, :]
-    return tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if IS_DIM_PADDED:
+        tile = tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif IS_ROW_MASKED:
+        tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
@@ -46,7 +54,7 @@ def _attend_tiles(
     HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi); q0/q1 are pre-scaled by scale * log2(e)."""
     offs_d0 = tl.arange(0, BLOCK_D0)
@@ -56,12 +64,14 @@ def _attend_tiles(
         in_bounds = offs_n < kv_len
         rows = _key_rows(block_table_ptr, k_start, tl.where(in_bounds, offs_n, 0), IS_PAGED,
                          BLOCK_SIZE)  # fmt: skip
-        k0 = _load_rows(k_ptr, rows, offs_d0, stride_kt, HEAD_DIM0, in_bounds)
-        qk = tl.dot(q0, tl.trans(k0))  # [BLOCK_M, BLOCK_N]
+        k0 = _load_rows(k_ptr, rows, offs_d0, stride_kt, HEAD_DIM0, in_bounds,
+                        HEAD_DIM0 != BLOCK_D0, MASKED)  # fmt: skip
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HEAD_DIM1 > 0:
             offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
-            k1 = _load_rows(k_ptr, rows, offs_d1, stride_kt, HEAD_DIM0 + HEAD_DIM1, in_bounds)
-            qk = tl.dot(q1, tl.trans(k1), qk)
+            k1 = _load_rows(k_ptr, rows, offs_d1, stride_kt, HEAD_DIM0 + HEAD_DIM1, in_bounds,
+                            HEAD_DIM1 != BLOCK_D1, MASKED)  # fmt: skip
+            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
         if MASKED:
             visible = in_bounds[None, :]
             if IS_CAUSAL:
@@ -71,8 +81,9 @@ def _attend_tiles(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_ptr, rows, offs_dv, stride_vt, HEAD_DIM_V, in_bounds)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v = _load_rows(v_ptr, rows, offs_dv, stride_vt, HEAD_DIM_V, in_bounds,
+                       HEAD_DIM_V != BLOCK_DV, MASKED)  # fmt: skip
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -86,7 +97,7 @@ def _prefill_attention_kernel(
     HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Heaviest (last, under the causal mask) query tiles first: less tail imbalance.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -109,12 +120,14 @@ def _prefill_attention_kernel(
     q_mask = offs_m < q_len
     q_head_ptr = q_ptr + head * stride_qh
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
-    q0 = _load_rows(q_head_ptr, q_rows, tl.arange(0, BLOCK_D0), stride_qt, HEAD_DIM0, q_mask)
+    q0 = _load_rows(q_head_ptr, q_rows, tl.arange(0, BLOCK_D0), stride_qt, HEAD_DIM0, q_mask,
+                    HEAD_DIM0 != BLOCK_D0, True)  # fmt: skip
     q0 = (q0 * qk_scale).to(q_ptr.dtype.element_ty)
     q1 = q0
     if HEAD_DIM1 > 0:
         offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
-        q1 = _load_rows(q_head_ptr, q_rows, offs_d1, stride_qt, HEAD_DIM0 + HEAD_DIM1, q_mask)
+        q1 = _load_rows(q_head_ptr, q_rows, offs_d1, stride_qt, HEAD_DIM0 + HEAD_DIM1, q_mask,
+                        HEAD_DIM1 != BLOCK_D1, True)  # fmt: skip
         q1 = (q1 * qk_scale).to(q_ptr.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -133,11 +146,13 @@ def _prefill_attention_kernel(
         acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
         0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
         BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, False, IS_CAUSAL,
+        DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
         unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
         BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, True, IS_CAUSAL,
+        DOT_PRECISION,
     )  # fmt: skip
     out = acc / l_i[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -183,7 +198,7 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
         BLOCK_D0=triton.next_power_of_2(dim0), BLOCK_D1=max(16, triton.next_power_of_2(dim1)),
         BLOCK_DV=triton.next_power_of_2(value.shape[-1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        IS_PAGED=is_paged, IS_CAUSAL=is_causal,
+        IS_PAGED=is_paged, IS_CAUSAL=is_causal, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     return out

@@ -78,9 +78,10 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, L]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, N, R], [T, R]
         kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
-        ops.mla_write_cache(kv_cache, ctx.attn.slot_mapping, kv_c, k_pe)
+        q_pe, k_pe = self.rotary_emb.forward_and_cache(
+            positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping
+        )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
         if decode_seqs:

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from rayinfer.kernels import ops
 from rayinfer.layers.rotary_yarn import yarn_inv_freq
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -60,11 +61,6 @@ def scaled_inv_freq(
     )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` features of every head of q and k by the token's position."""
 
@@ -84,23 +80,11 @@ class RotaryEmbedding(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim / 2] float32
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, rotary_dim / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
-        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim]; cos, sin [T, rotary_dim] float32."""
-        cos = cos[:, None, :].to(x.dtype)  # [T, 1, rotary_dim]
-        sin = sin[:, None, :].to(x.dtype)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        rotated = rot * cos + rotate_half(rot) * sin
-        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k)."""
-        cos, sin = self.cos_sin(positions)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k). Neox pairs (x_i,
+        x_{i+R/2}); the op's CPU reference is this layer's former math bit for bit
+        (tests/kernels/test_rotary.py); on CUDA it is one Triton launch."""
+        return ops.rotary_embedding(positions, q, k, self.inv_freq, False, self.attention_factor)
 
 
 def rotary_from_config(config) -> RotaryEmbedding:

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 
+from rayinfer.kernels import ops
+
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
@@ -93,17 +95,18 @@ class DeepseekRotaryEmbedding(nn.Module):
         self.is_interleaved = is_interleaved
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2] float32
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D]; cos, sin [T, 1, D / 2]."""
-        if self.is_interleaved:
-            first, second = x[..., 0::2], x[..., 1::2]  # [T, heads, D / 2] each
-        else:
-            first, second = x.chunk(2, dim=-1)
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):
         """positions [T]; q_pe [T, N, D]; k_pe [T, D] -> rotated (q_pe, k_pe), same shapes."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D / 2]
-        cos = (freqs.cos() * self.attention_factor)[:, None, :].to(q_pe.dtype)  # [T, 1, D / 2]
-        sin = (freqs.sin() * self.attention_factor)[:, None, :].to(q_pe.dtype)
-        return self._rotate(q_pe, cos, sin), self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
+        q_pe, k_pe = ops.rotary_embedding(
+            positions, q_pe, k_pe[:, None, :], self.inv_freq, self.is_interleaved,
+            self.attention_factor,
+        )  # fmt: skip
+        return q_pe, k_pe[:, 0]
+
+    def forward_and_cache(self, positions, q_pe, k_pe, kv_c, kv_cache, slot_mapping):
+        """Like forward, and stores (kv_c [T, L], rotated k_pe) at slot_mapping in one launch."""
+        q_pe, k_pe = ops.rotary_embedding_and_cache(
+            positions, q_pe, k_pe[:, None, :], self.inv_freq, kv_cache, slot_mapping, kv_c,
+            self.is_interleaved, self.attention_factor,
+        )  # fmt: skip
+        return q_pe, k_pe[:, 0]

@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
+from rayinfer.kernels.paged_attention import paged_decode_attention
+from rayinfer.kernels.prefill_attention import paged_prefill_attention
+from rayinfer.kernels.reshape_and_cache import reshape_and_cache
 from rayinfer.layers.forward_context import build_attention_metadata
 
 # (context length, new tokens): full prefill, chunk over a cached prefix, decodes, one token.
@@ -116,3 +119,71 @@ def test_reshape_and_cache_writes_exactly_its_slots():
     assert torch.equal(flat[2, 0], key[2]) and torch.equal(flat[2, 1], value[2])
     untouched = [slot for slot in range(8) if slot not in (2, 5)]
     assert torch.count_nonzero(flat[untouched]) == 0
+
+
+# ---- Triton kernels (interpreter on CPU): same batches, the launchers called directly ----
+
+TRITON_TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def triton_paged_attention(query, kv_cache, attn, scale):
+    """What ops.paged_attention runs on CUDA: split-K decode for all-decode batches, else the
+    varlen kernel over the paged context."""
+    if query.shape[0] == attn.seq_lens.shape[0]:
+        return paged_decode_attention(query, kv_cache, attn.block_tables, attn.seq_lens, scale)
+    return paged_prefill_attention(
+        query, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+        max(attn.query_lens_cpu), scale,
+    )  # fmt: skip
+
+
+def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    generator = torch.Generator().manual_seed(0)
+    seqs = make_sequences(batch, num_heads, num_kv_heads, head_dim, dtype, generator)
+    tables, num_blocks = shuffled_block_tables([s for s, _ in batch], block_size, generator)
+    kv_cache = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype)
+    cache_tokens(seqs, tables, kv_cache, block_size, new=False)
+    new_keys = torch.cat([s.key[s.num_cached :] for s in seqs])
+    new_values = torch.cat([s.value[s.num_cached :] for s in seqs])
+    attn = build_attention_metadata(
+        [s.num_new for s in seqs], [s.key.shape[0] for s in seqs], tables, block_size
+    )
+    reshape_and_cache(new_keys, new_values, kv_cache, attn.slot_mapping)
+    query = torch.cat([s.query[s.num_cached :] for s in seqs])  # [T, Hq, D]
+    ours = triton_paged_attention(query, kv_cache, attn, head_dim**-0.5)
+    reference = torch.cat([plain_causal_attention(s, head_dim**-0.5) for s in seqs])
+    return ours, reference
+
+
+@pytest.mark.parametrize("dtype", list(TRITON_TOLERANCES))
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size", [(4, 4, 16), (8, 2, 3), (6, 1, 1)]
+)
+@pytest.mark.parametrize(
+    "batch",
+    [MIXED_BATCH, [(1, 1), (40, 1), (7, 1), (100, 1), (16, 1)]],
+    ids=["mixed-prefill-kernel", "decodes-split-k-kernel"],
+)
+def test_triton_matches_causal_sdpa(batch, dtype, num_heads, num_kv_heads, block_size):
+    ours, reference = run_triton_batch(batch, num_heads, num_kv_heads, 40, block_size, dtype)
+    assert ours.dtype == dtype
+    tol = TRITON_TOLERANCES[dtype]
+    torch.testing.assert_close(ours.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [[(1, 1)], [(17, 17)], [(17, 1)], [(30, 7)], [(3, 1)] * 3],
+    ids=["single-token", "prefill-only", "decode-only", "chunk-over-prefix", "short-decodes"],
+)
+def test_triton_edge_batches(batch):
+    ours, reference = run_triton_batch(batch, 4, 2, 16, 4, torch.float32)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_decode_rejects_a_cache_of_another_shape():
+    query = torch.randn(2, 4, 16)
+    kv_cache = torch.zeros(3, 4, 2, 2, 32)
+    with pytest.raises(ValueError, match="head dim 32"):
+        paged_decode_attention(query, kv_cache, torch.zeros(2, 1, dtype=torch.int32),
+                               torch.ones(2, dtype=torch.int32), 1.0)  # fmt: skip

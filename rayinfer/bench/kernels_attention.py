@@ -59,7 +59,7 @@ def causal_flops(q_len: int, kv_len: int, heads: int, dim_qk: int, dim_v: int) -
     return 2 * visible * heads * (dim_qk + dim_v)
 
 
-def time_prefill(device, seq_len, heads=16, dim_qk=128, dim_v=128, params=None) -> dict:
+def time_prefill(device, seq_len, heads=16, dim_qk=128, dim_v=128, params=None, baseline=True):
     q = torch.randn(seq_len, heads, dim_qk, device=device, dtype=BF16)
     k = torch.randn(seq_len, heads, dim_qk, device=device, dtype=BF16)
     v = torch.randn(seq_len, heads, dim_v, device=device, dtype=BF16)
@@ -74,7 +74,8 @@ def time_prefill(device, seq_len, heads=16, dim_qk=128, dim_v=128, params=None) 
     if dim_qk != dim_v:
         backend = torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION
     with torch.nn.attention.sdpa_kernel(backend):
-        baseline = bench_ms(lambda: SDPA(qt, kt, vt, is_causal=True, scale=scale))
+        sdpa = lambda: SDPA(qt, kt, vt, is_causal=True, scale=scale)  # noqa: E731
+        baseline = bench_ms(sdpa) if baseline else None
     flops = causal_flops(seq_len, seq_len, heads, dim_qk, dim_v)
     return dict(
         kernel=f"prefill {heads}x{dim_qk}/{dim_v}",
@@ -82,22 +83,23 @@ def time_prefill(device, seq_len, heads=16, dim_qk=128, dim_v=128, params=None) 
         ours_ms=ours,
         baseline_ms=baseline,
         baseline=f"SDPA {backend.name.lower()}",
-        ratio=baseline / ours,
+        ratio=baseline / ours if baseline else None,
         tflops=flops / ours / 1e9,
         roofline_share=flops / ours / 1e9 / PEAK_TFLOPS,
     )
 
 
-def time_paged_prefill(device, context_len, chunk_len, heads=16, dim=128) -> dict:
+def time_paged_prefill(device, context_len, chunk_len, heads=16, dim=128, params=None) -> dict:
     """The last `chunk_len` tokens of a `context_len` context, K/V read through a paged cache."""
     case = paged_gqa_case([context_len], [chunk_len], heads, heads, dim, 16, BF16, device)
     del case["query_start_loc"]
     starts = torch.tensor([0, chunk_len], dtype=torch.int32, device=device)
-    ours = bench_ms(
-        lambda: prefill_attention.paged_prefill_attention(
-            **case, query_start_loc=starts, max_query_len=chunk_len, scale=dim**-0.5
+    with launch_params_override("prefill_attention", params):
+        ours = bench_ms(
+            lambda: prefill_attention.paged_prefill_attention(
+                **case, query_start_loc=starts, max_query_len=chunk_len, scale=dim**-0.5
+            )
         )
-    )
     flops = causal_flops(chunk_len, context_len, heads, dim, dim)
     return dict(
         kernel=f"paged prefill {heads}x{dim}",
@@ -111,7 +113,8 @@ def time_paged_prefill(device, context_len, chunk_len, heads=16, dim=128) -> dic
     )
 
 
-def time_decode_gqa(device, batch, seq_len, heads=32, kv_heads=8, dim=128, params=None) -> dict:
+def time_decode_gqa(device, batch, seq_len, heads=32, kv_heads=8, dim=128, params=None,
+                    baseline=True):  # fmt: skip
     case = paged_gqa_case([seq_len] * batch, [1] * batch, heads, kv_heads, dim, 16, BF16, device)
     args = (case["query"], case["kv_cache"], case["block_tables"], case["seq_lens"], dim**-0.5)
     with launch_params_override("paged_attention", params):
@@ -122,7 +125,7 @@ def time_decode_gqa(device, batch, seq_len, heads=32, kv_heads=8, dim=128, param
         key, value = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
         return SDPA(case["query"][:, :, None], key, value, scale=dim**-0.5, enable_gqa=True)
 
-    baseline = bench_ms(gather_then_sdpa)
+    baseline = bench_ms(gather_then_sdpa) if baseline else None
     kv_bytes = batch * seq_len * 2 * kv_heads * dim * 2
     return dict(
         kernel=f"decode gqa {heads}/{kv_heads}x{dim}",
@@ -130,13 +133,13 @@ def time_decode_gqa(device, batch, seq_len, heads=32, kv_heads=8, dim=128, param
         ours_ms=ours,
         baseline_ms=baseline,
         baseline="gather + SDPA",
-        ratio=baseline / ours,
+        ratio=baseline / ours if baseline else None,
         tb_per_s=kv_bytes / ours / 1e9,
         roofline_share=kv_bytes / ours / 1e-3 / PEAK_BYTES_PER_S,
     )
 
 
-def time_decode_mla(device, batch, seq_len, heads, params=None) -> dict:
+def time_decode_mla(device, batch, seq_len, heads, params=None, baseline=True) -> dict:
     case = paged_mla_case([seq_len] * batch, heads, 512, 64, 16, BF16, device)
     scale = 192**-0.5
     args = (case["q_latent"], case["q_pe"], case["kv_cache"], case["block_tables"])
@@ -151,7 +154,7 @@ def time_decode_mla(device, batch, seq_len, heads, params=None) -> dict:
         scores = torch.bmm(query, context.transpose(1, 2)).float() * scale  # [B, N, S]
         return torch.bmm(scores.softmax(-1).to(BF16), context[..., :512])  # [B, N, 512]
 
-    baseline = bench_ms(gather_then_attend)
+    baseline = bench_ms(gather_then_attend) if baseline else None
     kv_bytes = batch * seq_len * 576 * 2
     return dict(
         kernel=f"decode mla {heads} heads",
@@ -159,7 +162,7 @@ def time_decode_mla(device, batch, seq_len, heads, params=None) -> dict:
         ours_ms=ours,
         baseline_ms=baseline,
         baseline="gather + bmm/softmax/bmm",
-        ratio=baseline / ours,
+        ratio=baseline / ours if baseline else None,
         tb_per_s=kv_bytes / ours / 1e9,
         roofline_share=kv_bytes / ours / 1e-3 / PEAK_BYTES_PER_S,
     )
@@ -253,7 +256,8 @@ def run_sweeps(device) -> tuple[list[dict], dict]:
     for op, (configs, shapes, timer) in SWEEPS.items():
         scores = []
         for params in configs:
-            timed = [safe_row(timer, device, *shape, params=params) for shape in shapes]
+            timed = [safe_row(timer, device, *shape, params=params, baseline=False)
+                     for shape in shapes]  # fmt: skip
             rows += [{**r, "params": params} for r in timed if r]
             if all(timed):
                 log_time = sum(math.log(r["ours_ms"]) for r in timed)
@@ -267,8 +271,8 @@ def run_timings(device, best: dict) -> list[dict]:
     prefill, decode, mla = (best.get(op) for op in SWEEPS)
     rows = [safe_row(time_prefill, device, n, params=prefill) for n in (4096, 8192, 16384)]
     rows.append(safe_row(time_prefill, device, 8192, dim_qk=192, dim_v=128, params=prefill))
-    rows.append(safe_row(time_paged_prefill, device, 16384, 16384))
-    rows.append(safe_row(time_paged_prefill, device, 16384, 4096))
+    rows.append(safe_row(time_paged_prefill, device, 16384, 16384, params=prefill))
+    rows.append(safe_row(time_paged_prefill, device, 16384, 4096, params=prefill))
     for batch, seq_len in ((1, 4096), (1, 131072), (1, 1048576), (8, 32768), (32, 4096),
                            (32, 32768), (128, 4096), (128, 32768)):  # fmt: skip
         rows.append(safe_row(time_decode_gqa, device, batch, seq_len, params=decode))

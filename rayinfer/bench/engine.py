@@ -23,6 +23,12 @@ def parse_args(argv):
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is shown")
+    parser.add_argument(
+        "--baseline",
+        choices=["transformers", "none"],
+        default="transformers",
+        help="also time transformers on the same checkpoint and prompts (same run)",
+    )
     parser.add_argument("--json", default=None, help="write the results to this file")
     return parser.parse_args(argv)
 
@@ -68,6 +74,36 @@ def measure(llm: LLM, args) -> dict:
     }
 
 
+def measure_transformers(llm: LLM, args) -> dict:
+    """transformers on the same weights: one batched forward for prefill, `generate` for decode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.model_config.path, dtype=llm.dtype)
+    model = model.to(llm.device).eval()
+    vocab = llm.model_config.vocab_size
+
+    def ids(num, length, seed):
+        return torch.tensor(random_prompts(num, length, vocab, seed), device=llm.device)
+
+    prefill_times, decode_times = [], []
+    with torch.inference_mode():
+        for repeat in range(args.repeats):
+            long_ids = ids(args.num_prompts, args.prompt_len, 100 + repeat)
+            prefill_times.append(timed(lambda x=long_ids: model(x, logits_to_keep=1)))
+            short = ids(args.decode_batch, 8, 200 + repeat)
+            total = timed(
+                lambda x=short, n=args.decode_tokens: model.generate(
+                    x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
+                )
+            )
+            first = timed(lambda x=short: model(x, logits_to_keep=1))
+            decode_times.append(max(total - first, 1e-9))
+    return {
+        "prefill_tokens_per_s": args.num_prompts * args.prompt_len / median(prefill_times),
+        "decode_tokens_per_s": args.decode_batch * (args.decode_tokens - 1) / median(decode_times),
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.prompt_len + 128)
@@ -92,6 +128,15 @@ def main(argv=None) -> int:
         f"decode:  {results['decode_tokens_per_s']:10.1f} output tokens/s "
         f"(batch {args.decode_batch}, {args.decode_tokens} tokens each)"
     )
+    if args.baseline == "transformers":
+        baseline = measure_transformers(llm, args)
+        results["transformers"] = baseline
+        for phase in ("prefill", "decode"):
+            ours, theirs = results[f"{phase}_tokens_per_s"], baseline[f"{phase}_tokens_per_s"]
+            print(
+                f"transformers {phase}: {theirs:10.1f} tokens/s   rayinfer/transformers "
+                f"{ours / theirs:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -77,15 +77,17 @@ def mla_decode_attention_reference(
     scale: float,
 ) -> torch.Tensor:  # [B, N, L]: attention output in latent space (before W_UV)
     latent_rank = q_latent.shape[-1]
-    out = torch.empty_like(q_latent)
-    for seq, seq_len in enumerate(seq_lens):
-        context = mla_gather_context_reference(kv_cache, block_tables[seq], seq_len)
-        context = context.to(q_latent.dtype)  # [s, L + R]
-        kv_c, k_pe = context[:, :latent_rank], context[:, latent_rank:]  # [s, L], [s, R]
-        scores = q_latent[seq] @ kv_c.t() + q_pe[seq] @ k_pe.t()  # [N, s]
-        probs = (scores.float() * scale).softmax(dim=-1).to(kv_c.dtype)  # [N, s]
-        out[seq] = probs @ kv_c  # [N, L]
-    return out
+    block_size = kv_cache.shape[1]
+    lengths = torch.as_tensor(seq_lens, device=q_latent.device)  # [B]
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    tables = block_tables[:, : -(-max_len // block_size)].long().clamp(min=0)  # [B, nb]
+    context = kv_cache[tables].flatten(1, 2)[:, :max_len].to(q_latent.dtype)  # [B, S, L + R]
+    kv_c, k_pe = context[..., :latent_rank], context[..., latent_rank:]  # [B, S, L], [B, S, R]
+    scores = q_latent @ kv_c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)  # [B, N, S]
+    is_context = torch.arange(max_len, device=q_latent.device) < lengths[:, None]  # [B, S]
+    scores = (scores.float() * scale).masked_fill(~is_context[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, N, S]
+    return probs @ kv_c  # [B, N, L]
 
 
 # ---- Triton paths: absorbed decode (split-K over the latent cache) and expanded prefill ----

@@ -236,18 +236,24 @@ def fused_moe_reference(
     topk_ids: torch.Tensor,  # [T, K] int64: expert of each (token, slot); E_local ids
 ) -> torch.Tensor:  # [T, H]
     num_tokens, top_k = topk_ids.shape
-    out = torch.zeros_like(x, dtype=torch.float32)
+    num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [T*K]
-    token_of_slot = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)  # [T*K]
-    weight_of_slot = topk_weights.reshape(-1)  # [T*K]
-    for expert in flat_ids.unique().tolist():
-        if expert < 0 or expert >= w13.shape[0]:
-            continue  # a slot routed to an expert this rank does not hold
-        slots = (flat_ids == expert).nonzero(as_tuple=True)[0]  # [n]
-        tokens = token_of_slot[slots]  # [n]
-        hidden = silu_and_mul_reference(x[tokens] @ w13[expert].t())  # [n, I]
-        expert_out = hidden @ w2[expert].t()  # [n, H]
-        out.index_add_(0, tokens, expert_out.float() * weight_of_slot[slots, None].float())
+    # Slots routed to an expert this rank does not hold (id < 0 or >= E) sort last and are dropped.
+    held = (flat_ids >= 0) & (flat_ids < num_experts)  # [T*K]
+    order = torch.where(held, flat_ids, num_experts).argsort(stable=True)[: int(held.sum())]
+    counts = torch.bincount(flat_ids[order], minlength=num_experts).tolist()  # [E]
+    tokens = order // top_k  # [S] token of each held slot, grouped by expert
+    slot_out = torch.empty(order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            hidden = silu_and_mul_reference(x[tokens[rows]] @ w13[expert].t())  # [n, I]
+            slot_out[rows] = (hidden @ w2[expert].t()).float()  # [n, H]
+            start += count
+    weights = topk_weights.reshape(-1)[order].float()  # [S]
+    out = torch.zeros_like(x, dtype=torch.float32)
+    out.index_add_(0, tokens, slot_out * weights[:, None])
     return out.to(x.dtype)
 
 

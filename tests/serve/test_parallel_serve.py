@@ -1,0 +1,39 @@
+"""`serve run rayinfer.app:build prefill.tp=2 decode.dp=2 decode.ep=2` on CPU: prefill splits
+heads over two workers, decode runs two data-parallel attention replicas whose experts exchange
+tokens, and the KV hands off between the two layouts; answers equal the offline engine's."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+import rayinfer
+from tests.serve.cluster import ServeCluster
+
+pytestmark = pytest.mark.slow
+
+APP_ARGS = ["max_model_len=256", "prefill.tp=2", "decode.dp=2", "decode.ep=2"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    cluster = ServeCluster(APP_ARGS, num_cpus=6)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_parallel_plans_answer_like_the_offline_engine(server):
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", timeout=120)
+    prompts = ["The quick brown fox", "Once upon a time", "In the beginning"]
+    offline = rayinfer.LLM("tiny", device="cpu", max_model_len=256)
+    params = rayinfer.SamplingParams(max_tokens=10, temperature=0)
+    expected = [o.text for o in offline.generate(prompts, params)]
+    answers = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0)
+        for p in prompts
+    ]
+    assert [a.choices[0].text for a in answers] == expected
+    assert server.running_replicas("Prefill") == 1 and server.running_replicas("Decode") == 1

@@ -168,15 +168,26 @@ def main(argv=None) -> int:
     flops_per_token = 2 * active_params_per_token(config)
     report = {"config": args.config, "active_params": flops_per_token // 2, "runs": []}
     if args.baseline == "transformers":
-        report["transformers"] = transformers_prefill(args.config, args.prompt_lens, args.repeats)
+        try:
+            report["transformers"] = transformers_prefill(
+                args.config, args.prompt_lens, args.repeats
+            )
+        except Exception as error:
+            print(f"transformers baseline FAILED {error!r}")
+            report["transformers"] = {}
         for length, rate in report["transformers"].items():
             mfu = rate * flops_per_token / H200_BF16_PEAK_FLOPS
             print(f"transformers 1 GPU  prefill {length:6d}: {rate:10.0f} tok/s  MFU {mfu:.1%}")
     for plan_text in args.plans:
         plan = parse_plan(plan_text)
-        for transport in args.transports if plan.ep > 1 and plan.ep > plan.tp else ["dist"]:
-            for overlap in args.overlap:
-                run = rayinfer_run(args.config, plan, transport, overlap == "on", args)
+        exchanges = plan.ep > 1 and plan.ep > plan.tp  # experts exchange tokens across DP ranks
+        for transport in args.transports if exchanges else ["dist"]:
+            for overlap in args.overlap if exchanges else ["off"]:
+                try:
+                    run = rayinfer_run(args.config, plan, transport, overlap == "on", args)
+                except Exception as error:  # report and go on: one failed plan ends no run
+                    print(f"{plan_text} {transport} overlap={overlap}: FAILED {error!r}")
+                    continue
                 run.update(plan=plan_text, transport=transport, overlap=overlap)
                 report["runs"].append(run)
                 print_run(run, plan, flops_per_token, report.get("transformers", {}))

@@ -76,12 +76,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_params(op: str, device: torch.device) -> dict:
+def launch_params(op: str, device: torch.device, bucket: int = 1) -> dict:
     """Tile sizes of an attention kernel from `configs/<op>.json`: the entry of this GPU (by
-    `torch.cuda.get_device_name`), else the "default" entry; "cpu" for the interpreter."""
+    `torch.cuda.get_device_name`), else the "default" entry; "cpu" for the interpreter. `bucket`
+    picks among size buckets (MLA decode: the number of heads)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    params = pick_tile_config(op, name, "default", 1)
-    params = params or pick_tile_config(op, "default", "default", 1)
+    params = pick_tile_config(op, name, "default", bucket)
+    params = params or pick_tile_config(op, "default", "default", bucket)
     if params is None:
         raise FileNotFoundError(f"rayinfer/kernels/configs/{op}.json has no entry for {name!r}")
     return params
@@ -218,7 +219,7 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
     """Split + reduce launches -> [B, Hq, Dv]. q0 [B, Hq, D0]; q1 [B, Hq, D1] (or q0);
     kv_cache_slots [num_slots, ...] flat cache rows; `layout`: head grouping and row offsets."""
     num_seqs, num_heads = q0.shape[0], q0.shape[1]
-    params = launch_params(op, q0.device)
+    params = launch_params(op, q0.device, num_heads)
     heads_per_program = layout["heads_per_program"] or params["BLOCK_H"]
     num_groups = triton.cdiv(num_heads, heads_per_program)
     block_size = layout["block_size"]

@@ -12,6 +12,7 @@ from torch import nn
 
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import ForwardContext
+from rayinfer.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -33,7 +34,11 @@ class PagedAttention(nn.Module):
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         ctx: ForwardContext,
+        positions: torch.Tensor | None = None,  # [T]: given with `rotary`, q and k are unrotated
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
+        """With `rotary`, RoPE and the cache write run as one op (one launch on CUDA; on CPU the
+        same math as rotating first, then `forward` without it)."""
         kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, 2, Hkv, D]
         expected = (2, self.num_kv_heads, self.head_dim)
         if tuple(kv_cache.shape[2:]) != expected:
@@ -42,7 +47,13 @@ class PagedAttention(nn.Module):
                 f"expected {expected}; allocate it with ModelConfig.kv_shape_per_token"
             )
         attn = ctx.attn
-        ops.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
+        if rotary is None:
+            ops.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
+        else:
+            q, _ = ops.rotary_embedding_and_cache(
+                positions, q, k, rotary.inv_freq, kv_cache, attn.slot_mapping, v,
+                False, rotary.attention_factor,
+            )  # fmt: skip
         return ops.paged_attention(
             q,
             kv_cache,

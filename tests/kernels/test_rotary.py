@@ -110,3 +110,25 @@ def test_fused_cache_write_gqa_and_mla():
         positions, query, key[:, :1], inv_freq, torch.zeros_like(mla_cache), slots, latent, True
     )
     torch.testing.assert_close(k_pe, reference[1], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_with_rotary_equals_rotating_first():
+    from rayinfer.layers.attention import PagedAttention
+    from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+
+    layer = PagedAttention(num_heads=4, head_dim=16, num_kv_heads=2, layer_idx=0)
+    rope = RotaryEmbedding(16, 10000.0)
+    positions, query, key = inputs(6, 4, 2, 16, torch.float32)
+    positions = torch.arange(6)
+    value = torch.randn(6, 2, 16)
+    outputs = []
+    for fused in (False, True):
+        attn = build_attention_metadata([6], [6], [[1, 0]], 4)
+        ctx = ForwardContext(attn, [torch.zeros(3, 4, 2, 2, 16)])
+        if fused:
+            outputs.append(layer(query, key, value, ctx, positions, rope))
+        else:
+            q, k = rope(positions, query, key)
+            outputs.append(layer(q, k, value, ctx))
+        outputs.append(ctx.kv_caches[0])
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])

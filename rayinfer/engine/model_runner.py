@@ -17,7 +17,11 @@ from rayinfer.engine.kv_transfer import (
     token_slots,
     unpack_kv,
 )
-from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.layers.forward_context import (
+    ForwardContext,
+    build_attention_metadata,
+    idle_forward_inputs,
+)
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import sample_tokens
 from rayinfer.layers.two_batch_overlap import (
@@ -67,6 +71,9 @@ class ModelRunner:
     def execute(self, batch: ModelBatch) -> list[int]:
         """Run one step; returns the next token of every request with `samples`, in order."""
         requests = batch.requests
+        if not requests:
+            self._idle_forward()
+            return []
         input_ids = [t for r in requests for t in r.token_ids]
         positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
         metadata = build_attention_metadata(
@@ -77,9 +84,7 @@ class ModelRunner:
             self.device,
         )
         ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        forward = forward_two_batch_overlap if self.two_batch_overlap else type(self.model).__call__
-        hidden = forward(
-            self.model,
+        hidden = self._forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             ctx,
@@ -98,6 +103,22 @@ class ModelRunner:
             [r.params.top_p for r in sampling],
             [self._generator(r.request_id, r.params) for r in sampling],
         )
+
+    def _idle_forward(self) -> None:
+        """A rank with no requests this step still joins its peers' collectives (DP replicas
+        whose experts exchange tokens), with one placeholder token that writes no cache."""
+        if self.parallel.tp_size == 1 and self.parallel.ep_size == 1:
+            return
+        empty = build_attention_metadata([], [], [], self.cache_config.block_size, self.device)
+        input_ids, positions, ctx = idle_forward_inputs(
+            ForwardContext(empty, self.kv_caches), self.device
+        )
+        self._forward(input_ids, positions, ctx)
+
+    def _forward(self, input_ids, positions, ctx) -> torch.Tensor:
+        if self.two_batch_overlap:
+            return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
 
     def _generator(self, request_id: str, params) -> torch.Generator | None:
         if params.is_greedy:

@@ -96,3 +96,16 @@ def split_forward_context(ctx: ForwardContext, num_seqs_first: int) -> tuple[For
         part(slice(0, num_seqs_first), slice(0, first_tokens), 0),
         part(slice(num_seqs_first, None), slice(first_tokens, None), first_tokens),
     )
+
+
+def idle_forward_inputs(
+    ctx: ForwardContext, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    """One placeholder token for a rank (or micro-batch) with nothing to compute, so that it still
+    joins every collective of the forward pass. It reads block 0, writes no cache slot (-1) and
+    its output is thrown away."""
+    metadata = build_attention_metadata([1], [1], [[0]], ctx.attn.block_size, device)
+    metadata.slot_mapping.fill_(-1)
+    input_ids = torch.zeros(1, dtype=torch.int64, device=device)
+    positions = torch.zeros(1, dtype=torch.int64, device=device)
+    return input_ids, positions, ForwardContext(metadata, ctx.kv_caches)

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rayinfer.layers.forward_context import ForwardContext, split_forward_context
+from rayinfer.layers.forward_context import (
+    ForwardContext,
+    idle_forward_inputs,
+    split_forward_context,
+)
 
 
 @dataclass
@@ -49,10 +53,17 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
     body = model.model
     first_ctx, second_ctx = split_forward_context(ctx, balanced_split(ctx.attn.query_lens_cpu))
     num_first = sum(first_ctx.attn.query_lens_cpu)
-    batches = [
-        MicroBatch(positions[:num_first], first_ctx, body.embed_tokens(input_ids[:num_first])),
-        MicroBatch(positions[num_first:], second_ctx, body.embed_tokens(input_ids[num_first:])),
+    parts = [
+        (input_ids[:num_first], positions[:num_first], first_ctx),
+        (input_ids[num_first:], positions[num_first:], second_ctx),
     ]
+    # An empty micro-batch computes one placeholder token so that it joins every exchange.
+    is_idle = [part_ctx.attn.num_seqs == 0 for _, _, part_ctx in parts]
+    parts = [
+        idle_forward_inputs(part_ctx, input_ids.device) if idle else (ids, pos, part_ctx)
+        for (ids, pos, part_ctx), idle in zip(parts, is_idle)
+    ]
+    batches = [MicroBatch(pos, part_ctx, body.embed_tokens(ids)) for ids, pos, part_ctx in parts]
     for layer in body.layers:
         if getattr(layer.mlp, "exchanges_tokens", False):
             _overlapped_layer(layer, batches)
@@ -61,7 +72,10 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
                 batch.hidden, batch.residual = layer(
                     batch.positions, batch.hidden, batch.residual, batch.ctx
                 )
-    outputs = [body.norm(batch.hidden, batch.residual)[0] for batch in batches]
+    outputs = [
+        body.norm(batch.hidden, batch.residual)[0][: 0 if idle else None]
+        for batch, idle in zip(batches, is_idle)
+    ]
     return torch.cat(outputs)
 
 

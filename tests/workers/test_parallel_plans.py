@@ -161,3 +161,15 @@ def test_plan_that_does_not_fit_the_model_names_the_key(checkpoints):
         rayinfer.LLM(
             str(checkpoints["qwen3_moe"]), device="cpu", parallel=ParallelPlan(dp=16, ep=16)
         )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_idle_data_parallel_rank_still_joins_the_exchange(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, overlap
+):
+    """One request for two DP replicas: the idle replica runs a placeholder token through every
+    layer so that its expert exchanges pair with the busy one's (and so does an empty micro-batch
+    under two-batch overlap)."""
+    plan = ParallelPlan(dp=2, ep=2)
+    tokens = run_plan(checkpoints["deepseek_v3"], plan, prompts[1:2], overlap=overlap)
+    assert tokens == single_worker_tokens["deepseek_v3"][1:2]

@@ -9,5 +9,5 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "${BENCH_TIMEOUT:-290}" python -m rayinfer.bench parallel \
     --config benchmarks/configs/deepseek-v2-lite \
     --plans tp=1 dp=2,ep=2 --transports dist host --overlap off on \
-    --prompt-lens 4096 16384 --decode-batches 1 64 --decode-tokens 16 --repeats 2 \
+    --prompt-lens 4096 16384 --decode-batches 1 64 --decode-tokens 16 --repeats 3 \
     --json "${OUT:-/tmp}/parallel.json" 2>&1 | grep -v -e "Loading" -e "it/s]"

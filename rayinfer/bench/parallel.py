@@ -93,7 +93,7 @@ def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, flo
         ids = torch.randint(0, hf_config.vocab_size, (1, length), device="cuda")
         times = []
         with torch.inference_mode():
-            model(ids[:, :128])  # warm-up
+            model(ids, use_cache=False, logits_to_keep=1)  # warm-up at the measured shape
             for _ in range(repeats):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -126,6 +126,8 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
 
+    decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+
     def prompts(count, length):
         return [
             torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)
@@ -135,6 +137,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
         result = {"prefill": {}, "decode": {}}
         for length in args.prompt_lens:
+            llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
             times = []
             for _ in range(args.repeats):
                 batch = prompts(plan.dp, length)  # one sequence per DP replica
@@ -142,8 +145,8 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
                 llm.generate(batch, first)
                 times.append(time.perf_counter() - start)
             result["prefill"][length] = plan.dp * length / median(times)
-        decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
         for batch_size in args.decode_batches:
+            llm.generate(prompts(batch_size, 64), decode)  # compiles kernels for this batch
             batch = prompts(batch_size, 64)
             start = time.perf_counter()
             llm.generate(batch, first)

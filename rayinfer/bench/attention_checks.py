@@ -45,7 +45,7 @@ def check_prefill(device) -> list[dict]:
         reference = prefill_attention.prefill_attention_reference(q, k, v, *args)
         rows.append(_row(f"prefill varlen {name} {dim_qk}/{dim_v}", ours, reference, 3e-2))
     case = paged_gqa_case([1000, 1500, 700, 5], [1000, 300, 1, 5], 32, 8, 128, 16, BF16, device)
-    ours = ops.paged_attention(**case, scale=128**-0.5, max_query_len=1000)
+    ours = ops.paged_attention(**case, scale=128**-0.5, query_lens_cpu=[1000, 300, 1, 5])
     reference = paged_attention.paged_attention_reference(**as_float(case), scale=128**-0.5)
     rows.append(_row("paged prefill chunk+decode mix", ours, reference, 3e-2))
     return rows

@@ -67,11 +67,8 @@ def moe_routing(
     )
 
 
-from rayinfer.kernels.paged_attention import (  # noqa: E402
-    paged_attention_reference,
-    paged_decode_attention,
-)
-from rayinfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from rayinfer.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from rayinfer.kernels.prefill_attention import paged_mixed_attention  # noqa: E402
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton  # noqa: E402
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference  # noqa: E402
 
@@ -85,18 +82,19 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
 
 
 def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_query_len=None):  # fmt: skip
-    """query [T, Hq, D] of a mixed batch over the paged cache -> [T, Hq, D]. A batch of only
-    decodes (T == B) takes the split-K decode kernel; any prefill chunk takes the varlen kernel."""
+                    query_lens_cpu=None):  # fmt: skip
+    """query [T, Hq, D] of a mixed batch over the paged cache -> [T, Hq, D]. On CUDA the decodes
+    take the split-K decode kernel and the prefill chunks the varlen kernel; `query_lens_cpu`
+    ([B] host ints) tells them apart without a device sync (absent: T == B means all decodes)."""
     if not _on_cuda(query):
         return paged_attention_reference(
             query, kv_cache, block_tables, seq_lens, query_start_loc, scale
         )
-    if query.shape[0] == seq_lens.shape[0]:
-        return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
-    max_query_len = max_query_len or query.shape[0]
-    return paged_prefill_attention(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    if query_lens_cpu is None:
+        is_decode = query.shape[0] == seq_lens.shape[0]
+        query_lens_cpu = [1] * query.shape[0] if is_decode else query_start_loc.diff().tolist()
+    return paged_mixed_attention(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, query_lens_cpu, scale
     )
 
 

@@ -14,11 +14,18 @@ power-of-two part and a remainder so no FLOPs go to padding.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import triton
 import triton.language as tl
 
-from rayinfer.kernels.paged_attention import causal_attention, dot_precision, launch_params
+from rayinfer.kernels.paged_attention import (
+    causal_attention,
+    dot_precision,
+    launch_params,
+    paged_decode_attention,
+)
 
 
 @triton.jit
@@ -257,4 +264,42 @@ def prefill_attention_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, m
             sdpa = torch.nn.functional.scaled_dot_product_attention
             gqa = q.shape[0] != k.shape[0]
             out[rows] = sdpa(q, k, v, scale=scale, enable_gqa=gqa).transpose(0, 1)
+    return out
+
+
+def paged_mixed_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, Hkv, D]: new tokens already written
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    query_lens: list[int],  # [B] on the host
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """A scheduler batch: its decodes (one query) through the split-K decode kernel, which reads
+    each kv head once for its whole query group and splits long contexts over programs; its
+    prefill chunks through the varlen kernel. Either kernel alone when the batch is pure."""
+    chunk_seqs = [i for i, n in enumerate(query_lens) if n > 1]
+    if not chunk_seqs:
+        return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
+    if len(chunk_seqs) == len(query_lens):
+        return paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                                       max(query_lens), scale)  # fmt: skip
+    starts = list(accumulate(query_lens, initial=0))
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    chunk_lens = [query_lens[i] for i in chunk_seqs]
+    chunk_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunk_seqs])
+    device = query.device
+    decode_idx, chunk_idx = (torch.tensor(s, device=device) for s in (decode_seqs, chunk_seqs))
+    decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+    chunk_rows = chunk_rows.to(device, non_blocking=True)
+    cu_seqlens = torch.tensor([0, *accumulate(chunk_lens)], dtype=torch.int32, device=device)
+    out = torch.empty_like(query)
+    out[decode_rows] = paged_decode_attention(
+        query[decode_rows], kv_cache, block_tables[decode_idx], seq_lens[decode_idx], scale
+    )
+    out[chunk_rows] = paged_prefill_attention(
+        query[chunk_rows], kv_cache, block_tables[chunk_idx], seq_lens[chunk_idx], cu_seqlens,
+        max(chunk_lens), scale,
+    )  # fmt: skip
     return out

@@ -61,5 +61,5 @@ class PagedAttention(nn.Module):
             attn.seq_lens,
             attn.query_start_loc,
             self.scale,
-            max_query_len=max(attn.query_lens_cpu, default=1),
+            query_lens_cpu=attn.query_lens_cpu,
         )

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from rayinfer.kernels import ops
 from rayinfer.kernels.paged_attention import paged_decode_attention
-from rayinfer.kernels.prefill_attention import paged_prefill_attention
+from rayinfer.kernels.prefill_attention import paged_mixed_attention
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache
 from rayinfer.layers.forward_context import build_attention_metadata
 
@@ -127,13 +127,11 @@ TRITON_TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def triton_paged_attention(query, kv_cache, attn, scale):
-    """What ops.paged_attention runs on CUDA: split-K decode for all-decode batches, else the
-    varlen kernel over the paged context."""
-    if query.shape[0] == attn.seq_lens.shape[0]:
-        return paged_decode_attention(query, kv_cache, attn.block_tables, attn.seq_lens, scale)
-    return paged_prefill_attention(
+    """What ops.paged_attention runs on CUDA: decodes through the split-K decode kernel, prefill
+    chunks through the varlen kernel (a mixed batch uses both)."""
+    return paged_mixed_attention(
         query, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-        max(attn.query_lens_cpu), scale,
+        attn.query_lens_cpu, scale,
     )  # fmt: skip
 
 
@@ -156,13 +154,11 @@ def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype
 
 
 @pytest.mark.parametrize("dtype", list(TRITON_TOLERANCES))
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,block_size", [(4, 4, 16), (8, 2, 3), (6, 1, 1)]
-)
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 16), (8, 2, 3), (6, 1, 1)])
 @pytest.mark.parametrize(
     "batch",
-    [MIXED_BATCH, [(1, 1), (40, 1), (7, 1), (100, 1), (16, 1)]],
-    ids=["mixed-prefill-kernel", "decodes-split-k-kernel"],
+    [MIXED_BATCH, [(1, 1), (40, 1), (7, 1), (100, 1), (16, 1)], [(9, 9), (30, 4)]],
+    ids=["mixed-both-kernels", "decodes-split-k-kernel", "chunks-varlen-kernel"],
 )
 def test_triton_matches_causal_sdpa(batch, dtype, num_heads, num_kv_heads, block_size):
     ours, reference = run_triton_batch(batch, num_heads, num_kv_heads, 40, block_size, dtype)

@@ -26,8 +26,9 @@ def build(args: dict[str, Any] | None = None) -> Application:
 
     config = AppConfig.from_args(args)
     source = ModelSource.resolve(config)
-    config.prefill.plan.check_fits(source.model_config, "prefill")
-    config.decode.plan.check_fits(source.model_config, "decode")
+    model_config = source.model_config
+    config.prefill.plan.check_fits(model_config, "prefill")
+    config.decode.plan.check_fits(model_config, "decode")
     use_gpus = uses_gpus(config)
     config_dict = config.model_dump()
     prefill = Prefill.options(**phase_options(config, config.prefill, use_gpus)).bind(

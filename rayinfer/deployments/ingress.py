@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayinfer.deployments import protocol
 from rayinfer.deployments.config import AppConfig
@@ -36,6 +37,13 @@ app = FastAPI(
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods answer with the OpenAI error body too."""
+    answer = OpenAIError(error.status_code, f"{error.detail}")
+    return JSONResponse(answer.body(), status_code=error.status_code)
 
 
 @app.exception_handler(RequestValidationError)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
@@ -19,10 +18,14 @@ MAX_DEFAULT_MODEL_LEN = 8192
 
 @dataclass(frozen=True)
 class ModelSource:
-    """The checkpoint an app serves, resolved once at build time and shipped to every replica."""
+    """The checkpoint an app serves, checked at build time and shipped to every replica.
 
-    path: str
-    tokenizer_path: str
+    It keeps the model as the user named it and resolves the folder on the node that reads it,
+    so "tiny" is written wherever a replica runs (a replica and its workers share one node).
+    """
+
+    model: str  # "tiny" or a checkpoint folder
+    tokenizer: str | None  # a tokenizer folder; None: the model's own
     served_model_name: str
     max_model_len: int
 
@@ -40,21 +43,26 @@ class ModelSource:
         name = config.served_model_name or (
             "tiny" if config.model == "tiny" else Path(config.model).name
         )
-        return cls(str(path), str(config.tokenizer or path), name, max_model_len)
+        return cls(config.model, config.tokenizer, name, max_model_len)
 
-    @cached_property
+    @property
+    def path(self) -> Path:
+        return resolve_model_path(self.model)
+
+    @property
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_pretrained(self.path)
 
     def load_tokenizer(self) -> Tokenizer | None:
         try:
-            return Tokenizer.from_pretrained(self.tokenizer_path)
+            return Tokenizer.from_pretrained(self.tokenizer or self.path)
         except TokenizerError:
             return None
 
 
 def uses_gpus(config: AppConfig) -> bool:
-    """Whether workers take GPUs: device=cuda, or auto with GPUs in the Ray cluster."""
+    """Whether workers take GPUs: device=cuda, or auto with GPUs in the Ray cluster (or, before
+    `serve run` has connected to Ray, on this machine: a head without GPUs needs device=cuda)."""
     if config.device != "auto":
         return config.device == "cuda"
     import ray

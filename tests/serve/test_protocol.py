@@ -142,3 +142,13 @@ def test_whole_reply_body():
     assert body["choices"][0]["text"] == "Hello!"
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 4
+
+
+def test_unknown_routes_answer_with_the_openai_error_body():
+    from fastapi.testclient import TestClient
+
+    from rayinfer.deployments.ingress import app
+
+    reply = TestClient(app).get("/v1/engines")
+    assert reply.status_code == 404
+    assert reply.json()["error"]["message"] == "Not Found"

@@ -4,6 +4,12 @@ Sequence i owns queries `query_start_loc[i]:query_start_loc[i+1]`; they are the 
 `seq_lens[i]`-token context, whose K/V (new tokens included) are already in the cache at the blocks
 of `block_tables[i]`. Query j of a sequence with q new tokens sits at position
 `seq_len - q + j` and sees context positions `0 .. seq_len - q + j`.
+
+Here: the torch reference, and the Triton split-K decode (one new token per sequence) that the
+absorbed MLA decode shares. A program owns (head group, sequence, split of the context): it reads
+each cached row once for all query heads of its group, and `_decode_reduce_kernel` merges the
+splits by their log-sum-exps, so a 1M-token context spreads over the whole GPU. Prefill chunks run
+in `prefill_attention.py` (`paged_mixed_attention` routes a scheduler batch between the two).
 """
 
 from __future__ import annotations

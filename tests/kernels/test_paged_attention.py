@@ -157,8 +157,13 @@ def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 16), (8, 2, 3), (6, 1, 1)])
 @pytest.mark.parametrize(
     "batch",
-    [MIXED_BATCH, [(1, 1), (40, 1), (7, 1), (100, 1), (16, 1)], [(9, 9), (30, 4)]],
-    ids=["mixed-both-kernels", "decodes-split-k-kernel", "chunks-varlen-kernel"],
+    [
+        MIXED_BATCH,
+        [(7, 1), (9, 9), (1, 1), (13, 5), (40, 1)],
+        [(1, 1), (40, 1), (7, 1), (100, 1), (16, 1)],
+        [(9, 9), (30, 4)],
+    ],
+    ids=["mixed-both-kernels", "interleaved-both-kernels", "decodes-split-k", "chunks-varlen"],
 )
 def test_triton_matches_causal_sdpa(batch, dtype, num_heads, num_kv_heads, block_size):
     ours, reference = run_triton_batch(batch, num_heads, num_kv_heads, 40, block_size, dtype)

@@ -111,7 +111,7 @@ def _decode_split_kernel(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, VALUE_IS_KEY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_ONLY_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head group, split): partial softmax . V over the split's context tokens."""
     # Head groups vary fastest: MLA's groups of one (sequence, split) run together and share its
@@ -178,10 +178,11 @@ def _decode_split_kernel(
     mid_ptrs += split * stride_mid_s + offs_dv[None, :]
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split stores zeros, weighted 0 below
     mid_mask = head_mask[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    tl.store(mid_ptrs, acc / l_safe[:, None], mask=mid_mask)
-    lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # [BLOCK_H] log2 domain
-    num_splits = tl.num_programs(2)
-    tl.store(mid_lse_ptr + (seq * num_heads + heads) * num_splits + split, lse, mask=head_mask)
+    tl.store(mid_ptrs, (acc / l_safe[:, None]).to(mid_out_ptr.dtype.element_ty), mask=mid_mask)
+    if not IS_ONLY_SPLIT:  # else mid_out is the output and no reduce follows
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # [BLOCK_H] log2
+        num_splits = tl.num_programs(2)
+        tl.store(mid_lse_ptr + (seq * num_heads + heads) * num_splits + split, lse, mask=head_mask)
 
 
 @triton.jit
@@ -238,7 +239,10 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
     block_size = layout["block_size"]
     split = choose_split(num_seqs, num_groups, block_tables.shape[1] * block_size, params)
     dim_v = layout["head_dim_v"]
-    mid_out = q0.new_empty(num_seqs, num_heads, split.num_splits, dim_v, dtype=torch.float32)
+    out = q0.new_empty(num_seqs, num_heads, dim_v)
+    is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch, not two
+    mid_shape = (num_seqs, num_heads, split.num_splits, dim_v)
+    mid_out = out[:, :, None] if is_only_split else q0.new_empty(mid_shape, dtype=torch.float32)
     mid_lse = q0.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
     dim0, dim1 = q0.shape[-1], (q1.shape[-1] if layout["has_pe"] else 0)
     block_dv = triton.next_power_of_2(dim_v)
@@ -254,10 +258,11 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
         QUERIES_PER_KV=layout["queries_per_kv"],
         BLOCK_H=max(16, triton.next_power_of_2(heads_per_program)),
         BLOCK_N=params["BLOCK_N"], BLOCK_SIZE=block_size, VALUE_IS_KEY=layout["value_is_key"],
-        DOT_PRECISION=dot_precision(q0.dtype),
+        DOT_PRECISION=dot_precision(q0.dtype), IS_ONLY_SPLIT=is_only_split,
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
-    out = q0.new_empty(num_seqs, num_heads, dim_v)
+    if is_only_split:
+        return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
         mid_out, mid_lse, out, num_heads, split.num_splits,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), out.stride(0), out.stride(1),

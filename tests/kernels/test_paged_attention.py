@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.paged_attention import paged_decode_attention
+from rayinfer.kernels.paged_attention import choose_split, paged_decode_attention
 from rayinfer.kernels.prefill_attention import paged_mixed_attention
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache
 from rayinfer.layers.forward_context import build_attention_metadata
@@ -188,3 +188,19 @@ def test_triton_decode_rejects_a_cache_of_another_shape():
     with pytest.raises(ValueError, match="head dim 32"):
         paged_decode_attention(query, kv_cache, torch.zeros(2, 1, dtype=torch.int32),
                                torch.ones(2, dtype=torch.int32), 1.0)  # fmt: skip
+
+
+H200_DECODE = dict(BLOCK_N=32, target_programs=528, min_tokens_per_split=512, max_splits=256)
+
+
+@pytest.mark.parametrize(
+    "num_seqs,num_groups,max_context,num_splits",
+    [(1, 8, 1 << 20, 66), (1, 8, 4096, 8), (128, 8, 4096, 1), (1, 8, 100, 1)],
+    ids=["1M-context-fills-the-gpu", "short-context-capped", "big-batch-one-split", "tiny"],
+)
+def test_choose_split_covers_the_context(num_seqs, num_groups, max_context, num_splits):
+    split = choose_split(num_seqs, num_groups, max_context, H200_DECODE)
+    assert split.num_splits == num_splits
+    assert split.tokens_per_split % H200_DECODE["BLOCK_N"] == 0
+    assert split.num_splits * split.tokens_per_split >= max_context
+    assert (split.num_splits - 1) * split.tokens_per_split < max_context  # no empty split

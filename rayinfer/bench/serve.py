@@ -86,7 +86,7 @@ async def send_one(session, url: str, model: str, prompt: str, args) -> RequestR
     }
     result = RequestResult(ok=False)
     start = time.perf_counter()
-    last = None
+    last_chunk_at: float | None = None
     try:
         async with session.post(f"{url}/v1/completions", json=body) as reply:
             if reply.status != 200:
@@ -96,30 +96,36 @@ async def send_one(session, url: str, model: str, prompt: str, args) -> RequestR
                 line = raw_line.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[6:])
-                now = time.perf_counter()
-                if "error" in event:
-                    result.error = event["error"]["message"]
+                last_chunk_at = record_event(result, json.loads(line[6:]), start, last_chunk_at)
+                if result.error:
                     return result
-                if event.get("choices") and event["choices"][0].get("text"):
-                    if last is None:
-                        result.ttft_s = now - start
-                    else:
-                        result.chunk_gaps_s.append(now - last)
-                    last = now
-                if event.get("usage"):
-                    result.prompt_tokens = event["usage"]["prompt_tokens"]
-                    result.output_tokens = event["usage"]["completion_tokens"]
-                timings = event.get("rayinfer_timings") or {}
-                result.kv_export_s = timings.get("kv_export_s", result.kv_export_s)
-                result.kv_import_s = timings.get("kv_import_s", result.kv_import_s)
-                result.kv_bytes = timings.get("kv_bytes", result.kv_bytes)
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         result.error = repr(error)
         return result
     result.latency_s = time.perf_counter() - start
     result.ok = result.output_tokens > 0
     return result
+
+
+def record_event(result: RequestResult, event: dict, start: float, last: float | None):
+    """Fold one SSE event into result; returns when the last text chunk arrived."""
+    now = time.perf_counter()
+    if "error" in event:
+        result.error = event["error"]["message"]
+    if event.get("choices") and event["choices"][0].get("text"):
+        if last is None:
+            result.ttft_s = now - start
+        else:
+            result.chunk_gaps_s.append(now - last)
+        last = now
+    if event.get("usage"):
+        result.prompt_tokens = event["usage"]["prompt_tokens"]
+        result.output_tokens = event["usage"]["completion_tokens"]
+    timings = event.get("rayinfer_timings") or {}
+    result.kv_export_s = timings.get("kv_export_s", result.kv_export_s)
+    result.kv_import_s = timings.get("kv_import_s", result.kv_import_s)
+    result.kv_bytes = timings.get("kv_bytes", result.kv_bytes)
+    return last
 
 
 async def run(args) -> tuple[list[RequestResult], float, str]:

@@ -149,7 +149,7 @@ class ServeCluster:
         return result.stdout
 
     def run_python(self, script: str, *args: str, timeout_s: float = 120) -> str:
-        """Run a Python file connected to this cluster (handles cannot live in pytest's process)."""
+        """Run Python (a file, or -m module) against this cluster, e.g. handle clients."""
         return self._run([sys.executable, script, *args], timeout_s)
 
     def serve_status(self) -> dict:

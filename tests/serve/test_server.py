@@ -197,6 +197,27 @@ def aborted_requests(server, phase: str) -> float:
     return total
 
 
+def test_bench_serve_against_the_server(server):
+    output = server.run_python(
+        "-m",
+        "rayinfer.bench",
+        "serve",
+        "--url",
+        server.http_url,
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "6",
+    )
+    assert "Successful requests:                    8" in output
+    assert "Total generated tokens:                 48" in output
+    assert "Mean hand-off share of TTFT (%):" in output
+
+
 def test_python_handle_example(server):
     output = server.run_python(str(REPO_ROOT / "examples" / "handle_client.py"))
     report = json.loads(output.strip().splitlines()[-1])

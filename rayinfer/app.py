@@ -49,6 +49,7 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
     """Serve options of a Prefill or Decode deployment: its worker bundles and autoscaling."""
     return dict(
         max_ongoing_requests=phase.max_ongoing_requests,
+        max_queued_requests=phase.max_queued_requests,
         autoscaling_config=phase.autoscaling.to_serve(),
         placement_group_bundles=placement_bundles(
             phase.num_workers, use_gpus, phase.cpus_per_worker

@@ -60,6 +60,9 @@ class PhaseConfig(_Strict):
         False, description="overlap one micro-batch's MoE all-to-all with the other's compute"
     )
     max_ongoing_requests: int = Field(64, ge=1, description="requests one replica accepts at once")
+    max_queued_requests: int = Field(
+        512, ge=1, description="requests waiting for a replica before the ingress answers 503"
+    )
     max_num_seqs: int = Field(64, ge=1, description="sequences batched in one engine step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks per replica")

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rayinfer.deployments import protocol
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.metrics import ServeMetrics
-from rayinfer.deployments.pipeline import Pipeline
+from rayinfer.deployments.pipeline import Pipeline, first_delta, prepend
 from rayinfer.deployments.prompts import PromptBuilder
 from rayinfer.deployments.protocol import (
     ChatCompletionRequest,
@@ -36,7 +36,8 @@ app = FastAPI(
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -89,7 +90,9 @@ class Ingress:
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
         reply = HttpReply(request_id, self.source.served_model_name, chat, request, len(prompt_ids))
         if request.stream:
-            return StreamingResponse(reply.stream(deltas, timings), media_type="text/event-stream")
+            first = await first_delta(deltas)
+            events = reply.stream(prepend(first, deltas), timings)
+            return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(await reply.whole(deltas, timings))
 
     def _check_model(self, model: str | None) -> None:

@@ -13,15 +13,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from rayinfer.deployments.metrics import ServeMetrics
+from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import DecodeRequest, PrefillRequest, PrefillResult, Timings
 from rayinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 REPLICA_GONE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def overloaded(phase: str) -> OpenAIError:
+    return OpenAIError(503, f"the {phase} replicas are full; retry shortly", code="overloaded")
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Pipeline:
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
         finished = False
         try:
-            async for chunk in stream:
+            async for chunk in _backpressure_as_503(stream, "decode"):
                 if chunk.kv_import_s is not None:
                     timings.kv_import_s = chunk.kv_import_s
                     timings.was_recomputed = chunk.was_recomputed
@@ -89,6 +95,38 @@ class Pipeline:
     async def _prefill(self, request: PrefillRequest) -> PrefillResult:
         try:
             return await self.prefill_handle.prefill.remote(request)
+        except BackPressureError:
+            raise overloaded("prefill") from None
         except REPLICA_GONE_ERRORS as error:
             logger.warning("prefill of %s failed (%r); retrying once", request.request_id, error)
             return await self.prefill_handle.prefill.remote(request)
+
+
+async def _backpressure_as_503(stream, phase: str):
+    try:
+        async for item in stream:
+            yield item
+    except BackPressureError:
+        raise overloaded(phase) from None
+
+
+async def first_delta(deltas: AsyncIterator[Delta]) -> Delta:
+    """The prefill's delta, so an HTTP stream starts only once the request is under way (and a
+    failure before it still gets a proper status code)."""
+    try:
+        return await anext(deltas)
+    except OpenAIError:
+        await deltas.aclose()
+        raise
+    except Exception as error:
+        await deltas.aclose()
+        raise OpenAIError(500, f"generation failed: {error}") from error
+
+
+async def prepend(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    try:
+        yield first
+        async for delta in rest:
+            yield delta
+    finally:
+        await rest.aclose()

@@ -48,6 +48,8 @@ class HttpReply:
                 text += delta.text
                 num_tokens += len(delta.token_ids)
                 finish_reason = delta.finish_reason or finish_reason
+        except OpenAIError:
+            raise
         except Exception as error:
             raise OpenAIError(500, f"generation failed: {error}") from error
         finally:
@@ -67,7 +69,9 @@ class HttpReply:
             async for delta in deltas:
                 num_tokens += len(delta.token_ids)
                 yield sse(self._chunk(delta.text, delta.finish_reason))
-        except Exception as error:  # the stream already started: report in-band, then end
+        except OpenAIError as error:  # the stream already started: report in-band, then end
+            yield sse(error.body())
+        except Exception as error:
             yield sse(OpenAIError(500, f"generation failed: {error}").body())
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()

@@ -152,3 +152,49 @@ def test_unknown_routes_answer_with_the_openai_error_body():
     reply = TestClient(app).get("/v1/engines")
     assert reply.status_code == 404
     assert reply.json()["error"]["message"] == "Not Found"
+
+
+def test_overload_is_503_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    from rayinfer.deployments.ingress import _openai_error
+    from rayinfer.deployments.pipeline import _backpressure_as_503
+
+    async def full_decode():
+        yield "never"
+        raise BackPressureError(num_queued_requests=9, max_queued_requests=8)
+
+    async def drain():
+        return [item async for item in _backpressure_as_503(full_decode(), "decode")]
+
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(drain())
+    assert caught.value.status == 503 and caught.value.code == "overloaded"
+    reply = asyncio.run(_openai_error(None, caught.value))
+    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
+
+
+def test_stream_starts_after_the_first_delta_and_closes_the_rest():
+    from rayinfer.deployments.pipeline import first_delta, prepend
+
+    closed = []
+
+    async def deltas(fail: bool):
+        try:
+            if fail:
+                raise RuntimeError("prefill replica died")
+            yield Delta("a", [1], None)
+            yield Delta("b", [2], "stop")
+        finally:
+            closed.append(fail)
+
+    async def run():
+        source = deltas(False)
+        first = await first_delta(source)
+        return [d.text async for d in prepend(first, source)]
+
+    assert asyncio.run(run()) == ["a", "b"]
+    with pytest.raises(OpenAIError, match="prefill replica died") as caught:
+        asyncio.run(first_delta(deltas(True)))
+    assert caught.value.status == 500
+    assert closed == [False, True]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,9 @@ partial product in float32 before adding it to the accumulator.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,

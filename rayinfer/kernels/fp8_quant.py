@@ -7,8 +7,8 @@ blocks): each group's max magnitude maps to 448, the float8_e4m3fn maximum, and 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from rayinfer.kernels.triton_compat import tl, triton
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-10  # an all-zero group gets this scale instead of dividing by zero

@@ -11,14 +11,12 @@ activations quantized per token and per 128 channels (fp8_quant) and rescale eve
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rayinfer.kernels.activation import silu_and_mul_reference
 from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
 from rayinfer.kernels.moe_align import moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
 DEFAULT_CONFIG = {

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from rayinfer.kernels.paged_attention import split_k_decode
 from rayinfer.kernels.prefill_attention import prefill_attention
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 def mla_write_cache_reference(

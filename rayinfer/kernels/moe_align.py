@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 class MoeAlignment(NamedTuple):

@@ -19,10 +19,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 def gather_context(

@@ -17,8 +17,6 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
-import triton
-import triton.language as tl
 
 from rayinfer.kernels.paged_attention import (
     causal_attention,
@@ -26,6 +24,7 @@ from rayinfer.kernels.paged_attention import (
     launch_params,
     paged_decode_attention,
 )
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 @triton.jit

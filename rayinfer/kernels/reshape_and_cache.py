@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 def reshape_and_cache_reference(

@@ -15,11 +15,10 @@ companion row (V for GQA, the latent c_kv for MLA) at `companion_offset`:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from rayinfer.kernels.mla_attention import mla_write_cache_reference
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.triton_compat import tl, triton
 
 
 def rotary_embedding_reference(

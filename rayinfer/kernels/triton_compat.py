@@ -1,0 +1,37 @@
+"""`triton` and `triton.language` when Triton is installed; otherwise placeholders that let the
+kernel modules import (their `@triton.jit` functions are never launched without Triton: ops.py
+uses the torch references then). Triton is in the `gpu` and `test` extras, not a base dependency.
+"""
+
+from __future__ import annotations
+
+import types
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TRITON = True
+except ImportError:  # a CPU-only install: kernels are defined but never launched
+    HAS_TRITON = False
+
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError("Triton is not installed: pip install 'rayinfer[gpu]'")
+
+    def _identity_decorator(fn=None, **kwargs):
+        if fn is None:
+            return lambda inner: inner
+        return fn
+
+    triton = types.SimpleNamespace(
+        jit=_identity_decorator,
+        autotune=lambda *args, **kwargs: _identity_decorator,
+        heuristics=lambda *args, **kwargs: _identity_decorator,
+        Config=lambda *args, **kwargs: None,
+        cdiv=lambda a, b: -(-a // b),
+        next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length(),
+        testing=types.SimpleNamespace(do_bench=_unavailable),
+    )
+    tl = types.SimpleNamespace(constexpr=object, dtype=object, tensor=object)
+    TensorDescriptor = types.SimpleNamespace(from_tensor=_unavailable)

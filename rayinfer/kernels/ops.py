@@ -5,15 +5,37 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels import rotary as _rotary
 from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
-from rayinfer.kernels.fused_moe import fused_moe_reference
+from rayinfer.kernels.fp8_gemm import fp8_gemm as fp8_gemm_triton
+from rayinfer.kernels.fp8_gemm import fp8_gemm_reference
+from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton
+from rayinfer.kernels.fp8_quant import fp8_quant_reference
+from rayinfer.kernels.fused_moe import dequantize_experts_reference, fused_moe_reference
+from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton
+from rayinfer.kernels.mla_attention import mla_causal_attention as mla_causal_attention_triton
+from rayinfer.kernels.mla_attention import (
+    mla_causal_attention_reference,
+    mla_decode_attention_reference,
+    mla_gather_context_reference,
+    mla_write_cache_reference,
+)
+from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton
+from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_triton
+from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference
+from rayinfer.kernels.paged_attention import paged_attention_reference
+from rayinfer.kernels.prefill_attention import paged_mixed_attention
+from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton
+from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
 from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
+from rayinfer.kernels.triton_compat import HAS_TRITON
 
 
 def _on_cuda(x: torch.Tensor) -> bool:
-    return x.is_cuda
+    """Whether the Triton kernel runs: a CUDA tensor and Triton installed."""
+    return x.is_cuda and HAS_TRITON
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -41,9 +63,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
-from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference  # noqa: E402
-
-
 def moe_routing(
     router_logits,
     top_k,
@@ -65,12 +84,6 @@ def moe_routing(
         correction_bias,
         routed_scaling_factor,
     )
-
-
-from rayinfer.kernels.paged_attention import paged_attention_reference  # noqa: E402
-from rayinfer.kernels.prefill_attention import paged_mixed_attention  # noqa: E402
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton  # noqa: E402
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference  # noqa: E402
 
 
 def reshape_and_cache(key, value, kv_cache, slot_mapping):
@@ -96,17 +109,6 @@ def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, sc
     return paged_mixed_attention(
         query, kv_cache, block_tables, seq_lens, query_start_loc, query_lens_cpu, scale
     )
-
-
-from rayinfer.kernels.mla_attention import mla_causal_attention as mla_causal_attention_triton  # noqa: E402, I001
-from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton  # noqa: E402
-from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_triton  # noqa: E402
-from rayinfer.kernels.mla_attention import (  # noqa: E402
-    mla_causal_attention_reference,
-    mla_decode_attention_reference,
-    mla_gather_context_reference,
-    mla_write_cache_reference,
-)
 
 
 def mla_write_cache(kv_cache, slot_mapping, kv_c, k_pe):
@@ -136,14 +138,6 @@ def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
 
 
-from rayinfer.kernels.fp8_gemm import fp8_gemm as fp8_gemm_triton  # noqa: E402
-from rayinfer.kernels.fp8_gemm import fp8_gemm_reference  # noqa: E402
-from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton  # noqa: E402
-from rayinfer.kernels.fp8_quant import fp8_quant_reference  # noqa: E402
-from rayinfer.kernels.fused_moe import dequantize_experts_reference  # noqa: E402
-from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton  # noqa: E402
-
-
 def fp8_quant(x, group_size=128):
     """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, K/group] float32), x ~= q * scale."""
     if _on_cuda(x):
@@ -156,9 +150,6 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
     if _on_cuda(a):
         return fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
     return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype)
-
-
-from rayinfer.kernels import rotary as _rotary  # noqa: E402
 
 
 def rotary_embedding(positions, query, key, inv_freq, is_interleaved=False, attention_factor=1.0):

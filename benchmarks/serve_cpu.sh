@@ -16,6 +16,7 @@ export RAY_ADDRESS="127.0.0.1:$RAY_PORT"
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(python3 -c 'import uuid; print(uuid.uuid4().hex * 2)')"
 SERVE_PID=""
 cleanup() {
+  set +e  # best effort: one failed step must not skip the rest
   [ -n "$SERVE_PID" ] && kill "$SERVE_PID" 2>/dev/null || true
   serve shutdown -y --address "http://127.0.0.1:$DASH_PORT" >/dev/null 2>&1 || true
   # Stop only this cluster's processes, never other Ray clusters: those naming its temp dir or

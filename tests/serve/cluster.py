@@ -239,7 +239,15 @@ def cluster_process_ids(temp_dir: Path, auth_token: str) -> list[int]:
     return sorted(found)
 
 
-def stop_processes(pids: list[int], grace_s: float = 10) -> None:
+def _is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_processes(pids: list[int], grace_s: float = 3) -> None:
+    """SIGTERM, then SIGKILL whatever still runs after grace_s (gcs_server ignores SIGTERM)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -247,7 +255,7 @@ def stop_processes(pids: list[int], grace_s: float = 10) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        while time.monotonic() < deadline and any(_is_running(pid) for pid in pids):
             time.sleep(0.2)
 
 

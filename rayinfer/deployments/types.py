@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import model_validator
 
-from rayinfer.deployments.protocol import _SamplingFields
+from rayinfer.deployments.protocol import SamplingFields
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.sampling_params import SamplingParams
 
 
-class GenerateRequest(_SamplingFields):
+class GenerateRequest(SamplingFields):
     """A request through a Python handle: `prompt` (text or token ids) or chat `messages`.
 
     The sampling fields are those of the OpenAI API (max_tokens, temperature, top_p, top_k, stop,
@@ -54,7 +54,7 @@ class GenerateResponse:
     token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str | None
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float | int | bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,5 +108,5 @@ class Timings:
     kv_bytes: int = 0
     was_recomputed: bool = False
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self)

@@ -71,11 +71,12 @@ class EngineLoop:
             yield event
 
     async def _stream(self, request_id: str, command: tuple) -> AsyncIterator[LoopEvent]:
-        if self.fatal_error is not None:
-            raise RuntimeError(f"the engine loop stopped: {self.fatal_error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self.streams[request_id] = stream
         self.commands.put(command)
+        if self.fatal_error is not None:  # checked after registering: no request slips past
+            self.streams.pop(request_id, None)
+            raise RuntimeError(f"the engine loop stopped: {self.fatal_error!r}")
         finished = False
         try:
             while not finished:

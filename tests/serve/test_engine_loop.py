@@ -106,3 +106,25 @@ def test_an_invalid_request_fails_alone(llm):
     assert good.output.finish_reason == "length" and len(good.output.token_ids) == 4
     assert loop.is_healthy
     loop.stop()
+
+
+def test_an_engine_failure_ends_every_request_and_marks_the_loop_unhealthy(llm):
+    loop = new_loop(llm)
+
+    def lost_device(batch):
+        raise RuntimeError("device lost")
+
+    loop.engine.executor.execute = lost_device
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run():
+        return await asyncio.gather(
+            *(final_output(loop, f"f{i}", p, params) for i, p in enumerate(PROMPTS)),
+            return_exceptions=True,
+        )
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
+    assert not loop.is_healthy
+    with pytest.raises(RuntimeError, match="engine loop stopped"):
+        asyncio.run(final_output(loop, "late", PROMPTS[0], params))

@@ -11,79 +11,65 @@ from ray.util.metrics import Counter, Gauge, Histogram
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TRANSFER_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5]
 
-METRIC_NAMES = (
-    "rayinfer_requests",
-    "rayinfer_time_to_first_token_seconds",
-    "rayinfer_inter_token_latency_seconds",
-    "rayinfer_prompt_tokens",
-    "rayinfer_generation_tokens",
-    "rayinfer_queue_length",
-    "rayinfer_running_requests",
-    "rayinfer_kv_cache_usage",
-    "rayinfer_kv_handoff_bytes",
-    "rayinfer_kv_handoff_seconds",
-    "rayinfer_kv_recomputes",
-)
+
+# attribute -> (kind, metric name, description, extra tag keys besides phase)
+METRICS = {
+    "requests": (
+        "counter",
+        "rayinfer_requests",
+        "Finished requests by phase and status.",
+        ("status",),
+    ),
+    "ttft": ("latency", "rayinfer_time_to_first_token_seconds", "Seconds to the first token.", ()),
+    "inter_token_latency": (
+        "latency",
+        "rayinfer_inter_token_latency_seconds",
+        "Seconds between two streamed chunks of one request.",
+        (),
+    ),
+    "prompt_tokens": ("counter", "rayinfer_prompt_tokens", "Prompt tokens received.", ()),
+    "generation_tokens": ("counter", "rayinfer_generation_tokens", "Tokens generated.", ()),
+    "queue_length": ("gauge", "rayinfer_queue_length", "Requests waiting in an engine.", ()),
+    "running_requests": ("gauge", "rayinfer_running_requests", "Requests an engine runs.", ()),
+    "kv_cache_usage": ("gauge", "rayinfer_kv_cache_usage", "KV cache blocks in use (0..1).", ()),
+    "kv_handoff_bytes": (
+        "counter",
+        "rayinfer_kv_handoff_bytes",
+        "KV bytes put into the object store by prefill for decode.",
+        (),
+    ),
+    "kv_handoff_seconds": (
+        "transfer",
+        "rayinfer_kv_handoff_seconds",
+        "Seconds to export (prefill) or import (decode) one request's KV.",
+        (),
+    ),
+    "kv_recomputes": (
+        "counter",
+        "rayinfer_kv_recomputes",
+        "Hand-offs whose KV was lost, so decode recomputed the prompt.",
+        (),
+    ),
+}
+METRIC_NAMES = tuple(name for _, name, _, _ in METRICS.values())
+
+
+def _make_metric(kind: str, name: str, description: str, tag_keys: tuple[str, ...]):
+    if kind == "counter":
+        return Counter(name, description=description, tag_keys=tag_keys)
+    if kind == "gauge":
+        return Gauge(name, description=description, tag_keys=tag_keys)
+    buckets = LATENCY_BUCKETS_S if kind == "latency" else TRANSFER_BUCKETS_S
+    return Histogram(name, description=description, boundaries=buckets, tag_keys=tag_keys)
 
 
 class ServeMetrics:
+    """One replica's handles onto the metrics in METRICS, tagged with its phase."""
+
     def __init__(self, phase: str):
         self.tags = {"phase": phase}
-        phase_key = ("phase",)
-        self.requests = Counter(
-            "rayinfer_requests",
-            description="Finished requests by phase and status (ok, error, abort, invalid).",
-            tag_keys=("phase", "status"),
-        )
-        self.ttft = Histogram(
-            "rayinfer_time_to_first_token_seconds",
-            description="Seconds from a request's arrival to its first token.",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=phase_key,
-        )
-        self.inter_token_latency = Histogram(
-            "rayinfer_inter_token_latency_seconds",
-            description="Seconds between two streamed chunks of one request.",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=phase_key,
-        )
-        self.prompt_tokens = Counter(
-            "rayinfer_prompt_tokens", description="Prompt tokens received.", tag_keys=phase_key
-        )
-        self.generation_tokens = Counter(
-            "rayinfer_generation_tokens", description="Tokens generated.", tag_keys=phase_key
-        )
-        self.queue_length = Gauge(
-            "rayinfer_queue_length",
-            description="Requests waiting in one replica's engine.",
-            tag_keys=phase_key,
-        )
-        self.running_requests = Gauge(
-            "rayinfer_running_requests",
-            description="Requests one replica's engine is running.",
-            tag_keys=phase_key,
-        )
-        self.kv_cache_usage = Gauge(
-            "rayinfer_kv_cache_usage",
-            description="Fraction of one replica's KV cache blocks in use (0..1).",
-            tag_keys=phase_key,
-        )
-        self.kv_handoff_bytes = Counter(
-            "rayinfer_kv_handoff_bytes",
-            description="KV bytes put into the object store by prefill for decode.",
-            tag_keys=phase_key,
-        )
-        self.kv_handoff_seconds = Histogram(
-            "rayinfer_kv_handoff_seconds",
-            description="Seconds to export (prefill) or import (decode) one request's KV.",
-            boundaries=TRANSFER_BUCKETS_S,
-            tag_keys=phase_key,
-        )
-        self.kv_recomputes = Counter(
-            "rayinfer_kv_recomputes",
-            description="Hand-offs whose KV was lost, so decode recomputed the prompt.",
-            tag_keys=phase_key,
-        )
+        for attribute, (kind, name, description, extra_tags) in METRICS.items():
+            setattr(self, attribute, _make_metric(kind, name, description, ("phase", *extra_tags)))
 
     def count_request(self, status: str) -> None:
         self.requests.inc(1, tags={**self.tags, "status": status})

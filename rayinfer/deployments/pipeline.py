@@ -1,8 +1,11 @@
 """One request's path through the disaggregated server: prefill, hand-off, decode stream.
 
 Yields text deltas as they become safe to show. A prefill replica that dies is retried once on
-another replica; a decode failure ends the stream with the error (never a hang). Leaving the
-iterator early (client disconnect) cancels the decode stream, which aborts the request there.
+another replica. A decode replica that dies mid-stream is resumed once on another one from the
+tokens already sent: the sent tokens join the prompt (greedy output continues exactly; a stop
+string spanning the cut is not matched). Any other decode failure ends the stream with the error,
+never a hang. Leaving the iterator early (client disconnect) cancels the decode stream, which
+aborts the request there.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.serve.exceptions import BackPressureError
@@ -70,6 +73,31 @@ class Pipeline:
             self.metrics.add_tokens(len(prompt_ids), num_generated)
 
     async def _run(self, request_id, prompt_ids, params, timings: Timings) -> AsyncIterator[Delta]:
+        """Prefill then decode; if the decode replica dies mid-stream, resume once elsewhere."""
+        sent: list[int] = []  # token ids already given to the caller
+        try:
+            async for delta in self._attempt(request_id, prompt_ids, params, timings):
+                sent += delta.token_ids
+                yield delta
+            return
+        except REPLICA_GONE_ERRORS as error:
+            if not sent:
+                raise
+            logger.warning(
+                "decode of %s died after %d tokens (%r); resuming", request_id, len(sent), error
+            )
+        remaining = params.max_tokens - len(sent)
+        if remaining <= 0:
+            yield Delta("", [], "length")
+            return
+        resumed = replace(params, max_tokens=remaining)
+        timings.was_resumed = True
+        async for delta in self._attempt(
+            f"{request_id}-resumed", prompt_ids + sent, resumed, timings
+        ):
+            yield delta
+
+    async def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
         start = time.perf_counter()
         result = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
         timings.prefill_s = time.perf_counter() - start

@@ -107,6 +107,7 @@ class Timings:
     kv_import_s: float = 0.0
     kv_bytes: int = 0
     was_recomputed: bool = False
+    was_resumed: bool = False  # a decode replica died mid-stream and another one finished it
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)

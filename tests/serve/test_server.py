@@ -3,7 +3,7 @@ with the openai client, through Python handles, and watched through `serve statu
 
 One server for the module (starting one costs ~40 s on 2 cores). Its decode deployment autoscales
 between 1 and 2 replicas with short delays so the autoscaling test fits in CI; the KV-loss test
-kills a prefill worker and runs last.
+kills a prefill worker and runs last, after the test that kills a decode replica mid-stream.
 """
 
 from __future__ import annotations
@@ -247,6 +247,15 @@ def test_decode_scales_up_under_load_and_back_down(server):
         for thread in threads:
             thread.join(timeout=120)
     wait_for(lambda: server.running_replicas("Decode") == 1, timeout_s=90, what="back to 1")
+
+
+def test_decode_replica_death_mid_stream_resumes_elsewhere(server):
+    output = server.run_python(str(REPO_ROOT / "tests" / "serve" / "decode_death_client.py"))
+    report = json.loads(output.strip().splitlines()[-1])
+    assert report["killed"], "no Decode replica was found to kill"
+    assert report["token_ids"] == report["reference_token_ids"]
+    assert report["text"] == report["reference_text"]
+    assert report["finish_reason"] == "length"
 
 
 def test_lost_kv_is_recomputed(server, client):

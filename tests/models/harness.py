@@ -32,6 +32,25 @@ TINY_DENSE = dict(
     max_position_embeddings=256,
 )
 
+# DeepSeek V2/V3 shapes small enough for CPU parity tests (MLA with a dense first layer).
+TINY_MLA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=256,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+
 
 def make_hf_checkpoint(
     folder: Path, model_type: str, seed: int = 0, std: float = 0.1, **config_kwargs

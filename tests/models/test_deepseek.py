@@ -18,6 +18,7 @@ from rayinfer.layers.mla import MLAAttention
 from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
 from rayinfer.models.deepseek import DeepseekForCausalLM, is_moe_layer
 from tests.models.harness import (
+    TINY_MLA,
     allocate_caches,
     assert_matches_transformers,
     load_rayinfer,
@@ -25,23 +26,6 @@ from tests.models.harness import (
     reinit_weights,
 )
 
-TINY_MLA = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    max_position_embeddings=256,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
 YARN = dict(
     rope_type="yarn",
     rope_theta=10000.0,

@@ -6,43 +6,18 @@ import pytest
 
 import rayinfer
 from rayinfer import ParallelPlan, SamplingParams
-from tests.models.harness import make_hf_checkpoint, make_prompts
+from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
-DEEPSEEK_V3 = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    max_position_embeddings=256,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-)
+DEEPSEEK_V3 = dict(TINY_MLA, q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1)
 QWEN3_MOE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
+    TINY_DENSE,
+    num_key_value_heads=4,  # so that tp=4 splits the K/V heads too
     head_dim=16,
     num_experts=8,
     num_experts_per_tok=2,
-    max_position_embeddings=256,
+    moe_intermediate_size=32,
 )
 
 

@@ -15,6 +15,7 @@ from rayinfer.comm import moe
 from rayinfer.comm.cost_model import Choice, choose
 from rayinfer.comm.host_staged import HostStagedTransport
 from rayinfer.comm.layout import as_byte_rows, check_splits
+from rayinfer.comm.metrics import AllToAllTimer
 from rayinfer.comm.pending import Pending
 from rayinfer.comm.rendezvous import forget_store, make_store
 from rayinfer.comm.schedules import ScheduleContext, get_schedule
@@ -221,7 +222,10 @@ class RayinferGroup(BaseGroup):
             self.topology.islands,
             matrix,
         )
-        chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
+        sent_rows = sum(in_splits) - in_splits[self.rank]
+        num_bytes = sent_rows * in_rows.shape[1]
+        with AllToAllTimer(self.group_name, num_bytes, choice.schedule, choice.transport):
+            chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
         return choice
 
     def _submit(self, fn, *args, **kw) -> Pending:

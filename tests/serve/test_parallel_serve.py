@@ -8,7 +8,7 @@ import openai
 import pytest
 
 import rayinfer
-from tests.serve.cluster import ServeCluster
+from tests.serve.cluster import ServeCluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +37,9 @@ def test_parallel_plans_answer_like_the_offline_engine(server):
     ]
     assert [a.choices[0].text for a in answers] == expected
     assert server.running_replicas("Prefill") == 1 and server.running_replicas("Decode") == 1
+    # Decode's two DP replicas exchanged tokens with their experts: the all-to-all is metered.
+    wait_for(
+        lambda: server.metric_sum("ray_rayinfer_all_to_all_bytes_total") > 0,
+        timeout_s=60,
+        what="all-to-all bytes in Prometheus",
+    )

@@ -1,0 +1,72 @@
+"""Where a step's time goes on one GPU: torch.profiler over decode steps (batch 1 and 64) and one
+4k-token prefill of a full-size model with random weights. Prints the top ops by CUDA and by CPU
+time and the kernel launches per decode step, the numbers that say whether decode is bound by
+launches and Python (the case for CUDA graphs) or by kernels.
+
+    python benchmarks/profile_engine.py --config benchmarks/configs/deepseek-v2-lite
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rayinfer import LLM, SamplingParams  # noqa: E402
+
+
+def decode_steps(llm: LLM, batch: int, steps: int) -> None:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"p{batch}-{index}", list(range(100, 164)), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()  # prefill
+    for _ in range(4):
+        engine.step()  # warm-up decodes
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for request_id in [f"p{batch}-{index}" for index in range(batch)]:
+        engine.abort(request_id)
+    report(prof, f"decode batch {batch}, {steps} steps", steps)
+
+
+def report(prof, title: str, steps: int) -> None:
+    events = prof.key_averages()
+    on_gpu = [e for e in events if e.device_type.name == "CUDA"]
+    launches = sum(e.count for e in on_gpu) / steps
+    busy_ms = sum(e.self_device_time_total for e in on_gpu) / 1e3 / steps
+    print(f"\n=== {title}: {launches:.0f} kernels/step, GPU busy {busy_ms:.2f} ms/step")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    llm = LLM(args.config, device="cuda", load_format="dummy", max_model_len=8192,
+              max_num_batched_tokens=4096, enable_prefix_caching=False)  # fmt: skip
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([list(range(4096))], first)  # warm-up at the measured shape
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([list(range(1, 4097))], first)
+        torch.cuda.synchronize()
+    report(prof, "prefill 4096 tokens", 1)
+    decode_steps(llm, 1, 8)
+    decode_steps(llm, 64, 8)
+
+
+if __name__ == "__main__":
+    main()

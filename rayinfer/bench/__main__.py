@@ -1,5 +1,5 @@
-"""`python -m rayinfer.bench {engine,serve,comm,kernels,parallel} [options]`: each prints a table and can
-write JSON (and a PNG plot where it has one)."""
+"""`python -m rayinfer.bench {engine,serve,comm,kernels,parallel} [options]`: each prints a
+table and can write JSON (and a PNG plot where it has one)."""
 
 from __future__ import annotations
 

@@ -171,6 +171,6 @@ class EngineLoop:
         return {
             "num_waiting": len(self.engine.scheduler.waiting) + len(self.engine.pending_imports),
             "num_running": len(self.engine.scheduler.running),
-            "kv_usage": self.engine.block_manager.usage,
+            "kv_usage": self.engine.kv_usage,
             "num_kv_recomputes": self.engine.num_kv_recomputes,
         }

@@ -15,6 +15,7 @@ class ScheduledRequest:
     block_table: list[int]  # every block the sequence holds
     samples: bool  # whether to sample a next token after the last new token
     params: SamplingParams
+    kv_partition: int = 0  # the cache partition (data-parallel attention replica) holding it
 
     @property
     def seq_len(self) -> int:

@@ -48,10 +48,14 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.executor = executor
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        # One cache partition per data-parallel attention replica of the executor.
+        self.block_managers = [
+            BlockManager(
+                cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            )
+            for _ in range(executor.num_kv_partitions)
+        ]
+        self.scheduler = Scheduler(scheduler_config, self.block_managers)
         self.states: dict[str, RequestState] = {}
         self.pending_imports: list[_PendingImport] = []
         self.handoffs_ready: dict[str, RequestState] = {}
@@ -99,6 +103,17 @@ class LLMEngine:
         self.executor.free_requests([request_id])
         self.states.pop(request_id, None)
 
+    @property
+    def block_manager(self) -> BlockManager:
+        """The cache's only partition (engines without data-parallel attention)."""
+        return self.scheduler.block_manager
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of every partition's blocks in use."""
+        total = sum(len(m.blocks) for m in self.block_managers)
+        return sum(len(m.blocks) - m.num_free_blocks for m in self.block_managers) / total
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.has_unfinished or self.pending_imports)
 
@@ -117,7 +132,7 @@ class LLMEngine:
             seq = item.seq
             samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.mark_computed(seq)
+            self.scheduler.manager_of(seq).mark_computed(seq)
             if samples:
                 state = self.states[seq.request_id]
                 self._append_token(state, next(sampled))
@@ -128,7 +143,9 @@ class LLMEngine:
         """Export the KV of a finished prefill-only request and free its blocks."""
         state = self.handoffs_ready.pop(request_id)
         seq = state.seq
-        payload = self.executor.export_kv(request_id, seq.block_table, seq.num_prompt_tokens)
+        payload = self.executor.export_kv(
+            request_id, seq.block_table, seq.num_prompt_tokens, seq.kv_partition
+        )
         self.scheduler.release(seq)
         self.executor.free_requests([request_id])
         return KVHandoff(
@@ -200,6 +217,7 @@ class LLMEngine:
                     block_table=list(seq.block_table),
                     samples=item.samples,
                     params=seq.params,
+                    kv_partition=seq.kv_partition,
                 )
             )
         return ModelBatch(requests)
@@ -208,24 +226,29 @@ class LLMEngine:
         still_pending = []
         for pending in self.pending_imports:
             seq = pending.state.seq
-            fits = self.block_manager.can_allocate_slots(seq, seq.num_tokens)
+            seq.kv_partition = self.scheduler.roomiest_partition()
+            manager = self.scheduler.manager_of(seq)
+            fits = manager.can_allocate_slots(seq, seq.num_tokens)
             if not fits or len(self.scheduler.running) >= self.scheduler_config.max_num_seqs:
+                seq.kv_partition = None
                 still_pending.append(pending)
                 continue
-            self.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
+            manager.allocate_slots(seq, seq.num_prompt_tokens)
             try:
-                self.executor.import_kv(seq.request_id, seq.block_table, pending.payload)
+                self.executor.import_kv(
+                    seq.request_id, seq.block_table, pending.payload, seq.kv_partition
+                )
             except KVLostError:
                 self._recompute_lost_handoff(seq)
                 continue
             seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.mark_computed(seq)
+            manager.mark_computed(seq)
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
         self.pending_imports = still_pending
 
     def _recompute_lost_handoff(self, seq: Sequence) -> None:
         """Queue the request to compute its prompt and first token here, as if preempted."""
-        self.block_manager.free(seq)
+        self.scheduler.manager_of(seq).free(seq)
         self.num_kv_recomputes += 1
         self.scheduler.add(seq)

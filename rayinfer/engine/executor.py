@@ -17,12 +17,21 @@ class Executor(ABC):
     def execute(self, batch: ModelBatch) -> list[int]:
         """Run one step; the next token of each request that samples, in batch order."""
 
+    @property
+    def num_kv_partitions(self) -> int:
+        """Separate KV caches (data-parallel attention replicas), each `num_blocks` blocks."""
+        return 1
+
     @abstractmethod
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> Any:
+    def export_kv(
+        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+    ) -> Any:
         """The KV of a request's first num_tokens tokens, as a payload decode can import."""
 
     @abstractmethod
-    def import_kv(self, request_id: str, block_table: list[int], payload: Any) -> None:
+    def import_kv(
+        self, request_id: str, block_table: list[int], payload: Any, partition: int = 0
+    ) -> None:
         """Write a payload from `export_kv` (or a reference to it) into these blocks.
 
         Raises KVLostError when the payload can no longer be read."""

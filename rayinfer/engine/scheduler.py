@@ -4,7 +4,11 @@ Each step the running sequences go first, in arrival order: a decoding sequence 
 a sequence still in prefill takes as much of its prompt as the budget leaves. Waiting sequences
 are admitted after them while budget, sequence slots and cache blocks last. When the cache is
 full, the most recently admitted running sequence is preempted: its blocks are freed and it is
-recomputed later from its prompt and the tokens it already generated. Plain Python, no torch.
+recomputed later from its prompt and the tokens it already generated.
+
+The cache may be split into partitions, one per data-parallel attention replica, each with its own
+blocks: a sequence is placed in the partition with the most free blocks when first admitted and
+stays there (its KV and sampling state live on that replica). Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -29,12 +33,24 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_managers: BlockManager | list[BlockManager]):
         self.config = config
-        self.block_manager = block_manager
+        self.block_managers = (
+            list(block_managers) if isinstance(block_managers, list) else [block_managers]
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The cache's only partition (without data-parallel attention)."""
+        if len(self.block_managers) != 1:
+            raise AttributeError("the cache has several partitions; use manager_of(seq)")
+        return self.block_managers[0]
+
+    def manager_of(self, seq: Sequence) -> BlockManager:
+        return self.block_managers[seq.kv_partition]
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,7 +69,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._make_room(seq, num_new):
-                self.block_manager.allocate_slots(seq, num_new)
+                self.manager_of(seq).allocate_slots(seq, num_new)
                 scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -65,23 +81,32 @@ class Scheduler:
             budget -= admitted.num_new_tokens
         return scheduled
 
+    def roomiest_partition(self) -> int:
+        """The partition with the most free blocks (the first of equals)."""
+        free = [manager.num_free_blocks for manager in self.block_managers]
+        return free.index(max(free))
+
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
-        self.block_manager.allocate_cached_prefix(seq)
+        if seq.kv_partition is None:
+            seq.kv_partition = self.roomiest_partition()
+        manager = self.manager_of(seq)
+        manager.allocate_cached_prefix(seq)
         num_new = min(seq.num_uncomputed_tokens, budget)
-        if not self.block_manager.can_allocate_slots(seq, num_new):
-            self.block_manager.num_prefix_hit_tokens -= seq.num_cached_tokens
-            self.block_manager.free(seq)
+        if not manager.can_allocate_slots(seq, num_new):
+            manager.num_prefix_hit_tokens -= seq.num_cached_tokens
+            manager.free(seq)
             seq.num_cached_tokens = 0
             return None
-        self.block_manager.allocate_slots(seq, num_new)
+        manager.allocate_slots(seq, num_new)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return ScheduledSequence.of(seq, num_new)
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
-        """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
-        while not self.block_manager.can_allocate_slots(seq, num_new):
-            victim = self.running[-1]
+        """Preempt the latest sequences of `seq`'s partition until it fits; False if `seq` went."""
+        manager = self.manager_of(seq)
+        while not manager.can_allocate_slots(seq, num_new):
+            victim = next(s for s in reversed(self.running) if s.kv_partition == seq.kv_partition)
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -89,7 +114,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.manager_of(seq).free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
@@ -105,7 +130,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if not keep_blocks:
-            self.block_manager.free(seq)
+            self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        if seq.kv_partition is not None:
+            self.manager_of(seq).free(seq)

@@ -28,6 +28,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     finish_reason: str | None = None
     num_preemptions: int = 0
+    kv_partition: int | None = None  # cache partition (DP attention replica) once admitted
 
     @property
     def token_ids(self) -> list[int]:

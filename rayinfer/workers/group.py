@@ -3,10 +3,10 @@
 Inside a Serve replica the workers are scheduled into the replica's placement group: bundle 0 is
 the replica itself, bundle 1 + rank is worker `rank` (see `placement_bundles`), so autoscaling
 adds and removes whole groups. Each step runs SPMD on every worker. The spec's ParallelPlan
-splits the model: each data-parallel replica (`tp` consecutive workers) runs its own share of the
-requests (a request stays on the replica that first took it), and the first worker of each
-replica reports that share's tokens. The workers form their tensor- and expert-parallel
-collective groups themselves (see `Worker`).
+splits the model: each data-parallel replica (`tp` consecutive workers) holds its own KV cache (a
+partition of the engine's, see `num_kv_partitions`) and runs the requests the engine placed in it;
+the first worker of each replica reports that share's tokens. The workers form their tensor- and
+expert-parallel collective groups themselves (see `Worker`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ class WorkerGroup(Executor):
         self.plan = spec.plan
         self.kv_is_replicated = spec.model_config.is_mla  # every TP rank caches the full latent
         self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
-        self.dp_rank_of: dict[str, int] = {}  # request_id -> the DP replica holding its KV
         self.stats = TransferStats()
         placement_group = placement_group or get_current_placement_group()
         self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
@@ -102,7 +101,7 @@ class WorkerGroup(Executor):
     def execute(self, batch: ModelBatch) -> list[int]:
         shares = [ModelBatch([]) for _ in range(self.plan.dp)]
         for request in batch.requests:
-            shares[self._dp_rank(request.request_id)].requests.append(request)
+            shares[request.kv_partition].requests.append(request)
         calls = [
             worker.execute.remote(shares[placement.dp_rank])
             for worker, placement in zip(self.workers, self.placements)
@@ -117,8 +116,14 @@ class WorkerGroup(Executor):
             tokens_of.update(zip(sampling, results[rank]))
         return [tokens_of[r.request_id] for r in batch.requests if r.samples]
 
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVRefs:
-        exporters = self._holders(request_id)
+    @property
+    def num_kv_partitions(self) -> int:
+        return self.plan.dp
+
+    def export_kv(
+        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+    ) -> KVRefs:
+        exporters = self._holders(partition)
         if self.kv_is_replicated:
             exporters = exporters[:1]
         shards = ray.get(
@@ -129,7 +134,9 @@ class WorkerGroup(Executor):
         )
         return KVRefs(shards=shards, num_bytes=sum(shard.num_bytes for shard in shards))
 
-    def import_kv(self, request_id: str, block_table: list[int], payload) -> None:
+    def import_kv(
+        self, request_id: str, block_table: list[int], payload, partition: int = 0
+    ) -> None:
         """`payload`: KVRefs from another group, or a KVPayload from an in-process engine."""
         if isinstance(payload, KVPayload):
             shard = KVShard(ray.put(payload), payload.num_bytes, "driver", payload.kv_heads)
@@ -138,7 +145,7 @@ class WorkerGroup(Executor):
         imported = ray.get(
             [
                 self.workers[rank].import_kv.remote(request_id, block_table, payload.shards)
-                for rank in self._holders(request_id)
+                for rank in self._holders(partition)
             ]
         )
         self.stats.import_seconds[request_id] = time.perf_counter() - start
@@ -149,23 +156,11 @@ class WorkerGroup(Executor):
                 f"{payload.owners} died or the object was evicted); decode recomputes the prompt"
             )
 
-    def _dp_rank(self, request_id: str) -> int:
-        """The DP replica of a request: fixed at first sight, the least loaded one."""
-        if request_id not in self.dp_rank_of:
-            loads = [0] * self.plan.dp
-            for dp_rank in self.dp_rank_of.values():
-                loads[dp_rank] += 1
-            self.dp_rank_of[request_id] = loads.index(min(loads))
-        return self.dp_rank_of[request_id]
-
-    def _holders(self, request_id: str) -> list[int]:
-        """Ranks of the workers caching this request's KV (its DP replica's TP group)."""
-        dp_rank = self._dp_rank(request_id)
-        return [i for i, p in enumerate(self.placements) if p.dp_rank == dp_rank]
+    def _holders(self, partition: int) -> list[int]:
+        """Ranks of the workers caching a partition's KV (its DP replica's TP group)."""
+        return [i for i, p in enumerate(self.placements) if p.dp_rank == partition]
 
     def free_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.dp_rank_of.pop(request_id, None)
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
 

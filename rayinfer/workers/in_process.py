@@ -33,10 +33,14 @@ class InProcessExecutor(Executor):
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
 
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(
+        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+    ) -> KVPayload:
         return self.runner.export_kv(request_id, block_table, num_tokens)
 
-    def import_kv(self, request_id: str, block_table: list[int], payload) -> None:
+    def import_kv(
+        self, request_id: str, block_table: list[int], payload, partition: int = 0
+    ) -> None:
         """`payload`: a KVPayload, or a WorkerGroup's KVRefs (fetched from the object store)."""
         if hasattr(payload, "shards"):
             import ray

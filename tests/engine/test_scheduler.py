@@ -83,3 +83,31 @@ def test_waiting_sequence_that_does_not_fit_stays_waiting():
     scheduled = run_step(scheduler)
     assert [s.seq.request_id for s in scheduled] == ["a"]
     assert blocked.status == SequenceStatus.WAITING and blocked.block_table == []
+
+
+def test_partitions_place_sequences_by_free_blocks_and_preempt_within_their_own():
+    """Two cache partitions (data-parallel attention replicas) of 4 blocks each hold four
+    2-block sequences that one partition alone could not."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(config, [BlockManager(4, 4), BlockManager(4, 4)])
+    seqs = [Sequence(str(i), list(range(10 * i, 10 * i + 8)), SamplingParams()) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step_partitioned(scheduler)
+    assert [s.kv_partition for s in seqs] == [0, 1, 0, 1]
+    assert all(s.num_computed_tokens == 8 for s in seqs) and scheduler.num_preemptions == 0
+    scheduled = run_step_partitioned(scheduler)  # each needs a third block: one per partition goes
+    assert scheduler.num_preemptions == 2
+    assert {s.request_id for s in scheduler.waiting} == {"2", "3"}
+    assert [s.seq.request_id for s in scheduled] == ["0", "1"]
+    assert seqs[2].kv_partition == 0 and seqs[3].kv_partition == 1  # they come back to their own
+
+
+def run_step_partitioned(scheduler: Scheduler):
+    scheduled = scheduler.schedule()
+    for item in scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        scheduler.manager_of(item.seq).mark_computed(item.seq)
+        if item.samples:
+            item.seq.output_token_ids.append(7)
+    return scheduled

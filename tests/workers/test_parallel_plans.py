@@ -148,3 +148,19 @@ def test_idle_data_parallel_rank_still_joins_the_exchange(
     plan = ParallelPlan(dp=2, ep=2)
     tokens = run_plan(checkpoints["deepseek_v3"], plan, prompts[1:2], overlap=overlap)
     assert tokens == single_worker_tokens["deepseek_v3"][1:2]
+
+
+def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, prompts):
+    """dp=2: two cache partitions of num_kv_blocks each; requests spread over both."""
+    plan = ParallelPlan(dp=2, ep=2)
+    llm = rayinfer.LLM(str(checkpoints["qwen3_moe"]), device="cpu", parallel=plan, num_kv_blocks=64)
+    try:
+        engine = llm.engine
+        assert len(engine.block_managers) == 2
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), prompt, GREEDY)
+        engine.step()
+        assert {seq.kv_partition for seq in engine.scheduler.running} == {0, 1}
+        assert all(m.num_free_blocks < 64 for m in engine.block_managers)
+    finally:
+        llm.shutdown()

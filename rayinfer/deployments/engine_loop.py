@@ -114,7 +114,7 @@ class EngineLoop:
                 self._send(request_id, LoopEvent(error=error))
 
     def _has_work(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self.engine.ready_outputs)
+        return self.engine.has_unfinished_requests()
 
     def _take_commands(self, block: bool) -> None:
         try:

@@ -115,7 +115,8 @@ class LLMEngine:
         return sum(len(m.blocks) - m.num_free_blocks for m in self.block_managers) / total
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.has_unfinished or self.pending_imports)
+        """Whether `step` has work: requests to run, hand-offs to import or outputs to report."""
+        return bool(self.scheduler.has_unfinished or self.pending_imports or self.ready_outputs)
 
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -154,3 +154,16 @@ def test_dummy_load_format_needs_only_config_json(checkpoint, tmp_path):
     assert len(output.token_ids) == 12
     with pytest.raises(ConfigError, match="load_format"):
         rayinfer.LLM(str(tmp_path), device="cpu", load_format="npz")
+
+
+def test_hand_off_that_ends_at_its_first_token_is_still_reported(checkpoint, prompts, alone):
+    """max_tokens=1: nothing is left to decode, yet the decode engine reports the request."""
+    one = rayinfer.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill = rayinfer.LLM(str(checkpoint), device="cpu")
+    handoff = prefill.prefill(prompts[0], GREEDY)[0]
+    decode = rayinfer.LLM(str(checkpoint), device="cpu")
+    decode.engine.add_prefilled_request(handoff, one)
+    assert decode.engine.has_unfinished_requests()
+    (output,) = decode.engine.step()
+    assert output.finish_reason == "length" and output.token_ids == alone[0][:1]
+    assert not decode.engine.has_unfinished_requests()

@@ -52,8 +52,13 @@ def build_attention_metadata(
     """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new."""
     slots: list[int] = []
     for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
-        for position in range(seq_len - query_len, seq_len):
-            slots.append(table[position // block_size] * block_size + position % block_size)
+        if query_len == 1:  # a decode: one slot, cheapest in plain Python
+            last = seq_len - 1
+            slots.append(table[last // block_size] * block_size + last % block_size)
+            continue
+        positions = torch.arange(seq_len - query_len, seq_len)  # [q]
+        blocks = torch.tensor(table, dtype=torch.int64)[positions // block_size]  # [q]
+        slots.extend((blocks * block_size + positions % block_size).tolist())
     max_blocks = max((len(t) for t in block_tables), default=0)
     padded = [t + [-1] * (max_blocks - len(t)) for t in block_tables]
     starts = [0]

@@ -15,10 +15,14 @@ def sample_tokens(
     generators: list[torch.Generator | None],  # [B]; CPU generators, None for greedy rows
 ) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()  # greedy for every row, overwritten when sampling
-    for row, temperature in enumerate(temperatures):
-        if temperature == 0:
-            continue
-        probs = _filtered_probs(logits[row].float().cpu() / temperature, top_ks[row], top_ps[row])
+    sampled_rows = [row for row, temperature in enumerate(temperatures) if temperature != 0]
+    if not sampled_rows:
+        return tokens
+    # One device-to-host copy for all sampled rows: the generators are per request, on the CPU.
+    host_logits = logits[sampled_rows].float().cpu()  # [S, V]
+    for host_row, row in enumerate(sampled_rows):
+        scaled = host_logits[host_row] / temperatures[row]
+        probs = _filtered_probs(scaled, top_ks[row], top_ps[row])
         tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
     return tokens
 

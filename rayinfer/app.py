@@ -15,7 +15,8 @@ from typing import Any
 from ray.serve import Application
 
 from rayinfer.deployments.config import AppConfig, PhaseConfig
-from rayinfer.deployments.runtime import ModelSource, uses_gpus
+from rayinfer.deployments.gpu_sharing import resolve_gpu_shares
+from rayinfer.deployments.runtime import ModelSource, available_gpus, uses_gpus
 from rayinfer.workers.group import REPLICA_CPUS, placement_bundles
 
 
@@ -30,6 +31,8 @@ def build(args: dict[str, Any] | None = None) -> Application:
     config.prefill.plan.check_fits(model_config, "prefill")
     config.decode.plan.check_fits(model_config, "decode")
     use_gpus = uses_gpus(config)
+    if use_gpus:
+        config = resolve_gpu_shares(config, available_gpus())
     config_dict = config.model_dump()
     prefill = Prefill.options(**phase_options(config, config.prefill, use_gpus)).bind(
         config_dict, source
@@ -52,7 +55,7 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
         max_queued_requests=phase.max_queued_requests,
         autoscaling_config=phase.autoscaling.to_serve(),
         placement_group_bundles=placement_bundles(
-            phase.num_workers, use_gpus, phase.cpus_per_worker
+            phase.num_workers, use_gpus, phase.cpus_per_worker, phase.gpus_per_worker or 1.0
         ),
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": REPLICA_CPUS},

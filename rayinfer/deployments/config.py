@@ -59,6 +59,13 @@ class PhaseConfig(_Strict):
     two_batch_overlap: bool = Field(
         False, description="overlap one micro-batch's MoE all-to-all with the other's compute"
     )
+    gpus_per_worker: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="GPU share of each worker (default 1; shared automatically when the machine "
+        "has fewer GPUs than both phases' minimum replicas need)",
+    )
     max_ongoing_requests: int = Field(64, ge=1, description="requests one replica accepts at once")
     max_queued_requests: int = Field(
         512, ge=1, description="requests waiting for a replica before the ingress answers 503"

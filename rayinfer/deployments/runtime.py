@@ -60,6 +60,17 @@ class ModelSource:
             return None
 
 
+def available_gpus() -> int:
+    """GPUs of the Ray cluster, or of this machine before `serve run` has connected to Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def uses_gpus(config: AppConfig) -> bool:
     """Whether workers take GPUs: device=cuda, or auto with GPUs in the Ray cluster (or, before
     `serve run` has connected to Ray, on this machine: a head without GPUs needs device=cuda)."""
@@ -104,6 +115,7 @@ def build_engine(
         num_workers=phase_config.num_workers,
         use_gpus=use_gpus,
         cpus_per_worker=phase_config.cpus_per_worker,
+        gpus_per_worker=phase_config.gpus_per_worker or 1.0,
     )
     engine = LLMEngine(model_config, cache_config, scheduler_config, group, source.load_tokenizer())
     return engine, group

@@ -27,9 +27,11 @@ from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
 
 
-def placement_bundles(num_workers: int, use_gpus: bool, cpus_per_worker: float) -> list[dict]:
-    """Bundle 0 for the replica actor, then one per worker: {"GPU": 1, "CPU": 1} or {"CPU": c}."""
-    worker = {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": float(cpus_per_worker)}
+def placement_bundles(
+    num_workers: int, use_gpus: bool, cpus_per_worker: float, gpus_per_worker: float = 1.0
+) -> list[dict]:
+    """Bundle 0 for the replica actor, then one per worker: {"GPU": g, "CPU": 1} or {"CPU": c}."""
+    worker = {"GPU": gpus_per_worker, "CPU": 1.0} if use_gpus else {"CPU": float(cpus_per_worker)}
     return [{"CPU": REPLICA_CPUS}] + [dict(worker) for _ in range(num_workers)]
 
 
@@ -62,6 +64,7 @@ class WorkerGroup(Executor):
         use_gpus: bool = False,
         cpus_per_worker: float = 0.5,
         placement_group: PlacementGroup | None = None,
+        gpus_per_worker: float = 1.0,
     ):
         num_workers = num_workers or spec.plan.num_workers
         if num_workers != spec.plan.num_workers:
@@ -74,6 +77,7 @@ class WorkerGroup(Executor):
         self.kv_is_replicated = spec.model_config.is_mla  # every TP rank caches the full latent
         self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
         self.stats = TransferStats()
+        self.gpus_per_worker = gpus_per_worker
         placement_group = placement_group or get_current_placement_group()
         self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
         self.workers = [
@@ -85,7 +89,7 @@ class WorkerGroup(Executor):
     def _start_worker(self, rank, spec, use_gpus, cpus_per_worker, placement_group):
         options = {"name": self.worker_names[rank], "max_restarts": 0, "max_concurrency": 1}
         if use_gpus:
-            options.update(num_gpus=1, num_cpus=1)
+            options.update(num_gpus=self.gpus_per_worker, num_cpus=1)
         else:
             options.update(num_cpus=cpus_per_worker)
         if placement_group is not None:

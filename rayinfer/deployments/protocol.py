@@ -63,6 +63,8 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = Field(False, description="extension: keep going past EOS (benchmarks)")
     rayinfer_timings: bool = Field(False, description="extension: add hand-off timings")
 
@@ -96,6 +98,8 @@ class SamplingFields(BaseModel):
             stop=self.stop or (),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
 
 

@@ -16,6 +16,7 @@ class ScheduledRequest:
     samples: bool  # whether to sample a next token after the last new token
     params: SamplingParams
     kv_partition: int = 0  # the cache partition (data-parallel attention replica) holding it
+    output_token_ids: list[int] | None = None  # generated so far; sent only when penalties apply
 
     @property
     def seq_len(self) -> int:

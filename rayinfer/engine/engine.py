@@ -219,6 +219,11 @@ class LLMEngine:
                     samples=item.samples,
                     params=seq.params,
                     kv_partition=seq.kv_partition,
+                    output_token_ids=(
+                        list(seq.output_token_ids)
+                        if item.samples and seq.params.has_penalties
+                        else None
+                    ),
                 )
             )
         return ModelBatch(requests)

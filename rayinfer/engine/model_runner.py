@@ -23,7 +23,7 @@ from rayinfer.layers.forward_context import (
     idle_forward_inputs,
 )
 from rayinfer.layers.parallel import SINGLE, ParallelContext
-from rayinfer.layers.sampler import sample_tokens
+from rayinfer.layers.sampler import apply_penalties, sample_tokens
 from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
     supports_two_batch_overlap,
@@ -96,6 +96,13 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32
         sampling = [r for r in requests if r.samples]
+        if any(r.output_token_ids for r in sampling):
+            apply_penalties(
+                logits,
+                [r.output_token_ids for r in sampling],
+                [r.params.presence_penalty for r in sampling],
+                [r.params.frequency_penalty for r in sampling],
+            )
         return sample_tokens(
             logits,
             [r.params.temperature for r in sampling],

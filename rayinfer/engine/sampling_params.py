@@ -24,6 +24,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,12 +51,20 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(name, f"must be a number in [-2, 2], got {value!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def _is_number(value) -> bool:

@@ -7,6 +7,21 @@ from __future__ import annotations
 import torch
 
 
+def apply_penalties(
+    logits: torch.Tensor,  # [B, V] float32: penalized in place
+    output_token_ids: list[list[int] | None],  # [B] generated tokens; None: no penalty
+    presence: list[float],  # [B] OpenAI presence_penalty
+    frequency: list[float],  # [B] OpenAI frequency_penalty
+) -> None:
+    """logits -= presence * (count > 0) + frequency * count, counts over the generated tokens."""
+    for row, generated in enumerate(output_token_ids):
+        if not generated:
+            continue
+        ids = torch.tensor(generated, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)  # [V]
+        logits[row] -= presence[row] * (counts > 0).to(logits.dtype) + frequency[row] * counts
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [B, V] float32
     temperatures: list[float],  # [B]; 0 is greedy

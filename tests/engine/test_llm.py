@@ -167,3 +167,17 @@ def test_hand_off_that_ends_at_its_first_token_is_still_reported(checkpoint, pro
     (output,) = decode.engine.step()
     assert output.finish_reason == "length" and output.token_ids == alone[0][:1]
     assert not decode.engine.has_unfinished_requests()
+
+
+def test_penalties_change_greedy_text_and_survive_the_hand_off(checkpoint, prompts, alone):
+    penalized = rayinfer.SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    tokens = [o.token_ids for o in llm.generate(prompts, penalized)]
+    assert tokens != alone
+    repeats = sum(len(t) - len(set(t)) for t in tokens)
+    assert repeats < sum(len(t) - len(set(t)) for t in alone)
+    decode = rayinfer.LLM(str(checkpoint), device="cpu")
+    handed_off = decode.decode(llm.prefill(prompts, penalized), penalized)
+    assert [o.token_ids for o in handed_off] == tokens

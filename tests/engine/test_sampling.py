@@ -85,3 +85,20 @@ def test_sampling_follows_the_distribution():
     for _ in range(3000):
         counts[sample_tokens(logits, [1.0], [-1], [1.0], [generator])[0]] += 1
     torch.testing.assert_close(counts / counts.sum(), probs, atol=0.04, rtol=0)
+
+
+def test_penalties_subtract_presence_once_and_frequency_per_occurrence():
+    from rayinfer.layers.sampler import apply_penalties
+
+    logits = torch.zeros(3, 6)
+    apply_penalties(logits, [[1, 1, 4], None, []], [0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
+    expected_row = torch.tensor([0.0, -(0.5 + 2 * 0.25), 0.0, 0.0, -(0.5 + 0.25), 0.0])
+    torch.testing.assert_close(logits[0], expected_row)
+    assert logits[1:].abs().sum() == 0  # no penalties, or nothing generated yet
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_outside_the_openai_range_name_their_field(field):
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(**{field: 2.5})
+    assert error.value.field == field

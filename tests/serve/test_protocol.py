@@ -37,6 +37,12 @@ def error_for(model, body: dict) -> OpenAIError:
         (CompletionRequest, {"prompt": "a", "max_tokens": -1}, "max_tokens"),
         (CompletionRequest, {"prompt": "a", "temperature": "hot"}, "temperature"),
         (CompletionRequest, {"prompt": "a", "top_p": 7}, "top_p"),
+        (CompletionRequest, {"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5},
+            "frequency_penalty",
+        ),
         (CompletionRequest, {"prompt": "a", "top_k": 0}, "top_k"),
         (CompletionRequest, {"prompt": "a", "n": 2}, "n"),
         (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),

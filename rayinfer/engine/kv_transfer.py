@@ -6,23 +6,48 @@ different block size (or, later, a different parallel plan) can take it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
 @dataclass
 class KVPayload:
-    """The KV of one request plus its sampler state, as one worker exports it."""
+    """The KV of one request plus its sampler state, as one worker exports it.
 
-    kv: list[torch.Tensor]  # per layer [num_tokens, *kv_shape_on_this_rank], on the CPU
+    The layers travel as flat uint8 numpy arrays: Ray stores numpy buffers out of band and reads
+    them back without a copy, where torch tensors are pickled (measured on the 2-core CPU machine
+    for 256 MB: put 560 -> 106 ms, get 267 -> 14 ms). `kv` gives torch views of them.
+    """
+
+    layer_bytes: list[np.ndarray]  # per layer, the [num_tokens, *shape] tensor's bytes (uint8)
+    shape: tuple[int, ...]  # [num_tokens, *kv_shape_on_this_rank], the same for every layer
+    dtype: torch.dtype
     generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
     kv_heads: tuple[int, int] | None = None  # (first, count) of the K/V heads held; None: all
 
+    @classmethod
+    def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:
+        """kv: per layer [num_tokens, *shape] CPU tensors of one dtype."""
+        layer_bytes = [t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in kv]
+        return cls(layer_bytes, tuple(kv[0].shape), kv[0].dtype, **fields)
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """Per layer [num_tokens, *shape] tensors viewing the payload's buffers (read-only)."""
+        with warnings.catch_warnings():  # buffers read from the object store are not writable
+            warnings.simplefilter("ignore", UserWarning)
+            return [
+                torch.from_numpy(raw).view(self.dtype).reshape(self.shape)
+                for raw in self.layer_bytes
+            ]
+
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(raw.nbytes for raw in self.layer_bytes)
 
 
 @dataclass
@@ -80,8 +105,9 @@ def select_kv_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) ->
     ordered = sorted({p.kv_heads: p for p in payloads}.values(), key=lambda p: p.kv_heads[0])
     covering = [p for p in ordered if p.kv_heads[0] < first + count and sum(p.kv_heads) > first]
     start = covering[0].kv_heads[0]
+    layers_of = [p.kv for p in covering]  # per payload, per layer [N, 2, its heads, D]
     merged = []
-    for layer in range(len(covering[0].kv)):
-        heads_dim = torch.cat([p.kv[layer] for p in covering], dim=2)  # [N, 2, heads, D]
+    for layer_parts in zip(*layers_of):
+        heads_dim = torch.cat(layer_parts, dim=2)  # [N, 2, covered heads, D]
         merged.append(heads_dim[:, :, first - start : first - start + count])
     return merged

@@ -144,7 +144,7 @@ class ModelRunner:
         generator = self.generators.get(request_id)
         state = generator.get_state() if generator is not None else None
         kv = pack_kv(self.kv_caches, slots)
-        return KVPayload(kv=kv, generator_state=state, kv_heads=self.kv_heads)
+        return KVPayload.from_tensors(kv, generator_state=state, kv_heads=self.kv_heads)
 
     def import_kv(
         self, request_id: str, block_table: list[int], payload: KVPayload | list[KVPayload]

@@ -121,6 +121,20 @@ class LLM:
         finished = self._run_until_done(request_ids)
         return [finished[r] for r in request_ids]
 
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or several, through
+        the checkpoint's chat template."""
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer.json, so no chat template; use generate")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
+        return self.generate(prompts, params)
+
     def prefill(self, prompts, params=None) -> list[KVHandoff]:
         """Prefill every prompt; each result carries the first token and the request's KV."""
         prompts, params_list = _broadcast(prompts, params)

@@ -181,3 +181,21 @@ def test_penalties_change_greedy_text_and_survive_the_hand_off(checkpoint, promp
     decode = rayinfer.LLM(str(checkpoint), device="cpu")
     handed_off = decode.decode(llm.prefill(prompts, penalized), penalized)
     assert [o.token_ids for o in handed_off] == tokens
+
+
+def test_chat_applies_the_template_of_the_built_in_model():
+    llm = rayinfer.LLM("tiny", device="cpu")
+    messages = [{"role": "user", "content": "Hello!"}]
+    params = rayinfer.SamplingParams(max_tokens=6, temperature=0)
+    (reply,) = llm.chat(messages, params)
+    prompt_ids = llm.tokenizer.encode(
+        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert reply.prompt_token_ids == prompt_ids
+    assert reply.token_ids == llm.generate([prompt_ids], params)[0].token_ids
+    assert len(llm.chat([messages, messages], params)) == 2
+
+
+def test_chat_without_a_tokenizer_says_why(checkpoint):
+    with pytest.raises(ConfigError, match="chat template"):
+        rayinfer.LLM(str(checkpoint), device="cpu").chat([{"role": "user", "content": "hi"}])

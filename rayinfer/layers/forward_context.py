@@ -77,29 +77,48 @@ def build_attention_metadata(
     )
 
 
-def split_forward_context(ctx: ForwardContext, num_seqs_first: int) -> tuple[ForwardContext, ...]:
-    """Two contexts over the same caches: sequences [0, n) and [n, B) of `ctx`."""
+def split_forward_context(ctx: ForwardContext, split_token: int) -> tuple[ForwardContext, ...]:
+    """Two contexts over the same caches: the step's tokens [0, t) and [t, T).
+
+    A sequence cut by the split becomes two chunks: the first ends at the cut, the second attends
+    to it through the cache, so the first context must run (and write its KV) before the second.
+    """
     attn = ctx.attn
-    first_tokens = sum(attn.query_lens_cpu[:num_seqs_first])
+    first_lens, first_seq_lens, first_rows = [], [], []
+    second_lens, second_seq_lens, second_rows = [], [], []
+    start = 0
+    for row, (query_len, seq_len) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu)):
+        in_first = min(max(split_token - start, 0), query_len)  # this sequence's tokens before t
+        if in_first:
+            first_lens.append(in_first)
+            first_seq_lens.append(seq_len - query_len + in_first)
+            first_rows.append(row)
+        if in_first < query_len:
+            second_lens.append(query_len - in_first)
+            second_seq_lens.append(seq_len)
+            second_rows.append(row)
+        start += query_len
+    tokens = (slice(0, split_token), slice(split_token, None))
+    parts = ((first_lens, first_seq_lens, first_rows), (second_lens, second_seq_lens, second_rows))
+    return tuple(
+        ForwardContext(_sub_metadata(attn, *part, token_range), ctx.kv_caches)
+        for part, token_range in zip(parts, tokens)
+    )
 
-    def part(seqs: slice, tokens: slice, offset: int) -> ForwardContext:
-        return ForwardContext(
-            attn=AttentionMetadata(
-                slot_mapping=attn.slot_mapping[tokens],
-                query_start_loc=attn.query_start_loc[seqs.start : (seqs.stop or attn.num_seqs) + 1]
-                - offset,
-                seq_lens=attn.seq_lens[seqs],
-                block_tables=attn.block_tables[seqs],
-                query_lens_cpu=attn.query_lens_cpu[seqs],
-                seq_lens_cpu=attn.seq_lens_cpu[seqs],
-                block_size=attn.block_size,
-            ),
-            kv_caches=ctx.kv_caches,
-        )
 
-    return (
-        part(slice(0, num_seqs_first), slice(0, first_tokens), 0),
-        part(slice(num_seqs_first, None), slice(first_tokens, None), first_tokens),
+def _sub_metadata(attn, query_lens, seq_lens, rows, tokens: slice) -> AttentionMetadata:
+    device = attn.seq_lens.device
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    return AttentionMetadata(
+        slot_mapping=attn.slot_mapping[tokens],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=attn.block_tables[torch.tensor(rows, dtype=torch.int64, device=device)],
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=attn.block_size,
     )
 
 

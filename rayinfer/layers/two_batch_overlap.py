@@ -6,7 +6,9 @@ layer so that one micro-batch's all-to-all (MoE dispatch or combine) runs while 
     experts(A)    combine(A) ->             experts(B)    combine(B) ->
     shared experts(A), wait combine(A)      shared experts(B), wait combine(B)
 
-Every rank runs the same sequence of collectives, even with an empty micro-batch. Works for any
+The step's tokens are halved; a sequence cut by the half becomes two chunks, the second reading the
+first's KV from the cache (micro-batch A always runs a layer's attention before B does). Every rank
+runs the same sequence of collectives, even with an empty micro-batch. Works for any
 model whose body is `embed_tokens`, `layers` (input_layernorm, self_attn,
 post_attention_layernorm, mlp) and `norm`: the DeepSeek and Llama-derived families.
 """
@@ -37,22 +39,11 @@ def supports_two_batch_overlap(model) -> bool:
     return all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm"))
 
 
-def balanced_split(query_lens: list[int]) -> int:
-    """Number of leading sequences whose tokens come closest to half of the step's tokens."""
-    total = sum(query_lens)
-    best, best_gap, prefix = 0, total, 0
-    for index, query_len in enumerate(query_lens, start=1):
-        prefix += query_len
-        if abs(total - 2 * prefix) < best_gap:
-            best, best_gap = index, abs(total - 2 * prefix)
-    return best
-
-
 def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
     """input_ids [T], positions [T] -> hidden [T, H], the same as `model(input_ids, ...)`."""
     body = model.model
-    first_ctx, second_ctx = split_forward_context(ctx, balanced_split(ctx.attn.query_lens_cpu))
-    num_first = sum(first_ctx.attn.query_lens_cpu)
+    num_first = input_ids.shape[0] // 2  # a long prefill is cut in two chunks, see the split
+    first_ctx, second_ctx = split_forward_context(ctx, num_first)
     parts = [
         (input_ids[:num_first], positions[:num_first], first_ctx),
         (input_ids[num_first:], positions[num_first:], second_ctx),

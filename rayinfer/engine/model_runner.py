@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config import CacheConfig, ModelConfig
+from rayinfer.config import CacheConfig, ConfigError, ModelConfig
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.kv_transfer import (
     KVPayload,
@@ -62,10 +62,20 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (self.cache_config.num_blocks, self.cache_config.block_size, *self.kv_shape)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model_config.num_layers)
-        ]
+        try:
+            return [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.model_config.num_layers)
+            ]
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not isinstance(error, torch.OutOfMemoryError) and "alloc" not in str(error):
+                raise
+            size = torch.Size(shape).numel() * self.dtype.itemsize * self.model_config.num_layers
+            raise ConfigError(
+                f"the KV cache (num_kv_blocks={self.cache_config.num_blocks} x block_size="
+                f"{self.cache_config.block_size} tokens, {size / 2**30:.1f} GiB) does not fit on "
+                f"{self.device}; lower num_kv_blocks or max_model_len"
+            ) from None
 
     @torch.inference_mode()
     def execute(self, batch: ModelBatch) -> list[int]:

@@ -199,3 +199,8 @@ def test_chat_applies_the_template_of_the_built_in_model():
 def test_chat_without_a_tokenizer_says_why(checkpoint):
     with pytest.raises(ConfigError, match="chat template"):
         rayinfer.LLM(str(checkpoint), device="cpu").chat([{"role": "user", "content": "hi"}])
+
+
+def test_kv_cache_that_does_not_fit_names_the_setting(checkpoint):
+    with pytest.raises(ConfigError, match="num_kv_blocks=4000000000000"):
+        rayinfer.LLM(str(checkpoint), device="cpu", num_kv_blocks=4_000_000_000_000)

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from rayinfer.comm.cost_model import Choice, choose, predict
+from rayinfer.comm.published_topologies import pcie_gen4_8gpu
 from rayinfer.comm.topology import Topology
 
 ROW_BYTES = 7168 * 2  # one bf16 token of DeepSeek-V3
@@ -24,29 +25,6 @@ def two_nodes_of_four(one_shot_efficiency: float) -> Topology:
         cross_gbps={"0,1": 16.0},
         one_shot_efficiency=one_shot_efficiency,
         is_host_staged_available=False,
-    )
-
-
-def pcie8_published() -> Topology:
-    """8 PCIe Gen4 GPUs: two sockets, two switches per socket, two GPUs per switch. Same-switch
-    P2P ~25 GB/s, same socket across switches 18 GB/s, cross-socket 9 GB/s per pair and 20 GB/s
-    for the whole socket link, host-staged ~20 GB/s per GPU. Dense all-pairs P2P writes through
-    the CPU collapse (NCCL issue 1603: 2 GB/s vs 18 GB/s bounced through the host); 0.3 is an
-    assumed one-shot efficiency, which the probe fits on a real box."""
-
-    def gbps(i, j):
-        return 25.0 if i // 2 == j // 2 else 18.0 if i // 4 == j // 4 else 9.0
-
-    def us(i, j):
-        return 8.0 if i // 2 == j // 2 else 12.0 if i // 4 == j // 4 else 20.0
-
-    return Topology.from_matrix(
-        [[gbps(i, j) for j in range(8)] for i in range(8)],
-        latency_us=[[us(i, j) for j in range(8)] for i in range(8)],
-        host_gbps=20.0,
-        host_latency_us=25.0,
-        cross_gbps={"0,1": 20.0},
-        one_shot_efficiency=0.3,
     )
 
 
@@ -88,7 +66,7 @@ def test_pcie8_published_figures_predictions(tokens):
     """Every schedule gets a finite prediction on the 8-GPU PCIe box. Dense one-shot P2P is the
     slowest from 1,024 tokens (its collapse), and host staging, which uses every GPU's own
     host link at once, the fastest; the numbers are in benchmarks/RESULTS.md."""
-    times = predict(pcie8_published(), uniform_matrix(8, tokens), ROW_BYTES)
+    times = predict(pcie_gen4_8gpu(), uniform_matrix(8, tokens), ROW_BYTES)
     assert set(times) == {
         f"{s}/{t}" for s in ("nccl", "pairwise", "hierarchical") for t in ("dist", "host")
     }
@@ -100,7 +78,7 @@ def test_pcie8_published_figures_predictions(tokens):
 
 def test_islands_of_the_published_box_are_its_sockets():
     """25 and 18 GB/s are within 60% of the fastest link, 9 GB/s is not."""
-    assert pcie8_published().islands == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert pcie_gen4_8gpu().islands == ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
 def test_caller_choice_overrides_auto():

@@ -15,9 +15,8 @@ c_kv (L = kv_lora_rank) followed by the roped shared key k_pe (R = qk_rope_head_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from rayinfer.kernels.paged_attention import split_k_decode
+from rayinfer.kernels.paged_attention import causal_attention, split_k_decode
 from rayinfer.kernels.prefill_attention import prefill_attention
 from rayinfer.kernels.triton_compat import tl, triton
 
@@ -53,18 +52,8 @@ def mla_causal_attention_reference(
     value: torch.Tensor,  # [s, N, Dv]
     scale: float,
 ) -> torch.Tensor:  # [q, N, Dv]
-    query_len, seq_len = query.shape[0], key.shape[0]
-    query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [q]
-    key_positions = torch.arange(seq_len, device=query.device)  # [s]
-    mask = key_positions[None, :] <= query_positions[:, None]  # [q, s]
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),  # [N, q, Dqk]
-        key.to(query.dtype).transpose(0, 1),  # [N, s, Dqk]
-        value.to(query.dtype).transpose(0, 1),  # [N, s, Dv]
-        attn_mask=mask,
-        scale=scale,
-    )  # [N, q, Dv]
-    return out.transpose(0, 1)
+    """Expanded MLA is plain multi-head attention (value dim may differ from the key's)."""
+    return causal_attention(query, key, value, scale)
 
 
 def mla_decode_attention_reference(

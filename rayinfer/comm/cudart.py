@@ -22,6 +22,7 @@ class CudaRuntime:
         self.lib.cudaEventRecord.argtypes = [vp, vp]
         self.lib.cudaEventQuery.argtypes = [vp]
         self.lib.cudaStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
+        self.lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_uint]
         self._free_events: list[ctypes.c_void_p] = []
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -43,8 +44,22 @@ class CudaRuntime:
     def order(self, first: torch.cuda.Stream, then: torch.cuda.Stream, event) -> None:
         """Work queued on `then` from now on waits for the work queued on `first` so far.
         `event` is the caller's own, reused on every call."""
-        _check(self.lib.cudaEventRecord(event, first.cuda_stream), "cudaEventRecord")
-        _check(self.lib.cudaStreamWaitEvent(then.cuda_stream, event, 0), "cudaStreamWaitEvent")
+        self.record_into(event, first)
+        self.wait(then, event)
+
+    def device_address(self, host_address: int) -> int:
+        """The device's address of registered (page-locked) host memory."""
+        device_ptr = ctypes.c_void_p()
+        status = self.lib.cudaHostGetDevicePointer(ctypes.byref(device_ptr), host_address, 0)
+        _check(status, "cudaHostGetDevicePointer")
+        return device_ptr.value or 0
+
+    def record_into(self, event, stream: torch.cuda.Stream) -> None:
+        _check(self.lib.cudaEventRecord(event, stream.cuda_stream), "cudaEventRecord")
+
+    def wait(self, stream: torch.cuda.Stream, event) -> None:
+        """Work queued on `stream` from now on waits for the work `event` last recorded."""
+        _check(self.lib.cudaStreamWaitEvent(stream.cuda_stream, event, 0), "cudaStreamWaitEvent")
 
     def new_event(self) -> ctypes.c_void_p:
         return self._new_event()
@@ -78,3 +93,38 @@ def _loaded_cudart() -> str:
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed with CUDA error {status}")
+
+
+_WAIT_VALUE_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+class StreamMemoryOps:
+    """Waits and writes on 32-bit words of page-locked host memory, done by the GPU in stream
+    order (CUDA driver API `cuStreamWaitValue32` / `cuStreamWriteValue32`). With them two GPUs
+    hand chunks to each other through host memory with no CPU in the loop: a stream writes a flag
+    after its copy (the write is fenced behind the copy), the other GPU's stream waits for it."""
+
+    def __init__(self):
+        torch.cuda.init()
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._wait = _first_symbol(self.lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        self._write = _first_symbol(self.lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        for fn in (self._wait, self._write):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+
+    def wait_equal(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        """Work queued on `stream` after this waits until the word at `address` == value."""
+        status = self._wait(stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_VALUE_EQ)
+        _check(status, "cuStreamWaitValue32")
+
+    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        """Once the work queued on `stream` before this is done, store `value` at `address`."""
+        status = self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0)
+        _check(status, "cuStreamWriteValue32")
+
+
+def _first_symbol(lib: ctypes.CDLL, *names: str):
+    for name in names:
+        if hasattr(lib, name):
+            return getattr(lib, name)
+    raise AttributeError(f"the CUDA driver has none of {names}")

@@ -1,11 +1,13 @@
 """Host-staged transport: GPU -> shared pinned host memory -> GPU, for GPUs without peer access.
 
-Each block is cut into chunks. The sender copies chunk i into a ring slot of its own shared
-segment (device-to-host on its own CUDA stream) and publishes a counter once the copy is done;
-the receiver sees the counter, copies the slot into its output (host-to-device on another
-stream) and, once done, tells the sender the slot is free. Both directions of every GPU's host
-link run at once, and chunk i+1 leaves while chunk i arrives. On CPU the copies are memcpy and
-the same protocol runs, so CI exercises it.
+On GPUs the chunks are handed over by the GPUs themselves (flag_pipeline.py): the call queues
+the whole exchange and returns. Where the driver lacks stream memory operations, and on CPU,
+the CPU drives the same ring of slots as follows. Each block is cut into chunks. The sender
+copies chunk i into a ring slot of its own shared segment (device-to-host on its own CUDA
+stream) and publishes a counter once the copy is done; the receiver sees the counter, copies the
+slot into its output (host-to-device on another stream) and, once done, tells the sender the
+slot is free. Both directions of every GPU's host link run at once, and chunk i+1 leaves while
+chunk i arrives. On CPU the copies are memcpy and the same protocol runs, so CI exercises it.
 """
 
 import os
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rayinfer.comm.cudart import CudaRuntime
+from rayinfer.comm.flag_pipeline import CudaQueues, FlagPipeline
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer, Transport
 
@@ -92,6 +95,17 @@ class _Copier:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
 
+def _gpu_pipeline_or_none(shm: SharedSegments, device: torch.device) -> FlagPipeline | None:
+    """The GPU-driven protocol where it can run; RAYINFER_HOST_PROTOCOL=cpu turns it off."""
+    if device.type != "cuda" or os.environ.get("RAYINFER_HOST_PROTOCOL", "gpu") == "cpu":
+        return None
+    try:
+        return FlagPipeline(shm, CudaQueues(device))
+    except (OSError, AttributeError, RuntimeError) as e:
+        warnings.warn(f"host-staged transport: CPU-driven copies ({e})", stacklevel=2)
+        return None
+
+
 def _runtime_or_none():
     try:
         return CudaRuntime()
@@ -114,14 +128,16 @@ class HostStagedTransport(Transport):
         timeout_s: float = 120.0,
     ):
         super().__init__(rank, world_size)
-        # 4 MiB chunks keep a 55 GB/s link busy for ~75 us per Python step; CPU runs (CI) use
-        # 256 KiB so that 8 ranks share 64 MiB of shared memory.
-        chunk_bytes = chunk_bytes or ((4 << 20) if device.type == "cuda" else _MIN_CHUNK_BYTES)
-        num_slots = num_slots or (8 if device.type == "cuda" and world_size <= 4 else 4)
+        is_cuda = device.type == "cuda"
+        # GPU: up to 8 MiB chunks for 2 ranks (a 117 MB exchange wants ~8 MiB, see
+        # flag_pipeline.chunk_bytes_for), 4 MiB beyond, so 8 ranks share 1 GiB of host memory.
+        # CPU runs (CI) use 256 KiB so that 8 ranks share 64 MiB of shared memory.
+        default_chunk = ((8 << 20) if world_size <= 2 else (4 << 20)) if is_cuda else None
+        chunk_bytes = chunk_bytes or default_chunk or _MIN_CHUNK_BYTES
+        num_slots = num_slots or (8 if is_cuda and world_size <= 4 else 4)
         self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
-        self.shm = SharedSegments(
-            store, rank, world_size, chunk_bytes, num_slots, pin=device.type == "cuda"
-        )
+        self.shm = SharedSegments(store, rank, world_size, chunk_bytes, num_slots, pin=is_cuda)
+        self.pipeline = _gpu_pipeline_or_none(self.shm, device)
         self.copier = _Copier(device)
         self.sent = [0] * world_size  # chunks issued to each peer, over all calls
         self.received = [0] * world_size  # chunks issued from each peer, over all calls
@@ -131,7 +147,15 @@ class HostStagedTransport(Transport):
         smaller chunks so that even they pipeline."""
         return min(self.chunk_bytes, max(_MIN_CHUNK_BYTES, -(-num_bytes // 4)))
 
+    @property
+    def protocol(self) -> str:
+        """ "gpu": the GPUs hand chunks over by themselves; "cpu": this process drives them."""
+        return "gpu" if self.pipeline is not None else "cpu"
+
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        if self.pipeline is not None:
+            self.pipeline.exchange(sends, recvs)
+            return
         send_jobs = [self._job(t) for t in sends if t.buf.numel()]
         recv_jobs = [self._job(t) for t in recvs if t.buf.numel()]
         self.copier.begin()

@@ -1,9 +1,12 @@
 """Shared host memory for the ranks of one node: one segment per rank, mapped by every rank.
 
-Segment of rank r: a header of 2 * world_size int64 counters, then one ring of `num_slots` slots
-of `slot_bytes` for each destination d (slot bytes r -> d live in r's segment).
-  header[d]              chunks rank r has published to d (grows forever)
-  header[world_size + s] chunks rank r has consumed from s (grows forever)
+Segment of rank r: a header, then one ring of `num_slots` slots of `slot_bytes` for each
+destination d (slot bytes r -> d live in r's segment). The header holds
+  counters[d]              chunks rank r has published to d (grows forever; CPU protocol)
+  counters[world_size + s] chunks rank r has consumed from s (grows forever; CPU protocol)
+  flags[0, d, slot]        uint32: sequence number + 1 of the chunk r last put in slot for d
+  flags[1, s, slot]        uint32: sequence number + 1 of the chunk r last took from s's slot
+The flags are written and waited on by the GPUs themselves (GPU protocol, host_staged.py).
 On CUDA every segment is page-locked with cudaHostRegister, so copies to and from it are DMA.
 """
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_HEADER_BYTES = 4096
+_PAGE_BYTES = 4096
 
 
 class SharedSegments:
@@ -30,11 +33,12 @@ class SharedSegments:
         num_slots: int,
         pin: bool,
     ):
-        if 2 * world_size * 8 > _HEADER_BYTES:
-            raise ValueError(f"host-staged transport supports up to 256 ranks, got {world_size}")
         self.rank, self.world_size = rank, world_size
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
-        self.segment_bytes = _HEADER_BYTES + world_size * num_slots * slot_bytes
+        self._flags_at = 2 * world_size * 8
+        flag_bytes = 2 * world_size * num_slots * 4
+        self._header_bytes = -(-(self._flags_at + flag_bytes) // _PAGE_BYTES) * _PAGE_BYTES
+        self.segment_bytes = self._header_bytes + world_size * num_slots * slot_bytes
         token = _agree_on_token(store, rank)
         folder = _shared_folder(self.segment_bytes * world_size) if rank == 0 else None
         if rank == 0:
@@ -51,7 +55,7 @@ class SharedSegments:
 
     def slot(self, src: int, dst: int, seq: int) -> torch.Tensor:
         """[slot_bytes] uint8: the ring slot that carries chunk `seq` from src to dst."""
-        start = _HEADER_BYTES + (dst * self.num_slots + seq % self.num_slots) * self.slot_bytes
+        start = self._header_bytes + (dst * self.num_slots + seq % self.num_slots) * self.slot_bytes
         return self.segments[src][start : start + self.slot_bytes]
 
     def published(self, src: int, dst: int) -> int:
@@ -65,6 +69,18 @@ class SharedSegments:
 
     def consume(self, src: int, count: int) -> None:
         self.headers[self.rank][self.world_size + src] = count
+
+    def published_flag(self, src: int, dst: int, slot: int) -> int:
+        """Host address of the flag src sets once chunk data src -> dst is in `slot`."""
+        return self._flag_address(src, 0, dst, slot)
+
+    def consumed_flag(self, src: int, dst: int, slot: int) -> int:
+        """Host address of the flag dst sets once it has copied `slot` of src -> dst out."""
+        return self._flag_address(dst, 1, src, slot)
+
+    def _flag_address(self, owner: int, kind: int, peer: int, slot: int) -> int:
+        index = (kind * self.world_size + peer) * self.num_slots + slot
+        return self.segments[owner].data_ptr() + self._flags_at + 4 * index
 
     def close(self) -> None:
         if self.is_pinned:

@@ -1,0 +1,163 @@
+"""GPU-driven chunk pipeline through shared host memory: no CPU in the loop.
+
+For every chunk the sender's stream waits until the receiver has emptied the ring slot, copies
+the chunk device-to-host into it and writes the slot's "published" flag; the receiver's stream
+waits for that flag, copies the slot host-to-device and writes the slot's "consumed" flag. The
+waits and writes are CUDA stream memory operations on page-locked host words, so the whole
+exchange is queued at once and the call returns at once: the caller's stream waits for it with
+events, which makes it overlap with any compute queued on other streams.
+
+Each (peer, direction) has its own stream, so a slow pair never holds up another, and the chain
+of waits for one pair depends only on that pair's two streams: no cycle, no deadlock, whatever
+the order in which ranks queue their transfers.
+
+Flags hold (chunk sequence number + 1) mod 2**32 per slot, and every wait is for equality with
+the value the chunk before it in that slot left: a slot's flag can only be one step behind, so
+the comparison stays right when the counter wraps.
+
+If a peer never arrives, the streams wait forever (as NCCL's kernels would); every rank of a
+group must make the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from rayinfer.comm.cudart import CudaRuntime, StreamMemoryOps
+from rayinfer.comm.shm import SharedSegments
+from rayinfer.comm.transport import Transfer
+
+# Chunk size for an n-byte block: sqrt(n * _OVERHEAD_BYTES), clamped. Each copy costs a fixed
+# ~10 us (one 64 KiB copy takes 12 us on an H200's host link, 2026-11-29), about 512 KiB of link
+# time at 55 GB/s; a pipeline of chunks of size c pays (n / c) fixed costs plus one chunk to fill,
+# which is least near c = sqrt(n * fixed). RAYINFER_HOST_CHUNK_OVERHEAD_BYTES overrides it.
+_OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 512 << 10))
+_MIN_CHUNK_BYTES = 64 << 10
+
+
+def chunk_bytes_for(num_bytes: int, max_chunk_bytes: int) -> int:
+    """Both ends derive the same chunking from the block size alone; chunks of one block have
+    (nearly) equal sizes."""
+    target = min(max_chunk_bytes, max(_MIN_CHUNK_BYTES, math.isqrt(num_bytes * _OVERHEAD_BYTES)))
+    pieces = max(1, -(-num_bytes // target))
+    return max(1, -(-num_bytes // pieces))
+
+
+class CudaQueues:
+    """What the pipeline asks of the GPU: streams, events, async copies and flag operations.
+    (Tests substitute a simulator with the same methods.)"""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.runtime = CudaRuntime()
+        self.ops = StreamMemoryOps()
+        self.copy_async = self.runtime.copy_async
+        self.new_event = self.runtime.new_event
+        self.record_into = self.runtime.record_into
+        self.wait_event = self.runtime.wait
+        self.device_address = self.runtime.device_address
+        self.wait_equal = self.ops.wait_equal
+        self.write = self.ops.write
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def synchronize(self, stream: torch.cuda.Stream) -> None:
+        stream.synchronize()
+
+
+class FlagPipeline:
+    def __init__(self, shm: SharedSegments, queues: CudaQueues):
+        self.shm = shm
+        self.gpu = queues
+        n = shm.world_size
+        self.sent = [0] * n  # chunks queued to each peer, over all calls
+        self.received = [0] * n  # chunks queued from each peer, over all calls
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self._start_mark = self.gpu.new_event()
+        self._end_marks: dict[tuple[str, int], object] = {}
+        self._addresses: dict[int, int] = {}
+        self._check_round_trip()
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        sends = [t for t in sends if t.buf.numel()]
+        recvs = [t for t in recvs if t.buf.numel()]
+        caller = self.gpu.current_stream()
+        used = [("d2h", t.peer) for t in sends] + [("h2d", t.peer) for t in recvs]
+        self._order_after(caller, used)
+        for t in sends:
+            self._queue_send(t)
+        for t in recvs:
+            self._queue_recv(t)
+        for key in used:
+            self.gpu.record_into(self._end_mark(key), self._stream(key))
+            self.gpu.wait_event(caller, self._end_mark(key))
+
+    def _queue_send(self, t: Transfer) -> None:
+        stream, shm, me = self._stream(("d2h", t.peer)), self.shm, self.shm.rank
+        for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
+            seq = self.sent[t.peer]
+            slot = seq % shm.num_slots
+            if seq >= shm.num_slots:  # the slot's last chunk must have been taken out
+                emptied = self._device_address(shm.consumed_flag(me, t.peer, slot))
+                self.gpu.wait_equal(stream, emptied, seq - shm.num_slots + 1)
+            self.gpu.copy_async(shm.slot(me, t.peer, seq)[: chunk.numel()], chunk, stream)
+            filled = self._device_address(shm.published_flag(me, t.peer, slot))
+            self.gpu.write(stream, filled, seq + 1)
+            self.sent[t.peer] = seq + 1
+
+    def _queue_recv(self, t: Transfer) -> None:
+        stream, shm, me = self._stream(("h2d", t.peer)), self.shm, self.shm.rank
+        for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
+            seq = self.received[t.peer]
+            slot = seq % shm.num_slots
+            filled = self._device_address(shm.published_flag(t.peer, me, slot))
+            self.gpu.wait_equal(stream, filled, seq + 1)
+            self.gpu.copy_async(chunk, shm.slot(t.peer, me, seq)[: chunk.numel()], stream)
+            emptied = self._device_address(shm.consumed_flag(t.peer, me, slot))
+            self.gpu.write(stream, emptied, seq + 1)
+            self.received[t.peer] = seq + 1
+
+    def _order_after(self, caller: torch.cuda.Stream, keys: list[tuple[str, int]]) -> None:
+        """The copies read data that the caller's stream produced."""
+        if not keys:
+            return
+        self.gpu.record_into(self._start_mark, caller)
+        for key in keys:
+            self.gpu.wait_event(self._stream(key), self._start_mark)
+
+    def _stream(self, key: tuple[str, int]) -> torch.cuda.Stream:
+        if key not in self._streams:
+            self._streams[key] = self.gpu.new_stream()
+        return self._streams[key]
+
+    def _end_mark(self, key: tuple[str, int]):
+        if key not in self._end_marks:
+            self._end_marks[key] = self.gpu.new_event()
+        return self._end_marks[key]
+
+    def _device_address(self, host_address: int) -> int:
+        if host_address not in self._addresses:
+            self._addresses[host_address] = self.gpu.device_address(host_address)
+        return self._addresses[host_address]
+
+    def _check_round_trip(self) -> None:
+        """A flag written by this GPU is seen by a wait on the same GPU, before any peer relies
+        on it: the write comes first in stream order, so this cannot hang."""
+        stream = self.gpu.new_stream()
+        flag = self._device_address(self.shm.consumed_flag(self.shm.rank, self.shm.rank, 0))
+        self.gpu.write(stream, flag, 0)
+        self.gpu.wait_equal(stream, flag, 0)
+        self.gpu.synchronize(stream)
+
+
+def _chunks(buf: torch.Tensor, chunk_bytes: int):
+    """[num_bytes] uint8 -> consecutive views of at most chunk_bytes."""
+    for start in range(0, buf.numel(), chunk_bytes):
+        yield buf[start : start + chunk_bytes]

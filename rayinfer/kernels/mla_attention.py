@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.paged_attention import causal_attention, split_k_decode
+from rayinfer.kernels import paged_attention
+from rayinfer.kernels.paged_attention import (
+    causal_attention,
+    choose_split,
+    dot_precision,
+    split_k_decode,
+)
 from rayinfer.kernels.prefill_attention import prefill_attention
 from rayinfer.kernels.triton_compat import tl, triton
 
@@ -88,9 +94,13 @@ def mla_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
     seq_lens: torch.Tensor | list[int],  # [B] context length, the new token included
     scale: float,
+    params: dict | None = None,  # tile config override (sweeps, tests); else configs/*.json
 ) -> torch.Tensor:  # [B, N, L]
     """Each program holds BLOCK_H heads' queries and streams the shared latent rows once; the
-    value tile is the key's latent part, so a cached byte is read once per head tile."""
+    value tile is the key's latent part, so a cached byte is read once per head tile.
+
+    `params["layout"]` picks the kernel: "tokens_major" / "heads_major" run the dedicated MLA
+    kernel (below), absent or "shared" the split-K kernel shared with GQA."""
     latent_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_rank + rope_dim:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [blocks, bs, "
@@ -99,13 +109,219 @@ def mla_decode_attention(
         raise ValueError("q_latent, q_pe need a dense last dim; kv_cache must be contiguous")
     if not torch.is_tensor(seq_lens):
         seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+    seq_lens = seq_lens.to(torch.int32)
+    slots = kv_cache.view(-1, latent_rank + rope_dim)  # [num_slots, L + R]
+    found = paged_attention.launch_params("mla_attention", q_latent.device, q_latent.shape[1])
+    params = {**found, **(params or {})}
+    if params.get("layout", "shared") != "shared":
+        return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
+                                   kv_cache.shape[1])  # fmt: skip
     layout = dict(
         heads_per_program=None, queries_per_kv=q_latent.shape[1], block_size=kv_cache.shape[1],
         head_dim_v=latent_rank, has_pe=True, stride_kv_head=0, value_offset=0, value_is_key=True,
     )  # fmt: skip
-    slots = kv_cache.view(-1, latent_rank + rope_dim)  # [num_slots, L + R]
-    return split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens.to(torch.int32), scale,
-                          layout, "mla_attention")  # fmt: skip
+    return split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, layout,
+                          "mla_attention")  # fmt: skip
+
+
+def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+    """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R]."""
+    num_seqs, num_heads, latent_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
+    num_groups = triton.cdiv(num_heads, block_h)
+    max_context = block_tables.shape[1] * block_size
+    split = choose_split(num_seqs, num_groups, max_context, params)
+    out = q_latent.new_empty(num_seqs, num_heads, latent_rank)  # [B, N, L]
+    is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
+    mid_shape = (num_seqs, num_heads, split.num_splits, latent_rank)  # [B, N, S, L]
+    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
+    mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
+    _mla_decode_split_kernel[(num_groups, num_seqs, split.num_splits)](
+        q_latent, q_pe, slots, mid_out, mid_lse, block_tables, seq_lens,
+        scale, num_heads, split.tokens_per_split,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), slots.stride(0),
+        block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        LATENT_RANK=latent_rank, ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(latent_rank),
+        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h,
+        BLOCK_N=params["BLOCK_N"], BLOCK_SIZE=block_size,
+        TOKENS_MAJOR=params["layout"] == "tokens_major",
+        DOT_PRECISION=dot_precision(q_latent.dtype), IS_ONLY_SPLIT=is_only_split,
+        num_warps=params["num_warps"], num_stages=params["num_stages"],
+    )  # fmt: skip
+    if not is_only_split:
+        _combine_splits(mid_out, mid_lse, out, params)
+    return out
+
+
+def _combine_splits(mid_out, mid_lse, out, params) -> None:
+    """out [B, N, L] = the splits' partial outputs [B, N, S, L] weighted by their lse [B, N, S]."""
+    num_seqs, num_heads, num_splits, latent_rank = mid_out.shape
+    block_dv = min(params.get("COMBINE_BLOCK_L", 128), triton.next_power_of_2(latent_rank))
+    grid = (num_seqs, num_heads, triton.cdiv(latent_rank, block_dv))
+    _mla_combine_kernel[grid](
+        mid_out, mid_lse, out, num_splits,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        LATENT_RANK=latent_rank, BLOCK_L=block_dv,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLITS_PER_STEP=16,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_scores(
+    kv_c, k_pe, q_latent, q_pe, qk_scale, in_bounds,
+    TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Scaled log2 scores; masked tokens -inf. [BLOCK_N, BLOCK_H] tokens-major (queries are
+    given transposed: [BLOCK_L, BLOCK_H], [BLOCK_R, BLOCK_H]), else [BLOCK_H, BLOCK_N]."""
+    if TOKENS_MAJOR:
+        scores = tl.dot(kv_c, q_latent, input_precision=DOT_PRECISION)
+        scores = tl.dot(k_pe, q_pe, scores, input_precision=DOT_PRECISION)
+        scores = tl.where(in_bounds[:, None], scores * qk_scale, float("-inf"))
+    else:
+        scores = tl.dot(q_latent, tl.trans(kv_c), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
+        scores = tl.where(in_bounds[None, :], scores * qk_scale, float("-inf"))
+    return scores
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_latent_ptr, q_pe_ptr, cache_ptr, mid_out_ptr, mid_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    scale, num_heads, tokens_per_split,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_slot, stride_block_table,
+    stride_mid_b, stride_mid_h, stride_mid_s,
+    LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_ONLY_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One (head group, sequence, split): partial softmax . c_kv over the split's tokens.
+
+    Each [BLOCK_N, L + R] tile of cached rows is loaded once and feeds both dots: the scores
+    (q_latent . c_kv + q_pe . k_pe) and the output (p @ c_kv, c_kv being the value too).
+    TOKENS_MAJOR computes the transposed problem (scores^T = c_kv @ q^T, out^T = c_kv^T @ p^T):
+    the token and latent dims are then the dots' M (BLOCK_N and L: wgmma-sized on Hopper even with
+    16 heads), the queries stay in shared memory and the accumulator is [L, BLOCK_H]."""
+    head_start = tl.program_id(0) * BLOCK_H  # head groups vary fastest: they share rows in L2
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    heads = head_start + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    head_mask = heads < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
+    ql_base = q_latent_ptr + seq * stride_qlb
+    qp_base = q_pe_ptr + seq * stride_qpb
+    if TOKENS_MAJOR:  # queries transposed: [BLOCK_L, BLOCK_H], [BLOCK_R, BLOCK_H]
+        ql_mask = (offs_l[:, None] < LATENT_RANK) & head_mask[None, :]
+        q_latent = tl.load(ql_base + heads[None, :] * stride_qlh + offs_l[:, None], mask=ql_mask,
+                           other=0.0)  # fmt: skip
+        qp_mask = (offs_r[:, None] < ROPE_DIM) & head_mask[None, :]
+        q_pe = tl.load(qp_base + heads[None, :] * stride_qph + offs_r[:, None], mask=qp_mask,
+                       other=0.0)  # fmt: skip
+        acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
+    else:  # [BLOCK_H, BLOCK_L], [BLOCK_H, BLOCK_R]
+        ql_mask = head_mask[:, None] & (offs_l[None, :] < LATENT_RANK)
+        q_latent = tl.load(ql_base + heads[:, None] * stride_qlh + offs_l[None, :], mask=ql_mask,
+                           other=0.0)  # fmt: skip
+        qp_mask = head_mask[:, None] & (offs_r[None, :] < ROPE_DIM)
+        q_pe = tl.load(qp_base + heads[:, None] * stride_qph + offs_r[None, :], mask=qp_mask,
+                       other=0.0)  # fmt: skip
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_block_table
+    for start_n in range(split_start, split_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        in_bounds = offs_n < split_end
+        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_bounds, other=0)
+        rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N] slots
+        row_ptrs = cache_ptr + rows[:, None] * stride_slot  # [BLOCK_N, 1]
+        kv_c = tl.load(
+            row_ptrs + offs_l[None, :],
+            mask=in_bounds[:, None] & (offs_l[None, :] < LATENT_RANK),
+            other=0.0,
+        )
+        k_pe = tl.load(
+            row_ptrs + LATENT_RANK + offs_r[None, :],
+            mask=in_bounds[:, None] & (offs_r[None, :] < ROPE_DIM),
+            other=0.0,
+        )
+        scores = _mla_scores(kv_c, k_pe, q_latent, q_pe, qk_scale, in_bounds, TOKENS_MAJOR,
+                             DOT_PRECISION)  # fmt: skip
+        if TOKENS_MAJOR:  # scores [BLOCK_N, BLOCK_H]
+            m_new = tl.maximum(m_i, tl.max(scores, 0))
+            p = tl.math.exp2(scores - m_new[None, :])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = tl.dot(
+                tl.trans(kv_c),
+                p.to(kv_c.dtype),
+                acc * alpha[None, :],
+                input_precision=DOT_PRECISION,
+            )  # [BLOCK_L, BLOCK_H]
+        else:  # scores [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.math.exp2(scores - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(
+                p.to(kv_c.dtype), kv_c, acc * alpha[:, None], input_precision=DOT_PRECISION
+            )  # [BLOCK_H, BLOCK_L]
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split stores zeros, weighted 0 when combined
+    mid_base = mid_out_ptr + seq * stride_mid_b + split * stride_mid_s
+    if TOKENS_MAJOR:
+        mid_ptrs = mid_base + heads[None, :] * stride_mid_h + offs_l[:, None]
+        mid_mask = (offs_l[:, None] < LATENT_RANK) & head_mask[None, :]
+        part = acc / l_safe[None, :]
+    else:
+        mid_ptrs = mid_base + heads[:, None] * stride_mid_h + offs_l[None, :]
+        mid_mask = head_mask[:, None] & (offs_l[None, :] < LATENT_RANK)
+        part = acc / l_safe[:, None]
+    tl.store(mid_ptrs, part.to(mid_out_ptr.dtype.element_ty), mask=mid_mask)
+    if not IS_ONLY_SPLIT:  # else mid_out is the output and no combine follows
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # [BLOCK_H] log2
+        num_splits = tl.num_programs(2)
+        tl.store(mid_lse_ptr + (seq * num_heads + heads) * num_splits + split, lse,
+                 mask=head_mask)  # fmt: skip
+
+
+@triton.jit
+def _mla_combine_kernel(
+    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
+    stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
+    LATENT_RANK: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLITS_PER_STEP: tl.constexpr,
+):  # fmt: skip
+    """One (sequence, head, latent chunk): merge the splits by their log-sum-exps, reading
+    SPLITS_PER_STEP partial rows per step so that many loads are in flight."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_mask = offs_l < LATENT_RANK
+    lse_base = mid_lse_ptr + seq * stride_lse_b + head * stride_lse_h
+    offs_all = tl.arange(0, BLOCK_S)
+    lses = tl.load(lse_base + offs_all, mask=offs_all < num_splits, other=float("-inf"))
+    lse_max = tl.max(lses, 0)
+    total = tl.sum(tl.math.exp2(lses - lse_max), 0)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    mid_base = mid_out_ptr + seq * stride_mid_b + head * stride_mid_h
+    for first in range(0, num_splits, SPLITS_PER_STEP):
+        offs_s = first + tl.arange(0, SPLITS_PER_STEP)  # [SPLITS_PER_STEP]
+        s_mask = offs_s < num_splits
+        weights = tl.math.exp2(tl.load(lse_base + offs_s, mask=s_mask, other=float("-inf"))
+                               - lse_max)  # fmt: skip
+        part_ptrs = mid_base + offs_s[:, None] * stride_mid_s + offs_l[None, :]
+        parts = tl.load(part_ptrs, mask=s_mask[:, None] & l_mask[None, :], other=0.0)
+        acc += tl.sum(weights[:, None] * parts, 0)  # [BLOCK_L]
+    out = acc / total
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_l, out, mask=l_mask)
 
 
 def mla_causal_attention(

@@ -46,6 +46,54 @@ def test_decode_matches_reference(seq_lens, num_heads, latent_rank, rope_dim, bl
     torch.testing.assert_close(ours.float(), reference, atol=tol, rtol=tol)
 
 
+LAYOUTS = {
+    "tokens_major": dict(layout="tokens_major", BLOCK_N=32, BLOCK_H=64),
+    "heads_major": dict(layout="heads_major", BLOCK_N=32, BLOCK_H=16),
+    "shared": dict(layout="shared", BLOCK_N=16, BLOCK_H=16),
+}
+
+
+def run_decode_case(seq_lens, num_heads, latent_rank, rope_dim, block_size, dtype, params):
+    """(ours, float32 reference) on one random case."""
+    generator = torch.Generator().manual_seed(len(seq_lens) + num_heads)
+    tables, num_blocks = shuffled_tables(seq_lens, block_size, generator)
+    batch = len(seq_lens)
+    kv_cache = torch.randn(num_blocks, block_size, latent_rank + rope_dim, generator=generator)
+    q_latent = torch.randn(batch, num_heads, latent_rank, generator=generator)
+    q_pe = torch.randn(batch, num_heads, rope_dim, generator=generator)
+    args = (kv_cache.to(dtype), tables, seq_lens, 0.1)
+    ours = mla.mla_decode_attention(q_latent.to(dtype), q_pe.to(dtype), *args, params=params)
+    reference = mla.mla_decode_attention_reference(
+        q_latent, q_pe, kv_cache.to(dtype).float(), tables, seq_lens, 0.1
+    )
+    return ours.float(), reference
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "seq_lens,num_heads,block_size,splits",
+    [
+        ([37], 16, 16, 64),  # odd context, several splits (ends mid-block, mid-tile)
+        ([5], 3, 16, 1),  # shorter than one block; one split writes the output directly
+        ([1, 200, 9, 64], 20, 4, 8),  # very different lengths, 20 heads: not a multiple of 16
+        ([70, 33], 40, 8, 3),  # 40 heads: one 64-head tile (tokens-major), three of 16
+    ],
+)
+def test_decode_layouts_match_reference(seq_lens, num_heads, block_size, splits, layout):
+    params = dict(LAYOUTS[layout], max_splits=splits, min_tokens_per_split=16, target_programs=64)
+    ours, reference = run_decode_case(seq_lens, num_heads, 32, 16, block_size, torch.float32,
+                                      params)  # fmt: skip
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tokens_major", "heads_major"])
+def test_decode_head_groups_and_half_precision(layout):
+    """80 heads over 16-head tiles: five head groups share each split's rows; fp16 inputs."""
+    params = dict(LAYOUTS[layout], BLOCK_H=16, max_splits=4, min_tokens_per_split=16)
+    ours, reference = run_decode_case([45, 17], 80, 64, 16, 16, torch.float16, params)
+    torch.testing.assert_close(ours, reference, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("query_len,seq_len", [(7, 7), (3, 20), (1, 9)])
 def test_causal_attention_matches_reference(query_len, seq_len):
     generator = torch.Generator().manual_seed(1)

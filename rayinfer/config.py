@@ -257,3 +257,46 @@ class ParallelPlan:
                 raise ConfigError(
                     f"{key}.{name}={size} does not divide {what}={total}; use one of {valid}"
                 )
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Pure-decode steps replayed from CUDA graphs captured at start, one per batch-size bucket
+    up to `max_batch_size`; block tables are padded to `max_model_len` (engine/decode_graphs)."""
+
+    max_batch_size: int = 64
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        for key in ("max_batch_size", "max_model_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
+def cuda_graph_config(
+    requested: bool | None,
+    *,
+    is_cuda: bool,
+    plan: ParallelPlan,
+    max_num_seqs: int,
+    max_graph_batch_size: int,
+    max_model_len: int,
+    key: str = "cuda_graphs",
+) -> CudaGraphConfig | None:
+    """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose workers
+    run no collectives (tp = ep = 1); True elsewhere fails, naming the key. True on the CPU runs
+    the same padded static-buffer path eagerly (no capture), which tests use."""
+    if requested not in (None, True, False):
+        raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
+    if max_graph_batch_size < 1:
+        raise ConfigError(f"max_graph_batch_size={max_graph_batch_size} must be >= 1")
+    has_collectives = plan.tp > 1 or plan.ep > 1
+    if requested and has_collectives:
+        raise ConfigError(
+            f"{key}=true needs tp=1 and ep=1 (collectives inside the forward stay eager); "
+            f"got tp={plan.tp}, ep={plan.ep}: set {key}=false or auto"
+        )
+    enabled = (is_cuda and not has_collectives) if requested is None else requested
+    if not enabled:
+        return None
+    return CudaGraphConfig(min(max_num_seqs, max_graph_batch_size), max_model_len)

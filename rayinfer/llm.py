@@ -6,7 +6,14 @@ import itertools
 
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, ModelConfig, ParallelPlan, SchedulerConfig
+from rayinfer.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelPlan,
+    SchedulerConfig,
+    cuda_graph_config,
+)
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
@@ -26,6 +33,9 @@ class LLM:
     instead of reading safetensors (a folder with config.json is enough; for benchmarks).
     all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy
     through pinned host memory, for GPUs without peer-to-peer) or {"use_fp8": True}.
+    cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
+    sequences from CUDA graphs captured at start (None: on for CUDA runs without tensor or expert
+    parallelism, whose collectives stay eager; the capture time is `LLM.graph_capture_seconds`).
     """
 
     def __init__(
@@ -45,6 +55,8 @@ class LLM:
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
         all_to_all: dict | None = None,
+        cuda_graphs: bool | None = None,
+        max_graph_batch_size: int = 256,
     ):
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(path)
@@ -65,6 +77,14 @@ class LLM:
             raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
         self.load_format = load_format
         self.all_to_all = all_to_all
+        self.cuda_graphs = cuda_graph_config(
+            cuda_graphs,
+            is_cuda=self.device.type == "cuda",
+            plan=parallel,
+            max_num_seqs=max_num_seqs,
+            max_graph_batch_size=max_graph_batch_size,
+            max_model_len=max_model_len,
+        )
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
@@ -83,6 +103,7 @@ class LLM:
                 self.dtype,
                 self.two_batch_overlap,
                 self.load_format,
+                self.cuda_graphs,
             )
         import ray
 
@@ -102,9 +123,16 @@ class LLM:
             two_batch_overlap=self.two_batch_overlap,
             load_format=self.load_format,
             all_to_all=self.all_to_all,
+            cuda_graphs=self.cuda_graphs,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)
+
+    @property
+    def graph_capture_seconds(self) -> float | None:
+        """Warm-up and capture of the decode graphs at start; None without graphs in-process."""
+        graphs = getattr(getattr(self.engine.executor, "runner", None), "decode_graphs", None)
+        return None if graphs is None else graphs.capture_seconds
 
     def shutdown(self) -> None:
         """Stop the workers (a multi-worker plan's Ray actors)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayinfer.config import ConfigError, ParallelPlan
 
@@ -76,7 +76,28 @@ class PhaseConfig(_Strict):
     cpus_per_worker: float = Field(
         0.5, gt=0, description="CPUs a worker reserves on a machine without GPUs"
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="replay pure-decode steps from CUDA graphs captured at start: true, false or "
+        "auto (on for the decode phase on GPUs with tp=1 and ep=1; off for prefill)",
+    )
+    max_graph_batch_size: int = Field(
+        256, ge=1, description="largest decode batch captured (capped by max_num_seqs)"
+    )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _parse_cuda_graphs(cls, value: Any) -> bool | str:
+        """CLI strings and YAML values alike: true/false (1/0, on/off, yes/no) or auto."""
+        if isinstance(value, bool) or value is None:
+            return "auto" if value is None else value
+        words = {"true": True, "1": True, "on": True, "yes": True, "false": False, "0": False,
+                 "off": False, "no": False, "auto": "auto"}  # fmt: skip
+        parsed = words.get(str(value).strip().lower())
+        if parsed is None:
+            raise ValueError("use true, false or auto")
+        return parsed
 
     @property
     def plan(self) -> ParallelPlan:
@@ -122,6 +143,13 @@ class AppConfig(_Strict):
                 phase_config.plan  # noqa: B018  (constructing the plan validates it)
             except ConfigError as error:
                 raise ValueError(f"{phase}.{error}") from None
+            has_collectives = phase_config.tp > 1 or phase_config.ep > 1
+            if phase_config.cuda_graphs is True and has_collectives:
+                raise ValueError(
+                    f"{phase}.cuda_graphs=true needs {phase}.tp=1 and {phase}.ep=1 (collectives "
+                    f"stay eager); got tp={phase_config.tp}, ep={phase_config.ep}: use false or "
+                    "auto"
+                )
         return self
 
     @classmethod

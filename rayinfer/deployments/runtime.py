@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from rayinfer.config import (
+    CacheConfig,
+    ConfigError,
+    CudaGraphConfig,
+    ModelConfig,
+    SchedulerConfig,
+    cuda_graph_config,
+)
 from rayinfer.deployments.config import AppConfig, PhaseConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.model_source import DTYPES, resolve_model_path
@@ -108,6 +115,7 @@ def build_engine(
         num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
         plan=phase_config.plan,
         two_batch_overlap=phase_config.two_batch_overlap,
+        cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len),
     )
     group = WorkerGroup(
         name_prefix,
@@ -119,3 +127,22 @@ def build_engine(
     )
     engine = LLMEngine(model_config, cache_config, scheduler_config, group, source.load_tokenizer())
     return engine, group
+
+
+def phase_graphs(
+    phase_config: PhaseConfig, phase: str, use_gpus: bool, max_model_len: int
+) -> CudaGraphConfig | None:
+    """The phase's decode graphs; `auto` captures them only where decode steps run (the decode
+    phase; prefill replicas stop after the first token) on GPUs, without tp or ep."""
+    requested = phase_config.cuda_graphs
+    if requested == "auto":
+        requested = None if phase == "decode" else False
+    return cuda_graph_config(
+        requested,
+        is_cuda=use_gpus,
+        plan=phase_config.plan,
+        max_num_seqs=phase_config.max_num_seqs,
+        max_graph_batch_size=phase_config.max_graph_batch_size,
+        max_model_len=max_model_len,
+        key=f"{phase}.cuda_graphs",
+    )

@@ -1,15 +1,20 @@
 """Turns a ModelBatch into tensors, runs the model over the paged cache and samples next tokens.
 
 One ModelRunner lives on each device (in-process, or inside a Ray worker actor). It owns the
-model's weights, the KV cache tensors and the per-request sampling generators.
+model's weights, the KV cache tensors and the per-request sampling generators; with a
+CudaGraphConfig, also the decode graphs (captured here, after the cache exists), which run every
+pure-decode batch that fits them.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, ModelConfig
-from rayinfer.engine.batch import ModelBatch
+from rayinfer.config import CacheConfig, ConfigError, CudaGraphConfig, ModelConfig
+from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.decode_graphs import DecodeGraphs
 from rayinfer.engine.kv_transfer import (
     KVPayload,
     pack_kv,
@@ -42,6 +47,7 @@ class ModelRunner:
         parallel: ParallelContext = SINGLE,
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
+        cuda_graphs: CudaGraphConfig | None = None,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -59,6 +65,17 @@ class ModelRunner:
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.kv_caches = self._allocate_kv_caches()
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
+
+    def _capture_decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
+        """Graphs only for forwards without collectives: tp or ep > 1 stays eager."""
+        if config is None or self.parallel.tp_size > 1 or self.parallel.ep_size > 1:
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, config, self.cache_config.block_size, self.device
+        )
+        graphs.capture()
+        return graphs
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (self.cache_config.num_blocks, self.cache_config.block_size, *self.kv_shape)
@@ -84,24 +101,7 @@ class ModelRunner:
         if not requests:
             self._idle_forward()
             return []
-        input_ids = [t for r in requests for t in r.token_ids]
-        positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
-        metadata = build_attention_metadata(
-            [len(r.token_ids) for r in requests],
-            [r.seq_len for r in requests],
-            [r.block_table for r in requests],
-            self.cache_config.block_size,
-            self.device,
-        )
-        ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        hidden = self._forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            ctx,
-        )  # [T, H]
-        last_rows = [
-            int(end) - 1 for r, end in zip(requests, metadata.query_start_loc[1:]) if r.samples
-        ]
+        hidden, last_rows = self._forward_batch(requests)  # [T, H], rows to sample from
         if not last_rows:
             return []
         logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32
@@ -120,6 +120,30 @@ class ModelRunner:
             [r.params.top_p for r in sampling],
             [self._generator(r.request_id, r.params) for r in sampling],
         )
+
+    def _forward_batch(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
+        token; pure decodes through the CUDA graphs when they fit."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(requests):
+            hidden = self.decode_graphs.run(requests)  # [B, H]: one row per request
+            return hidden, [row for row, r in enumerate(requests) if r.samples]
+        input_ids = [t for r in requests for t in r.token_ids]
+        positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
+        metadata = build_attention_metadata(
+            [len(r.token_ids) for r in requests],
+            [r.seq_len for r in requests],
+            [r.block_table for r in requests],
+            self.cache_config.block_size,
+            self.device,
+        )
+        ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
+        hidden = self._forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            ctx,
+        )  # [T, H]
+        ends = accumulate(len(r.token_ids) for r in requests)  # on the host: no device sync
+        return hidden, [end - 1 for r, end in zip(requests, ends) if r.samples]
 
     def _idle_forward(self) -> None:
         """A rank with no requests this step still joins its peers' collectives (DP replicas

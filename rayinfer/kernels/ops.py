@@ -132,7 +132,8 @@ def mla_causal_attention(query, key, value, scale):
 
 
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
-    """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L]."""
+    """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L].
+    seq_lens: [B] host ints, or a device int32 tensor (what a CUDA graph can capture)."""
     if _on_cuda(q_latent):
         return mla_decode_attention_triton(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)

@@ -118,11 +118,17 @@ class MLAAttention(nn.Module):
         out[:] = ops.mla_causal_attention(query, key, value, self.scale)
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
-        rows = attn.query_start_loc[seqs].long()  # [B]: each sequence's single query
+        """A pure-decode batch takes every row as it is, with the device context lengths: no
+        host-to-device copy and no shape from data, so a CUDA graph can capture it."""
+        if len(seqs) == attn.num_seqs:
+            rows, tables, seq_lens = slice(None), attn.block_tables, attn.seq_lens
+        else:
+            rows = attn.query_start_loc[seqs].long()  # [B]: each sequence's single query
+            tables = attn.block_tables[seqs]
+            seq_lens = [attn.seq_lens_cpu[i] for i in seqs]
         w_uk, w_uv = self._kv_b_weights()
         q_latent = torch.einsum("bnd,ndl->bnl", q_nope[rows], w_uk)  # [B, N, L]
-        seq_lens = [attn.seq_lens_cpu[i] for i in seqs]
         latent_out = ops.mla_decode_attention(
-            q_latent, q_pe[rows], kv_cache, attn.block_tables[seqs], seq_lens, self.scale
+            q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale
         )  # [B, N, L]
         out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config import CacheConfig, ModelConfig
+from rayinfer.config import CacheConfig, CudaGraphConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.kv_transfer import KVPayload
@@ -20,6 +20,7 @@ class InProcessExecutor(Executor):
         dtype: torch.dtype,
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
+        cuda_graphs: CudaGraphConfig | None = None,
     ):
         self.runner = ModelRunner(
             model_config,
@@ -28,6 +29,7 @@ class InProcessExecutor(Executor):
             dtype,
             two_batch_overlap=two_batch_overlap,
             load_format=load_format,
+            cuda_graphs=cuda_graphs,
         )
 
     def execute(self, batch: ModelBatch) -> list[int]:

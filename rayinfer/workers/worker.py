@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rayinfer.config import CacheConfig, ModelConfig, ParallelPlan
+from rayinfer.config import CacheConfig, CudaGraphConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
@@ -52,6 +52,7 @@ class WorkerSpec:
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
     all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"
+    cuda_graphs: CudaGraphConfig | None = None  # decode graphs; only without collectives
 
 
 class Worker:
@@ -79,6 +80,7 @@ class Worker:
             parallel,
             spec.two_batch_overlap,
             spec.load_format,
+            spec.cuda_graphs,
         )
 
     def _join_groups(self, prefix: str) -> ParallelContext:

@@ -1,0 +1,124 @@
+"""The static inputs a captured decode graph reads: device buffers sized for the largest bucket,
+refilled in place every step (a graph replays fixed addresses, so nothing is reallocated).
+
+A batch of n decodes in bucket b fills rows [0, n) with the real sequences and rows [n, b) with
+padding that costs nothing and writes nothing: token 0 at position 0, slot -1 (the cache write
+skips it), context length 1 read from block 0 (any real block; only read). Block tables are
+padded to the widest a sequence can be (max_model_len), so the split-K decode picks its splits
+from the bucket and max_model_len alone, never from this step's context lengths.
+
+Host side: two pinned staging buffers (int64 tokens, int32 lengths and tables) laid out like the
+device ones, so a step is two host-to-device copies.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from rayinfer.engine.batch import ScheduledRequest
+from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
+
+PAD_TOKEN = 0
+PAD_SLOT = -1  # the cache writes skip negative slots
+PAD_BLOCK = 0  # padding rows read block 0 (context length 1) and use nothing they read
+
+
+class DecodeStep(NamedTuple):
+    input_ids: torch.Tensor  # [b] int64: a view of the static buffer
+    positions: torch.Tensor  # [b] int64
+    ctx: ForwardContext  # metadata over the static buffers' first b rows
+
+
+class StaticDecodeInputs:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+    ):
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.kv_caches = kv_caches
+        self.device = device
+        rows, width = max_batch_size, max_blocks_per_seq
+        pin = device.type == "cuda"
+        # int64 [3, B]: token ids, positions, slots. int32 [B + B * W]: context lengths, then the
+        # block tables [B, W] (both contiguous for any first b rows).
+        self.host_tokens = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        self.host_lengths = torch.zeros(rows + rows * width, dtype=torch.int32, pin_memory=pin)
+        self.tokens = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(rows + rows * width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # [B + 1]
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device copy
+
+    @property
+    def seq_lens(self) -> torch.Tensor:  # [B] int32
+        return self.lengths[: self.max_batch_size]
+
+    @property
+    def block_tables(self) -> torch.Tensor:  # [B, W] int32
+        return self.lengths[self.max_batch_size :].view(self.max_batch_size, -1)
+
+    def fits(self, request: ScheduledRequest) -> bool:
+        return len(request.token_ids) == 1 and len(request.block_table) <= self.max_blocks_per_seq
+
+    def fill(self, requests: list[ScheduledRequest], bucket: int) -> DecodeStep:
+        """Copy one decode per request into rows [0, n), padding into [n, bucket)."""
+        num_real = len(requests)
+        if not 0 <= num_real <= bucket <= self.max_batch_size:
+            raise ValueError(
+                f"{num_real} requests in a bucket of {bucket} (max {self.max_batch_size})"
+            )
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers are free again
+        tokens = self.host_tokens.numpy()  # [3, B]
+        lengths = self.host_lengths.numpy()
+        seq_lens = lengths[: self.max_batch_size]  # [B]
+        tables = lengths[self.max_batch_size :].reshape(self.max_batch_size, -1)  # [B, W]
+        block_size = self.block_size
+        tables[:bucket] = -1
+        for row, request in enumerate(requests):
+            position = request.start_position  # of the new token; it is cached at `slot`
+            slot = request.block_table[position // block_size] * block_size + position % block_size
+            tokens[:, row] = (request.token_ids[0], position, slot)
+            seq_lens[row] = position + 1
+            tables[row, : len(request.block_table)] = request.block_table
+        tokens[:, num_real:bucket] = ((PAD_TOKEN,), (0,), (PAD_SLOT,))
+        seq_lens[num_real:bucket] = 1
+        tables[num_real:bucket, 0] = PAD_BLOCK
+        self._copy_to_device(bucket)
+        context_lens = [r.seq_len for r in requests] + [1] * (bucket - num_real)
+        return self.step(bucket, context_lens)
+
+    def fill_padding(self, bucket: int) -> DecodeStep:
+        """Every row of the bucket padding: what warm-up and capture run (writes no cache)."""
+        return self.fill([], bucket)
+
+    def step(self, bucket: int, context_lens: list[int]) -> DecodeStep:
+        """Views of the first `bucket` rows. `context_lens` only fills the host-side
+        `seq_lens_cpu`; a captured graph must not read it (it keeps the capture's values)."""
+        metadata = AttentionMetadata(
+            slot_mapping=self.tokens[2, :bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=context_lens,
+            block_size=self.block_size,
+        )
+        ctx = ForwardContext(metadata, self.kv_caches)
+        return DecodeStep(self.tokens[0, :bucket], self.tokens[1, :bucket], ctx)
+
+    def _copy_to_device(self, bucket: int) -> None:
+        used = self.max_batch_size + bucket * self.max_blocks_per_seq  # lengths + b table rows
+        is_cuda = self.device.type == "cuda"
+        self.tokens.copy_(self.host_tokens, non_blocking=is_cuda)
+        self.lengths[:used].copy_(self.host_lengths[:used], non_blocking=is_cuda)
+        if is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()

@@ -1,0 +1,232 @@
+"""Decode CUDA graphs, the parts that run on the CPU: bucket choice, padding a batch to its bucket
+and slicing back, the static input buffers, and the switch (LLM, Serve config). On the CPU the
+padded static inputs run eagerly: padded steps must give exactly the unpadded hidden states and
+write nothing into the KV cache for the padding rows."""
+
+import pytest
+import torch
+
+import rayinfer
+from rayinfer.config import (
+    ConfigError,
+    CudaGraphConfig,
+    ModelConfig,
+    ParallelPlan,
+    cuda_graph_config,
+)
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.runtime import phase_graphs
+from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.decode_graphs import DecodeGraphs
+from rayinfer.engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
+from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
+from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.models.dummy import build_dummy_model
+from tests.models.harness import TINY_DENSE, TINY_MLA
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+HF_CONFIGS = {
+    "llama": dict(TINY_DENSE, architectures=["LlamaForCausalLM"]),
+    "deepseek_v3": dict(TINY_MLA, architectures=["DeepseekV3ForCausalLM"], n_group=1, topk_group=1),
+    "qwen3_moe": dict(
+        TINY_DENSE,
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+    ),
+}
+
+
+# --- buckets -----------------------------------------------------------------------------------
+def test_bucket_sizes_double_then_step_by_eight_up_to_the_cap():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(256)[-3:] == [240, 248, 256]
+
+
+def test_a_batch_takes_the_smallest_bucket_that_holds_it():
+    sizes = graph_batch_sizes(20)
+    assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 20)] == [1, 2, 4, 8, 8, 16, 20, 20]
+    for too_many in (0, 21):
+        with pytest.raises(ValueError, match="no decode graph bucket"):
+            bucket_for(too_many, sizes)
+
+
+# --- static inputs -----------------------------------------------------------------------------
+def decode_request(name: str, token: int, start_position: int, table: list[int], samples=True):
+    return ScheduledRequest(name, [token], start_position, table, samples, GREEDY)
+
+
+def test_static_inputs_hold_the_batch_then_padding_that_writes_nothing():
+    inputs = StaticDecodeInputs(8, 5, BLOCK_SIZE, kv_caches=[], device=torch.device("cpu"))
+    requests = [decode_request("a", 11, 5, [3, 7]), decode_request("b", 12, 0, [2])]
+    step = inputs.fill(requests, bucket=4)
+    assert step.input_ids.tolist() == [11, 12, 0, 0]
+    assert step.positions.tolist() == [5, 0, 0, 0]
+    attn = step.ctx.attn
+    assert attn.slot_mapping.tolist() == [7 * BLOCK_SIZE + 1, 2 * BLOCK_SIZE, PAD_SLOT, PAD_SLOT]
+    assert attn.seq_lens.tolist() == [6, 1, 1, 1]
+    assert (
+        attn.block_tables.tolist()
+        == [[3, 7, -1, -1, -1], [2, -1, -1, -1, -1]] + [[0, -1, -1, -1, -1]] * 2
+    )
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert attn.query_lens_cpu == [1] * 4 and attn.seq_lens_cpu == [6, 1, 1, 1]
+    for tensor in (attn.slot_mapping, attn.seq_lens, attn.block_tables, step.input_ids):
+        assert tensor.is_contiguous()
+    # A later, smaller step leaves no trace of the longer table in its rows.
+    step = inputs.fill([decode_request("c", 13, 1, [4])], bucket=1)
+    assert step.ctx.attn.block_tables.tolist() == [[4, -1, -1, -1, -1]]
+    assert not inputs.fits(decode_request("d", 1, 24, [0] * 6))  # wider than max_model_len
+    assert not inputs.fits(ScheduledRequest("e", [1, 2], 0, [0], True, GREEDY))  # a prefill
+
+
+# --- padded runs on the CPU --------------------------------------------------------------------
+def make_model(family: str):
+    config = ModelConfig.from_hf_dict(HF_CONFIGS[family])
+    model = build_dummy_model(config, torch.float32, "cpu", std=0.1)
+    caches = [
+        torch.zeros(64, BLOCK_SIZE, *config.kv_shape_per_token) for _ in range(config.num_layers)
+    ]
+    return model, caches
+
+
+def prefill(model, caches, prompts, tables):
+    lengths = [len(p) for p in prompts]
+    attn = build_attention_metadata(lengths, lengths, tables, BLOCK_SIZE)
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for n in lengths for i in range(n)])
+    with torch.inference_mode():
+        model(ids, positions, ForwardContext(attn, caches))
+
+
+def eager_decode(model, caches, requests) -> torch.Tensor:
+    attn = build_attention_metadata(
+        [1] * len(requests),
+        [r.seq_len for r in requests],
+        [r.block_table for r in requests],
+        BLOCK_SIZE,
+    )
+    ids = torch.tensor([r.token_ids[0] for r in requests])
+    positions = torch.tensor([r.start_position for r in requests])
+    with torch.inference_mode():
+        return model(ids, positions, ForwardContext(attn, caches))
+
+
+def token_slot(request: ScheduledRequest) -> int:
+    position = request.start_position
+    return request.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+
+@pytest.mark.parametrize("family", list(HF_CONFIGS))
+def test_padded_decode_gives_the_unpadded_hidden_states_and_writes_no_padding(family):
+    """3 decodes run in a bucket of 4 against the same 3 plus a 4th real one run eagerly (the
+    same GEMM height: CPU matmuls round differently for 3 rows than for 4). Bit-exact without
+    routed experts; the MoE reference multiplies each expert's rows as one GEMM, whose height
+    the padding row's routing changes, so there the last bits may differ."""
+    model, caches = make_model(family)
+    prompts = [[5, 9, 2, 7, 1], [3, 4, 8], [6, 6, 1, 2, 9, 10, 11], [8, 3]]
+    tables = [[0, 1], [2], [3, 4], [5]]
+    prefill(model, caches, prompts, tables)
+    requests = [
+        decode_request(str(i), 20 + i, len(prompt), table)
+        for i, (prompt, table) in enumerate(zip(prompts, tables))
+    ]
+    before = [cache.clone() for cache in caches]
+    graph_caches = [cache.clone() for cache in caches]
+    config = CudaGraphConfig(max_batch_size=8, max_model_len=32)
+    graphs = DecodeGraphs(model, graph_caches, config, BLOCK_SIZE, torch.device("cpu"))
+    with torch.inference_mode():
+        padded = graphs.run(requests[:3])  # [3, H], run as a bucket of 4
+    eager = eager_decode(model, caches, requests)  # [4, H]
+    assert padded.shape == (3, eager.shape[1])
+    exact = dict(rtol=0, atol=0) if family == "llama" else dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded, eager[:3], **exact)
+    written = [token_slot(r) for r in requests[:3]]
+    for graph_cache, cache, old in zip(graph_caches, caches, before):
+        graph_flat, flat, old_flat = (c.flatten(0, 1) for c in (graph_cache, cache, old))
+        torch.testing.assert_close(graph_flat[written], flat[written], **exact)  # real K/V
+        untouched = torch.ones(graph_flat.shape[0], dtype=torch.bool)
+        untouched[written] = False
+        assert torch.equal(graph_flat[untouched], old_flat[untouched])  # padding wrote nothing
+
+
+def test_runner_sends_pure_decodes_to_the_graphs_and_the_rest_eagerly(monkeypatch):
+    config = ModelConfig.from_hf_dict(HF_CONFIGS["llama"])
+    graphs = CudaGraphConfig(max_batch_size=4, max_model_len=64)
+    runner = ModelRunner(config, rayinfer.config.CacheConfig(BLOCK_SIZE, 32), "cpu",
+                         torch.float32, load_format="dummy", cuda_graphs=graphs)  # fmt: skip
+    assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4]
+    calls = []
+    run = runner.decode_graphs.run
+    monkeypatch.setattr(
+        runner.decode_graphs, "run", lambda reqs: calls.append(len(reqs)) or run(reqs)
+    )
+    prompt = ScheduledRequest("a", [1, 2, 3], 0, [0], True, GREEDY)
+    runner.execute(ModelBatch([prompt]))
+    assert calls == []  # a prefill
+    tokens = runner.execute(
+        ModelBatch([decode_request("a", 4, 3, [0]), decode_request("b", 5, 0, [1])])
+    )
+    assert calls == [2] and len(tokens) == 2
+    runner.decode_graphs.enabled = False
+    runner.execute(ModelBatch([decode_request("a", 4, 4, [0, 2])]))
+    assert calls == [2]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_llm_with_graphs_generates_the_eager_tokens(family, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS[family]))
+    prompts = [[5, 9, 2, 7, 1], [3, 4, 8], [6, 6, 1, 2, 9, 10, 11]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 3, 6)]
+    tokens = {}
+    for cuda_graphs in (False, True):  # batches shrink 3 -> 2 -> 1: buckets 4, 2, 1
+        llm = rayinfer.LLM(str(tmp_path), device="cpu", load_format="dummy", max_num_seqs=4,
+                           cuda_graphs=cuda_graphs, block_size=BLOCK_SIZE)  # fmt: skip
+        tokens[cuda_graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.graph_capture_seconds is not None) == cuda_graphs
+    assert tokens[True] == tokens[False]
+
+
+# --- the switch --------------------------------------------------------------------------------
+def test_graphs_default_on_for_cuda_without_collectives():
+    def resolve(requested, is_cuda=True, plan=None):
+        plan = plan or ParallelPlan()
+        return cuda_graph_config(requested, is_cuda=is_cuda, plan=plan, max_num_seqs=64,
+                                 max_graph_batch_size=32, max_model_len=1024)  # fmt: skip
+
+    assert resolve(None) == CudaGraphConfig(max_batch_size=32, max_model_len=1024)
+    assert resolve(None, is_cuda=False) is None
+    assert resolve(None, plan=ParallelPlan(tp=2)) is None
+    assert resolve(None, plan=ParallelPlan(dp=2)) is not None  # no collectives in the forward
+    assert resolve(False) is None
+    assert resolve(True, is_cuda=False) is not None  # the CPU runs the padded path eagerly
+    with pytest.raises(ConfigError, match="cuda_graphs=true needs tp=1 and ep=1"):
+        resolve(True, plan=ParallelPlan(tp=2, ep=2))
+
+
+def test_serve_config_takes_cuda_graphs_per_phase():
+    config = AppConfig.from_args(
+        {"decode.cuda_graphs": "false", "decode.max_graph_batch_size": "8"}
+    )
+    assert config.decode.cuda_graphs is False and config.decode.max_graph_batch_size == 8
+    assert AppConfig.from_args({}).decode.cuda_graphs == "auto"
+    assert AppConfig.from_args({"prefill.cuda_graphs": "on"}).prefill.cuda_graphs is True
+    with pytest.raises(ConfigError, match=r"decode.cuda_graphs='maybe': use true, false or auto"):
+        AppConfig.from_args({"decode.cuda_graphs": "maybe"})
+    with pytest.raises(ConfigError, match=r"decode.cuda_graphs=true needs decode.tp=1"):
+        AppConfig.from_args({"decode.cuda_graphs": True, "decode.tp": 2})
+    auto = AppConfig.from_args({})
+    decode = phase_graphs(auto.decode, "decode", use_gpus=True, max_model_len=4096)
+    assert decode == CudaGraphConfig(max_batch_size=128, max_model_len=4096)
+    assert phase_graphs(auto.prefill, "prefill", use_gpus=True, max_model_len=4096) is None
+    assert phase_graphs(auto.decode, "decode", use_gpus=False, max_model_len=4096) is None

@@ -187,6 +187,13 @@ def _mla_scores(
 
 
 @triton.jit
+def _tile_slots(table_ptr, offs_n, split_end, BLOCK_SIZE: tl.constexpr):
+    """[BLOCK_N] int64 cache slots of context positions offs_n (slot 0 past split_end)."""
+    block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < split_end, other=0)
+    return block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_latent_ptr, q_pe_ptr, cache_ptr, mid_out_ptr, mid_lse_ptr, block_tables_ptr, seq_lens_ptr,
     scale, num_heads, tokens_per_split,
@@ -236,12 +243,16 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_block_table
+    offs_tile = tl.arange(0, BLOCK_N)
+    # The next tile's slots are loaded one iteration ahead (carried): the cache loads then do not
+    # wait on a table load of their own iteration, and Triton's pipeliner can issue them
+    # num_stages - 1 tiles ahead instead of num_stages - 2.
+    rows = _tile_slots(table_ptr, split_start + offs_tile, split_end, BLOCK_SIZE)
     for start_n in range(split_start, split_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        offs_n = start_n + offs_tile  # [BLOCK_N] context positions
         in_bounds = offs_n < split_end
-        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_bounds, other=0)
-        rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N] slots
         row_ptrs = cache_ptr + rows[:, None] * stride_slot  # [BLOCK_N, 1]
+        rows = _tile_slots(table_ptr, offs_n + BLOCK_N, split_end, BLOCK_SIZE)
         kv_c = tl.load(
             row_ptrs + offs_l[None, :],
             mask=in_bounds[:, None] & (offs_l[None, :] < LATENT_RANK),

@@ -30,6 +30,7 @@ A2A_VARIANTS = [
     "nccl/dist",
     "pairwise/dist",
     "nccl/host",
+    "nccl/host-cpu",
     "pairwise/host",
     "auto",
     "fp8 rows host",
@@ -107,6 +108,7 @@ def _worker(rank: int, args, port: int, path: str) -> None:
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, args.world_size + 1, False, timeout=timeout)
     group = RayinferGroup(args.world_size, rank, "bench", store=store)
+    _add_cpu_driven_host_transport(group)
     phase = Path(path).stem
     checks = check_correctness(group, args.hidden)
     group.topology = probe(group, use_cache=False)
@@ -119,6 +121,20 @@ def _worker(rank: int, args, port: int, path: str) -> None:
     if rank == 0:
         Path(path).write_text(json.dumps(rows, indent=1))
     group.destroy_group()
+
+
+def _add_cpu_driven_host_transport(group) -> None:
+    """ "host-cpu": the host-staged transport with the CPU driving every chunk (the protocol
+    before the GPU-driven one), as a baseline in the same run."""
+    from rayinfer.comm.host_staged import HostStagedTransport
+
+    store = dist.PrefixStore(group.next_key("host-cpu"), group.store)
+    group._transports["host-cpu"] = HostStagedTransport(
+        store, group.rank, group.world_size, group.device, protocol="cpu"
+    )
+    protocol = group.transport("host").protocol  # made on every rank: making it is collective
+    if group.rank == 0:
+        print(f"host transport protocol: {protocol}", flush=True)
 
 
 def check_correctness(group, hidden: int) -> dict:

@@ -95,9 +95,13 @@ class _Copier:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
 
-def _gpu_pipeline_or_none(shm: SharedSegments, device: torch.device) -> FlagPipeline | None:
-    """The GPU-driven protocol where it can run; RAYINFER_HOST_PROTOCOL=cpu turns it off."""
-    if device.type != "cuda" or os.environ.get("RAYINFER_HOST_PROTOCOL", "gpu") == "cpu":
+def _gpu_pipeline_or_none(
+    shm: SharedSegments, device: torch.device, protocol: str
+) -> FlagPipeline | None:
+    """The GPU-driven protocol where it can run, unless the CPU-driven one is asked for."""
+    if protocol not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"host-staged protocol {protocol!r}: use 'auto', 'gpu' or 'cpu'")
+    if device.type != "cuda" or protocol == "cpu":
         return None
     try:
         return FlagPipeline(shm, CudaQueues(device))
@@ -126,7 +130,10 @@ class HostStagedTransport(Transport):
         chunk_bytes: int | None = None,
         num_slots: int | None = None,
         timeout_s: float = 120.0,
+        protocol: str | None = None,
     ):
+        """protocol: "auto" (GPU-driven on CUDA where the driver allows, else CPU-driven),
+        "gpu" or "cpu"; default from RAYINFER_HOST_PROTOCOL, else "auto"."""
         super().__init__(rank, world_size)
         is_cuda = device.type == "cuda"
         # GPU: up to 8 MiB chunks for 2 ranks (a 117 MB exchange wants ~8 MiB, see
@@ -137,7 +144,8 @@ class HostStagedTransport(Transport):
         num_slots = num_slots or (8 if is_cuda and world_size <= 4 else 4)
         self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
         self.shm = SharedSegments(store, rank, world_size, chunk_bytes, num_slots, pin=is_cuda)
-        self.pipeline = _gpu_pipeline_or_none(self.shm, device)
+        protocol = protocol or os.environ.get("RAYINFER_HOST_PROTOCOL", "auto")
+        self.pipeline = _gpu_pipeline_or_none(self.shm, device, protocol)
         self.copier = _Copier(device)
         self.sent = [0] * world_size  # chunks issued to each peer, over all calls
         self.received = [0] * world_size  # chunks issued from each peer, over all calls

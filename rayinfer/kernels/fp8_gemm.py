@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
@@ -19,23 +20,58 @@ DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
 
 
 @triton.jit
+def _k_block_scales(
+    a_scale_ptrs, b_scale_ptr, b_scale_ptrs, k_step, num_scale_cols, stride_ask,
+    SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Scales of one K block: ([BM] per row, [BN] per column or one scalar for the whole tile).
+
+    Past the last K block (the odd half of an unrolled pair) both are 0, so it adds nothing.
+    """
+    scale_col = k_step * BLOCK_K // SCALE_BLOCK
+    in_k = scale_col < num_scale_cols
+    scale_col = tl.minimum(scale_col, num_scale_cols - 1)  # in bounds; zeroed below when past K
+    a_scale = tl.load(a_scale_ptrs + scale_col * stride_ask)  # [BM]
+    a_scale = tl.where(in_k, a_scale, 0.0)
+    if SCALE_BLOCK % BLOCK_N == 0:  # the tile sits inside one 128-row weight block
+        b_scale = tl.load(b_scale_ptr + scale_col)  # scalar
+    else:
+        b_scale = tl.load(b_scale_ptrs + scale_col)[None, :]  # [1, BN]
+    return a_scale, b_scale
+
+
+@triton.jit
+def _add_scaled(acc, product, a_scale, b_scale):
+    """acc [BM, BN] += product * a_scale[row] * b_scale (one FMA per element for a scalar b)."""
+    return acc + product * (a_scale[:, None] * b_scale)
+
+
+@triton.jit
+def _load_k_block(a_ptrs, b_ptrs, k_step, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a [BM, BK] and b [BK, BN] of K block k_step; zeros past K (also for a whole odd block)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs + k_step * BLOCK_K)
+        b = tl.load(b_ptrs + k_step * BLOCK_K)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        k_left = K - k_step * BLOCK_K
+        a = tl.load(a_ptrs + k_step * BLOCK_K, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs + k_step * BLOCK_K, mask=offs_k[:, None] < k_left, other=0.0)
+    return a, b
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
     stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn,
-    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, K_UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """c = a @ b.T with block scales. With K_UNROLL 2, an iteration issues the dots of two K
+    blocks before scaling either, so one tensor-core product runs while the other is rescaled."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles sweep the columns together, so B tiles are reused in L2.
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
-
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped rows: loads need no mask
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
@@ -43,23 +79,27 @@ def _fp8_block_gemm_kernel(
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM]
     b_scale_ptrs = b_scale_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN]
-
+    b_tile_scale_ptr = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn
+    num_scale_cols = tl.cdiv(K, SCALE_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+    for first_step in range(0, tl.cdiv(K, BLOCK_K), K_UNROLL):
+        a, b = _load_k_block(a_ptrs, b_ptrs, first_step, K, EVEN_K, BLOCK_K)
+        a_s, b_s = _k_block_scales(
+            a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step, num_scale_cols, stride_ask,
+            SCALE_BLOCK, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        product = tl.dot(a, b)
+        if K_UNROLL == 2:
+            a2, b2 = _load_k_block(a_ptrs, b_ptrs, first_step + 1, K, EVEN_K, BLOCK_K)
+            a2_s, b2_s = _k_block_scales(
+                a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step + 1, num_scale_cols,
+                stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            product2 = tl.dot(a2, b2)
+            acc = _add_scaled(acc, product, a_s, b_s)
+            acc = _add_scaled(acc, product2, a2_s, b2_s)
         else:
-            k_left = K - k_step * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        scale_col = k_step * BLOCK_K // SCALE_BLOCK
-        a_scale = tl.load(a_scale_ptrs + scale_col * stride_ask)  # [BM]
-        b_scale = tl.load(b_scale_ptrs + scale_col)  # [BN]
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-
+            acc = _add_scaled(acc, product, a_s, b_s)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -71,30 +111,39 @@ def _fp8_block_gemm_tma_kernel(
     a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr,
     M, N, K,
     stride_asm, stride_ask, stride_bsn,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, K_UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """The same product with tiles moved by the TMA engine (K % 16 == 0; edges zero-padded)."""
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM]
     b_scale_ptrs = b_scale_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN]
+    b_tile_scale_ptr = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn
+    num_scale_cols = tl.cdiv(K, SCALE_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([pid_m * BLOCK_M, k_step * BLOCK_K])  # [BM, BK]
-        b = b_desc.load([pid_n * BLOCK_N, k_step * BLOCK_K])  # [BN, BK]
-        scale_col = k_step * BLOCK_K // SCALE_BLOCK
-        a_scale = tl.load(a_scale_ptrs + scale_col * stride_ask)  # [BM]
-        b_scale = tl.load(b_scale_ptrs + scale_col)  # [BN]
-        acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
+    for first_step in range(0, tl.cdiv(K, BLOCK_K), K_UNROLL):
+        a = a_desc.load([pid_m * BLOCK_M, first_step * BLOCK_K])  # [BM, BK]
+        b = b_desc.load([pid_n * BLOCK_N, first_step * BLOCK_K])  # [BN, BK]
+        a_s, b_s = _k_block_scales(
+            a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step, num_scale_cols, stride_ask,
+            SCALE_BLOCK, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        product = tl.dot(a, b.T)
+        if K_UNROLL == 2:  # past K the descriptor reads zeros and the scales are 0
+            a2 = a_desc.load([pid_m * BLOCK_M, (first_step + 1) * BLOCK_K])
+            b2 = b_desc.load([pid_n * BLOCK_N, (first_step + 1) * BLOCK_K])
+            a2_s, b2_s = _k_block_scales(
+                a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step + 1, num_scale_cols,
+                stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            product2 = tl.dot(a2, b2.T)
+            acc = _add_scaled(acc, product, a_s, b_s)
+            acc = _add_scaled(acc, product2, a2_s, b2_s)
+        else:
+            acc = _add_scaled(acc, product, a_s, b_s)
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
@@ -140,7 +189,8 @@ def fp8_gemm(
     config = config or DEFAULT_CONFIG
     if SCALE_BLOCK % config["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the scale block {SCALE_BLOCK}")
-    tiles = {key: value for key, value in config.items() if key != "USE_TMA"}
+    tiles = {key: value for key, value in config.items() if key not in ("USE_TMA", "K_UNROLL")}
+    unroll = config.get("K_UNROLL", 1)  # 2: two K blocks per iteration (see the kernel)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
     b_scale = b_scale.contiguous()
     if config.get("USE_TMA") and _is_tma_compatible(a, b, out):
@@ -149,13 +199,14 @@ def fp8_gemm(
             TensorDescriptor.from_tensor(b, [tiles["BLOCK_N"], tiles["BLOCK_K"]]),
             TensorDescriptor.from_tensor(out, [tiles["BLOCK_M"], tiles["BLOCK_N"]]),
             a_scale, b_scale, m, n, k, *a_scale.stride(), b_scale.stride(0),
-            SCALE_BLOCK=SCALE_BLOCK, **tiles,
+            SCALE_BLOCK=SCALE_BLOCK, K_UNROLL=unroll, **tiles,
         )  # fmt: skip
         return out
     _fp8_block_gemm_kernel[grid](
         a, b, out, a_scale, b_scale, m, n, k,
         a.stride(0), b.stride(0), out.stride(0), *a_scale.stride(), b_scale.stride(0),
-        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tiles["BLOCK_K"] == 0, **tiles,
+        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % (tiles["BLOCK_K"] * unroll) == 0, K_UNROLL=unroll,
+        **tiles,
     )  # fmt: skip
     return out
 

@@ -10,12 +10,15 @@ activations quantized per token and per 128 channels (fp8_quant) and rescale eve
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rayinfer.kernels.activation import silu_and_mul_reference
 from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.moe_align import MoeAlignment, moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
@@ -58,13 +61,7 @@ def _moe_gemm_kernel(
     A row of a is slot // SLOTS_PER_A_ROW (x for gate+up, the slot's own act row for down).
     With FUSE_SILU, b rows n and up_offset + n are multiplied and combined as silu(gate) * up.
     """
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     slots = tl.load(sorted_slot_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
@@ -113,6 +110,209 @@ def _moe_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _max_combine(left, right):
+    return tl.maximum(left, right)
+
+
+@triton.jit
+def _expert_chunks_kernel(
+    block_expert_ids_ptr, chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
+    num_tiles,
+    TILES_PER_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: cut each expert's run of row tiles into chunks of up to TILES_PER_CHUNK.
+
+    Writes the chunks' first tile and tile count, compacted, and their number. A tile starts a
+    chunk when its distance to its expert's first tile is a multiple of TILES_PER_CHUNK.
+    """
+    num_chunks = 0
+    expert_first = -1  # first tile of the expert running at the end of the previous block
+    for block_start in range(0, num_tiles, BLOCK):
+        tiles = block_start + tl.arange(0, BLOCK)  # [B]
+        experts = tl.load(block_expert_ids_ptr + tiles, mask=tiles < num_tiles, other=-1)
+        previous = tl.load(
+            block_expert_ids_ptr + tiles - 1, mask=(tiles >= 1) & (tiles < num_tiles), other=-1
+        )
+        opens_run = (experts != previous) & (experts >= 0)
+        run_first = tl.associative_scan(tl.where(opens_run, tiles, -1), 0, _max_combine)
+        run_first = tl.maximum(run_first, expert_first)  # [B]
+        starts = (experts >= 0) & ((tiles - run_first) % TILES_PER_CHUNK == 0)
+        tiles_in_chunk = tl.full((BLOCK,), 1, tl.int32)
+        same_run = experts >= 0
+        for ahead in tl.static_range(1, TILES_PER_CHUNK):
+            later = tiles + ahead
+            next_expert = tl.load(
+                block_expert_ids_ptr + later, mask=later < num_tiles, other=-1
+            )  # fmt: skip
+            same_run = same_run & (next_expert == experts)
+            tiles_in_chunk += same_run.to(tl.int32)
+        slot = num_chunks + tl.cumsum(starts.to(tl.int32), 0) - 1  # [B]
+        tl.store(chunk_first_tile_ptr + slot, tiles, mask=starts)
+        tl.store(chunk_num_tiles_ptr + slot, tiles_in_chunk, mask=starts)
+        num_chunks += tl.sum(starts.to(tl.int32), 0)
+        expert_first = tl.max(run_first, 0)
+    tl.store(num_chunks_ptr, num_chunks)
+
+
+@triton.jit
+def _dot_acc(acc, a, b, a_scale, b_scale, USE_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [R, BN] += a [R, BK] @ b [BK, BN], rescaled per row and column for FP8."""
+    if USE_FP8:
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _column_scales(scale_ptrs, scale_col, USE_FP8: tl.constexpr):
+    """[BN] weight-block scales of K block scale_col for FP8; 1.0 otherwise."""
+    scale = 1.0
+    if USE_FP8:
+        scale = tl.load(scale_ptrs + scale_col)
+    return scale
+
+
+@triton.jit
+def _load_rows(a_ptrs, a_scale_ptrs, is_real, k_step, k_in, scale_col,
+               USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The K block k_step of gathered activation rows [R, BK] and their scales [R] (FP8)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs + k_step * BLOCK_K, mask=is_real[:, None], other=0.0)
+    else:
+        mask = is_real[:, None] & k_in[None, :]
+        a = tl.load(a_ptrs + k_step * BLOCK_K, mask=mask, other=0.0)
+    a_scale = 1.0
+    if USE_FP8:
+        a_scale = tl.load(a_scale_ptrs + scale_col, mask=is_real, other=0.0)
+    return a, a_scale
+
+
+@triton.jit
+def _chunk_k_loop(
+    a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
+    b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+    WITH_TAIL: tl.constexpr, FUSE_SILU: tl.constexpr, USE_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Every K block's weight tile is loaded once and multiplies the main rows and the tail rows.
+
+    Returns (main [BM, BN], main_up, tail [TM, BN], tail_up); the up products only with FUSE_SILU.
+    """
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tail = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
+    tail_up = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        k_in = offs_k < K - k_step * BLOCK_K
+        scale_col = k_step * BLOCK_K // SCALE_BLOCK
+        b_scale = _column_scales(b_scale_ptrs, scale_col, USE_FP8)
+        b = _load_weight_tile(b_ptr, b_offs, b_row, k_step, k_in, USE_TMA, EVEN_K, BLOCK_K)
+        a, a_scale = _load_rows(
+            a_ptrs, a_scale_ptrs, is_real, k_step, k_in, scale_col, USE_FP8, EVEN_K, BLOCK_K
+        )
+        acc = _dot_acc(acc, a, b, a_scale, b_scale, USE_FP8, DOT_PRECISION)
+        if WITH_TAIL:
+            tail_a, tail_scale = _load_rows(
+                tail_a_ptrs, tail_a_scale_ptrs, tail_is_real, k_step, k_in, scale_col,
+                USE_FP8, EVEN_K, BLOCK_K,
+            )  # fmt: skip
+            tail = _dot_acc(tail, tail_a, b, tail_scale, b_scale, USE_FP8, DOT_PRECISION)
+        if FUSE_SILU:
+            up = _load_weight_tile(
+                b_ptr, b_offs + up_offset * stride_bn, b_row + up_offset, k_step, k_in,
+                USE_TMA, EVEN_K, BLOCK_K,
+            )  # fmt: skip
+            up_scale = _column_scales(up_scale_ptrs, scale_col, USE_FP8)
+            acc_up = _dot_acc(acc_up, a, up, a_scale, up_scale, USE_FP8, DOT_PRECISION)
+            if WITH_TAIL:
+                tail_up = _dot_acc(
+                    tail_up, tail_a, up, tail_scale, up_scale, USE_FP8, DOT_PRECISION
+                )  # fmt: skip
+    return acc, acc_up, tail, tail_up
+
+
+@triton.jit
+def _store_rows(
+    acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
+    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """c[slot, cols] = silu(acc) * acc_up (gate+up) or topk_weight[slot] * acc (down)."""
+    if FUSE_SILU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _moe_chunk_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_slot_ids_ptr, block_expert_ids_ptr,
+    chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
+    N, K, num_slots, up_offset, max_chunks,
+    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Like _moe_gemm_kernel, for one chunk of an expert's rows: BLOCK_M main rows plus up to
+    TAIL_M tail rows (row tiles of TAIL_M), so an expert with 1.5 tiles' worth of rows reads each
+    weight tile once and multiplies 1.5 tiles, not 2."""
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_chunks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_chunks_ptr):
+        return
+    first_row = tl.load(chunk_first_tile_ptr + pid_m) * TAIL_M
+    num_rows = tl.load(chunk_num_tiles_ptr + pid_m) * TAIL_M  # padded rows of this chunk
+    expert = tl.load(block_expert_ids_ptr + first_row // TAIL_M).to(tl.int64)
+    main = tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slot_ids_ptr + first_row + main, mask=main < num_rows, other=num_slots)
+    tail_rows = BLOCK_M + tl.arange(0, TAIL_M)
+    tail_slots = tl.load(
+        sorted_slot_ids_ptr + first_row + tail_rows, mask=tail_rows < num_rows, other=num_slots
+    )  # [TM]
+    is_real, tail_is_real = slots < num_slots, tail_slots < num_slots
+    a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)  # [BM]
+    tail_a_rows = (tail_slots // SLOTS_PER_A_ROW).to(tl.int64)  # [TM]
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    tail_a_ptrs = a_ptr + tail_a_rows[:, None] * stride_am + offs_k[None, :]  # [TM, BK]
+    b_offs = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)  # TMA row
+    b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SCALE_BLOCK) * stride_bsn
+    up_scale_ptrs = b_scale_ptr + expert * stride_bse
+    up_scale_ptrs += ((offs_n + up_offset) // SCALE_BLOCK) * stride_bsn  # [BN]
+    a_scale_ptrs = a_scale_ptr + a_rows * stride_asm  # [BM]
+    tail_a_scale_ptrs = a_scale_ptr + tail_a_rows * stride_asm  # [TM]
+    if num_rows > BLOCK_M:
+        acc, acc_up, tail, tail_up = _chunk_k_loop(
+            a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
+            b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+            True, FUSE_SILU, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
+            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, topk_weights_ptr, pid_n, N,
+                    stride_cm, FUSE_SILU, MUL_WEIGHT, BLOCK_N)  # fmt: skip
+    else:
+        acc, acc_up, tail, tail_up = _chunk_k_loop(
+            a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
+            b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+            False, FUSE_SILU, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
+            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    _store_rows(acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
+                FUSE_SILU, MUL_WEIGHT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -173,29 +373,92 @@ def _pick_config(x, w13, num_slots):
     return config or DEFAULT_CONFIG
 
 
-def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k):
-    """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights)."""
+class ExpertChunks(NamedTuple):
+    """Runs of up to `tiles_per_chunk` row tiles of one expert, compacted (see fused_moe)."""
+
+    first_tile: torch.Tensor  # [C_max] int32: the chunk's first row tile in the sorted layout
+    num_tiles: torch.Tensor  # [C_max] int32: its row tiles, 1..tiles_per_chunk
+    num_chunks: torch.Tensor  # [1] int32: chunks in use
+
+
+def expert_chunks(alignment: MoeAlignment, num_slots: int, num_experts: int, tile: dict):
+    """Chunks of BLOCK_M + TAIL_M rows over an alignment made with block_m = TAIL_M."""
+    tail_m = tile["TAIL_M"]
+    tiles_per_chunk = (tile["BLOCK_M"] + tail_m) // tail_m
+    num_tiles = alignment.block_expert_ids.numel()
+    # An expert with n slots has at most n / chunk rows + 1 chunks: bound without a host sync.
+    max_chunks = min(
+        num_tiles, num_slots // (tiles_per_chunk * tail_m) + min(num_experts, num_slots)
+    )
+    device = alignment.block_expert_ids.device
+    first_tile = torch.empty(max(max_chunks, 1), dtype=torch.int32, device=device)
+    chunk_tiles = torch.empty_like(first_tile)
+    num_chunks = torch.empty(1, dtype=torch.int32, device=device)
+    _expert_chunks_kernel[(1,)](
+        alignment.block_expert_ids, first_tile, chunk_tiles, num_chunks, num_tiles,
+        TILES_PER_CHUNK=tiles_per_chunk, BLOCK=1024,
+    )  # fmt: skip
+    return ExpertChunks(first_tile[:max_chunks], chunk_tiles[:max_chunks], num_chunks)
+
+
+def _check_chunk_tile(tile: dict) -> None:
+    tail_m, block_m = tile["TAIL_M"], tile["BLOCK_M"]
+    if block_m % tail_m or tail_m & (tail_m - 1):
+        raise ValueError(f"TAIL_M={tail_m} must be a power of two dividing BLOCK_M={block_m}")
+
+
+def row_granule(config: dict) -> int:
+    """Rows each expert's run is padded to: TAIL_M for chunked tiles, else BLOCK_M."""
+    tile = config["w13"]
+    granules = {stage_tile.get("TAIL_M") or stage_tile["BLOCK_M"] for stage_tile in config.values()}
+    if len(granules) != 1:
+        raise ValueError(
+            f"w13 and w2 tiles need the same row granule (TAIL_M or BLOCK_M): {config}"
+        )
+    return tile.get("TAIL_M") or tile["BLOCK_M"]
+
+
+def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k,
+                 chunks: ExpertChunks | None = None):  # fmt: skip
+    """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights).
+
+    A tile with TAIL_M runs one program per chunk of an expert's rows (alignment made with
+    block_m = TAIL_M); chunks are built here when not given.
+    """
     tile = {key: value for key, value in config[stage].items() if key != "USE_TMA"}
     is_w13 = stage == "w13"
-    num_blocks_m = alignment.block_expert_ids.numel()
     n_out, k = c.shape[1], a.shape[1]
-    grid = (num_blocks_m * triton.cdiv(n_out, tile["BLOCK_N"]),)
     use_fp8 = b_scale is not None
     use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
-    # float32 experts (tiny models, parity tests) multiply in IEEE fp32: tf32 would cost ~1e-3.
     weights = b
     if use_tma:  # the experts' rows as one [E*N, K] matrix, read in [BN, BK] boxes
         box = [tile["BLOCK_N"], tile["BLOCK_K"]]
         weights = TensorDescriptor.from_tensor(b.view(-1, k), box)
-    _moe_gemm_kernel[grid](
-        a, weights, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights,
-        *alignment, n_out, k, topk_weights.numel(), n_out, num_blocks_m,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        a_scale.stride(0) if use_fp8 else 0,
-        b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
+    common = dict(
         SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
         USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tile["BLOCK_K"] == 0,
         USE_TMA=use_tma, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **tile,
+    )  # fmt: skip
+    operands = (a, weights, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights)
+    strides = (
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0) if use_fp8 else 0,
+        b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
+    )  # fmt: skip
+    num_pid_n = triton.cdiv(n_out, tile["BLOCK_N"])
+    if "TAIL_M" in tile:
+        _check_chunk_tile(tile)
+        if chunks is None:
+            chunks = expert_chunks(alignment, topk_weights.numel(), b.shape[0], tile)
+        max_chunks = chunks.first_tile.numel()
+        _moe_chunk_gemm_kernel[(max_chunks * num_pid_n,)](
+            *operands, alignment.sorted_slot_ids, alignment.block_expert_ids, *chunks,
+            n_out, k, topk_weights.numel(), n_out, max_chunks, *strides, **common,
+        )  # fmt: skip
+        return
+    num_blocks_m = alignment.block_expert_ids.numel()
+    _moe_gemm_kernel[(num_blocks_m * num_pid_n,)](
+        *operands, *alignment, n_out, k, topk_weights.numel(), n_out, num_blocks_m, *strides,
+        **common,
     )  # fmt: skip
 
 
@@ -216,14 +479,20 @@ def fused_moe(
     if num_tokens == 0:
         return out
     config = config or _pick_config(x, w13, num_tokens * top_k)
-    alignment = moe_align(topk_ids, num_experts, config["w13"]["BLOCK_M"])
+    alignment = moe_align(topk_ids, num_experts, row_granule(config))
+    chunks = None
+    if "TAIL_M" in config["w13"]:  # one program per chunk of an expert's rows, in both GEMMs
+        _check_chunk_tile(config["w13"])
+        chunks = expert_chunks(alignment, num_tokens * top_k, num_experts, config["w13"])
     weights = topk_weights.float().contiguous()
     act = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)  # [T*K, I]
     slot_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*K, H]
     x_in, x_scale = fp8_quant(x) if w13_scale is not None else (x, None)
-    _launch_gemm(x_in, w13, act, x_scale, w13_scale, weights, alignment, "w13", config, top_k)
+    stage_args = (weights, alignment)
+    _launch_gemm(x_in, w13, act, x_scale, w13_scale, *stage_args, "w13", config, top_k, chunks)
     act_in, act_scale = fp8_quant(act) if w2_scale is not None else (act, None)
-    _launch_gemm(act_in, w2, slot_out, act_scale, w2_scale, weights, alignment, "w2", config, 1)
+    w2_chunks = chunks if config["w2"].get("BLOCK_M") == config["w13"]["BLOCK_M"] else None
+    _launch_gemm(act_in, w2, slot_out, act_scale, w2_scale, *stage_args, "w2", config, 1, w2_chunks)
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](
         slot_out, topk_ids.contiguous(), out, hidden, num_experts, TOP_K=top_k, BLOCK_H=1024
     )

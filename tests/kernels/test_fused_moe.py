@@ -5,12 +5,22 @@ import pytest
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_fp8_reference, fused_moe_reference
+from rayinfer.kernels.fused_moe import (
+    expert_chunks,
+    fused_moe,
+    fused_moe_fp8_reference,
+    fused_moe_reference,
+)
+from rayinfer.kernels.moe_align import moe_align
 from rayinfer.models.fp8 import quantize_block_fp8
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 SMALL_TILES = {"w13": SMALL, "w2": SMALL}
 TMA_TILES = {"w13": {**SMALL, "USE_TMA": True}, "w2": {**SMALL, "USE_TMA": True}}
+# One program per chunk of an expert's rows: 16 main rows + 8 tail rows, 8-row tiles.
+CHUNK = {**SMALL, "TAIL_M": 8}
+CHUNK_TILES = {"w13": CHUNK, "w2": CHUNK}
+CHUNK_TMA_TILES = {"w13": {**CHUNK, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA": True}}
 
 CASES = {
     "normal": dict(T=16, H=64, I=32, E=8, K=2),
@@ -20,6 +30,8 @@ CASES = {
     "topk_equals_experts": dict(T=5, H=48, I=16, E=4, K=4),
     "idle_experts": dict(T=4, H=64, I=32, E=16, K=2, E_routed=3),
     "foreign_ids": dict(T=9, H=64, I=32, E=6, K=3, foreign=True),
+    "long_runs": dict(T=40, H=64, I=32, E=3, K=2),  # 20-40 rows per expert: several chunks
+    "all_to_one_long": dict(T=61, H=32, I=16, E=2, K=1, one_expert=True),  # 61 rows, 8 tiles
 }
 
 
@@ -54,6 +66,45 @@ def test_fused_moe_matches_reference(name, dtype, tol):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tiles", [CHUNK_TILES, CHUNK_TMA_TILES], ids=["pointer", "tma"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_moe_expert_chunks(name, tiles):
+    """Main + tail row tiles per program, all edge cases: empty experts, one expert, one token."""
+    x, w13, w2, weights, ids = _problem(CASES[name], torch.float32, seed=len(name) + 1)
+    out = fused_moe(x, w13, w2, weights, ids, config=tiles)
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _reference_chunks(block_expert_ids, tiles_per_chunk):
+    """(first tile, tile count) of every chunk, from the per-tile experts."""
+    chunks, run_first = [], None
+    ids = block_expert_ids.tolist()
+    for tile, expert in enumerate(ids):
+        if expert < 0:
+            break
+        if tile == 0 or ids[tile - 1] != expert:
+            run_first = tile
+        if (tile - run_first) % tiles_per_chunk == 0:
+            chunks.append([tile, 1])
+        else:
+            chunks[-1][1] += 1
+    return chunks
+
+
+@pytest.mark.parametrize("counts", [[0, 5, 0, 40, 9], [1], [0, 0, 0], [24, 25, 8, 0, 17]])
+def test_expert_chunks_cut_runs(counts):
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)] + [torch.zeros(0)])
+    ids = ids.long()[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]
+    num_experts, tile = len(counts), {"BLOCK_M": 16, "TAIL_M": 8}
+    alignment = moe_align(ids.view(-1, 1), num_experts, 8)
+    chunks = expert_chunks(alignment, ids.numel(), num_experts, tile)
+    num_chunks = int(chunks.num_chunks)
+    got = torch.stack([chunks.first_tile[:num_chunks], chunks.num_tiles[:num_chunks]], 1)
+    assert got.tolist() == _reference_chunks(alignment.block_expert_ids, 3)
+    assert num_chunks <= chunks.first_tile.numel()
+
+
 @pytest.mark.parametrize("name", ["normal", "odd", "foreign_ids"])
 def test_fused_moe_tma_weight_tiles(name):
     """Expert weights read through a TMA descriptor (odd K falls back to pointer loads)."""
@@ -85,7 +136,7 @@ def test_fused_moe_fp8_block_scales(case):
     w13_q, w13_scale = _quantize_experts(w13)
     w2_q, w2_scale = _quantize_experts(w2)
     expected = fused_moe_fp8_reference(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale)
-    for tiles in (SMALL_TILES, TMA_TILES):
+    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES):
         out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=tiles)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # FP8 activations and weights stay within a few percent of the unquantized experts.

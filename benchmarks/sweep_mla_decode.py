@@ -59,22 +59,24 @@ def shared(block_h, block_n, warps, stages) -> dict:
 # In priority order (the time budget may cut the tail); "shared" rows are the configs in use.
 # From sm_90 compiles (Triton 3.9, ptxas): the 64-token tokens-major tile uses wgmma for both
 # dots but needs ~165 KiB of shared memory at 2 stages and ~236 KiB at 3 (too much), and at 2
-# stages its next tile's copies are waited for right after being issued (no overlap). 32-token
-# tiles pipeline (3 stages: 91 KiB, two programs per SM; 4 stages: 127 KiB, copies two tiles
-# ahead) with no spills; their scores dot is mma.sync (M = 32), the output dot wgmma (M = L).
-# 128 heads is compute-bound: heads-major 64-head tiles run both dots on wgmma.
+# stages a tile's copies are waited for right after being issued (no overlap within a program).
+# 32-token tiles pipeline with no spills: 3 stages 91 KiB (two programs per SM), 4 stages
+# 127 KiB (copies two tiles ahead), 6 stages 199 KiB (four tiles, 147 KiB, in flight); their
+# scores dot is mma.sync (M = 32), the output dot wgmma (M = L). Deep pipelines want long splits
+# (min_tokens_per_split 1024: 1 x 128k runs 128 programs of 32 tiles). 128 heads is
+# compute-bound: heads-major 64-head tiles run both dots on wgmma.
 CONFIGS = [
     (16, shared(16, 64, 4, 2)),
     (128, shared(64, 32, 8, 2)),
     (16, tokens_major(16, 32, 4, 4)),
     (128, heads_major(64, 32, 8, 3)),
-    (16, tokens_major(16, 32, 4, 3)),
+    (16, tokens_major(16, 32, 4, 6)),
+    (16, tokens_major(16, 32, 4, 6, min_tokens_per_split=1024)),
     (128, heads_major(64, 32, 8, 4)),
-    (16, tokens_major(16, 32, 8, 4)),
-    (16, heads_major(16, 32, 4, 4)),
+    (16, tokens_major(16, 32, 4, 3)),
+    (16, tokens_major(16, 32, 8, 5)),
     (128, tokens_major(64, 32, 8, 3)),
-    (16, tokens_major(16, 64, 4, 2)),
-    (16, tokens_major(16, 32, 4, 4, target_programs=264)),
+    (16, heads_major(16, 32, 4, 4)),
     (128, heads_major(64, 64, 8, 2)),
 ]
 
@@ -210,8 +212,10 @@ def best_per_bucket(setup: Setup, results: list[dict]) -> dict:
 
 
 def config_name(params: dict) -> str:
-    return (f"{params['layout']} H{params['BLOCK_H']} N{params['BLOCK_N']} w{params['num_warps']}"
-            f" s{params['num_stages']} tp{params['target_programs']}")  # fmt: skip
+    """e.g. "tokens_major H16 N32 w4 s6 tp528 m1024" (m: min_tokens_per_split)."""
+    tiles = f"H{params['BLOCK_H']} N{params['BLOCK_N']} w{params['num_warps']}"
+    splits = f"s{params['num_stages']} tp{params['target_programs']}"
+    return f"{params['layout']} {tiles} {splits} m{params['min_tokens_per_split']}"
 
 
 def config_status(result: dict) -> str:

@@ -50,6 +50,7 @@ class RayinferGroup(BaseGroup):
         self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rayinfer-comm-{group_name}")
         self._last: Pending | None = None
+        self._a2a_options = dist.AllToAllOptions()
         self._background = threading.local()  # .active is set on the executor's thread
 
     @classmethod
@@ -205,15 +206,22 @@ class RayinferGroup(BaseGroup):
     ):
         check_splits(out.shape[0], out_splits, self.world_size, "out_splits")
         check_splits(inp.shape[0], in_splits, self.world_size, "in_splits")
-        out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
+        row_bytes = inp[:1].numel() * inp.element_size() if inp.shape[0] else 0
         is_auto = "auto" in (schedule, transport)
         matrix = split_matrix
         if matrix is None and (is_auto or get_schedule(schedule).needs_split_matrix):
             matrix = self.gather_split_matrix(in_splits)
         if is_auto:
-            choice = self.plan(matrix, in_rows.shape[1]).override(schedule, transport)
+            choice = self.plan(matrix, row_bytes).override(schedule, transport)
         else:
             choice = Choice(schedule, transport, {}, "chosen by the caller")
+        num_bytes = (sum(in_splits) - in_splits[self.rank]) * row_bytes
+        timer = AllToAllTimer(self.group_name, num_bytes, choice.schedule, choice.transport)
+        if choice.schedule == "nccl" and choice.transport == "dist" and out.dtype == inp.dtype:
+            with timer:  # NCCL's own all_to_all_single on the caller's tensors: nothing added
+                self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
+            return choice
+        out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
         chosen = get_schedule(choice.schedule)
         ctx = ScheduleContext(
             self.rank,
@@ -222,9 +230,7 @@ class RayinferGroup(BaseGroup):
             self.topology.islands,
             matrix,
         )
-        sent_rows = sum(in_splits) - in_splits[self.rank]
-        num_bytes = sent_rows * in_rows.shape[1]
-        with AllToAllTimer(self.group_name, num_bytes, choice.schedule, choice.transport):
+        with timer:
             chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
         return choice
 

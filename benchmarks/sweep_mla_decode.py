@@ -251,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results path")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
-    parser.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this")
     args = parser.parse_args()
     started = time.perf_counter()
     setup = Setup(args.smoke)

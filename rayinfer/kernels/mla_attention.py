@@ -100,7 +100,9 @@ def mla_decode_attention(
     value tile is the key's latent part, so a cached byte is read once per head tile.
 
     `params["layout"]` picks the kernel: "tokens_major" / "heads_major" run the dedicated MLA
-    kernel (below), absent or "shared" the split-K kernel shared with GQA."""
+    kernel (below), absent or "shared" the split-K kernel shared with GQA. The other keys of
+    `params` tune the dedicated kernel only: the shared one reads its tiles from the configs
+    through `paged_attention.launch_params` (patched by the benchmarks' sweeps)."""
     latent_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_rank + rope_dim:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [blocks, bs, "

@@ -243,28 +243,30 @@ class MoE(nn.Module):
         return group.combine(expert_out, received.handle)  # [T, H] in the original order
 
     # --- stages for overlapping the exchange with other work (two-batch overlap) ---------------
+    # Each stage queues its work on the caller's current stream and returns. The exchanges are
+    # stream-ordered (the host-staged transport runs on its own copy streams and makes the
+    # caller's stream wait), so work queued on another stream runs while tokens travel.
     @property
     def exchanges_tokens(self) -> bool:
         """Whether forward sends tokens to other ranks (dispatch/combine) and so can overlap."""
         return self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep
 
-    def start_dispatch(self, x: torch.Tensor):
-        """Route [T, H] tokens and send them off in the background; pass to `start_combine`."""
+    def dispatch_tokens(self, x: torch.Tensor):
+        """Route [T, H] tokens and send each to the EP ranks holding its experts."""
         routing = self.route(x)
-        return self.parallel.ep_group.dispatch_async(
+        return self.parallel.ep_group.dispatch(
             x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
         )
 
-    def start_combine(self, pending_dispatch):
-        """Run this rank's experts on what arrived; send the results back in the background."""
-        received = pending_dispatch.wait()
+    def experts_and_combine(self, received) -> torch.Tensor:
+        """Run this rank's experts on what arrived and send the results back: [T, H]."""
         expert_out = ops.fused_moe(
             received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
         )  # [R, H]
-        return self.parallel.ep_group.combine_async(expert_out, received.handle)
+        return self.parallel.ep_group.combine(expert_out, received.handle)
 
-    def finish(self, x: torch.Tensor, pending_combine) -> torch.Tensor:
-        """[T, H] input and the combine in flight -> the block's output [T, H]."""
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        out = pending_combine.wait()
-        return out if shared is None else out + shared
+    def finish(self, x: torch.Tensor, combined: torch.Tensor) -> torch.Tensor:
+        """[T, H] input and the combined routed-expert output -> the block's output [T, H]."""
+        if self.shared_experts is None:
+            return combined
+        return combined + self.shared_experts(x)

@@ -1,20 +1,27 @@
 """Two-batch overlap: split a step's sequences into two micro-batches and interleave them layer by
 layer so that one micro-batch's all-to-all (MoE dispatch or combine) runs while the other computes
-(the DeepSeek / SGLang scheme). Per MoE layer that exchanges tokens:
+(the DeepSeek / SGLang scheme). Each micro-batch queues its work on its own CUDA stream (a lane);
+the exchanges run on the transport's streams and hold up only the lane that waits for them. Per
+MoE layer that exchanges tokens, the host queues
 
-    attention(A)  dispatch(A) ->            attention(B)  dispatch(B) ->
-    experts(A)    combine(A) ->             experts(B)    combine(B) ->
-    shared experts(A), wait combine(A)      shared experts(B), wait combine(B)
+    lane A: attention(A)                dispatch(A) experts(A) combine(A)       shared(A) + add
+    lane B:              attention(B)                          dispatch(B) ...  shared(B) + add
+
+and where dispatch must read the routed counts (a sync of its own lane only), the GPU goes on
+with the other lane's queued work: attention(B) under the exchange of A, experts(A) under the
+exchange of B, combine(A) under experts(B), combine(B) under the next layer's attention(A).
 
 The step's tokens are halved; a sequence cut by the half becomes two chunks, the second reading the
-first's KV from the cache (micro-batch A always runs a layer's attention before B does). Every rank
-runs the same sequence of collectives, even with an empty micro-batch. Works for any
+first's KV from the cache (lane B waits for lane A's attention of the same layer). Every rank
+runs the same sequence of collectives, even with an empty micro-batch. On CPU the lanes are one
+and the same (the order of the work is unchanged, so CI checks it). Works for any
 model whose body is `embed_tokens`, `layers` (input_layernorm, self_attn,
 post_attention_layernorm, mlp) and `norm`: the DeepSeek and Llama-derived families.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +46,36 @@ def supports_two_batch_overlap(model) -> bool:
     return all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm"))
 
 
+class Lane:
+    """A CUDA stream for one micro-batch (on CPU: the current thread, no stream)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def active(self):
+        return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+
+    def wait_for(self, other: Lane | None = None) -> None:
+        """Work queued on this lane from now on waits for what `other` (default: the current
+        stream) has queued so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(other.stream if other else torch.cuda.current_stream())
+
+    def join(self) -> None:
+        """The current stream waits for this lane."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
+_lanes: dict[torch.device, tuple[Lane, Lane]] = {}
+
+
+def lanes_for(device: torch.device) -> tuple[Lane, Lane]:
+    if device not in _lanes:
+        _lanes[device] = (Lane(device), Lane(device))
+    return _lanes[device]
+
+
 def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
     """input_ids [T], positions [T] -> hidden [T, H], the same as `model(input_ids, ...)`."""
     body = model.model
@@ -54,19 +91,22 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
         idle_forward_inputs(part_ctx, input_ids.device) if idle else (ids, pos, part_ctx)
         for (ids, pos, part_ctx), idle in zip(parts, is_idle)
     ]
-    batches = [MicroBatch(pos, part_ctx, body.embed_tokens(ids)) for ids, pos, part_ctx in parts]
+    lanes = lanes_for(input_ids.device)
+    batches = []
+    for lane, (ids, pos, part_ctx) in zip(lanes, parts):
+        lane.wait_for()
+        with lane.active():
+            batches.append(MicroBatch(pos, part_ctx, body.embed_tokens(ids)))
     for layer in body.layers:
         if getattr(layer.mlp, "exchanges_tokens", False):
-            _overlapped_layer(layer, batches)
+            _overlapped_layer(layer, batches, lanes)
         else:
-            for batch in batches:
-                batch.hidden, batch.residual = layer(
-                    batch.positions, batch.hidden, batch.residual, batch.ctx
-                )
-    outputs = [
-        body.norm(batch.hidden, batch.residual)[0][: 0 if idle else None]
-        for batch, idle in zip(batches, is_idle)
-    ]
+            _sequential_layer(layer, batches, lanes)
+    outputs = []
+    for batch, idle, lane in zip(batches, is_idle, lanes):
+        with lane.active():
+            outputs.append(body.norm(batch.hidden, batch.residual)[0][: 0 if idle else None])
+        lane.join()
     return torch.cat(outputs)
 
 
@@ -81,12 +121,28 @@ def _attention_half(layer, batch: MicroBatch) -> torch.Tensor:
     return hidden
 
 
-def _overlapped_layer(layer, batches: list[MicroBatch]) -> None:
+def _sequential_layer(layer, batches: list[MicroBatch], lanes) -> None:
+    for i, (batch, lane) in enumerate(zip(batches, lanes)):
+        if i:  # B may read the KV that A's attention wrote
+            lane.wait_for(lanes[0])
+        with lane.active():
+            batch.hidden, batch.residual = layer(
+                batch.positions, batch.hidden, batch.residual, batch.ctx
+            )
+
+
+def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
     moe = layer.mlp
-    moe_inputs, dispatches = [], []
-    for batch in batches:  # attention of B runs while A's tokens travel
-        moe_inputs.append(_attention_half(layer, batch))
-        dispatches.append(moe.start_dispatch(moe_inputs[-1]))
-    combines = [moe.start_combine(pending) for pending in dispatches]  # experts(B) || combine(A)
-    for batch, moe_input, pending in zip(batches, moe_inputs, combines):
-        batch.hidden = moe.finish(moe_input, pending)
+    moe_inputs = []
+    for i, (batch, lane) in enumerate(zip(batches, lanes)):
+        if i:  # B may read the KV that A's attention wrote
+            lane.wait_for(lanes[0])
+        with lane.active():
+            moe_inputs.append(_attention_half(layer, batch))
+    combined = []
+    for moe_input, lane in zip(moe_inputs, lanes):  # A's exchange under B's attention, ...
+        with lane.active():
+            combined.append(moe.experts_and_combine(moe.dispatch_tokens(moe_input)))
+    for batch, moe_input, routed, lane in zip(batches, moe_inputs, combined, lanes):
+        with lane.active():
+            batch.hidden = moe.finish(moe_input, routed)

@@ -10,6 +10,15 @@ s - q + j). Its keys/values come from one of two places:
 GQA: query head h reads kv head h // (Hq / Hkv). The query/key head dim may differ from the value
 head dim (MLA: 192 = 128 nope + 64 rope, value 128); a non-power-of-two qk dim is split into a
 power-of-two part and a remainder so no FLOPs go to padding.
+
+Launch options beyond the tile sizes (keys of configs/prefill_attention.json, off when absent):
+- USE_TMA: contiguous Q/K/V/O through per-(sequence, head) TMA descriptors (Hopper+, 16-byte
+  aligned rows); their bounds zero-fill the rows past a sequence, so no row masks or pointer math;
+- PIPELINE_QK: the scores of key tile j+1 are issued before the softmax of tile j, so the tensor
+  cores have work while the softmax runs;
+- HEADS_FASTEST: heads vary fastest in the grid: a wave holds the heaviest query tiles of every
+  head (longest first over the whole grid), and a GQA group's heads run side by side on one K/V;
+- WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop (experimental).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from rayinfer.kernels.paged_attention import (
     paged_decode_attention,
 )
 from rayinfer.kernels.triton_compat import tl, triton
+
+LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False)
 
 
 @triton.jit
@@ -43,55 +54,202 @@ def _load_rows(ptr, rows, offs_d, stride_row, HEAD_DIM: tl.constexpr, row_mask,
 
 
 @triton.jit
-def _key_rows(block_table_ptr, k_start, offs_n, IS_PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Context positions [BLOCK_N] -> row (slot) ids in the key/value tensors."""
+def _key_rows(block_table_ptr, offs_n, IS_PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Context positions [BLOCK_N] -> row (slot) ids, relative to the sequence's first row."""
     if IS_PAGED:
         block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
         rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
     else:
-        rows = (k_start + offs_n).to(tl.int64)
+        rows = offs_n.to(tl.int64)
     return rows
 
 
 @triton.jit
+def _rows_source(ptr, num_rows, stride_row, NUM_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_COLS: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """The [num_rows, NUM_COLS] row-major slice at `ptr`: a TMA descriptor (reads past its
+    bounds give zeros, writes past them are dropped), or `ptr` itself for pointer loads."""
+    if USE_TMA:
+        source = tl.make_tensor_descriptor(ptr, shape=[num_rows, NUM_COLS],
+                                           strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_COLS])  # fmt: skip
+    else:
+        source = ptr
+    return source
+
+
+@triton.jit
+def _kv_tile(source, block_table_ptr, start_n, kv_len, stride_row, NUM_COLS: tl.constexpr,
+             BLOCK_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             IS_PAGED: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_COLS] key/value rows at context positions start_n.. of `source` (a
+    descriptor, or a pointer to the head's first column); rows past kv_len (only in MASKED tiles)
+    and padded columns read as zeros."""
+    if USE_TMA:
+        tile = source.load([start_n, 0])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        in_bounds = offs_n < kv_len
+        if MASKED:
+            offs_n = tl.where(in_bounds, offs_n, 0)  # never read the block table past its end
+        rows = _key_rows(block_table_ptr, offs_n, IS_PAGED, BLOCK_SIZE)
+        offs_d = tl.arange(0, BLOCK_COLS)
+        tile = _load_rows(source, rows, offs_d, stride_row, NUM_COLS, in_bounds,
+                          NUM_COLS != BLOCK_COLS, MASKED)  # fmt: skip
+    return tile
+
+
+@triton.jit
+def _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stride_kt,
+            HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D0: tl.constexpr,
+            BLOCK_D1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            IS_PAGED: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] logits (log2 units: q is pre-scaled) of key tile start_n.."""
+    k0 = _kv_tile(k_source0, block_table_ptr, start_n, kv_len, stride_kt, HEAD_DIM0, BLOCK_D0,
+                  BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+    qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    if HEAD_DIM1 > 0:
+        k1 = _kv_tile(k_source1, block_table_ptr, start_n, kv_len, stride_kt, HEAD_DIM1,
+                      BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
+def _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):  # fmt: skip
+    """Online softmax of one [BLOCK_M, BLOCK_N] logit tile: its probabilities p (relative to the
+    new running max), the factor alpha [BLOCK_M] that rescales what was accumulated before, and
+    the new running max and sum [BLOCK_M]."""
+    if MASKED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = offs_n[None, :] < kv_len
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Fold one [BLOCK_M, BLOCK_N] logit tile and its [BLOCK_N, BLOCK_DV] values into acc
+    [BLOCK_M, BLOCK_DV] and the running max m_i and sum l_i [BLOCK_M]."""
+    p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len, BLOCK_N,
+                                        MASKED, IS_CAUSAL)  # fmt: skip
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q0, q1, k_ptr, v_ptr, block_table_ptr, k_start, offs_m_pos,
+    acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr, offs_m_pos,
     lo, hi, kv_len, stride_kt, stride_vt,
     HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over key tiles [lo, hi); q0/q1 are pre-scaled by scale * log2(e)."""
-    offs_d0 = tl.arange(0, BLOCK_D0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
-        in_bounds = offs_n < kv_len
-        rows = _key_rows(block_table_ptr, k_start, tl.where(in_bounds, offs_n, 0), IS_PAGED,
-                         BLOCK_SIZE)  # fmt: skip
-        k0 = _load_rows(k_ptr, rows, offs_d0, stride_kt, HEAD_DIM0, in_bounds,
-                        HEAD_DIM0 != BLOCK_D0, MASKED)  # fmt: skip
-        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if HEAD_DIM1 > 0:
-            offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
-            k1 = _load_rows(k_ptr, rows, offs_d1, stride_kt, HEAD_DIM0 + HEAD_DIM1, in_bounds,
-                            HEAD_DIM1 != BLOCK_D1, MASKED)  # fmt: skip
-            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
-        if MASKED:
-            visible = in_bounds[None, :]
-            if IS_CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_ptr, rows, offs_dv, stride_vt, HEAD_DIM_V, in_bounds,
-                       HEAD_DIM_V != BLOCK_DV, MASKED)  # fmt: skip
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    """Key tiles [lo, hi) one after the other."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stride_kt,
+                     HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
+                     USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
+        v = _kv_tile(v_source, block_table_ptr, start_n, kv_len, stride_vt, HEAD_DIM_V,
+                     BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len,
+                                      BLOCK_N, MASKED, IS_CAUSAL, DOT_PRECISION)  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tiles_pipelined(
+    acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr, offs_m_pos,
+    lo, hi, kv_len, stride_kt, stride_vt,
+    HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Key tiles [lo, hi), software-pipelined by one tile: iteration j issues the scores of tile
+    j, then the P.V product of tile j-1 (asynchronous: it chains on acc), then runs the softmax
+    of tile j while the tensor cores work on that product."""
+    if lo < hi:
+        qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, lo, kv_len, stride_kt,
+                     HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
+                     USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, lo, offs_m_pos, kv_len, BLOCK_N,
+                                            MASKED, IS_CAUSAL)  # fmt: skip
+        for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len,
+                         stride_kt, HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N,
+                         BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
+            v = _kv_tile(v_source, block_table_ptr, start_n - BLOCK_N, kv_len, stride_vt,
+                         HEAD_DIM_V, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
+                         MASKED)  # fmt: skip
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len,
+                                                BLOCK_N, MASKED, IS_CAUSAL)  # fmt: skip
+        v = _kv_tile(v_source, block_table_ptr, hi - BLOCK_N, kv_len, stride_vt, HEAD_DIM_V,
+                     BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _program_coordinates(HEADS_FASTEST: tl.constexpr):
+    """(query tile, sequence, head) of this program. Query tiles run heaviest (last, under the
+    causal mask) first: less tail imbalance."""
+    if HEADS_FASTEST:
+        head = tl.program_id(0)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq = tl.program_id(2)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+    return tile, seq, head
+
+
+@triton.jit
+def _load_query(q_ptr, first_row, q_len, stride_qt, qk_scale, NUM_COLS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                USE_TMA: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_COLS] query rows first_row.. of the sequence's head (q_ptr: its first
+    row and column), scaled by qk_scale."""
+    if USE_TMA:
+        source = _rows_source(q_ptr, q_len, stride_qt, NUM_COLS, BLOCK_M, BLOCK_COLS, True)
+        q = source.load([first_row, 0])
+    else:
+        offs_m = first_row + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_COLS)
+        q = _load_rows(q_ptr, offs_m.to(tl.int64), offs_d, stride_qt, NUM_COLS, offs_m < q_len,
+                       NUM_COLS != BLOCK_COLS, True)  # fmt: skip
+    return (q * qk_scale).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_output(out_head_ptr, out, first_row, q_len, stride_ot,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                  USE_TMA: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_DV] out -> rows first_row.. of the sequence's output, in bounds only."""
+    out = out.to(out_head_ptr.dtype.element_ty)
+    if USE_TMA:
+        target = _rows_source(out_head_ptr, q_len, stride_ot, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True)
+        target.store([first_row, 0], out)
+    else:
+        offs_m = first_row + tl.arange(0, BLOCK_M)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        ptrs = out_head_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_dv[None, :]
+        tl.store(ptrs, out, mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
@@ -104,67 +262,74 @@ def _prefill_attention_kernel(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, PIPELINE_QK: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
-    # Heaviest (last, under the causal mask) query tiles first: less tail imbalance.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    tile, seq, head = _program_coordinates(HEADS_FASTEST)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
         return
+    kv_head = head // num_queries_per_kv
+    k_head_ptr = k_ptr + kv_head * stride_kh  # paged: rows are slots of the whole cache
+    v_head_ptr = v_ptr + kv_head * stride_vh
     if IS_PAGED:
-        k_start = 0
         kv_len = tl.load(kv_lens_ptr + seq)
     else:
         k_start = tl.load(kv_lens_ptr + seq)
         kv_len = tl.load(kv_lens_ptr + seq + 1) - k_start
-    kv_head = head // num_queries_per_kv
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the sequence
-    offs_m_pos = kv_len - q_len + offs_m  # [BLOCK_M] context positions of the queries
-    q_rows = (q_start + offs_m).to(tl.int64)
-    q_mask = offs_m < q_len
-    q_head_ptr = q_ptr + head * stride_qh
+        k_head_ptr += k_start.to(tl.int64) * stride_kt  # contiguous: rows are positions
+        v_head_ptr += k_start.to(tl.int64) * stride_vt
+    first_row = tile * BLOCK_M  # of this tile, in the sequence's queries
+    offs_m_pos = kv_len - q_len + first_row + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions
+    q_head_ptr = q_ptr + q_start.to(tl.int64) * stride_qt + head * stride_qh
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
-    q0 = _load_rows(q_head_ptr, q_rows, tl.arange(0, BLOCK_D0), stride_qt, HEAD_DIM0, q_mask,
-                    HEAD_DIM0 != BLOCK_D0, True)  # fmt: skip
-    q0 = (q0 * qk_scale).to(q_ptr.dtype.element_ty)
+    q0 = _load_query(q_head_ptr, first_row, q_len, stride_qt, qk_scale, HEAD_DIM0, BLOCK_D0,
+                     BLOCK_M, USE_TMA)  # fmt: skip
     q1 = q0
+    k_source0 = _rows_source(k_head_ptr, kv_len, stride_kt, HEAD_DIM0, BLOCK_N, BLOCK_D0, USE_TMA)
+    k_source1 = k_source0
     if HEAD_DIM1 > 0:
-        offs_d1 = HEAD_DIM0 + tl.arange(0, BLOCK_D1)
-        q1 = _load_rows(q_head_ptr, q_rows, offs_d1, stride_qt, HEAD_DIM0 + HEAD_DIM1, q_mask,
-                        HEAD_DIM1 != BLOCK_D1, True)  # fmt: skip
-        q1 = (q1 * qk_scale).to(q_ptr.dtype.element_ty)
+        q1 = _load_query(q_head_ptr + HEAD_DIM0, first_row, q_len, stride_qt, qk_scale,
+                         HEAD_DIM1, BLOCK_D1, BLOCK_M, USE_TMA)  # fmt: skip
+        k_source1 = _rows_source(k_head_ptr + HEAD_DIM0, kv_len, stride_kt, HEAD_DIM1, BLOCK_N,
+                                 BLOCK_D1, USE_TMA)  # fmt: skip
+    v_source = _rows_source(v_head_ptr, kv_len, stride_vt, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if IS_CAUSAL:
-        first_pos = kv_len - q_len + tile * BLOCK_M
+        first_pos = kv_len - q_len + first_row
         unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         masked_end = tl.minimum(kv_len, first_pos + BLOCK_M)
     else:
         unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
         masked_end = kv_len
     table_ptr = block_tables_ptr + seq * stride_block_table
-    k_head_ptr = k_ptr + kv_head * stride_kh
-    v_head_ptr = v_ptr + kv_head * stride_vh
+    if PIPELINE_QK:
+        acc, m_i, l_i = _attend_tiles_pipelined(
+            acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
+            0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
+            BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, False,
+            IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
+            0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
+            BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, False,
+            IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION,
+        )  # fmt: skip
+    # The diagonal (and the ragged end): the only tiles that need the mask.
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
-        0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
-        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, False, IS_CAUSAL,
-        DOT_PRECISION,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q0, q1, k_head_ptr, v_head_ptr, table_ptr, k_start, offs_m_pos,
+        acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
         unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
-        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, True, IS_CAUSAL,
-        DOT_PRECISION,
+        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, True, IS_CAUSAL,
+        False, DOT_PRECISION,
     )  # fmt: skip
-    out = acc / l_i[:, None]
-    offs_dv = tl.arange(0, BLOCK_DV)
-    out_ptrs = out_ptr + head * stride_oh + q_rows[:, None] * stride_ot + offs_dv[None, :]
-    out_mask = q_mask[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_head_ptr = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh
+    _store_output(out_head_ptr, acc / l_i[:, None], first_row, q_len, stride_ot, HEAD_DIM_V,
+                  BLOCK_DV, BLOCK_M, USE_TMA)  # fmt: skip
 
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:
@@ -187,13 +352,49 @@ def _check(query, key, value, cu_seqlens_q, kv_lens):
         raise ValueError("cu_seqlens_q / seq lens must be int32 (AttentionMetadata's dtype)")
 
 
+def _tma_fits(tensors: tuple[torch.Tensor, ...], column_offsets: tuple[int, ...]) -> bool:
+    """TMA descriptors need 16-byte aligned bases, row and head strides (and split columns);
+    Hopper or newer on CUDA (the interpreter accepts them on CPU)."""
+    device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        byte_offsets = (t.data_ptr(), t.stride(0) * size, t.stride(1) * size)
+        if any(offset % 16 for offset in byte_offsets + tuple(c * size for c in column_offsets)):
+            return False
+    return True
+
+
+def _tma_scratch_allocator(device: torch.device):
+    """Global scratch for the descriptors a kernel builds on device (128 bytes per program)."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _launch_options(params: dict, tensors, column_offsets, is_paged: bool) -> dict:
+    """The config's launch options (LAUNCH_OPTIONS's defaults where absent); TMA only where it
+    can run: contiguous K/V with aligned rows."""
+    options = {name: bool(params.get(name, default)) for name, default in LAUNCH_OPTIONS.items()}
+    options["USE_TMA"] = options["USE_TMA"] and not is_paged and _tma_fits(tensors, column_offsets)
+    if options["USE_TMA"] and tensors[0].device.type == "cuda":
+        triton.set_allocator(_tma_scratch_allocator(tensors[0].device))  # per thread: set here
+    return options
+
+
+def _grid(num_tiles: int, num_seqs: int, num_heads: int, heads_fastest: bool) -> tuple:
+    return (num_heads, num_tiles, num_seqs) if heads_fastest else (num_tiles, num_seqs, num_heads)
+
+
 def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, is_paged,
             block_size, max_query_len, is_causal):  # fmt: skip
     num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, query.shape[1]
     dim0, dim1 = split_head_dim(query.shape[-1])
-    params = launch_params("prefill_attention", query.device)
+    # Buckets by qk head dim: MLA's 192/128 tiles need less shared memory than 128/128's.
+    params = launch_params("prefill_attention", query.device, query.shape[-1])
     block_m, block_n = params["BLOCK_M"], params["BLOCK_N"]
-    grid = (triton.cdiv(max(max_query_len, 1), block_m), num_seqs, num_heads)
+    options = _launch_options(params, (query, key, value, out), (dim0,), is_paged)
+    num_tiles = triton.cdiv(max(max_query_len, 1), block_m)
+    grid = _grid(num_tiles, num_seqs, num_heads, options["HEADS_FASTEST"])
     _prefill_attention_kernel[grid](
         query, key, value, out, block_tables, cu_seqlens_q, kv_lens,
         scale, num_heads // key.shape[1],
@@ -205,7 +406,7 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
         BLOCK_DV=triton.next_power_of_2(value.shape[-1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         IS_PAGED=is_paged, IS_CAUSAL=is_causal, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=params["num_warps"], num_stages=params["num_stages"],
+        **options, num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     return out
 

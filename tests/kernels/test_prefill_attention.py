@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from rayinfer.kernels import prefill_attention as prefill_module
 from rayinfer.kernels.prefill_attention import (
+    paged_prefill_attention,
     prefill_attention,
     prefill_attention_reference,
     split_head_dim,
@@ -63,3 +65,93 @@ def test_mismatched_heads_name_the_fix():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="not a multiple of kv heads 4"):
         prefill_attention(query, key, key, cu, cu, 3, 1.0)
+
+
+# ---- launch options (configs/prefill_attention.json keys), each against the same reference ----
+
+VARIANTS = {
+    "pointers": dict(),
+    "heads-fastest": dict(HEADS_FASTEST=True),
+    "pipelined": dict(PIPELINE_QK=True, BLOCK_M=32),
+    "tma": dict(USE_TMA=True, HEADS_FASTEST=True),
+    "tma-pipelined": dict(USE_TMA=True, PIPELINE_QK=True, WARP_SPECIALIZE=True),
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    """Launch the kernel with the CPU tiles plus one variant's options."""
+    original = prefill_module.launch_params
+
+    def with_variant(op, device, bucket=1):
+        return {**original(op, device, bucket), **VARIANTS[request.param]}
+
+    monkeypatch.setattr(prefill_module, "launch_params", with_variant)
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "q_lens,k_lens,num_heads,num_kv_heads,dim_qk,dim_v,is_causal",
+    [
+        ([1], [1], 2, 2, 32, 32, True),  # one token
+        ([5], [5], 2, 1, 32, 32, True),  # shorter than a block
+        ([37, 1, 16, 50], [37, 1, 16, 50], 4, 2, 32, 32, True),  # odd, exact and ragged lengths
+        ([21, 3], [70, 3], 2, 2, 48, 32, True),  # chunks over a prefix; MLA-like qk 32 + 16
+        ([9, 33], [40, 33], 2, 1, 32, 16, False),  # non-causal
+        ([17], [33], 6, 1, 42, 20, True),  # unaligned dims: TMA falls back to pointers
+    ],
+    ids=["one-token", "short", "odd-lengths", "mla-dims-chunk", "non-causal", "odd-dims"],
+)
+def test_variants_match_sdpa(variant, q_lens, k_lens, num_heads, num_kv_heads, dim_qk, dim_v,
+                             is_causal):  # fmt: skip
+    ours, reference = run_varlen(q_lens, k_lens, num_heads, num_kv_heads, dim_qk, dim_v,
+                                 torch.float16, is_causal)  # fmt: skip
+    torch.testing.assert_close(ours.float(), reference, atol=2e-3, rtol=2e-3)
+
+
+def test_tma_needs_aligned_rows():
+    aligned = torch.randn(8, 2, 32, dtype=torch.float16)
+    assert prefill_module._tma_fits((aligned,), (16,))
+    assert not prefill_module._tma_fits((torch.randn(8, 2, 42, dtype=torch.float16),), (32,))
+    assert not prefill_module._tma_fits((aligned,), (4,))  # split column 8 bytes in
+
+
+@pytest.mark.parametrize(
+    "context_len,chunk_len,block_size", [(45, 45, 16), (70, 19, 16), (9, 1, 3)]
+)
+def test_paged_variants_match_sdpa(variant, context_len, chunk_len, block_size):
+    """A chunk over a paged prefix (block tables shuffled): TMA falls back to pointers there."""
+    generator = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, dim = 4, 2, 32
+    query = torch.randn(chunk_len, num_heads, dim, generator=generator).half()
+    key, value = (torch.randn(context_len, num_kv_heads, dim, generator=generator).half()
+                  for _ in range(2))  # fmt: skip
+    num_blocks = -(-context_len // block_size)
+    table = torch.randperm(num_blocks + 2, generator=generator)[:num_blocks].to(torch.int32)
+    cache = torch.zeros(num_blocks + 2, block_size, 2, num_kv_heads, dim, dtype=torch.float16)
+    positions = torch.arange(context_len)
+    cache[table[positions // block_size].long(), positions % block_size] = torch.stack(
+        (key, value), dim=1
+    )
+    starts = torch.tensor([0, chunk_len], dtype=torch.int32)
+    lens = torch.tensor([context_len], dtype=torch.int32)
+    ours = paged_prefill_attention(query, cache, table[None], lens, starts, chunk_len, dim**-0.5)
+    cu_k = torch.tensor([0, context_len], dtype=torch.int32)
+    reference = prefill_attention_reference(query.float(), key.float(), value.float(), starts,
+                                            cu_k, chunk_len, dim**-0.5)  # fmt: skip
+    torch.testing.assert_close(ours.float(), reference, atol=2e-3, rtol=2e-3)
+
+
+def test_configs_are_bucketed_by_qk_head_dim(monkeypatch):
+    """configs/prefill_attention.json buckets are qk head dims: MLA's 192 gets its own tiles."""
+    buckets = []
+    original = prefill_module.launch_params
+
+    def spy(op, device, bucket=1):
+        buckets.append(bucket)
+        return original(op, device, bucket)
+
+    monkeypatch.setattr(prefill_module, "launch_params", spy)
+    run_varlen([3], [3], 2, 2, 48, 32, torch.float32)
+    run_varlen([3], [3], 2, 2, 32, 32, torch.float32)
+    assert buckets == [48, 32]

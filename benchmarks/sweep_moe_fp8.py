@@ -42,6 +42,7 @@ from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 
 GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)
 MAX_REL_ERR = {"moe": 1e-2, "fp8_gemm": 1e-2}
+MOE_SHARE_OF_BUDGET = 0.6  # the rest of --budget-s is the fp8_gemm sweep's
 
 
 def tile(bm, bn, bk, warps, stages, group_m=8, **extra) -> dict:
@@ -87,24 +88,32 @@ def moe_candidates(setup: Setup, num_tokens: int) -> dict[str, dict]:
     """name -> {"w13": tile, "w2": tile}. "tuned" is what configs/fused_moe.json gives today."""
     if setup.smoke:
         small = tile(16, 32, 32, 4, 2, 4)
-        return {"tuned": {"w13": small, "w2": small},
-                "chunk": {"w13": {**small, "TAIL_M": 8}, "w2": {**small, "TAIL_M": 8}}}  # fmt: skip
+        chunk = {**small, "TAIL_M": 8}
+        return {"tuned": {"w13": small, "w2": small}, "chunk": {"w13": chunk, "w2": chunk},
+                "chunk_one_dot": {"w13": {**chunk, "GATE_UP_ONE_DOT": True, "USE_TMA": True},
+                                  "w2": chunk}}  # fmt: skip
     shape = setup.moe_shape
     key = f"bf16,E={shape.num_experts},I={shape.intermediate},H={shape.hidden}"
     candidates = {"tuned": pick_tile_config("fused_moe", torch.cuda.get_device_name(), key,
                                             num_tokens)}  # fmt: skip
     if num_tokens < 2048:  # ~4 rows per expert: chunks do not apply
         return candidates
-    # One program per expert chunk of 128 + 64 rows (64-row tiles): the weight tile is read
-    # once per K step for both accumulators. w13 keeps gate and up for 192 rows: BLOCK_N 64.
-    for name, stages, tma in (("chunk_tma_s3", 3, True), ("chunk_tma_s4", 4, True),
-                              ("chunk_ptr_s3", 3, False)):  # fmt: skip
-        extra = {"TAIL_M": 64, "USE_TMA": True} if tma else {"TAIL_M": 64}
-        candidates[name] = {"w13": tile(128, 64, 64, 8, stages, 16, **extra),
-                            "w2": tile(128, 128, 64, 8, stages, 16, **extra)}  # fmt: skip
-    candidates["chunk_w13_bn128"] = {
-        "w13": tile(128, 128, 64, 8, 3, 16, TAIL_M=64, USE_TMA=True),
-        "w2": tile(128, 128, 64, 8, 4, 16, TAIL_M=64, USE_TMA=True),
+    # One program per expert chunk of 128 + 64 rows (64-row tiles): each weight tile is read once
+    # per K step for both accumulators. GATE_UP_ONE_DOT: a w13 tile is 64 gate + 64 up rows, one
+    # [192, 128] product (96 accumulator registers a thread at 8 warps); without it, BLOCK_N 64.
+    chunk = {"TAIL_M": 64, "USE_TMA": True}
+    one_dot = {**chunk, "GATE_UP_ONE_DOT": True}
+    for stages in (3, 4):
+        candidates[f"chunk_one_dot_s{stages}"] = {
+            "w13": tile(128, 128, 64, 8, stages, 16, **one_dot),
+            "w2": tile(128, 128, 64, 8, stages, 16, **chunk),
+        }
+    candidates["chunk_two_dots_s3"] = {"w13": tile(128, 64, 64, 8, 3, 16, **chunk),
+                                       "w2": tile(128, 128, 64, 8, 3, 16, **chunk)}  # fmt: skip
+    no_tma = {"TAIL_M": 64}
+    candidates["chunk_one_dot_pointers_s3"] = {
+        "w13": tile(128, 128, 64, 8, 3, 16, GATE_UP_ONE_DOT=True, **no_tma),
+        "w2": tile(128, 128, 64, 8, 3, 16, **no_tma),
     }
     return candidates
 
@@ -424,11 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     experts = moe_cases.random_experts(shape, fp8=False, device=setup.device)
     if setup.smoke:
         experts = Experts(experts.w13.to(setup.dtype), experts.w2.to(setup.dtype))
+    moe_deadline = time.monotonic() + MOE_SHARE_OF_BUDGET * args.budget_s
+    setup.deadline = min(setup.deadline, moe_deadline)  # leave the fp8_gemm sweep its share
     for num_tokens in setup.moe_tokens:
         results["moe"].append(sweep_moe(setup, experts, num_tokens))
         print("moe", num_tokens, results["moe"][-1].get("best"), flush=True)
         write(results, args.out)
     del experts
+    setup.deadline = started + args.budget_s
     for m in setup.gemm_rows:
         for n, k in setup.gemm_shapes:
             results["fp8_gemm"].append(sweep_fp8_gemm(setup, m, n, k))

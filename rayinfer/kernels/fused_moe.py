@@ -22,6 +22,8 @@ from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
+# Tile keys that choose a code path rather than a kernel argument of the same name.
+LAUNCH_OPTIONS = ("USE_TMA", "GATE_UP_ONE_DOT")
 DEFAULT_CONFIG = {
     "w13": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
             "num_stages": 3},
@@ -194,15 +196,17 @@ def _load_rows(a_ptrs, a_scale_ptrs, is_real, k_step, k_in, scale_col,
 @triton.jit
 def _chunk_k_loop(
     a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
-    b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
-    WITH_TAIL: tl.constexpr, FUSE_SILU: tl.constexpr, USE_FP8: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    b_ptr, b_offs, b_row, expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+    WITH_TAIL: tl.constexpr, SEPARATE_UP: tl.constexpr, GATE_UP_BOX: tl.constexpr,
+    USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Every K block's weight tile is loaded once and multiplies the main rows and the tail rows.
 
-    Returns (main [BM, BN], main_up, tail [TM, BN], tail_up); the up products only with FUSE_SILU.
+    Returns (main [BM, BN], main_up, tail [TM, BN], tail_up); the up products only with
+    SEPARATE_UP. With GATE_UP_BOX, b_ptr is a TMA descriptor over w13 as [E, 2, I, H] and one
+    [BN, BK] tile holds BN/2 gate rows then the BN/2 matching up rows.
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -213,7 +217,11 @@ def _chunk_k_loop(
         k_in = offs_k < K - k_step * BLOCK_K
         scale_col = k_step * BLOCK_K // SCALE_BLOCK
         b_scale = _column_scales(b_scale_ptrs, scale_col, USE_FP8)
-        b = _load_weight_tile(b_ptr, b_offs, b_row, k_step, k_in, USE_TMA, EVEN_K, BLOCK_K)
+        if GATE_UP_BOX:
+            box = b_ptr.load([expert, 0, b_row, k_step * BLOCK_K])  # [1, 2, BN/2, BK]
+            b = box.reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = _load_weight_tile(b_ptr, b_offs, b_row, k_step, k_in, USE_TMA, EVEN_K, BLOCK_K)
         a, a_scale = _load_rows(
             a_ptrs, a_scale_ptrs, is_real, k_step, k_in, scale_col, USE_FP8, EVEN_K, BLOCK_K
         )
@@ -224,7 +232,7 @@ def _chunk_k_loop(
                 USE_FP8, EVEN_K, BLOCK_K,
             )  # fmt: skip
             tail = _dot_acc(tail, tail_a, b, tail_scale, b_scale, USE_FP8, DOT_PRECISION)
-        if FUSE_SILU:
+        if SEPARATE_UP:
             up = _load_weight_tile(
                 b_ptr, b_offs + up_offset * stride_bn, b_row + up_offset, k_step, k_in,
                 USE_TMA, EVEN_K, BLOCK_K,
@@ -241,16 +249,37 @@ def _chunk_k_loop(
 @triton.jit
 def _store_rows(
     acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
-    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """c[slot, cols] = silu(acc) * acc_up (gate+up) or topk_weight[slot] * acc (down)."""
+    """c[slot, cols] = silu(gate) * up (gate+up) or topk_weight[slot] * acc (down).
+
+    With GATE_UP_ONE_DOT, acc [R, BN] holds gate in its first BN/2 columns and up in the rest.
+    """
+    out_n: tl.constexpr = BLOCK_N // 2 if GATE_UP_ONE_DOT else BLOCK_N
+    if GATE_UP_ONE_DOT:
+        halves = tl.permute(tl.reshape(acc, (ROWS, 2, out_n)), (0, 2, 1))  # [R, BN/2, 2]
+        acc, acc_up = tl.split(halves)  # gate, up [R, BN/2]
     if FUSE_SILU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * out_n + tl.arange(0, out_n)
     c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _weight_rows(pid_n, N, up_offset, GATE_UP_ONE_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BN] weight rows of output tile pid_n, wrapped into [0, N); with GATE_UP_ONE_DOT, BN/2
+    gate rows then the BN/2 up rows of the same output columns (one dot makes both)."""
+    if GATE_UP_ONE_DOT:
+        half: tl.constexpr = BLOCK_N // 2
+        offs = tl.arange(0, BLOCK_N)
+        rows = (pid_n * half + offs % half) % N + (offs // half) * up_offset
+    else:
+        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    return rows
 
 
 @triton.jit
@@ -262,14 +291,15 @@ def _moe_chunk_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Like _moe_gemm_kernel, for one chunk of an expert's rows: BLOCK_M main rows plus up to
     TAIL_M tail rows (row tiles of TAIL_M), so an expert with 1.5 tiles' worth of rows reads each
     weight tile once and multiplies 1.5 tiles, not 2."""
-    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_chunks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    out_n: tl.constexpr = BLOCK_N // 2 if GATE_UP_ONE_DOT else BLOCK_N  # output columns per tile
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_chunks, tl.cdiv(N, out_n), GROUP_M)
     if pid_m >= tl.load(num_chunks_ptr):
         return
     first_row = tl.load(chunk_first_tile_ptr + pid_m) * TAIL_M
@@ -284,35 +314,40 @@ def _moe_chunk_gemm_kernel(
     is_real, tail_is_real = slots < num_slots, tail_slots < num_slots
     a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)  # [BM]
     tail_a_rows = (tail_slots // SLOTS_PER_A_ROW).to(tl.int64)  # [TM]
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_n = _weight_rows(pid_n, N, up_offset, GATE_UP_ONE_DOT, BLOCK_N)  # [BN]
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
     tail_a_ptrs = a_ptr + tail_a_rows[:, None] * stride_am + offs_k[None, :]  # [TM, BK]
     b_offs = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)  # TMA row
+    if GATE_UP_ONE_DOT:  # the row inside the [E, 2, I, H] descriptor
+        b_row = pid_n * out_n
     b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SCALE_BLOCK) * stride_bsn
     up_scale_ptrs = b_scale_ptr + expert * stride_bse
     up_scale_ptrs += ((offs_n + up_offset) // SCALE_BLOCK) * stride_bsn  # [BN]
+    tma_expert = expert.to(tl.int32)
+    separate_up: tl.constexpr = FUSE_SILU and not GATE_UP_ONE_DOT
+    gate_up_box: tl.constexpr = GATE_UP_ONE_DOT and USE_TMA
     a_scale_ptrs = a_scale_ptr + a_rows * stride_asm  # [BM]
     tail_a_scale_ptrs = a_scale_ptr + tail_a_rows * stride_asm  # [TM]
     if num_rows > BLOCK_M:
         acc, acc_up, tail, tail_up = _chunk_k_loop(
             a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
-            b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
-            True, FUSE_SILU, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
+            b_ptr, b_offs, b_row, tma_expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+            True, separate_up, gate_up_box, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
             BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, topk_weights_ptr, pid_n, N,
-                    stride_cm, FUSE_SILU, MUL_WEIGHT, BLOCK_N)  # fmt: skip
+                    stride_cm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, TAIL_M, BLOCK_N)  # fmt: skip
     else:
         acc, acc_up, tail, tail_up = _chunk_k_loop(
             a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
-            b_ptr, b_offs, b_row, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
-            False, FUSE_SILU, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
+            b_ptr, b_offs, b_row, tma_expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+            False, separate_up, gate_up_box, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
             BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     _store_rows(acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
-                FUSE_SILU, MUL_WEIGHT, BLOCK_N)  # fmt: skip
+                FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -425,13 +460,17 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
     A tile with TAIL_M runs one program per chunk of an expert's rows (alignment made with
     block_m = TAIL_M); chunks are built here when not given.
     """
-    tile = {key: value for key, value in config[stage].items() if key != "USE_TMA"}
+    tile = {key: value for key, value in config[stage].items() if key not in LAUNCH_OPTIONS}
     is_w13 = stage == "w13"
     n_out, k = c.shape[1], a.shape[1]
     use_fp8 = b_scale is not None
     use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
+    one_dot = is_w13 and "TAIL_M" in tile and bool(config[stage].get("GATE_UP_ONE_DOT"))
     weights = b
-    if use_tma:  # the experts' rows as one [E*N, K] matrix, read in [BN, BK] boxes
+    if use_tma and one_dot:  # w13 as [E, 2, I, H]: a box holds BN/2 gate and BN/2 up rows
+        box = [1, 2, tile["BLOCK_N"] // 2, tile["BLOCK_K"]]
+        weights = TensorDescriptor.from_tensor(b.view(b.shape[0], 2, n_out, k), box)
+    elif use_tma:  # the experts' rows as one [E*N, K] matrix, read in [BN, BK] boxes
         box = [tile["BLOCK_N"], tile["BLOCK_K"]]
         weights = TensorDescriptor.from_tensor(b.view(-1, k), box)
     common = dict(
@@ -444,7 +483,7 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0) if use_fp8 else 0,
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
     )  # fmt: skip
-    num_pid_n = triton.cdiv(n_out, tile["BLOCK_N"])
+    num_pid_n = triton.cdiv(n_out, tile["BLOCK_N"] // 2 if one_dot else tile["BLOCK_N"])
     if "TAIL_M" in tile:
         _check_chunk_tile(tile)
         if chunks is None:
@@ -452,7 +491,8 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         max_chunks = chunks.first_tile.numel()
         _moe_chunk_gemm_kernel[(max_chunks * num_pid_n,)](
             *operands, alignment.sorted_slot_ids, alignment.block_expert_ids, *chunks,
-            n_out, k, topk_weights.numel(), n_out, max_chunks, *strides, **common,
+            n_out, k, topk_weights.numel(), n_out, max_chunks, *strides,
+            GATE_UP_ONE_DOT=one_dot, **common,
         )  # fmt: skip
         return
     num_blocks_m = alignment.block_expert_ids.numel()

@@ -21,6 +21,10 @@ TMA_TILES = {"w13": {**SMALL, "USE_TMA": True}, "w2": {**SMALL, "USE_TMA": True}
 CHUNK = {**SMALL, "TAIL_M": 8}
 CHUNK_TILES = {"w13": CHUNK, "w2": CHUNK}
 CHUNK_TMA_TILES = {"w13": {**CHUNK, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA": True}}
+# gate+up as one dot: each weight tile holds 16 gate rows then the 16 matching up rows.
+ONE_DOT = {**CHUNK, "GATE_UP_ONE_DOT": True}
+ONE_DOT_TILES = {"w13": ONE_DOT, "w2": CHUNK}
+ONE_DOT_TMA_TILES = {"w13": {**ONE_DOT, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA": True}}
 
 CASES = {
     "normal": dict(T=16, H=64, I=32, E=8, K=2),
@@ -66,7 +70,11 @@ def test_fused_moe_matches_reference(name, dtype, tol):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("tiles", [CHUNK_TILES, CHUNK_TMA_TILES], ids=["pointer", "tma"])
+@pytest.mark.parametrize(
+    "tiles",
+    [CHUNK_TILES, CHUNK_TMA_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES],
+    ids=["pointer", "tma", "one_dot", "one_dot_tma"],
+)
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_moe_expert_chunks(name, tiles):
     """Main + tail row tiles per program, all edge cases: empty experts, one expert, one token."""
@@ -136,7 +144,7 @@ def test_fused_moe_fp8_block_scales(case):
     w13_q, w13_scale = _quantize_experts(w13)
     w2_q, w2_scale = _quantize_experts(w2)
     expected = fused_moe_fp8_reference(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale)
-    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES):
+    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES):
         out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=tiles)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # FP8 activations and weights stay within a few percent of the unquantized experts.

@@ -18,7 +18,8 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
   cores have work while the softmax runs;
 - HEADS_FASTEST: heads vary fastest in the grid: a wave holds the heaviest query tiles of every
   head (longest first over the whole grid), and a GQA group's heads run side by side on one K/V;
-- WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop (experimental).
+- WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop when it is not
+  PIPELINE_QK's (experimental on Hopper).
 """
 
 from __future__ import annotations
@@ -148,6 +149,26 @@ def _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len, BLOCK_N: tl
 
 
 @triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr, offs_m_pos,
+    start_n, kv_len, stride_kt, stride_vt,
+    HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Key tile start_n..: scores, values, online softmax."""
+    qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stride_kt,
+                 HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
+                 USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
+    v = _kv_tile(v_source, block_table_ptr, start_n, kv_len, stride_vt, HEAD_DIM_V, BLOCK_DV,
+                 BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+    return _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len, BLOCK_N, MASKED,
+                         IS_CAUSAL, DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr, offs_m_pos,
     lo, hi, kv_len, stride_kt, stride_vt,
@@ -157,15 +178,24 @@ def _attend_tiles(
     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Key tiles [lo, hi) one after the other."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stride_kt,
-                     HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
-                     USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
-        v = _kv_tile(v_source, block_table_ptr, start_n, kv_len, stride_vt, HEAD_DIM_V,
-                     BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len,
-                                      BLOCK_N, MASKED, IS_CAUSAL, DOT_PRECISION)  # fmt: skip
+    """Key tiles [lo, hi) one after the other (`tl.range`'s warp specialization only when asked:
+    a plain loop otherwise)."""
+    if WARP_SPECIALIZE:
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr,
+                offs_m_pos, start_n, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
+                HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
+                MASKED, IS_CAUSAL, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr,
+                offs_m_pos, start_n, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
+                HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
+                MASKED, IS_CAUSAL, DOT_PRECISION,
+            )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -177,7 +207,7 @@ def _attend_tiles_pipelined(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [lo, hi), software-pipelined by one tile: iteration j issues the scores of tile
     j, then the P.V product of tile j-1 (asynchronous: it chains on acc), then runs the softmax
@@ -188,7 +218,7 @@ def _attend_tiles_pipelined(
                      USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
         p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, lo, offs_m_pos, kv_len, BLOCK_N,
                                             MASKED, IS_CAUSAL)  # fmt: skip
-        for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
             qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len,
                          stride_kt, HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N,
                          BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
@@ -311,7 +341,7 @@ def _prefill_attention_kernel(
             acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
             0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
             BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, False,
-            IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION,
+            IS_CAUSAL, DOT_PRECISION,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_tiles(

@@ -125,12 +125,13 @@ def gemm_candidates(setup: Setup, n: int, k: int, m: int) -> dict[str, dict]:
         return {"tuned": small, "unroll2": {**small, "K_UNROLL": 2},
                 "unroll2_tma": {**small, "K_UNROLL": 2, "USE_TMA": True}}  # fmt: skip
     tuned = pick_tile_config("fp8_gemm", torch.cuda.get_device_name(), f"N={n},K={k}", m)
-    if m <= 256:
-        return {"tuned": tuned, "tuned_unroll2": {**tuned, "K_UNROLL": 2}}
+    if m <= 256:  # a stage of an unrolled loop holds two K blocks: about half the stages
+        unrolled = {**tuned, "K_UNROLL": 2, "num_stages": tuned["num_stages"] // 2 + 1}
+        return {"tuned": tuned, "tuned_unroll2": unrolled}
     return {
         "tuned": tuned,
-        "64x128_w4_s4_u2": tile(64, 128, 128, 4, 4, 8, K_UNROLL=2, USE_TMA=True),
-        "128x128_w8_s4_u2": tile(128, 128, 128, 8, 4, 8, K_UNROLL=2, USE_TMA=True),
+        "64x128_w4_s3_u2": tile(64, 128, 128, 4, 3, 8, K_UNROLL=2, USE_TMA=True),
+        "128x128_w8_s2_u2": tile(128, 128, 128, 8, 2, 8, K_UNROLL=2, USE_TMA=True),
         "128x128_w8_s4_u1": tile(128, 128, 128, 8, 4, 8, K_UNROLL=1, USE_TMA=True),
     }
 

@@ -115,47 +115,46 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _max_combine(left, right):
-    return tl.maximum(left, right)
-
-
-@triton.jit
 def _expert_chunks_kernel(
-    block_expert_ids_ptr, chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
+    block_expert_ids_ptr, run_first_ptr, run_last_ptr,
+    chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
     num_tiles,
     TILES_PER_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program: cut each expert's run of row tiles into chunks of up to TILES_PER_CHUNK.
+    """One program: cut each expert's run of n row tiles into ceil(n / TILES_PER_CHUNK) chunks of
+    balanced size (4 tiles -> 2 + 2, not 3 + 1: a 1-tile chunk would pay a whole main tile).
 
-    Writes the chunks' first tile and tile count, compacted, and their number. A tile starts a
-    chunk when its distance to its expert's first tile is a multiple of TILES_PER_CHUNK.
+    Pass 1 writes each run's first and last tile; pass 2 the chunks (first tile, tile count),
+    compacted, and their number.
     """
-    num_chunks = 0
-    expert_first = -1  # first tile of the expert running at the end of the previous block
     for block_start in range(0, num_tiles, BLOCK):
         tiles = block_start + tl.arange(0, BLOCK)  # [B]
         experts = tl.load(block_expert_ids_ptr + tiles, mask=tiles < num_tiles, other=-1)
-        previous = tl.load(
-            block_expert_ids_ptr + tiles - 1, mask=(tiles >= 1) & (tiles < num_tiles), other=-1
-        )
-        opens_run = (experts != previous) & (experts >= 0)
-        run_first = tl.associative_scan(tl.where(opens_run, tiles, -1), 0, _max_combine)
-        run_first = tl.maximum(run_first, expert_first)  # [B]
-        starts = (experts >= 0) & ((tiles - run_first) % TILES_PER_CHUNK == 0)
-        tiles_in_chunk = tl.full((BLOCK,), 1, tl.int32)
-        same_run = experts >= 0
-        for ahead in tl.static_range(1, TILES_PER_CHUNK):
-            later = tiles + ahead
-            next_expert = tl.load(
-                block_expert_ids_ptr + later, mask=later < num_tiles, other=-1
-            )  # fmt: skip
-            same_run = same_run & (next_expert == experts)
-            tiles_in_chunk += same_run.to(tl.int32)
+        before = tl.load(block_expert_ids_ptr + tiles - 1, mask=tiles >= 1, other=-1)
+        after = tl.load(block_expert_ids_ptr + tiles + 1, mask=tiles + 1 < num_tiles, other=-1)
+        held = experts >= 0
+        tl.store(run_first_ptr + experts, tiles, mask=held & (before != experts))
+        tl.store(run_last_ptr + experts, tiles, mask=held & (after != experts))
+    tl.debug_barrier()  # pass 2 reads what other threads stored
+    num_chunks = 0
+    for block_start in range(0, num_tiles, BLOCK):
+        tiles = block_start + tl.arange(0, BLOCK)  # [B]
+        experts = tl.load(block_expert_ids_ptr + tiles, mask=tiles < num_tiles, other=-1)
+        held = experts >= 0
+        first = tl.load(run_first_ptr + experts, mask=held, other=0)
+        run_tiles = tl.load(run_last_ptr + experts, mask=held, other=0) - first + 1  # [B] n
+        run_tiles = tl.where(held, run_tiles, 1)
+        chunks_in_run = (run_tiles + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
+        base = run_tiles // chunks_in_run  # the first `extra` chunks hold base + 1 tiles
+        extra = run_tiles % chunks_in_run
+        rel = tiles - first
+        in_long = extra * (base + 1)
+        chunk = tl.where(rel < in_long, rel // (base + 1), extra + (rel - in_long) // base)
+        starts = held & (rel == chunk * base + tl.minimum(chunk, extra))
         slot = num_chunks + tl.cumsum(starts.to(tl.int32), 0) - 1  # [B]
         tl.store(chunk_first_tile_ptr + slot, tiles, mask=starts)
-        tl.store(chunk_num_tiles_ptr + slot, tiles_in_chunk, mask=starts)
+        tl.store(chunk_num_tiles_ptr + slot, base + (chunk < extra).to(tl.int32), mask=starts)
         num_chunks += tl.sum(starts.to(tl.int32), 0)
-        expert_first = tl.max(run_first, 0)
     tl.store(num_chunks_ptr, num_chunks)
 
 
@@ -429,9 +428,10 @@ def expert_chunks(alignment: MoeAlignment, num_slots: int, num_experts: int, til
     first_tile = torch.empty(max(max_chunks, 1), dtype=torch.int32, device=device)
     chunk_tiles = torch.empty_like(first_tile)
     num_chunks = torch.empty(1, dtype=torch.int32, device=device)
+    runs = torch.empty(2, max(num_experts, 1), dtype=torch.int32, device=device)  # first, last
     _expert_chunks_kernel[(1,)](
-        alignment.block_expert_ids, first_tile, chunk_tiles, num_chunks, num_tiles,
-        TILES_PER_CHUNK=tiles_per_chunk, BLOCK=1024,
+        alignment.block_expert_ids, runs[0], runs[1], first_tile, chunk_tiles, num_chunks,
+        num_tiles, TILES_PER_CHUNK=tiles_per_chunk, BLOCK=1024,
     )  # fmt: skip
     return ExpertChunks(first_tile[:max_chunks], chunk_tiles[:max_chunks], num_chunks)
 

@@ -85,22 +85,23 @@ def test_fused_moe_expert_chunks(name, tiles):
 
 
 def _reference_chunks(block_expert_ids, tiles_per_chunk):
-    """(first tile, tile count) of every chunk, from the per-tile experts."""
-    chunks, run_first = [], None
-    ids = block_expert_ids.tolist()
-    for tile, expert in enumerate(ids):
-        if expert < 0:
-            break
-        if tile == 0 or ids[tile - 1] != expert:
-            run_first = tile
-        if (tile - run_first) % tiles_per_chunk == 0:
-            chunks.append([tile, 1])
-        else:
-            chunks[-1][1] += 1
+    """(first tile, tile count) of every chunk: each expert's n tiles in ceil(n / tiles_per_chunk)
+    chunks, sizes as equal as they go, larger first."""
+    ids = [expert for expert in block_expert_ids.tolist() if expert >= 0]
+    chunks, tile = [], 0
+    while tile < len(ids):
+        run = ids.count(ids[tile])
+        num_chunks = -(-run // tiles_per_chunk)
+        for index in range(num_chunks):
+            size = run // num_chunks + (index < run % num_chunks)
+            chunks.append([tile, size])
+            tile += size
     return chunks
 
 
-@pytest.mark.parametrize("counts", [[0, 5, 0, 40, 9], [1], [0, 0, 0], [24, 25, 8, 0, 17]])
+@pytest.mark.parametrize(
+    "counts", [[0, 5, 0, 40, 9], [1], [0, 0, 0], [24, 25, 8, 0, 17, 50], [9000, 3, 0, 1100]]
+)
 def test_expert_chunks_cut_runs(counts):
     ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)] + [torch.zeros(0)])
     ids = ids.long()[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]

@@ -101,19 +101,21 @@ def moe_candidates(setup: Setup, num_tokens: int) -> dict[str, dict]:
     # One program per expert chunk of 128 + 64 rows (64-row tiles): each weight tile is read once
     # per K step for both accumulators. GATE_UP_ONE_DOT: a w13 tile is 64 gate + 64 up rows, one
     # [192, 128] product (96 accumulator registers a thread at 8 warps); without it, BLOCK_N 64.
+    # No two programs share a weight tile (one chunk per expert here), so GROUP_M only keeps a
+    # chunk's activation rows in L2: small groups (4 chunks x all column tiles) should do.
     chunk = {"TAIL_M": 64, "USE_TMA": True}
     one_dot = {**chunk, "GATE_UP_ONE_DOT": True}
-    for stages in (3, 4):
-        candidates[f"chunk_one_dot_s{stages}"] = {
-            "w13": tile(128, 128, 64, 8, stages, 16, **one_dot),
-            "w2": tile(128, 128, 64, 8, stages, 16, **chunk),
+    for stages, group in ((3, 4), (4, 4), (3, 16)):
+        candidates[f"chunk_one_dot_s{stages}_g{group}"] = {
+            "w13": tile(128, 128, 64, 8, stages, group, **one_dot),
+            "w2": tile(128, 128, 64, 8, stages, group, **chunk),
         }
-    candidates["chunk_two_dots_s3"] = {"w13": tile(128, 64, 64, 8, 3, 16, **chunk),
-                                       "w2": tile(128, 128, 64, 8, 3, 16, **chunk)}  # fmt: skip
+    candidates["chunk_two_dots_s3_g4"] = {"w13": tile(128, 64, 64, 8, 3, 4, **chunk),
+                                          "w2": tile(128, 128, 64, 8, 3, 4, **chunk)}  # fmt: skip
     no_tma = {"TAIL_M": 64}
-    candidates["chunk_one_dot_pointers_s3"] = {
-        "w13": tile(128, 128, 64, 8, 3, 16, GATE_UP_ONE_DOT=True, **no_tma),
-        "w2": tile(128, 128, 64, 8, 3, 16, **no_tma),
+    candidates["chunk_one_dot_pointers_s3_g4"] = {
+        "w13": tile(128, 128, 64, 8, 3, 4, GATE_UP_ONE_DOT=True, **no_tma),
+        "w2": tile(128, 128, 64, 8, 3, 4, **no_tma),
     }
     return candidates
 

@@ -6,6 +6,13 @@ The Triton path is a grouped GEMM over tokens sorted and padded per expert tile 
   3. top-k reduction: out[t] = sum_k out_slot[t*K + k] over slots routed to a held expert.
 FP8 weights (DeepSeek-V3: float8_e4m3fn with one float32 scale per 128x128 block) multiply
 activations quantized per token and per 128 channels (fp8_quant) and rescale every K step.
+
+Row tiles: by default a program multiplies one BLOCK_M tile of one expert's rows. A tile config
+with TAIL_M instead pads each expert's rows to TAIL_M and gives a program a chunk of up to
+BLOCK_M + TAIL_M of them (two accumulators): at ~1.5 tiles of rows per expert (4,096 V3 tokens,
+~128 rows each), each weight tile is read once per K step and 192 rows are multiplied instead of
+2 x 128. GATE_UP_ONE_DOT (w13, chunked) makes gate and up one [rows, BLOCK_N] product whose
+columns are BLOCK_N/2 gate then BLOCK_N/2 up outputs, which keeps the accumulators in registers.
 """
 
 from __future__ import annotations
@@ -510,7 +517,7 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, K] int: ids outside [0, E) are experts this rank does not hold
     w13_scale: torch.Tensor | None = None,  # [E, 2I/128, H/128] float32 for FP8 weights
     w2_scale: torch.Tensor | None = None,  # [E, H/128, I/128] float32 for FP8 weights
-    config: dict | None = None,  # {"w13": tile, "w2": tile}; same BLOCK_M in both
+    config: dict | None = None,  # {"w13": tile, "w2": tile}; same TAIL_M or BLOCK_M in both
 ) -> torch.Tensor:  # [T, H] x.dtype
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape

@@ -51,14 +51,14 @@ def config(block_m, block_n, warps, stages, **options) -> dict:
 SWEEP_128 = [  # most promising first: the time budget cuts the tail
     ("pointers 128x64/8/3 (default)", config(128, 64, 8, 3)),
     ("tma 128x64/8/3 pipelined", config(128, 64, 8, 3, **TMA, **PIPE)),
-    ("tma 128x128/8/2", config(128, 128, 8, 2, **TMA)),
     ("tma 128x64/8/3", config(128, 64, 8, 3, **TMA)),
     ("pointers 128x64/8/3 hf pipelined", config(128, 64, 8, 3, **HF, **PIPE)),
-    ("tma 128x128/8/3", config(128, 128, 8, 3, **TMA)),
-    ("tma 128x128/8/2 pipelined", config(128, 128, 8, 2, **TMA, **PIPE)),
-    ("pointers 128x64/8/3 heads-fastest", config(128, 64, 8, 3, **HF)),
-    ("tma 128x64/8/4 pipelined", config(128, 64, 8, 4, **TMA, **PIPE)),
     ("pointers 128x128/8/3 hf", config(128, 128, 8, 3, **HF)),
+    ("tma 128x128/8/2", config(128, 128, 8, 2, **TMA)),
+    ("tma 128x64/8/4 pipelined", config(128, 64, 8, 4, **TMA, **PIPE)),
+    ("tma 128x64/8/2 pipelined", config(128, 64, 8, 2, **TMA, **PIPE)),
+    ("pointers 128x64/8/3 heads-fastest", config(128, 64, 8, 3, **HF)),
+    ("tma 128x128/8/2 pipelined", config(128, 128, 8, 2, **TMA, **PIPE)),
 ]
 SWEEP_192 = [
     ("mla pointers 128x64/8/3 (default)", config(128, 64, 8, 3)),

@@ -211,7 +211,8 @@ def _attend_tiles_pipelined(
 ):  # fmt: skip
     """Key tiles [lo, hi), software-pipelined by one tile: iteration j issues the scores of tile
     j, then the P.V product of tile j-1 (asynchronous: it chains on acc), then runs the softmax
-    of tile j while the tensor cores work on that product."""
+    of tile j while the tensor cores work on that product. The diagonal goes through this loop
+    too (MASKED): a plain loop after it made ptxas serialize every wgmma of the kernel."""
     if lo < hi:
         qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, lo, kv_len, stride_kt,
                      HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
@@ -228,8 +229,9 @@ def _attend_tiles_pipelined(
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len,
                                                 BLOCK_N, MASKED, IS_CAUSAL)  # fmt: skip
-        v = _kv_tile(v_source, block_table_ptr, hi - BLOCK_N, kv_len, stride_vt, HEAD_DIM_V,
-                     BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
+        last_n = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N  # hi - lo: any length (the diagonal)
+        v = _kv_tile(v_source, block_table_ptr, last_n, kv_len, stride_vt, HEAD_DIM_V, BLOCK_DV,
+                     BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -351,12 +353,20 @@ def _prefill_attention_kernel(
             IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION,
         )  # fmt: skip
     # The diagonal (and the ragged end): the only tiles that need the mask.
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
-        unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
-        BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, True, IS_CAUSAL,
-        False, DOT_PRECISION,
-    )  # fmt: skip
+    if PIPELINE_QK:
+        acc, m_i, l_i = _attend_tiles_pipelined(
+            acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
+            unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
+            HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
+            True, IS_CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
+            unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
+            HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
+            True, IS_CAUSAL, False, DOT_PRECISION,
+        )  # fmt: skip
     out_head_ptr = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh
     _store_output(out_head_ptr, acc / l_i[:, None], first_row, q_len, stride_ot, HEAD_DIM_V,
                   BLOCK_DV, BLOCK_M, USE_TMA)  # fmt: skip

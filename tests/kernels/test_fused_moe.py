@@ -25,6 +25,12 @@ CHUNK_TMA_TILES = {"w13": {**CHUNK, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA":
 ONE_DOT = {**CHUNK, "GATE_UP_ONE_DOT": True}
 ONE_DOT_TILES = {"w13": ONE_DOT, "w2": CHUNK}
 ONE_DOT_TMA_TILES = {"w13": {**ONE_DOT, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA": True}}
+# 32 main rows + 8 tail rows: chunks of up to 5 tiles of 8 rows.
+FIVE_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "TAIL_M": 8}
+FIVE_TILE_CHUNKS = {
+    "w13": {**FIVE_TILES, "GATE_UP_ONE_DOT": True, "USE_TMA": True},
+    "w2": FIVE_TILES,
+}
 
 CASES = {
     "normal": dict(T=16, H=64, I=32, E=8, K=2),
@@ -72,8 +78,8 @@ def test_fused_moe_matches_reference(name, dtype, tol):
 
 @pytest.mark.parametrize(
     "tiles",
-    [CHUNK_TILES, CHUNK_TMA_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES],
-    ids=["pointer", "tma", "one_dot", "one_dot_tma"],
+    [CHUNK_TILES, CHUNK_TMA_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES, FIVE_TILE_CHUNKS],
+    ids=["pointer", "tma", "one_dot", "one_dot_tma", "five_tiles"],
 )
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_moe_expert_chunks(name, tiles):
@@ -105,13 +111,17 @@ def _reference_chunks(block_expert_ids, tiles_per_chunk):
 def test_expert_chunks_cut_runs(counts):
     ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)] + [torch.zeros(0)])
     ids = ids.long()[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]
-    num_experts, tile = len(counts), {"BLOCK_M": 16, "TAIL_M": 8}
+    num_experts = len(counts)
     alignment = moe_align(ids.view(-1, 1), num_experts, 8)
-    chunks = expert_chunks(alignment, ids.numel(), num_experts, tile)
-    num_chunks = int(chunks.num_chunks)
-    got = torch.stack([chunks.first_tile[:num_chunks], chunks.num_tiles[:num_chunks]], 1)
-    assert got.tolist() == _reference_chunks(alignment.block_expert_ids, 3)
-    assert num_chunks <= chunks.first_tile.numel()
+    for tile, tiles_per_chunk in (
+        ({"BLOCK_M": 16, "TAIL_M": 8}, 3),
+        ({"BLOCK_M": 32, "TAIL_M": 8}, 5),
+    ):
+        chunks = expert_chunks(alignment, ids.numel(), num_experts, tile)
+        num_chunks = int(chunks.num_chunks)
+        got = torch.stack([chunks.first_tile[:num_chunks], chunks.num_tiles[:num_chunks]], 1)
+        assert got.tolist() == _reference_chunks(alignment.block_expert_ids, tiles_per_chunk)
+        assert num_chunks <= chunks.first_tile.numel()
 
 
 @pytest.mark.parametrize("name", ["normal", "odd", "foreign_ids"])

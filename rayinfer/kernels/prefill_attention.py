@@ -14,8 +14,8 @@ power-of-two part and a remainder so no FLOPs go to padding.
 Launch options beyond the tile sizes (keys of configs/prefill_attention.json, off when absent):
 - USE_TMA: contiguous Q/K/V/O through per-(sequence, head) TMA descriptors (Hopper+, 16-byte
   aligned rows); their bounds zero-fill the rows past a sequence, so no row masks or pointer math;
-- PIPELINE_QK: the scores of key tile j+1 are issued before the softmax of tile j, so the tensor
-  cores have work while the softmax runs;
+- PIPELINE_QK: software pipelining by one key tile: the P.V product of tile j-1 is issued
+  (asynchronously) before the softmax of tile j, so the tensor cores have work while it runs;
 - HEADS_FASTEST: heads vary fastest in the grid: a wave holds the heaviest query tiles of every
   head (longest first over the whole grid), and a GQA group's heads run side by side on one K/V;
 - WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop when it is not

@@ -34,6 +34,7 @@ import triton.testing  # noqa: E402
 
 from rayinfer.bench import moe_cases  # noqa: E402
 from rayinfer.bench.moe_cases import Experts, MoeShape  # noqa: E402
+from rayinfer.kernels import fp8_gemm as fp8_gemm_module  # noqa: E402
 from rayinfer.kernels import fused_moe as fused_moe_module  # noqa: E402
 from rayinfer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
 from rayinfer.kernels.fp8_quant import fp8_quant  # noqa: E402
@@ -74,7 +75,7 @@ class Setup:
 def make_setup(smoke: bool, budget_s: float) -> Setup:
     deadline = time.monotonic() + budget_s
     if smoke:
-        shape = MoeShape(num_experts=4, hidden=256, intermediate=128, top_k=2)
+        shape = MoeShape(num_experts=8, hidden=256, intermediate=128, top_k=6)
         return Setup(True, "cpu", torch.float16, shape, (48, 4), ((256, 384),), (40, 8), deadline)
     gpu_rows = (4096, 128)
     return Setup(False, "cuda", torch.bfloat16, MoeShape(), (4096, 128), GEMM_SHAPES, gpu_rows,
@@ -94,8 +95,8 @@ def moe_candidates(setup: Setup, num_tokens: int) -> dict[str, dict]:
                                   "w2": chunk}}  # fmt: skip
     shape = setup.moe_shape
     key = f"bf16,E={shape.num_experts},I={shape.intermediate},H={shape.hidden}"
-    candidates = {"tuned": pick_tile_config("fused_moe", torch.cuda.get_device_name(), key,
-                                            num_tokens)}  # fmt: skip
+    tuned = pick_tile_config("fused_moe", torch.cuda.get_device_name(), key, num_tokens)
+    candidates = {"tuned": tuned or fused_moe_module.DEFAULT_CONFIG}
     if num_tokens < 2048:  # ~4 rows per expert: chunks do not apply
         return candidates
     # One program per expert chunk of 128 + 64 rows (64-row tiles): each weight tile is read once
@@ -134,6 +135,7 @@ def gemm_candidates(setup: Setup, n: int, k: int, m: int) -> dict[str, dict]:
         return {"tuned": small, "unroll2": {**small, "K_UNROLL": 2},
                 "unroll2_tma": {**small, "K_UNROLL": 2, "USE_TMA": True}}  # fmt: skip
     tuned = pick_tile_config("fp8_gemm", torch.cuda.get_device_name(), f"N={n},K={k}", m)
+    tuned = tuned or dict(fp8_gemm_module.DEFAULT_CONFIG)  # a GPU without tuned tiles
     if m <= 256:  # a stage of an unrolled loop holds two K blocks: about half the stages
         unrolled = {**tuned, "K_UNROLL": 2, "num_stages": tuned["num_stages"] // 2 + 1}
         return {"tuned": tuned, "tuned_unroll2": unrolled}
@@ -200,7 +202,7 @@ def moe_check_problems(setup: Setup, experts: Experts) -> list:
     subset = Experts(experts.w13[:few], experts.w2[:few])
     long_tokens = 40 if setup.smoke else 1024
     x, weights, ids = moe_problem(setup, experts, long_tokens, seed=3)
-    problems.append((x, subset, weights[:, :4], ids[:, :4] % few))
+    problems.append((x, subset, weights[:, :4].contiguous(), ids[:, :4] % few))
     return [(*p, moe_cases.float32_moe_reference(*p)) for p in problems]
 
 

@@ -125,14 +125,15 @@ def _moe_gemm_kernel(
 def _expert_chunks_kernel(
     block_expert_ids_ptr, run_first_ptr, run_last_ptr,
     chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
-    num_tiles,
-    TILES_PER_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    num_tiles, long_list_offset,
+    TILES_PER_CHUNK: tl.constexpr, TILES_IN_MAIN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program: cut each expert's run of n row tiles into ceil(n / TILES_PER_CHUNK) chunks of
     balanced size (4 tiles -> 2 + 2, not 3 + 1: a 1-tile chunk would pay a whole main tile).
 
     Pass 1 writes each run's first and last tile; pass 2 the chunks (first tile, tile count),
-    compacted, and their number.
+    compacted in two lists: chunks that fit the main rows (at 0), and chunks with tail rows (at
+    long_list_offset), and the two counts.
     """
     for block_start in range(0, num_tiles, BLOCK):
         tiles = block_start + tl.arange(0, BLOCK)  # [B]
@@ -143,7 +144,7 @@ def _expert_chunks_kernel(
         tl.store(run_first_ptr + experts, tiles, mask=held & (before != experts))
         tl.store(run_last_ptr + experts, tiles, mask=held & (after != experts))
     tl.debug_barrier()  # pass 2 reads what other threads stored
-    num_chunks = 0
+    num_short, num_long = 0, 0
     for block_start in range(0, num_tiles, BLOCK):
         tiles = block_start + tl.arange(0, BLOCK)  # [B]
         experts = tl.load(block_expert_ids_ptr + tiles, mask=tiles < num_tiles, other=-1)
@@ -158,11 +159,20 @@ def _expert_chunks_kernel(
         in_long = extra * (base + 1)
         chunk = tl.where(rel < in_long, rel // (base + 1), extra + (rel - in_long) // base)
         starts = held & (rel == chunk * base + tl.minimum(chunk, extra))
-        slot = num_chunks + tl.cumsum(starts.to(tl.int32), 0) - 1  # [B]
+        size = base + (chunk < extra).to(tl.int32)  # [B] tiles in the chunk starting here
+        short = (starts & (size <= TILES_IN_MAIN)).to(tl.int32)
+        long = (starts & (size > TILES_IN_MAIN)).to(tl.int32)
+        slot = tl.where(
+            short != 0,
+            num_short + tl.cumsum(short, 0) - 1,
+            long_list_offset + num_long + tl.cumsum(long, 0) - 1,
+        )  # [B]
         tl.store(chunk_first_tile_ptr + slot, tiles, mask=starts)
-        tl.store(chunk_num_tiles_ptr + slot, base + (chunk < extra).to(tl.int32), mask=starts)
-        num_chunks += tl.sum(starts.to(tl.int32), 0)
-    tl.store(num_chunks_ptr, num_chunks)
+        tl.store(chunk_num_tiles_ptr + slot, size, mask=starts)
+        num_short += tl.sum(short, 0)
+        num_long += tl.sum(long, 0)
+    tl.store(num_chunks_ptr, num_short)
+    tl.store(num_chunks_ptr + 1, num_long)
 
 
 @triton.jit
@@ -297,13 +307,15 @@ def _moe_chunk_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr, WITH_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Like _moe_gemm_kernel, for one chunk of an expert's rows: BLOCK_M main rows plus up to
     TAIL_M tail rows (row tiles of TAIL_M), so an expert with 1.5 tiles' worth of rows reads each
-    weight tile once and multiplies 1.5 tiles, not 2."""
+    weight tile once and multiplies 1.5 tiles, not 2. Chunks with tail rows (WITH_TAIL) and
+    without are separate launches over separate lists: one K loop per kernel (ptxas serializes
+    every wgmma of a kernel with a second loop)."""
     out_n: tl.constexpr = BLOCK_N // 2 if GATE_UP_ONE_DOT else BLOCK_N  # output columns per tile
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_chunks, tl.cdiv(N, out_n), GROUP_M)
     if pid_m >= tl.load(num_chunks_ptr):
@@ -336,22 +348,15 @@ def _moe_chunk_gemm_kernel(
     gate_up_box: tl.constexpr = GATE_UP_ONE_DOT and USE_TMA
     a_scale_ptrs = a_scale_ptr + a_rows * stride_asm  # [BM]
     tail_a_scale_ptrs = a_scale_ptr + tail_a_rows * stride_asm  # [TM]
-    if num_rows > BLOCK_M:
-        acc, acc_up, tail, tail_up = _chunk_k_loop(
-            a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
-            b_ptr, b_offs, b_row, tma_expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
-            True, separate_up, gate_up_box, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
-            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    acc, acc_up, tail, tail_up = _chunk_k_loop(
+        a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
+        b_ptr, b_offs, b_row, tma_expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
+        WITH_TAIL, separate_up, gate_up_box, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
+        BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if WITH_TAIL:
         _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, topk_weights_ptr, pid_n, N,
                     stride_cm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, TAIL_M, BLOCK_N)  # fmt: skip
-    else:
-        acc, acc_up, tail, tail_up = _chunk_k_loop(
-            a_ptrs, tail_a_ptrs, a_scale_ptrs, tail_a_scale_ptrs, is_real, tail_is_real,
-            b_ptr, b_offs, b_row, tma_expert, b_scale_ptrs, up_scale_ptrs, K, up_offset, stride_bn,
-            False, separate_up, gate_up_box, USE_FP8, SCALE_BLOCK, EVEN_K, USE_TMA, DOT_PRECISION,
-            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
     _store_rows(acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
                 FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N)  # fmt: skip
 
@@ -415,32 +420,37 @@ def _pick_config(x, w13, num_slots):
 
 
 class ExpertChunks(NamedTuple):
-    """Runs of up to `tiles_per_chunk` row tiles of one expert, compacted (see fused_moe)."""
+    """Runs of up to `tiles_per_chunk` row tiles of one expert, compacted in two lists: row 0
+    chunks that fit the main rows, row 1 chunks with tail rows (see fused_moe)."""
 
-    first_tile: torch.Tensor  # [C_max] int32: the chunk's first row tile in the sorted layout
-    num_tiles: torch.Tensor  # [C_max] int32: its row tiles, 1..tiles_per_chunk
-    num_chunks: torch.Tensor  # [1] int32: chunks in use
+    first_tile: torch.Tensor  # [2, C_max] int32: the chunk's first row tile in the sorted layout
+    num_tiles: torch.Tensor  # [2, C_max] int32: its row tiles, 1..tiles_per_chunk
+    num_chunks: torch.Tensor  # [2] int32: chunks in use in each list
+    max_chunks: tuple[int, int]  # bounds on each list's count, known without a host sync
 
 
 def expert_chunks(alignment: MoeAlignment, num_slots: int, num_experts: int, tile: dict):
     """Chunks of BLOCK_M + TAIL_M rows over an alignment made with block_m = TAIL_M."""
-    tail_m = tile["TAIL_M"]
-    tiles_per_chunk = (tile["BLOCK_M"] + tail_m) // tail_m
+    tail_m, block_m = tile["TAIL_M"], tile["BLOCK_M"]
+    tiles_per_chunk = (block_m + tail_m) // tail_m
     num_tiles = alignment.block_expert_ids.numel()
-    # An expert with n slots has at most n / chunk rows + 1 chunks: bound without a host sync.
-    max_chunks = min(
+    # An expert with n slots has at most n / chunk rows + 1 chunks; a chunk with tail rows holds
+    # more than BLOCK_M slots. Bounds without a host sync:
+    max_short = min(
         num_tiles, num_slots // (tiles_per_chunk * tail_m) + min(num_experts, num_slots)
     )
+    max_long = min(max_short, num_slots // (block_m + 1))
     device = alignment.block_expert_ids.device
-    first_tile = torch.empty(max(max_chunks, 1), dtype=torch.int32, device=device)
+    first_tile = torch.empty(2, max(max_short, 1), dtype=torch.int32, device=device)
     chunk_tiles = torch.empty_like(first_tile)
-    num_chunks = torch.empty(1, dtype=torch.int32, device=device)
+    num_chunks = torch.empty(2, dtype=torch.int32, device=device)
     runs = torch.empty(2, max(num_experts, 1), dtype=torch.int32, device=device)  # first, last
     _expert_chunks_kernel[(1,)](
         alignment.block_expert_ids, runs[0], runs[1], first_tile, chunk_tiles, num_chunks,
-        num_tiles, TILES_PER_CHUNK=tiles_per_chunk, BLOCK=1024,
+        num_tiles, first_tile.stride(0),
+        TILES_PER_CHUNK=tiles_per_chunk, TILES_IN_MAIN=block_m // tail_m, BLOCK=1024,
     )  # fmt: skip
-    return ExpertChunks(first_tile[:max_chunks], chunk_tiles[:max_chunks], num_chunks)
+    return ExpertChunks(first_tile, chunk_tiles, num_chunks, (max_short, max_long))
 
 
 def _check_chunk_tile(tile: dict) -> None:
@@ -495,12 +505,16 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         _check_chunk_tile(tile)
         if chunks is None:
             chunks = expert_chunks(alignment, topk_weights.numel(), b.shape[0], tile)
-        max_chunks = chunks.first_tile.numel()
-        _moe_chunk_gemm_kernel[(max_chunks * num_pid_n,)](
-            *operands, alignment.sorted_slot_ids, alignment.block_expert_ids, *chunks,
-            n_out, k, topk_weights.numel(), n_out, max_chunks, *strides,
-            GATE_UP_ONE_DOT=one_dot, **common,
-        )  # fmt: skip
+        for with_tail in (False, True):  # two launches: one K loop per kernel
+            row, max_chunks = int(with_tail), chunks.max_chunks[int(with_tail)]
+            if max_chunks == 0:
+                continue
+            _moe_chunk_gemm_kernel[(max_chunks * num_pid_n,)](
+                *operands, alignment.sorted_slot_ids, alignment.block_expert_ids,
+                chunks.first_tile[row], chunks.num_tiles[row], chunks.num_chunks[row:],
+                n_out, k, topk_weights.numel(), n_out, max_chunks, *strides,
+                GATE_UP_ONE_DOT=one_dot, WITH_TAIL=with_tail, **common,
+            )  # fmt: skip
         return
     num_blocks_m = alignment.block_expert_ids.numel()
     _moe_gemm_kernel[(num_blocks_m * num_pid_n,)](

@@ -118,10 +118,14 @@ def test_expert_chunks_cut_runs(counts):
         ({"BLOCK_M": 32, "TAIL_M": 8}, 5),
     ):
         chunks = expert_chunks(alignment, ids.numel(), num_experts, tile)
-        num_chunks = int(chunks.num_chunks)
-        got = torch.stack([chunks.first_tile[:num_chunks], chunks.num_tiles[:num_chunks]], 1)
-        assert got.tolist() == _reference_chunks(alignment.block_expert_ids, tiles_per_chunk)
-        assert num_chunks <= chunks.first_tile.numel()
+        got = []
+        for row, with_tail in enumerate((False, True)):  # list 0: main rows only; 1: with tail
+            count = int(chunks.num_chunks[row])
+            assert count <= chunks.max_chunks[row]
+            sizes = chunks.num_tiles[row, :count]
+            assert ((sizes * tile["TAIL_M"] > tile["BLOCK_M"]) == with_tail).all()
+            got += torch.stack([chunks.first_tile[row, :count], sizes], 1).tolist()
+        assert sorted(got) == _reference_chunks(alignment.block_expert_ids, tiles_per_chunk)
 
 
 @pytest.mark.parametrize("name", ["normal", "odd", "foreign_ids"])

@@ -7,8 +7,11 @@ full, the most recently admitted running sequence is preempted: its blocks are f
 recomputed later from its prompt and the tokens it already generated.
 
 The cache may be split into partitions, one per data-parallel attention replica, each with its own
-blocks: a sequence is placed in the partition with the most free blocks when first admitted and
-stays there (its KV and sampling state live on that replica). Plain Python, no torch.
+blocks: a sequence is placed in a partition when first admitted and stays there (its KV and
+sampling state live on that replica). Each replica runs its own batch, so the token budget and
+the sequence limit hold per partition, as in vLLM's and SGLang's data-parallel attention: two
+16k-token prompts on dp=2 are prefilled in one step, one per replica. A new sequence goes to the
+partition with budget and seats left that has the most free blocks. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -60,25 +63,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSequence]:
-        budget = self.config.max_num_batched_tokens
+        budgets = [self.config.max_num_batched_tokens] * len(self.block_managers)
+        seats = [self.config.max_num_seqs] * len(self.block_managers)
         scheduled: list[ScheduledSequence] = []
         for seq in list(self.running):
-            if budget == 0:
-                break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            seats[seq.kv_partition] -= 1
+            budget = budgets[seq.kv_partition]
+            if budget == 0:
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._make_room(seq, num_new):
                 self.manager_of(seq).allocate_slots(seq, num_new)
                 scheduled.append(ScheduledSequence.of(seq, num_new))
-                budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            admitted = self._admit(self.waiting[0], budget)
+                budgets[seq.kv_partition] -= num_new
+        while self.waiting:
+            seq = self.waiting[0]
+            partition = self._partition_for(seq, budgets, seats)
+            if partition is None:
+                break
+            admitted = self._admit(seq, partition, budgets[partition])
             if admitted is None:
                 break
             self.waiting.popleft()
             scheduled.append(admitted)
-            budget -= admitted.num_new_tokens
+            budgets[partition] -= admitted.num_new_tokens
+            seats[partition] -= 1
         return scheduled
 
     def roomiest_partition(self) -> int:
@@ -86,9 +97,20 @@ class Scheduler:
         free = [manager.num_free_blocks for manager in self.block_managers]
         return free.index(max(free))
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
-        if seq.kv_partition is None:
-            seq.kv_partition = self.roomiest_partition()
+    def _partition_for(self, seq: Sequence, budgets: list[int], seats: list[int]) -> int | None:
+        """Where `seq` can be admitted this step: its own partition if it has one (a preempted
+        sequence), else the open partition with the most free blocks; None if none is open."""
+        if seq.kv_partition is not None:
+            p = seq.kv_partition
+            return p if budgets[p] > 0 and seats[p] > 0 else None
+        open_ones = [p for p in range(len(budgets)) if budgets[p] > 0 and seats[p] > 0]
+        if not open_ones:
+            return None
+        return max(open_ones, key=lambda p: (self.block_managers[p].num_free_blocks, -p))
+
+    def _admit(self, seq: Sequence, partition: int, budget: int) -> ScheduledSequence | None:
+        first_time = seq.kv_partition is None
+        seq.kv_partition = partition
         manager = self.manager_of(seq)
         manager.allocate_cached_prefix(seq)
         num_new = min(seq.num_uncomputed_tokens, budget)
@@ -96,6 +118,8 @@ class Scheduler:
             manager.num_prefix_hit_tokens -= seq.num_cached_tokens
             manager.free(seq)
             seq.num_cached_tokens = 0
+            if first_time:
+                seq.kv_partition = None
             return None
         manager.allocate_slots(seq, num_new)
         seq.status = SequenceStatus.RUNNING

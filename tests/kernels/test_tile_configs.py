@@ -7,6 +7,7 @@ import pytest
 from rayinfer.kernels.tile_configs import CONFIG_DIR, pick_tile_config
 
 TILE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+OPTIONAL_KEYS = {"USE_TMA", "TAIL_M", "GATE_UP_ONE_DOT", "K_UNROLL"}
 
 
 def _entries(op):
@@ -18,7 +19,7 @@ def _entries(op):
 
 
 def _check_tile(tile, fp8):
-    assert TILE_KEYS <= set(tile) <= TILE_KEYS | {"USE_TMA"}, tile
+    assert TILE_KEYS <= set(tile) <= TILE_KEYS | OPTIONAL_KEYS, tile
     assert all(tile[key] & (tile[key] - 1) == 0 for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     if fp8:
         assert 128 % tile["BLOCK_K"] == 0, "fp8 K steps must stay inside one 128-wide scale block"
@@ -30,7 +31,9 @@ def test_fused_moe_entries_share_block_m(entry):
     assert int(bucket) > 0 and set(config) == {"w13", "w2"}
     for tile in config.values():
         _check_tile(tile, fp8=shape.startswith("fp8"))
-    assert config["w13"]["BLOCK_M"] == config["w2"]["BLOCK_M"], "one alignment serves both GEMMs"
+    w13, w2 = config["w13"], config["w2"]
+    assert w13["BLOCK_M"] == w2["BLOCK_M"], "one alignment serves both GEMMs"
+    assert w13.get("TAIL_M") == w2.get("TAIL_M"), "one chunking serves both GEMMs"
 
 
 @pytest.mark.parametrize("entry", list(_entries("fp8_gemm")), ids=lambda e: "/".join(e[:3]))

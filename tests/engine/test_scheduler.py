@@ -111,3 +111,27 @@ def run_step_partitioned(scheduler: Scheduler):
         if item.samples:
             item.seq.output_token_ids.append(7)
     return scheduled
+
+
+def test_each_partition_has_its_own_token_budget_and_sequence_limit():
+    """Data-parallel replicas run their own batches: two prompts as long as the budget are
+    prefilled in one step, one per replica (with one shared budget the second waited a step
+    while its replica idled); the sequence limit holds per replica too."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    scheduler = Scheduler(config, [BlockManager(16, 4), BlockManager(16, 4)])
+    long = [Sequence(f"long{i}", list(range(16)), SamplingParams()) for i in range(2)]
+    for seq in long:
+        scheduler.add(seq)
+    scheduled = run_step_partitioned(scheduler)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in scheduled] == [
+        ("long0", 16),
+        ("long1", 16),
+    ]
+    assert [s.kv_partition for s in long] == [0, 1]
+    short = [Sequence(f"short{i}", [1, 2, 3], SamplingParams()) for i in range(3)]
+    for seq in short:
+        scheduler.add(seq)
+    scheduled = run_step_partitioned(scheduler)  # two decodes + one new prompt per replica
+    assert sorted(s.seq.request_id for s in scheduled) == ["long0", "long1", "short0", "short1"]
+    assert sorted(s.kv_partition for s in short[:2]) == [0, 1]
+    assert [s.request_id for s in scheduler.waiting] == ["short2"]  # both replicas hold 2 seqs

@@ -134,6 +134,15 @@ class LLM:
         graphs = getattr(getattr(self.engine.executor, "runner", None), "decode_graphs", None)
         return None if graphs is None else graphs.capture_seconds
 
+    def start_profile(self, path: str) -> None:
+        """Profile the engine steps from now on with torch.profiler (every worker of a
+        multi-worker plan); `stop_profile` writes `<path>[-rank<r>].txt` (operators by device
+        time) and `.json` (a Chrome trace), and returns the tables' paths."""
+        self.engine.executor.start_profile(path)
+
+    def stop_profile(self) -> list[str]:
+        return self.engine.executor.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the workers (a multi-worker plan's Ray actors)."""
         self.engine.executor.shutdown()

@@ -74,6 +74,11 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help="also profile one prefill of the longest prompt per run (torch.profiler tables)",
+    )
     return parser.parse_args(argv)
 
 
@@ -145,6 +150,11 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
                 llm.generate(batch, first)
                 times.append(time.perf_counter() - start)
             result["prefill"][length] = plan.dp * length / median(times)
+        if args.profile_dir:
+            name = f"tp{plan.tp}_dp{plan.dp}_ep{plan.ep}-{transport}-overlap_{int(overlap)}"
+            llm.start_profile(f"{args.profile_dir}/{name}")
+            llm.generate(prompts(plan.dp, longest), first)
+            llm.stop_profile()
         for batch_size in args.decode_batches:
             llm.generate(prompts(batch_size, 64), decode)  # compiles kernels for this batch
             batch = prompts(batch_size, 64)

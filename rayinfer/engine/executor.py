@@ -40,5 +40,13 @@ class Executor(ABC):
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget per-request state (sampling generators) of finished requests."""
 
+    def start_profile(self, path: str) -> None:
+        """Profile the steps from now on (see step_profiler.py); workers add `-rank<r>`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; returns the paths of the tables written."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile")
+
     def shutdown(self) -> None:
         """Release devices and workers."""

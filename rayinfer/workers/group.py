@@ -168,6 +168,12 @@ class WorkerGroup(Executor):
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
 
+    def start_profile(self, path: str) -> None:
+        ray.get([worker.start_profile.remote(path) for worker in self.workers])
+
+    def stop_profile(self) -> list[str]:
+        return ray.get([worker.stop_profile.remote() for worker in self.workers])
+
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Raise if any worker is dead or does not answer within timeout_s."""
         ray.get([worker.describe.remote() for worker in self.workers], timeout=timeout_s)

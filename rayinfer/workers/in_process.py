@@ -9,6 +9,7 @@ from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.engine.step_profiler import StepProfiler
 
 
 class InProcessExecutor(Executor):
@@ -52,3 +53,10 @@ class InProcessExecutor(Executor):
 
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
+
+    def start_profile(self, path: str) -> None:
+        self._profiler = StepProfiler(self.runner.device)
+        self._profiler.start(path)
+
+    def stop_profile(self) -> list[str]:
+        return [self._profiler.stop()]

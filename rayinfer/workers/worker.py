@@ -16,6 +16,7 @@ import torch
 from rayinfer.config import CacheConfig, CudaGraphConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.placement import WorkerPlacement
 
@@ -122,6 +123,13 @@ class Worker:
 
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
+
+    def start_profile(self, path: str) -> None:
+        self.profiler = StepProfiler(self.device)
+        self.profiler.start(f"{path}-rank{self.rank}")
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVShard:
         payload = self.runner.export_kv(request_id, block_table, num_tokens)

@@ -204,3 +204,15 @@ def test_chat_without_a_tokenizer_says_why(checkpoint):
 def test_kv_cache_that_does_not_fit_names_the_setting(checkpoint):
     with pytest.raises(ConfigError, match="num_kv_blocks=4000000000000"):
         rayinfer.LLM(str(checkpoint), device="cpu", num_kv_blocks=4_000_000_000_000)
+
+
+def test_profile_writes_the_busiest_operators_and_a_trace(checkpoint, prompts, tmp_path):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    llm.start_profile(str(tmp_path / "steps"))
+    llm.generate(prompts[0], GREEDY)
+    (table,) = llm.stop_profile()
+    assert table == str(tmp_path / "steps.txt")
+    assert "aten::" in (tmp_path / "steps.txt").read_text()
+    assert (tmp_path / "steps.json").stat().st_size > 0
+    with pytest.raises(RuntimeError, match="not running"):
+        llm.stop_profile()

@@ -151,8 +151,9 @@ def test_idle_data_parallel_rank_still_joins_the_exchange(
     assert tokens == single_worker_tokens["deepseek_v3"][1:2]
 
 
-def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, prompts):
-    """dp=2: two cache partitions of num_kv_blocks each; requests spread over both."""
+def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, prompts, tmp_path):
+    """dp=2: two cache partitions of num_kv_blocks each; requests spread over both. Profiling
+    a step writes one table per worker."""
     plan = ParallelPlan(dp=2, ep=2)
     llm = rayinfer.LLM(str(checkpoints["qwen3_moe"]), device="cpu", parallel=plan, num_kv_blocks=64)
     try:
@@ -160,7 +161,10 @@ def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, 
         assert len(engine.block_managers) == 2
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), prompt, GREEDY)
+        llm.start_profile(str(tmp_path / "step"))
         engine.step()
+        tables = llm.stop_profile()
+        assert sorted(tables) == [str(tmp_path / f"step-rank{r}.txt") for r in (0, 1)]
         assert {seq.kv_partition for seq in engine.scheduler.running} == {0, 1}
         assert all(m.num_free_blocks < 64 for m in engine.block_managers)
     finally:

@@ -21,6 +21,7 @@ group must make the same calls in the same order.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 
@@ -30,11 +31,14 @@ from rayinfer.comm.cudart import CudaRuntime, StreamMemoryOps
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer
 
-# Chunk size for an n-byte block: sqrt(n * _OVERHEAD_BYTES), clamped. Each copy costs a fixed
-# ~10 us (one 64 KiB copy takes 12 us on an H200's host link, 2026-11-29), about 512 KiB of link
-# time at 55 GB/s; a pipeline of chunks of size c pays (n / c) fixed costs plus one chunk to fill,
-# which is least near c = sqrt(n * fixed). RAYINFER_HOST_CHUNK_OVERHEAD_BYTES overrides it.
-_OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 512 << 10))
+# Chunk size for an n-byte block: sqrt(n * _OVERHEAD_BYTES), clamped. A pipeline of chunks of
+# size c pays (n / c) fixed costs per chunk plus one chunk to fill, which is least near
+# c = sqrt(n * fixed). Per chunk the GPU pays ~10 us (one 64 KiB copy takes 12 us on an H200's
+# host link) and the host ~20 us to queue three driver calls (2x H200 VM, 2026-11-30), about
+# 1 MiB of link time at 38 GB/s (the rate per copy stream when both GPUs copy both ways at once).
+# So blocks up to ~1 MiB (128 tokens of 7168 bf16) go whole. RAYINFER_HOST_CHUNK_OVERHEAD_BYTES
+# overrides it.
+_OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 1 << 20))
 _MIN_CHUNK_BYTES = 64 << 10
 
 
@@ -105,8 +109,8 @@ class FlagPipeline:
             seq = self.sent[t.peer]
             slot = seq % shm.num_slots
             if seq >= shm.num_slots:  # the slot's last chunk must have been taken out
-                emptied = self._device_address(shm.consumed_flag(me, t.peer, slot))
-                self.gpu.wait_equal(stream, emptied, seq - shm.num_slots + 1)
+                emptied = shm.consumed_flag(me, t.peer, slot)
+                self._wait_unless_seen(stream, emptied, seq - shm.num_slots + 1)
             self.gpu.copy_async(shm.slot(me, t.peer, seq)[: chunk.numel()], chunk, stream)
             filled = self._device_address(shm.published_flag(me, t.peer, slot))
             self.gpu.write(stream, filled, seq + 1)
@@ -117,12 +121,18 @@ class FlagPipeline:
         for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
             seq = self.received[t.peer]
             slot = seq % shm.num_slots
-            filled = self._device_address(shm.published_flag(t.peer, me, slot))
-            self.gpu.wait_equal(stream, filled, seq + 1)
+            self._wait_unless_seen(stream, shm.published_flag(t.peer, me, slot), seq + 1)
             self.gpu.copy_async(chunk, shm.slot(t.peer, me, seq)[: chunk.numel()], stream)
             emptied = self._device_address(shm.consumed_flag(t.peer, me, slot))
             self.gpu.write(stream, emptied, seq + 1)
             self.received[t.peer] = seq + 1
+
+    def _wait_unless_seen(self, stream, host_address: int, value: int) -> None:
+        """Queue a GPU wait for the flag, unless this CPU already reads the value: then the copy
+        before the flag's write has finished (the write is fenced behind it), and one driver
+        call less is queued. Ring slots freed long ago and chunks already sent skip it."""
+        if ctypes.c_uint32.from_address(host_address).value != value & 0xFFFFFFFF:
+            self.gpu.wait_equal(stream, self._device_address(host_address), value)
 
     def _order_after(self, caller: torch.cuda.Stream, keys: list[tuple[str, int]]) -> None:
         """The copies read data that the caller's stream produced."""

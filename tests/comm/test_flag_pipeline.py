@@ -38,6 +38,7 @@ class SimulatedGpu:
     def __init__(self):
         self.streams: list[SimStream] = []
         self.caller = self.new_stream()
+        self.waits_queued = 0
 
     def current_stream(self) -> SimStream:
         return self.caller
@@ -60,6 +61,7 @@ class SimulatedGpu:
         stream.ops.append(("copy", dst, src))
 
     def wait_equal(self, stream: SimStream, address: int, value: int) -> None:
+        self.waits_queued += 1
         stream.ops.append(("wait", address, value & 0xFFFFFFFF))
 
     def write(self, stream: SimStream, address: int, value: int) -> None:
@@ -155,6 +157,9 @@ def test_uneven_all_to_all_arrives_exactly_over_many_calls(world_size):
         expected = all_to_all_ref(inputs, matrix)
         for me in range(world_size):
             assert torch.equal(outs[me], expected[me]), f"call {call}, rank {me}"
+    chunks = sum(sum(p.sent) + sum(p.received) for p in pipes)
+    waits = sum(g.waits_queued for g in gpus)
+    assert 0 < waits < chunks  # flags the CPU already saw satisfied queue no GPU wait
 
 
 def test_sequence_numbers_wrap_past_32_bits():
@@ -183,10 +188,11 @@ def test_sequence_numbers_wrap_past_32_bits():
 
 
 def test_chunking_balances_chunks_and_grows_with_the_block():
-    """Chunk ~ sqrt(bytes x 512 KiB): a 0.9 MB block (128 tokens of 7168 bf16) goes in two
-    halves, 117 MB (16k tokens) in chunks near the 8 MiB slot; never above the slot."""
-    assert chunk_bytes_for(917_504, 8 << 20) == 458_752
-    big = chunk_bytes_for(117_440_512, 8 << 20)
-    assert 6 << 20 < big <= 8 << 20
+    """Chunk ~ sqrt(bytes x 1 MiB): a 0.9 MB block (128 tokens of 7168 bf16) goes whole, 29 MB
+    (4k tokens) in ~5.5 MB chunks, 117 MB (16k tokens) in 8 MiB slots; never above the slot;
+    the chunks of one block have equal sizes."""
+    assert chunk_bytes_for(917_504, 8 << 20) == 917_504
+    assert chunk_bytes_for(29_360_128, 8 << 20) == -(-29_360_128 // 6)
+    assert chunk_bytes_for(117_440_512, 8 << 20) == 8 << 20
     assert chunk_bytes_for(100, 8 << 20) == 100
     assert chunk_bytes_for(10 << 20, 1024) == 1024

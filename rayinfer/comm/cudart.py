@@ -1,7 +1,11 @@
 """Direct calls into the CUDA runtime that torch has already loaded, for the host-staged copy
 loop: an async copy or event through ctypes costs a few microseconds, a torch op with a stream
 context about 30 us (measured on 2x H200, 2026-11-29: 4 chunk copies per 0.9 MB block made a
-128-token exchange take 600 us). Every call checks its status."""
+128-token exchange take 600 us). Every call checks its status.
+
+The libraries are loaded as `ctypes.PyDLL`, whose calls keep the GIL: these calls only queue
+work and return in microseconds, and a call that drops the GIL must win it back from whatever
+thread took it meanwhile (Ray's and NCCL's threads), which can cost more than the call."""
 
 import ctypes
 
@@ -15,12 +19,15 @@ _NOT_READY = 600  # cudaErrorNotReady
 class CudaRuntime:
     def __init__(self):
         torch.cuda.init()
-        self.lib = ctypes.CDLL(_loaded_cudart())
+        self.lib = ctypes.PyDLL(_loaded_cudart())
         vp, size = ctypes.c_void_p, ctypes.c_size_t
         self.lib.cudaMemcpyAsync.argtypes = [vp, vp, size, ctypes.c_int, vp]
         self.lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.lib.cudaEventRecord.argtypes = [vp, vp]
-        self.lib.cudaEventQuery.argtypes = [vp]
+        # The CPU-driven loop polls events in a spin: those polls drop the GIL (CDLL) so that
+        # other threads run meanwhile.
+        self._polling = ctypes.CDLL(_loaded_cudart())
+        self._polling.cudaEventQuery.argtypes = [vp]
         self.lib.cudaStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         self.lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_uint]
         self._free_events: list[ctypes.c_void_p] = []
@@ -66,7 +73,7 @@ class CudaRuntime:
 
     def is_done(self, event: ctypes.c_void_p) -> bool:
         """True once the work before `event` finished; the event then returns to the pool."""
-        status = self.lib.cudaEventQuery(event)
+        status = self._polling.cudaEventQuery(event)
         if status == _NOT_READY:
             return False
         _check(status, "cudaEventQuery")
@@ -106,7 +113,7 @@ class StreamMemoryOps:
 
     def __init__(self):
         torch.cuda.init()
-        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = ctypes.PyDLL("libcuda.so.1")
         self._wait = _first_symbol(self.lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
         self._write = _first_symbol(self.lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
         for fn in (self._wait, self._write):

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 
 from rayinfer.comm.fp8 import Fp8Rows, dequantize, quantize_per_token
+from rayinfer.kernels import ops
+from rayinfer.kernels.moe_combine import combine_row_index
 
 
 class AllToAll(Protocol):
@@ -28,12 +30,16 @@ class DispatchHandle:
 
     send_token_ids: [S] int64: source token of each row sent, grouped by destination rank.
     split_matrix: [world][world] rows rank i sent to rank j in dispatch.
+    row_index: [T, world] int32: row of `send_token_ids` (and of combine's returned rows) for
+        each token and destination rank, -1 where the token did not go there; None: built from
+        send_token_ids when combine needs it.
     """
 
     send_token_ids: torch.Tensor
     split_matrix: list[list[int]]
     rank: int
     num_tokens: int
+    row_index: torch.Tensor | None = None
 
     @property
     def in_splits(self) -> list[int]:
@@ -78,22 +84,29 @@ def dispatch(
     if num_experts % n:
         raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={n}")
     per_rank = num_experts // n
-    dest = topk_ids.long() // per_rank  # [T, K]
+    dest = topk_ids // per_rank  # [T, K]
     goes_to = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
-    goes_to.scatter_(1, dest, True)  # [T, N]
-    dest_ids, token_ids = goes_to.t().nonzero(as_tuple=True)  # [S], grouped by destination
-    matrix = comm.gather_split_matrix(goes_to.sum(0))
+    goes_to.scatter_(1, dest.long(), True)  # [T, N]
+    counts = goes_to.sum(0)  # [N]
+    matrix = comm.gather_split_matrix(counts)  # the one host sync: every size below is known
     in_splits, out_splits = matrix[comm.rank], [row[comm.rank] for row in matrix]
+    # [S] rows grouped by destination, ascending tokens within one; the static size needs no
+    # second sync (nonzero would wait for the device to learn S).
+    pairs = torch.nonzero_static(goes_to.t(), size=sum(in_splits))  # [S, 2] (dest, token)
+    dest_ids, token_ids = pairs[:, 0], pairs[:, 1]
+    # Row of (token, rank) in the send (and combine's return) order: rank's offset plus the
+    # token's rank among that destination's tokens.
+    offsets = counts.cumsum(0) - counts  # [N]
+    row_index = torch.where(goes_to, goes_to.cumsum(0) - 1 + offsets, -1).to(torch.int32)
+    ids = topk_ids[token_ids]  # [S, K]
     on_dest = dest[token_ids] == dest_ids.unsqueeze(1)  # [S, K]
-    local_ids = torch.where(
-        on_dest, topk_ids[token_ids].long() - dest_ids.unsqueeze(1) * per_rank, -1
-    )
+    local_ids = torch.where(on_dest, ids - dest_ids.unsqueeze(1) * per_rank, -1)
     weights = torch.where(on_dest, topk_weights[token_ids].float(), 0.0)
-    rows = _pack(x[token_ids], local_ids, weights, use_fp8)  # [S, row_bytes] uint8
+    rows = _pack(x, token_ids, local_ids, weights, use_fp8)  # [S, row_bytes] uint8
     recv = rows.new_empty((sum(out_splits), rows.shape[1]))
     comm.all_to_all(recv, rows, out_splits, in_splits, split_matrix=matrix, **a2a_options)
     recv_x, recv_ids, recv_weights = _unpack(recv, x.shape[1], topk_ids.shape[1], x.dtype, use_fp8)
-    handle = DispatchHandle(token_ids, matrix, comm.rank, x.shape[0])
+    handle = DispatchHandle(token_ids, matrix, comm.rank, x.shape[0], row_index)
     return DispatchResult(recv_x, recv_ids, recv_weights, handle)
 
 
@@ -112,11 +125,11 @@ def combine(
         split_matrix=handle.combine_matrix,
         **a2a_options,
     )
-    out = torch.zeros(
-        handle.num_tokens, expert_out.shape[1], dtype=torch.float32, device=back.device
-    )
-    out.index_add_(0, handle.send_token_ids, back.float())
-    return out.to(expert_out.dtype)
+    row_index = handle.row_index
+    if row_index is None:
+        row_index = combine_row_index(handle.send_token_ids, handle.in_splits, handle.num_tokens)
+    # One gather-and-sum per token (float32, rank order), written in expert_out's dtype.
+    return ops.moe_combine(back, row_index, expert_out.dtype)
 
 
 @dataclass(frozen=True)
@@ -157,23 +170,31 @@ class RowLayout:
         return payload, scale, ids, weights
 
 
-def _pack(x, local_ids, weights, use_fp8: bool) -> torch.Tensor:
-    """x [S, H], local_ids [S, K], weights [S, K] -> [S, row_bytes] uint8 (see RowLayout)."""
+def _pack(x, token_ids, local_ids, weights, use_fp8: bool) -> torch.Tensor:
+    """x [T, H], token_ids [S], local_ids [S, K], weights [S, K] -> [S, row_bytes] uint8: row s
+    carries x[token_ids[s]] (see RowLayout). The payload is gathered straight into the layout."""
     layout = RowLayout(x.shape[1], local_ids.shape[1], x.dtype, use_fp8)
-    rows = torch.empty(x.shape[0], layout.row_bytes, dtype=torch.uint8, device=x.device)
+    rows = torch.empty(token_ids.shape[0], layout.row_bytes, dtype=torch.uint8, device=x.device)
     rows[:, layout.ids_at + 8 * layout.topk :].zero_()
     if use_fp8:
         rows[:, layout.hidden : layout.payload_bytes].zero_()
     payload, scale, ids, w = layout.columns(rows)
-    if use_fp8:
+    if use_fp8:  # quantize each token once (the scale is per token), then gather its rows
         q = quantize_per_token(x)
-        payload.copy_(q.values)
-        scale.copy_(q.scales.unsqueeze(1))
+        _gather_rows(q.values.view(torch.uint8), token_ids, payload.view(torch.uint8))
+        torch.index_select(q.scales, 0, token_ids, out=scale.squeeze(1))
     else:
-        payload.copy_(x)
+        _gather_rows(x, token_ids, payload)
     ids.copy_(local_ids)
     w.copy_(weights)
     return rows
+
+
+def _gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = src[index[i]], one gather written into the (strided) view `out`."""
+    result = torch.index_select(src, 0, index, out=out)
+    if result.data_ptr() != out.data_ptr():  # an implementation that could not write in place
+        out.copy_(result)
 
 
 def _unpack(rows, hidden: int, k: int, dtype, use_fp8: bool):

@@ -18,6 +18,7 @@ from rayinfer.comm.refs import (
     random_split_matrix,
 )
 from rayinfer.comm.topology import Topology
+from rayinfer.kernels.moe_combine import combine_row_index
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 WORLD_SIZES = (2, 4, 8)
@@ -116,6 +117,12 @@ def _moe_roundtrip(group, num_experts: int, topk: int, transport: str, is_async:
     assert sum(res.handle.in_splits) == len(
         unique_pairs
     )  # one row per (token, rank), not per expert
+    # combine's [T, world] row index, built in dispatch from the routing, names the same rows
+    # as the one built from the sent token ids and split sizes
+    assert torch.equal(
+        res.handle.row_index,
+        combine_row_index(res.handle.send_token_ids, res.handle.in_splits, num_tokens),
+    )
     out = identity_experts(res.x, res.topk_weights)
     y = (
         group.combine_async(out, res.handle, transport=transport).wait()

@@ -182,7 +182,7 @@ def _pack(x, token_ids, local_ids, weights, use_fp8: bool) -> torch.Tensor:
     if use_fp8:  # quantize each token once (the scale is per token), then gather its rows
         q = quantize_per_token(x)
         _gather_rows(q.values.view(torch.uint8), token_ids, payload.view(torch.uint8))
-        torch.index_select(q.scales, 0, token_ids, out=scale.squeeze(1))
+        _gather_rows(q.scales, token_ids, scale.squeeze(1))
     else:
         _gather_rows(x, token_ids, payload)
     ids.copy_(local_ids)

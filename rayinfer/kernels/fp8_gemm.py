@@ -4,9 +4,18 @@ a [M, K] float8_e4m3fn with a_scale [M, K/128] (per token, per 128 channels, fro
 b [N, K] float8_e4m3fn with b_scale [N/128, K/128] (one per 128x128 weight block, the checkpoint's
 `weight_scale_inv`). Each K step of 128 multiplies in FP8 on the tensor cores and rescales the
 partial product in float32 before adding it to the accumulator.
+
+Two implementations of the same product: the Triton kernels here (`fp8_gemm`), and torch's own
+blockwise-scaled `torch._scaled_mm` (cuBLAS, `fp8_gemm_scaled_mm`). `fp8_gemm_auto` (what
+`ops.fp8_gemm` calls on CUDA) picks one per call: `fp8_gemm_backend` says which, from
+RAYINFER_FP8_GEMM=triton|cublas|auto (auto: cuBLAS where a tiny probe call of the same shape
+class ran and matched the reference, once per device and class; Triton otherwise and on any error).
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
@@ -15,6 +24,11 @@ from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import TensorDescriptor, tl, triton
 
 SCALE_BLOCK = 128
+BACKEND_ENV = "RAYINFER_FP8_GEMM"  # triton | cublas | auto (default)
+TRITON, CUBLAS = "triton", "cublas-blockwise"
+LAUNCH_KEYS = ("USE_TMA", "K_UNROLL", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN")
+
+logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
                   "num_warps": 4, "num_stages": 3}  # fmt: skip
 
@@ -107,34 +121,60 @@ def _fp8_block_gemm_kernel(
 
 
 @triton.jit
-def _fp8_block_gemm_tma_kernel(
-    a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr,
-    M, N, K,
-    stride_asm, stride_ask, stride_bsn,
-    SCALE_BLOCK: tl.constexpr, K_UNROLL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _tma_k_step(
+    acc, a_desc, b_desc, a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, off_m, off_n, k_step,
+    num_scale_cols, stride_ask,
+    SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The same product with tiles moved by the TMA engine (K % 16 == 0; edges zero-padded)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    """acc += the scaled product of K block k_step (TMA tiles; zeros past K)."""
+    a = a_desc.load([off_m, k_step * BLOCK_K])  # [BM, BK]
+    b = b_desc.load([off_n, k_step * BLOCK_K])  # [BN, BK]
+    a_s, b_s = _k_block_scales(
+        a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, k_step, num_scale_cols, stride_ask,
+        SCALE_BLOCK, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    return _add_scaled(acc, tl.dot(a, b.T), a_s, b_s)
+
+
+@triton.jit
+def _tma_tile(
+    a_desc, b_desc, a_scale_ptr, b_scale_ptr, pid_m, pid_n, M, N, K,
+    stride_asm, stride_ask, stride_bsn,
+    SCALE_BLOCK: tl.constexpr, K_UNROLL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The float32 [BM, BN] output tile (pid_m, pid_n), K blocks through TMA descriptors.
+
+    WARP_SPECIALIZE runs the K loop as `tl.range(..., warp_specialize=True)` (the compiler may
+    give the TMA loads their own warps; K_UNROLL is then ignored); a plain loop otherwise.
+    K_UNROLL 2 issues the dots of two K blocks before scaling either (past K the descriptor reads
+    zeros and the scales are 0).
+    """
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    offs_m = (off_m + tl.arange(0, BLOCK_M)) % M
+    offs_n = (off_n + tl.arange(0, BLOCK_N)) % N
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM]
     b_scale_ptrs = b_scale_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN]
-    b_tile_scale_ptr = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn
+    b_tile_scale_ptr = b_scale_ptr + (off_n // SCALE_BLOCK) * stride_bsn
     num_scale_cols = tl.cdiv(K, SCALE_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first_step in range(0, tl.cdiv(K, BLOCK_K), K_UNROLL):
-        a = a_desc.load([pid_m * BLOCK_M, first_step * BLOCK_K])  # [BM, BK]
-        b = b_desc.load([pid_n * BLOCK_N, first_step * BLOCK_K])  # [BN, BK]
-        a_s, b_s = _k_block_scales(
-            a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step, num_scale_cols, stride_ask,
-            SCALE_BLOCK, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        product = tl.dot(a, b.T)
-        if K_UNROLL == 2:  # past K the descriptor reads zeros and the scales are 0
-            a2 = a_desc.load([pid_m * BLOCK_M, (first_step + 1) * BLOCK_K])
-            b2 = b_desc.load([pid_n * BLOCK_N, (first_step + 1) * BLOCK_K])
+    if WARP_SPECIALIZE:
+        for k_step in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=True):
+            acc = _tma_k_step(
+                acc, a_desc, b_desc, a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, off_m, off_n,
+                k_step, num_scale_cols, stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    elif K_UNROLL == 2:
+        for first_step in range(0, tl.cdiv(K, BLOCK_K), 2):
+            a = a_desc.load([off_m, first_step * BLOCK_K])  # [BM, BK]
+            b = b_desc.load([off_n, first_step * BLOCK_K])  # [BN, BK]
+            a_s, b_s = _k_block_scales(
+                a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step, num_scale_cols,
+                stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            product = tl.dot(a, b.T)
+            a2 = a_desc.load([off_m, (first_step + 1) * BLOCK_K])
+            b2 = b_desc.load([off_n, (first_step + 1) * BLOCK_K])
             a2_s, b2_s = _k_block_scales(
                 a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step + 1, num_scale_cols,
                 stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
@@ -142,9 +182,68 @@ def _fp8_block_gemm_tma_kernel(
             product2 = tl.dot(a2, b2.T)
             acc = _add_scaled(acc, product, a_s, b_s)
             acc = _add_scaled(acc, product2, a2_s, b2_s)
-        else:
-            acc = _add_scaled(acc, product, a_s, b_s)
+    else:
+        for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+            acc = _tma_k_step(
+                acc, a_desc, b_desc, a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, off_m, off_n,
+                k_step, num_scale_cols, stride_ask, SCALE_BLOCK, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _fp8_block_gemm_tma_kernel(
+    a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr,
+    M, N, K,
+    stride_asm, stride_ask, stride_bsn,
+    SCALE_BLOCK: tl.constexpr, K_UNROLL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The same product with tiles moved by the TMA engine (K % 16 == 0; edges zero-padded)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    acc = _tma_tile(
+        a_desc, b_desc, a_scale_ptr, b_scale_ptr, pid_m, pid_n, M, N, K,
+        stride_asm, stride_ask, stride_bsn, SCALE_BLOCK, K_UNROLL, WARP_SPECIALIZE,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _fp8_block_gemm_persistent_kernel(
+    a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr,
+    M, N, K,
+    stride_asm, stride_ask, stride_bsn,
+    SCALE_BLOCK: tl.constexpr, K_UNROLL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The TMA product with NUM_PROGRAMS programs (a few per SM), each looping over the tiles
+    program_id, program_id + NUM_PROGRAMS, ... in the grouped order: no tail of short-lived
+    programs, and (FLATTEN: `tl.range(..., flatten=True)`) one flattened loop nest whose pipeline
+    may load the next tile's first K blocks during this tile's epilogue."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if FLATTEN:
+        for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = grouped_tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = _tma_tile(
+                a_desc, b_desc, a_scale_ptr, b_scale_ptr, pid_m, pid_n, M, N, K,
+                stride_asm, stride_ask, stride_bsn, SCALE_BLOCK, K_UNROLL, WARP_SPECIALIZE,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+    else:
+        for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            pid_m, pid_n = grouped_tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = _tma_tile(
+                a_desc, b_desc, a_scale_ptr, b_scale_ptr, pid_m, pid_n, M, N, K,
+                stride_asm, stride_ask, stride_bsn, SCALE_BLOCK, K_UNROLL, WARP_SPECIALIZE,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
 def _is_tma_compatible(*tensors) -> bool:
@@ -171,6 +270,13 @@ def _check_operands(a, a_scale, b, b_scale):
         raise ValueError("a_scale and b_scale must be float32")
 
 
+def _num_programs(device: torch.device, per_sm: int) -> int:
+    """Programs of the persistent kernel: per_sm per SM (2 under the interpreter)."""
+    if device.type != "cuda":
+        return 2
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def fp8_gemm(
     a: torch.Tensor,  # [M, K] float8_e4m3fn
     a_scale: torch.Tensor,  # [M, K/128] float32, any strides (column-major loads coalesce)
@@ -179,6 +285,11 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
 ) -> torch.Tensor:  # [M, N] out_dtype
+    """The Triton kernels. Launch options of `config` besides the tiles (absent: off):
+    USE_TMA (TMA descriptors where the operands allow), K_UNROLL (2: two K blocks per iteration),
+    WARP_SPECIALIZE (TMA: the K loop as `tl.range(..., warp_specialize=True)`), PERSISTENT (TMA:
+    that many programs per SM loop over the tiles), FLATTEN (persistent: one flattened loop nest).
+    """
     _check_operands(a, a_scale, b, b_scale)
     (m, k), n = a.shape, b.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -189,20 +300,28 @@ def fp8_gemm(
     config = config or DEFAULT_CONFIG
     if SCALE_BLOCK % config["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the scale block {SCALE_BLOCK}")
-    tiles = {key: value for key, value in config.items() if key not in ("USE_TMA", "K_UNROLL")}
+    tiles = {key: value for key, value in config.items() if key not in LAUNCH_KEYS}
     unroll = config.get("K_UNROLL", 1)  # 2: two K blocks per iteration (see the kernel)
-    grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
+    num_tiles = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
     b_scale = b_scale.contiguous()
     if config.get("USE_TMA") and _is_tma_compatible(a, b, out):
-        _fp8_block_gemm_tma_kernel[grid](
+        descriptors = (
             TensorDescriptor.from_tensor(a, [tiles["BLOCK_M"], tiles["BLOCK_K"]]),
             TensorDescriptor.from_tensor(b, [tiles["BLOCK_N"], tiles["BLOCK_K"]]),
             TensorDescriptor.from_tensor(out, [tiles["BLOCK_M"], tiles["BLOCK_N"]]),
-            a_scale, b_scale, m, n, k, *a_scale.stride(), b_scale.stride(0),
-            SCALE_BLOCK=SCALE_BLOCK, K_UNROLL=unroll, **tiles,
-        )  # fmt: skip
+        )
+        args = (*descriptors, a_scale, b_scale, m, n, k, *a_scale.stride(), b_scale.stride(0))
+        options = dict(SCALE_BLOCK=SCALE_BLOCK, K_UNROLL=unroll,
+                       WARP_SPECIALIZE=bool(config.get("WARP_SPECIALIZE")), **tiles)  # fmt: skip
+        if config.get("PERSISTENT"):
+            programs = min(num_tiles, _num_programs(a.device, int(config["PERSISTENT"])))
+            _fp8_block_gemm_persistent_kernel[(programs,)](
+                *args, FLATTEN=bool(config.get("FLATTEN")), NUM_PROGRAMS=programs, **options
+            )
+        else:
+            _fp8_block_gemm_tma_kernel[(num_tiles,)](*args, **options)
         return out
-    _fp8_block_gemm_kernel[grid](
+    _fp8_block_gemm_kernel[(num_tiles,)](
         a, b, out, a_scale, b_scale, m, n, k,
         a.stride(0), b.stride(0), out.stride(0), *a_scale.stride(), b_scale.stride(0),
         SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % (tiles["BLOCK_K"] * unroll) == 0, K_UNROLL=unroll,
@@ -217,3 +336,133 @@ def fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
     b_rows = b_scale.repeat_interleave(SCALE_BLOCK, 0)[: b.shape[0]]  # [N, K/128]
     b_full = b.float() * b_rows.repeat_interleave(SCALE_BLOCK, 1)[:, : b.shape[1]]  # [N, K]
     return (a_full @ b_full.t()).to(out_dtype)
+
+
+# ---------------------------------------------------------------- torch's blockwise _scaled_mm
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def blockwise_scales(a_scale: torch.Tensor, b_scale: torch.Tensor):
+    """(scale_a, scale_b) in the layouts `torch._scaled_mm` takes as 1x128 / 128x128 blockwise.
+
+    scale_a [M, K/128] "outer-dim major": strides (1, M), what fp8_quant(column_major_scales=True)
+    writes; any other layout is copied into it. scale_b [K/128, N/128] is the transposed view of
+    the [N/128, K/128] weight scales whose rows are padded to 4 floats (16 bytes): a row-major
+    tensor when K/128 % 4 == 0 (every DeepSeek-V3 shape), a padded copy otherwise.
+    """
+    m, k_blocks = a_scale.shape
+    n_blocks = b_scale.shape[0]
+    a_ok = (m <= 1 or a_scale.stride(0) == 1) and (k_blocks <= 1 or a_scale.stride(1) == m)
+    if not a_ok:
+        a_scale = a_scale.t().contiguous().t()
+    row_stride = _round_up(k_blocks, 4)
+    b_ok = (n_blocks <= 1 or b_scale.stride(0) == row_stride) and (
+        k_blocks <= 1 or b_scale.stride(1) == 1
+    )
+    if not b_ok:
+        padded = b_scale.new_zeros(n_blocks, row_stride)[:, :k_blocks]
+        b_scale = padded.copy_(b_scale)
+    return a_scale, b_scale.t()
+
+
+def fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The same product through `torch._scaled_mm` with blockwise scales (cuBLAS on Hopper with
+    CUDA >= 12.9); raises where this torch, GPU or shape has no such kernel."""
+    _check_operands(a, a_scale, b, b_scale)
+    if a.shape[0] == 0:
+        return torch.empty(0, b.shape[0], dtype=out_dtype, device=a.device)
+    scale_a, scale_b = blockwise_scales(a_scale, b_scale)
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+_PROBED: dict[tuple, bool] = {}  # shape class -> whether the blockwise _scaled_mm ran and matched
+PROBE_MAX_REL_ERR = 2e-2  # bf16 output: ~4e-3; a misread scale layout gives O(1)
+
+
+def _residue_class(size: int, period: int) -> int:
+    """size itself up to 2 periods, else one period plus size % period: the probe's size."""
+    return size if size <= 2 * period else period + size % period
+
+
+def _shape_class(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> tuple:
+    """(device, out dtype, probe M, N, K): sizes with the residues that alignment rules see."""
+    (m, k), n = a.shape, b.shape[0]
+    device = (a.device.type, a.device.index)
+    return device, out_dtype, _residue_class(m, 16), _residue_class(n, 256), _residue_class(k, 512)
+
+
+def probe_blockwise_scaled_mm(device, out_dtype, m: int, n: int, k: int) -> bool:
+    """One tiny blockwise `_scaled_mm` of this shape class on `device`, checked against the
+    float32 reference; False on any error or mismatch."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(m * 7919 + n * 31 + k)
+        a = torch.randn(m, k, device=device, generator=generator).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device, generator=generator).to(torch.float8_e4m3fn)
+        k_blocks, n_blocks = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
+        a_scale = torch.rand(k_blocks, m, device=device, generator=generator).t() + 0.5
+        b_scale = torch.rand(n_blocks, k_blocks, device=device, generator=generator) + 0.5
+        out = fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype).float()
+        ref = fp8_gemm_reference(a, a_scale, b, b_scale, torch.float32)
+        err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()  # syncs
+        ok = out.shape == ref.shape and err <= PROBE_MAX_REL_ERR
+        logger.info("fp8_gemm: blockwise _scaled_mm M=%d N=%d K=%d %s on %s: rel err %.2e",
+                    m, n, k, out_dtype, device, err)  # fmt: skip
+        return bool(ok)
+    except Exception as error:  # no such kernel here: the Triton one serves this class
+        logger.info("fp8_gemm: no blockwise _scaled_mm for M=%d N=%d K=%d %s on %s (%s: %s)",
+                    m, n, k, out_dtype, device, type(error).__name__, str(error)[:200])  # fmt: skip
+        return False
+
+
+def _forced_backend() -> str | None:
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "triton", "cublas"):
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected triton, cublas or auto")
+    return {"triton": TRITON, "cublas": CUBLAS}.get(choice)
+
+
+def _can_probe(a: torch.Tensor) -> bool:
+    """A CUDA tensor, a torch with _scaled_mm, and no CUDA graph being captured (a probe syncs)."""
+    if not a.is_cuda or not hasattr(torch, "_scaled_mm"):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def fp8_gemm_backend(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16) -> str:
+    """The backend `fp8_gemm_auto` runs for these operands: "cublas-blockwise" or "triton".
+
+    RAYINFER_FP8_GEMM=triton|cublas forces one; auto (the default) takes cuBLAS where the probe
+    of this shape class passed (probed on first use; never while a CUDA graph is captured: Triton
+    then, without caching the answer), Triton elsewhere.
+    """
+    forced = _forced_backend()
+    if forced:
+        return forced
+    key = _shape_class(a, b, out_dtype)
+    supported = _PROBED.get(key)
+    if supported is None:
+        if not _can_probe(a):
+            return TRITON
+        supported = _PROBED[key] = probe_blockwise_scaled_mm(a.device, *key[1:])
+    return CUBLAS if supported else TRITON
+
+
+def fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The product through the backend `fp8_gemm_backend` picks. In auto mode an error of the
+    cuBLAS call falls back to Triton and marks the shape class unsupported; a forced backend's
+    errors are raised."""
+    backend = fp8_gemm_backend(a, b, out_dtype)
+    if backend == CUBLAS:
+        if _forced_backend():
+            return fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype)
+        try:
+            return fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype)
+        except Exception as error:
+            _PROBED[_shape_class(a, b, out_dtype)] = False
+            logger.warning("fp8_gemm: blockwise _scaled_mm failed for %s x %s (%s: %s); Triton "
+                           "serves this shape class from now on", tuple(a.shape), tuple(b.shape),
+                           type(error).__name__, str(error)[:200])  # fmt: skip
+    return fp8_gemm(a, a_scale, b, b_scale, out_dtype)

@@ -8,8 +8,7 @@ import torch
 from rayinfer.kernels import rotary as _rotary
 from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
-from rayinfer.kernels.fp8_gemm import fp8_gemm as fp8_gemm_triton
-from rayinfer.kernels.fp8_gemm import fp8_gemm_reference
+from rayinfer.kernels.fp8_gemm import fp8_gemm_auto, fp8_gemm_reference
 from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton
 from rayinfer.kernels.fp8_quant import fp8_quant_reference
 from rayinfer.kernels.fused_moe import dequantize_experts_reference, fused_moe_reference
@@ -149,17 +148,20 @@ def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
 
 
-def fp8_quant(x, group_size=128):
-    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, K/group] float32), x ~= q * scale."""
+def fp8_quant(x, group_size=128, column_major_scales=True):
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, K/group] float32), x ~= q * scale.
+    Scales column-major by default (strides (1, M)): what fp8_gemm's cuBLAS path reads as is."""
     if _on_cuda(x):
-        return fp8_quant_triton(x, group_size)
-    return fp8_quant_reference(x, group_size)
+        return fp8_quant_triton(x, group_size, column_major_scales)
+    q, scale = fp8_quant_reference(x, group_size)
+    return q, scale.t().contiguous().t() if column_major_scales else scale
 
 
 def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
-    """a [M, K] fp8 with a_scale [M, K/128], b [N, K] fp8 with b_scale [N/128, K/128] -> [M, N]."""
+    """a [M, K] fp8 with a_scale [M, K/128], b [N, K] fp8 with b_scale [N/128, K/128] -> [M, N].
+    On CUDA: torch's blockwise _scaled_mm or the Triton kernel (fp8_gemm.fp8_gemm_backend)."""
     if _on_cuda(a):
-        return fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
+        return fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype)
     return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype)
 
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from rayinfer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from rayinfer.kernels import fp8_gemm as fp8_gemm_module
+from rayinfer.kernels import ops
+from rayinfer.kernels.fp8_gemm import (
+    fp8_gemm,
+    fp8_gemm_auto,
+    fp8_gemm_backend,
+    fp8_gemm_reference,
+)
 from rayinfer.kernels.fp8_quant import fp8_quant_reference
 from rayinfer.models.fp8 import quantize_block_fp8
 
@@ -61,3 +68,157 @@ def test_fp8_gemm_reads_column_major_activation_scales():
     for config in (SMALL_TILES, TMA_TILES, PAIRED_TILES):
         out = fp8_gemm(a, transposed, b, b_scale, torch.float32, config=config)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+# ---------------------------------------------------------------- new Triton launch options
+
+WS_TILES = {**TMA_TILES, "WARP_SPECIALIZE": True}  # the K loop as tl.range(warp_specialize=True)
+PERSISTENT_TILES = {**TMA_TILES, "PERSISTENT": 1}  # 2 programs under the interpreter
+PERSISTENT_FLAT_TILES = {**PERSISTENT_TILES, "FLATTEN": True, "GROUP_M": 1}
+PERSISTENT_PAIRED_TILES = {**PERSISTENT_TILES, "K_UNROLL": 2}
+PERSISTENT_WS_TILES = {**PERSISTENT_TILES, "WARP_SPECIALIZE": True}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [WS_TILES, PERSISTENT_TILES, PERSISTENT_FLAT_TILES, PERSISTENT_PAIRED_TILES,
+     PERSISTENT_WS_TILES],
+    ids=["ws", "persistent", "persistent_flat", "persistent_paired", "persistent_ws"],
+)  # fmt: skip
+@pytest.mark.parametrize("m,n,k", [(40, 200, 320), (3, 32, 64), (33, 96, 192)])
+def test_fp8_gemm_tma_variants_match_reference(m, n, k, config):
+    """Odd tile counts (a program of the persistent loop gets one tile more), edge tiles, one K
+    block, and one tile in all."""
+    a, a_scale, b, b_scale = _operands(m, n, k, seed=m * n + k)
+    out = fp8_gemm(a, a_scale, b, b_scale, torch.float32, config=config)
+    expected = fp8_gemm_reference(a, a_scale, b, b_scale, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+# ---------------------------------------------------------------- backend choice (ops.fp8_gemm)
+
+
+@pytest.fixture
+def fresh_probes(monkeypatch):
+    """An empty probe cache, the env var unset, and probes allowed for CPU tensors."""
+    monkeypatch.setattr(fp8_gemm_module, "_PROBED", {})
+    monkeypatch.delenv(fp8_gemm_module.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(fp8_gemm_module, "_can_probe", lambda a: True)
+    return fp8_gemm_module._PROBED
+
+
+def _fake_scaled_mm(calls, fail=False):
+    """A stand-in for torch._scaled_mm that checks the blockwise layouts and multiplies."""
+
+    def scaled_mm(a, b_t, scale_a, scale_b, out_dtype):
+        calls.append((tuple(scale_a.stride()), tuple(scale_b.stride())))
+        if fail:
+            raise RuntimeError("Invalid scaling configuration.")
+        m, k_blocks = scale_a.shape
+        assert scale_a.stride() == (1, m) or m == 1, "scale_a must be outer-dim major"
+        assert scale_b.shape == (k_blocks, -(-b_t.shape[1] // 128))
+        assert scale_b.stride(1) % 4 == 0 and scale_b.stride(0) == 1, "16-byte weight rows"
+        return fp8_gemm_reference(a, scale_a, b_t.t(), scale_b.t(), out_dtype)
+
+    return scaled_mm
+
+
+def test_backend_env_forces_either_side(monkeypatch, fresh_probes):
+    a, _, b, _ = _operands(8, 128, 256, seed=1)
+    probe = []
+    monkeypatch.setattr(fp8_gemm_module, "probe_blockwise_scaled_mm", lambda *a: probe.append(a))
+    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "triton")
+    assert fp8_gemm_backend(a, b) == "triton"
+    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "CUBLAS")
+    assert fp8_gemm_backend(a, b) == "cublas-blockwise"
+    assert not probe and not fresh_probes  # forcing never probes
+    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "cutlass")
+    with pytest.raises(ValueError, match="RAYINFER_FP8_GEMM"):
+        fp8_gemm_backend(a, b)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_auto_probes_once_per_shape_class(monkeypatch, fresh_probes, supported):
+    probes = []
+
+    def probe(device, out_dtype, m, n, k):
+        probes.append((m, n, k))
+        return supported
+
+    monkeypatch.setattr(fp8_gemm_module, "probe_blockwise_scaled_mm", probe)
+    want = "cublas-blockwise" if supported else "triton"
+    a = torch.empty(4096, 7168, dtype=torch.float8_e4m3fn)
+    b = torch.empty(7168, 7168, dtype=torch.float8_e4m3fn)
+    assert fp8_gemm_backend(a, b) == want
+    assert fp8_gemm_backend(a[:2048], b) == want  # same residues: the cached answer
+    assert probes == [(16, 256, 512)]  # tiny: M=16, N=256, K=512 stand for the class
+    assert fp8_gemm_backend(a[:4095], b) == want  # another M residue: its own probe
+    assert fp8_gemm_backend(a, b, torch.float16) == want  # another out dtype too
+    assert len(probes) == 3 and len(fresh_probes) == 3
+
+
+def test_auto_without_a_probe_picks_triton_and_caches_nothing(monkeypatch):
+    """CPU tensors (and CUDA graph capture): no probe, Triton, nothing cached."""
+    monkeypatch.setattr(fp8_gemm_module, "_PROBED", {})
+    monkeypatch.delenv(fp8_gemm_module.BACKEND_ENV, raising=False)
+    a, _, b, _ = _operands(8, 128, 256, seed=3)
+    assert fp8_gemm_backend(a, b) == "triton" and not fp8_gemm_module._PROBED
+
+
+@pytest.mark.parametrize("m,n,k", [(24, 256, 512), (5, 200, 384), (1, 128, 256)])
+def test_auto_runs_scaled_mm_in_its_layouts(monkeypatch, fresh_probes, m, n, k):
+    """Row-major activation scales are made outer-dim major; K/128 = 3 weight rows are padded."""
+    monkeypatch.setattr(fp8_gemm_module, "probe_blockwise_scaled_mm", lambda *args: True)
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls), raising=False)
+    a, a_scale, b, b_scale = _operands(m, n, k, seed=m + k)
+    assert a_scale.is_contiguous()  # row-major from the reference quantizer
+    out = fp8_gemm_auto(a, a_scale, b, b_scale, torch.float32)
+    expected = fp8_gemm_reference(a, a_scale, b, b_scale, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * expected.abs().max())
+    assert len(calls) == 1
+
+
+def test_auto_falls_back_to_triton_on_error_and_remembers(monkeypatch, fresh_probes):
+    monkeypatch.setattr(fp8_gemm_module, "probe_blockwise_scaled_mm", lambda *args: True)
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls, fail=True), raising=False)
+    a, a_scale, b, b_scale = _operands(40, 200, 320, seed=4)
+    out = fp8_gemm_auto(a, a_scale, b, b_scale, torch.float32)  # Triton, interpreted
+    expected = fp8_gemm_reference(a, a_scale, b, b_scale, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+    assert len(calls) == 1 and fp8_gemm_backend(a, b, torch.float32) == "triton"
+    fp8_gemm_auto(a, a_scale, b, b_scale, torch.float32)
+    assert len(calls) == 1  # not tried again
+
+
+def test_forced_cublas_raises_its_errors(monkeypatch, fresh_probes):
+    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "cublas")
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm([], fail=True), raising=False)
+    a, a_scale, b, b_scale = _operands(8, 128, 256, seed=5)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):
+        fp8_gemm_auto(a, a_scale, b, b_scale)
+
+
+@pytest.mark.parametrize("behaviour", ["right", "wrong", "raises"])
+def test_probe_checks_the_product(monkeypatch, behaviour):
+    """The probe says yes only when the call runs and matches the float32 reference."""
+    fake = _fake_scaled_mm([], fail=behaviour == "raises")
+    if behaviour == "wrong":  # e.g. a torch that reads the scales in another layout
+        monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kw: fake(*args, **kw) * 1.5,
+                            raising=False)  # fmt: skip
+    else:
+        monkeypatch.setattr(torch, "_scaled_mm", fake, raising=False)
+    ok = fp8_gemm_module.probe_blockwise_scaled_mm(torch.device("cpu"), torch.float32, 17, 272, 640)
+    assert ok == (behaviour == "right")
+
+
+def test_ops_fp8_quant_gives_column_major_scales_and_gemm_takes_them():
+    x = torch.randn(6, 384, generator=torch.Generator().manual_seed(6))
+    q, scale = ops.fp8_quant(x)
+    assert scale.stride() == (1, 6)
+    q_row, scale_row = ops.fp8_quant(x, column_major_scales=False)
+    assert scale_row.is_contiguous() and torch.equal(scale, scale_row)
+    _, _, b, b_scale = _operands(6, 128, 384, seed=6)
+    out = ops.fp8_gemm(q, scale, b, b_scale, torch.float32)
+    torch.testing.assert_close(out, fp8_gemm_reference(q, scale_row, b, b_scale, torch.float32))

@@ -19,7 +19,13 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 - HEADS_FASTEST: heads vary fastest in the grid: a wave holds the heaviest query tiles of every
   head (longest first over the whole grid), and a GQA group's heads run side by side on one K/V;
 - WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop when it is not
-  PIPELINE_QK's (experimental on Hopper).
+  PIPELINE_QK's, with USE_TMA only (the paged and unaligned pointer paths run without it); an
+  sm_90a compile (triton 3.9) gets no warp partitions from it on Hopper: same code as without;
+- CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
+  RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
+  max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
+  and the [BLOCK_M, BLOCK_DV] rescale of the accumulator is skipped by a scalar branch (FA3's
+  trick; past the first few key tiles the max rarely moves that much).
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from rayinfer.kernels.paged_attention import (
 )
 from rayinfer.kernels.triton_compat import tl, triton
 
-LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False)
+LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False,
+                      CONDITIONAL_RESCALE=False)  # fmt: skip
+# CONDITIONAL_RESCALE's bound on how far (log2 units) the running max may lag a row's true max.
+RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -119,10 +128,12 @@ def _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stri
 
 @triton.jit
 def _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):  # fmt: skip
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   CONDITIONAL_RESCALE: tl.constexpr):  # fmt: skip
     """Online softmax of one [BLOCK_M, BLOCK_N] logit tile: its probabilities p (relative to the
-    new running max), the factor alpha [BLOCK_M] that rescales what was accumulated before, and
-    the new running max and sum [BLOCK_M]."""
+    new running max), the factor alpha [BLOCK_M] that rescales what was accumulated before, the
+    new running max and sum [BLOCK_M], and whether acc needs alpha (a scalar; always with
+    CONDITIONAL_RESCALE off)."""
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = offs_n[None, :] < kv_len
@@ -130,21 +141,43 @@ def _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len, BLOCK_N: tl.conste
             visible = visible & (offs_n[None, :] <= offs_m_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+    if CONDITIONAL_RESCALE:
+        # Keep the old max unless some row's grew by more than RESCALE_THRESHOLD (log2 units):
+        # p stays <= 2**RESCALE_THRESHOLD, and alpha is exactly 1 (acc's rescale is skipped).
+        # One block-wide reduction per tile (the row maxima above stay within a warp).
+        grew = tl.max((m_new > m_i + RESCALE_THRESHOLD).to(tl.int32), 0) > 0
+        m_new = tl.where(grew, m_new, m_i)
+    else:
+        grew = tl.full((), 1, tl.int32) > 0
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    return p, alpha, m_new, l_i, grew
+
+
+@triton.jit
+def _rescaled(acc, alpha, grew, CONDITIONAL_RESCALE: tl.constexpr):
+    """acc * alpha per row; with CONDITIONAL_RESCALE only when the max moved (`grew`, a scalar
+    branch): the common case skips the [BLOCK_M, BLOCK_DV] multiply."""
+    if CONDITIONAL_RESCALE:
+        if grew:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    return acc
 
 
 @triton.jit
 def _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+                  DOT_PRECISION: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr):  # fmt: skip
     """Fold one [BLOCK_M, BLOCK_N] logit tile and its [BLOCK_N, BLOCK_DV] values into acc
     [BLOCK_M, BLOCK_DV] and the running max m_i and sum l_i [BLOCK_M]."""
-    p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len, BLOCK_N,
-                                        MASKED, IS_CAUSAL)  # fmt: skip
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i, grew = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len,
+                                              BLOCK_N, MASKED, IS_CAUSAL,
+                                              CONDITIONAL_RESCALE)  # fmt: skip
+    acc = _rescaled(acc, alpha, grew, CONDITIONAL_RESCALE)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -156,7 +189,7 @@ def _attend_tile(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr,
 ):  # fmt: skip
     """Key tile start_n..: scores, values, online softmax."""
     qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len, stride_kt,
@@ -165,7 +198,7 @@ def _attend_tile(
     v = _kv_tile(v_source, block_table_ptr, start_n, kv_len, stride_vt, HEAD_DIM_V, BLOCK_DV,
                  BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
     return _softmax_step(acc, m_i, l_i, qk, v, start_n, offs_m_pos, kv_len, BLOCK_N, MASKED,
-                         IS_CAUSAL, DOT_PRECISION)  # fmt: skip
+                         IS_CAUSAL, DOT_PRECISION, CONDITIONAL_RESCALE)  # fmt: skip
 
 
 @triton.jit
@@ -177,6 +210,7 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONDITIONAL_RESCALE: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [lo, hi) one after the other (`tl.range`'s warp specialization only when asked:
     a plain loop otherwise)."""
@@ -186,7 +220,7 @@ def _attend_tiles(
                 acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr,
                 offs_m_pos, start_n, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
                 HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
-                MASKED, IS_CAUSAL, DOT_PRECISION,
+                MASKED, IS_CAUSAL, DOT_PRECISION, CONDITIONAL_RESCALE,
             )  # fmt: skip
     else:
         for start_n in range(lo, hi, BLOCK_N):
@@ -194,7 +228,7 @@ def _attend_tiles(
                 acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, block_table_ptr,
                 offs_m_pos, start_n, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
                 HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
-                MASKED, IS_CAUSAL, DOT_PRECISION,
+                MASKED, IS_CAUSAL, DOT_PRECISION, CONDITIONAL_RESCALE,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -207,7 +241,7 @@ def _attend_tiles_pipelined(
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [lo, hi), software-pipelined by one tile: iteration j issues the scores of tile
     j, then the P.V product of tile j-1 (asynchronous: it chains on acc), then runs the softmax
@@ -217,8 +251,9 @@ def _attend_tiles_pipelined(
         qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, lo, kv_len, stride_kt,
                      HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N, BLOCK_SIZE, IS_PAGED,
                      USE_TMA, MASKED, DOT_PRECISION)  # fmt: skip
-        p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, lo, offs_m_pos, kv_len, BLOCK_N,
-                                            MASKED, IS_CAUSAL)  # fmt: skip
+        p, alpha, m_i, l_i, grew = _softmax_probs(qk, m_i, l_i, lo, offs_m_pos, kv_len,
+                                                  BLOCK_N, MASKED, IS_CAUSAL,
+                                                  CONDITIONAL_RESCALE)  # fmt: skip
         for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
             qk = _scores(q0, q1, k_source0, k_source1, block_table_ptr, start_n, kv_len,
                          stride_kt, HEAD_DIM0, HEAD_DIM1, BLOCK_D0, BLOCK_D1, BLOCK_N,
@@ -226,13 +261,16 @@ def _attend_tiles_pipelined(
             v = _kv_tile(v_source, block_table_ptr, start_n - BLOCK_N, kv_len, stride_vt,
                          HEAD_DIM_V, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
                          MASKED)  # fmt: skip
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            p, alpha, m_i, l_i = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos, kv_len,
-                                                BLOCK_N, MASKED, IS_CAUSAL)  # fmt: skip
+            acc = _rescaled(acc, alpha, grew, CONDITIONAL_RESCALE)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            p, alpha, m_i, l_i, grew = _softmax_probs(qk, m_i, l_i, start_n, offs_m_pos,
+                                                      kv_len, BLOCK_N, MASKED, IS_CAUSAL,
+                                                      CONDITIONAL_RESCALE)  # fmt: skip
         last_n = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N  # hi - lo: any length (the diagonal)
         v = _kv_tile(v_source, block_table_ptr, last_n, kv_len, stride_vt, HEAD_DIM_V, BLOCK_DV,
                      BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, MASKED)  # fmt: skip
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = _rescaled(acc, alpha, grew, CONDITIONAL_RESCALE)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -295,7 +333,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, PIPELINE_QK: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr,
 ):  # fmt: skip
     tile, seq, head = _program_coordinates(HEADS_FASTEST)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -343,14 +381,14 @@ def _prefill_attention_kernel(
             acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
             0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
             BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, False,
-            IS_CAUSAL, DOT_PRECISION,
+            IS_CAUSAL, DOT_PRECISION, CONDITIONAL_RESCALE,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
             0, unmasked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1, HEAD_DIM_V,
             BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA, False,
-            IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION,
+            IS_CAUSAL, WARP_SPECIALIZE, DOT_PRECISION, CONDITIONAL_RESCALE,
         )  # fmt: skip
     # The diagonal (and the ragged end): the only tiles that need the mask.
     if PIPELINE_QK:
@@ -358,14 +396,14 @@ def _prefill_attention_kernel(
             acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
             unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
             HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
-            True, IS_CAUSAL, DOT_PRECISION,
+            True, IS_CAUSAL, DOT_PRECISION, CONDITIONAL_RESCALE,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q0, q1, k_source0, k_source1, v_source, table_ptr, offs_m_pos,
             unmasked_end, masked_end, kv_len, stride_kt, stride_vt, HEAD_DIM0, HEAD_DIM1,
             HEAD_DIM_V, BLOCK_D0, BLOCK_D1, BLOCK_DV, BLOCK_N, BLOCK_SIZE, IS_PAGED, USE_TMA,
-            True, IS_CAUSAL, False, DOT_PRECISION,
+            True, IS_CAUSAL, False, DOT_PRECISION, CONDITIONAL_RESCALE,
         )  # fmt: skip
     out_head_ptr = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh
     _store_output(out_head_ptr, acc / l_i[:, None], first_row, q_len, stride_ot, HEAD_DIM_V,
@@ -413,9 +451,11 @@ def _tma_scratch_allocator(device: torch.device):
 
 def _launch_options(params: dict, tensors, column_offsets, is_paged: bool) -> dict:
     """The config's launch options (LAUNCH_OPTIONS's defaults where absent); TMA only where it
-    can run: contiguous K/V with aligned rows."""
+    can run: contiguous K/V with aligned rows, and warp specialization only with TMA."""
     options = {name: bool(params.get(name, default)) for name, default in LAUNCH_OPTIONS.items()}
     options["USE_TMA"] = options["USE_TMA"] and not is_paged and _tma_fits(tensors, column_offsets)
+    # Warp specialization was only ever compiled and timed over TMA loads: off on pointer paths.
+    options["WARP_SPECIALIZE"] = options["WARP_SPECIALIZE"] and options["USE_TMA"]
     if options["USE_TMA"] and tensors[0].device.type == "cuda":
         triton.set_allocator(_tma_scratch_allocator(tensors[0].device))  # per thread: set here
     return options

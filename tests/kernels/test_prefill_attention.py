@@ -75,6 +75,11 @@ VARIANTS = {
     "pipelined": dict(PIPELINE_QK=True, BLOCK_M=32),
     "tma": dict(USE_TMA=True, HEADS_FASTEST=True),
     "tma-pipelined": dict(USE_TMA=True, PIPELINE_QK=True, WARP_SPECIALIZE=True),
+    "conditional-rescale": dict(CONDITIONAL_RESCALE=True),
+    "tma-ws-conditional-rescale": dict(
+        USE_TMA=True, WARP_SPECIALIZE=True, CONDITIONAL_RESCALE=True
+    ),
+    "pipelined-conditional-rescale": dict(PIPELINE_QK=True, CONDITIONAL_RESCALE=True, BLOCK_M=32),
 }
 
 
@@ -155,3 +160,48 @@ def test_configs_are_bucketed_by_qk_head_dim(monkeypatch):
     run_varlen([3], [3], 2, 2, 48, 32, torch.float32)
     run_varlen([3], [3], 2, 2, 32, 32, torch.float32)
     assert buckets == [48, 32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(CONDITIONAL_RESCALE=True),
+        dict(CONDITIONAL_RESCALE=True, PIPELINE_QK=True),
+        dict(CONDITIONAL_RESCALE=True, USE_TMA=True, WARP_SPECIALIZE=True),
+    ],
+    ids=["plain", "pipelined", "tma-ws"],
+)
+def test_conditional_rescale_is_exact_when_the_max_jumps(monkeypatch, dtype, options):
+    """Logits that grow along the context (by more than the threshold over some key tiles, by
+    less over others) take both branches: skipped rescales and real ones, same result."""
+    original = prefill_module.launch_params
+    monkeypatch.setattr(
+        prefill_module,
+        "launch_params",
+        lambda op, device, bucket=1: {**original(op, device, bucket), **options},
+    )
+    generator = torch.Generator().manual_seed(0)
+    seq_len, num_heads, dim = 80, 2, 32
+    query = torch.randn(seq_len, num_heads, dim, generator=generator)
+    key = torch.randn(seq_len, num_heads, dim, generator=generator)
+    value = torch.randn(seq_len, num_heads, dim, generator=generator)
+    # 16x16 CPU tiles: with this growth the max moves by > 8 (log2) in some tiles, not others
+    key = key * torch.linspace(0.5, 5.0, seq_len)[:, None, None]
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    cu = torch.tensor([0, seq_len], dtype=torch.int32)
+    ours = prefill_attention(query, key, value, cu, cu, seq_len, dim**-0.5)
+    reference = prefill_attention_reference(query.float(), key.float(), value.float(), cu, cu,
+                                            seq_len, dim**-0.5)  # fmt: skip
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(ours.float(), reference, atol=tol, rtol=tol)
+
+
+def test_warp_specialization_only_with_tma():
+    """The pointer paths (paged K/V, unaligned rows) never get `warp_specialize`."""
+    options = dict(USE_TMA=True, WARP_SPECIALIZE=True, CONDITIONAL_RESCALE=True)
+    aligned = (torch.randn(8, 2, 32, dtype=torch.float16),)
+    contiguous = prefill_module._launch_options(options, aligned, (32,), is_paged=False)
+    assert contiguous["WARP_SPECIALIZE"] and contiguous["CONDITIONAL_RESCALE"]
+    paged = prefill_module._launch_options(options, aligned, (32,), is_paged=True)
+    assert not paged["USE_TMA"] and not paged["WARP_SPECIALIZE"] and paged["CONDITIONAL_RESCALE"]

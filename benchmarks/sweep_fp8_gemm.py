@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON file for all results and best configs")
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes")
-    parser.add_argument("--budget-s", type=float, default=70.0, help="seconds, compiles included")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="seconds, compiles included")
     args = parser.parse_args(argv)
     started = time.monotonic()
     if not args.smoke and not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Sweep of the absorbed MLA paged decode kernels (issue 6): correctness, then timings, then the
 best tile config per head bucket, ready for rayinfer/kernels/configs/mla_attention.json.
 
-GPU (one H200, about 2 minutes with compiles):
+GPU (one H200, under 100 s with compiles):
     PYTHONPATH=$PWD python benchmarks/sweep_mla_decode.py --out $OUT/mla_sweep.json
 CPU check of this script's logic (Triton interpreter, float32, tiny shapes):
     PYTHONPATH=$PWD python benchmarks/sweep_mla_decode.py --smoke --out /tmp/mla_sweep.json
@@ -42,50 +42,70 @@ CASES = {
 }
 
 
-def tokens_major(block_h, block_n, warps, stages, **splits) -> dict:
+def tokens_major(block_h, block_n, warps, stages, **options) -> dict:
+    """options: split knobs (target_programs, min_tokens_per_split, max_splits) and launch
+    options (USE_TMA, WARP_SPECIALIZE, EVICT_FIRST; see mla_attention.mla_decode_launches)."""
     return dict(layout="tokens_major", BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
-                num_stages=stages, **{**SPLITS, **splits})  # fmt: skip
+                num_stages=stages, **{**SPLITS, **options})  # fmt: skip
 
 
-def heads_major(block_h, block_n, warps, stages, **splits) -> dict:
-    return {**tokens_major(block_h, block_n, warps, stages, **splits), "layout": "heads_major"}
+def heads_major(block_h, block_n, warps, stages, **options) -> dict:
+    return {**tokens_major(block_h, block_n, warps, stages, **options), "layout": "heads_major"}
 
 
-def shared(block_h, block_n, warps, stages) -> dict:
-    """The split-K kernel shared with GQA: the configs/mla_attention.json entries before this."""
-    return {**tokens_major(block_h, block_n, warps, stages), "layout": "shared"}
+TMA = dict(USE_TMA=True)
+WS = dict(USE_TMA=True, WARP_SPECIALIZE=True)
+EVICT = dict(EVICT_FIRST=True)
+SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30): the same-run reference
+    16: tokens_major(16, 32, 4, 3),
+    128: heads_major(64, 64, 8, 2),
+}
 
-
-# In priority order (the time budget may cut the tail); "shared" rows are the configs in use.
-# From sm_90 compiles (Triton 3.9, ptxas): the 64-token tokens-major tile uses wgmma for both
-# dots but needs ~165 KiB of shared memory at 2 stages and ~236 KiB at 3 (too much), and at 2
-# stages a tile's copies are waited for right after being issued (no overlap within a program).
-# 32-token tiles pipeline with no spills: 3 stages 91 KiB (two programs per SM), 4 stages
-# 127 KiB (copies two tiles ahead), 6 stages 199 KiB (four tiles, 147 KiB, in flight); their
-# scores dot is mma.sync (M = 32), the output dot wgmma (M = L). Deep pipelines want long splits
-# (min_tokens_per_split 1024: 1 x 128k runs 128 programs of 32 tiles). 128 heads is
-# compute-bound: heads-major 64-head tiles run both dots on wgmma.
+# In priority order (the time budget may cut the tail); the shipped configs first.
+# Round 1 (2026-11-30 sweep): 32-token tokens-major tiles at 3 stages (88-91 KiB of shared memory,
+# two programs per SM) beat deeper pipelines at one program per SM (s4 0.157, s6 0.163 ms geomean
+# vs 0.117), and 1 x 128k went 0.149 -> 0.090 ms at s6 with 1024-token splits: split counts and
+# programs per SM matter more than stages. New here (shared memory from sm_90 compiles, Triton 3.9):
+# - USE_TMA with 16-token tiles (one cache block): a tile is two TMA copies (c_kv, k_pe) after one
+#   table load, no per-row addresses or 16-byte cp.asyncs; the dots read the TMA buffers in place.
+#   s3 56 KiB (four programs per SM, 528 slots), s4 74 KiB (three, 396 slots), s6 ~110 KiB (two).
+#   target_programs sized to those slots (one full wave), max_splits 512 so that 1 x 128k fills it.
+# - EVICT_FIRST on the pointer loads of the cache (read once): the partials stay in L2.
+# - split counts of the shipped tile: tp264 m1024 (one wave, half the partials), tp1056.
+# - tokens-major 64-token tiles at s2 (92 KiB: two programs per SM; both dots wgmma).
+# WARP_SPECIALIZE: Triton 3.9 builds no partitions for this loop (mma.sync scores dot), one
+# variant at the end in case 3.6 does.
+MORE_SPLITS = dict(max_splits=512)
 CONFIGS = [
-    (16, shared(16, 64, 4, 2)),
-    (128, shared(64, 32, 8, 2)),
-    (16, tokens_major(16, 32, 4, 4)),
-    (128, heads_major(64, 32, 8, 3)),
-    (16, tokens_major(16, 32, 4, 6)),
-    (16, tokens_major(16, 32, 4, 6, min_tokens_per_split=1024)),
-    (128, heads_major(64, 32, 8, 4)),
-    (16, tokens_major(16, 32, 4, 3)),
-    (16, tokens_major(16, 32, 8, 5)),
-    (128, tokens_major(64, 32, 8, 3)),
-    (16, heads_major(16, 32, 4, 4)),
-    (128, heads_major(64, 64, 8, 2)),
+    (16, SHIPPED[16]),
+    (128, SHIPPED[128]),
+    (16, tokens_major(16, 16, 4, 4, **TMA)),
+    (16, tokens_major(16, 16, 4, 3, **TMA)),
+    (16, tokens_major(16, 32, 4, 3, **EVICT)),
+    (16, tokens_major(16, 16, 4, 4, target_programs=396, **MORE_SPLITS, **TMA)),
+    (16, tokens_major(16, 16, 4, 3, **MORE_SPLITS, **TMA)),
+    (16, tokens_major(16, 32, 4, 3, target_programs=264, min_tokens_per_split=1024)),
+    (16, tokens_major(16, 16, 4, 4, target_programs=792, **MORE_SPLITS, **TMA)),
+    (16, tokens_major(16, 64, 4, 2)),
+    (16, tokens_major(16, 16, 4, 6, target_programs=264, min_tokens_per_split=1024, **TMA)),
+    (16, tokens_major(16, 16, 4, 3, target_programs=1056, **MORE_SPLITS, **TMA)),
+    (16, tokens_major(16, 32, 4, 3, target_programs=1056, **EVICT)),
+    (16, tokens_major(16, 16, 4, 4)),
+    (16, heads_major(16, 16, 4, 4, **TMA)),
+    (16, tokens_major(16, 16, 8, 4, **TMA)),
+    (128, heads_major(64, 16, 8, 3, **TMA)),
+    (128, heads_major(64, 64, 8, 2, **EVICT)),
+    (128, heads_major(64, 16, 8, 4, **TMA)),
+    (16, tokens_major(16, 16, 4, 4, **WS)),
 ]
 
 SMOKE_CASES = {4: [(1, 40), (3, 17)], 20: [(2, 33)]}
+SMOKE_SPLITS = dict(target_programs=8, min_tokens_per_split=16)
 SMOKE_CONFIGS = [
-    (4, shared(16, 16, 4, 1)),
-    (4, tokens_major(16, 16, 4, 1, target_programs=8, min_tokens_per_split=16)),
-    (20, tokens_major(16, 32, 4, 1, target_programs=8, min_tokens_per_split=16)),
-    (20, heads_major(16, 16, 4, 1, target_programs=8, min_tokens_per_split=16)),
+    (4, tokens_major(16, 16, 4, 1, **SMOKE_SPLITS)),
+    (4, tokens_major(16, 16, 4, 1, **SMOKE_SPLITS, **WS)),
+    (20, tokens_major(16, 32, 4, 1, **SMOKE_SPLITS, **EVICT)),
+    (20, heads_major(16, 16, 4, 1, **SMOKE_SPLITS, **TMA)),
 ]
 
 
@@ -190,6 +210,34 @@ def run_config(setup: Setup, heads: int, params: dict, cases: dict) -> dict:
     return result
 
 
+def time_stages(setup: Setup, params: dict, cases: dict, heads: int) -> dict:
+    """{"BxS": split kernel ms, combine ms, splits, programs} of one config, each launch timed on
+    its own (do_bench flushes L2 before each call, so the combine reads its partials from HBM:
+    an upper bound; in the decode they were just written and mostly sit in L2)."""
+    from rayinfer.kernels.paged_attention import choose_split
+    from rayinfer.kernels.triton_compat import triton
+
+    rows = {}
+    for (case_heads, batch, seq_len), case in cases.items():
+        if case_heads != heads:
+            continue
+        kv_cache = case["kv_cache"]
+        slots = kv_cache.view(-1, kv_cache.shape[-1])
+        _, split_fn, combine_fn = mla_attention.mla_decode_launches(
+            case["q_latent"], case["q_pe"], slots, case["block_tables"], case["seq_lens"],
+            setup.scale, params, kv_cache.shape[1],
+        )  # fmt: skip
+        block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], heads)))
+        groups = -(-heads // block_h)
+        split = choose_split(batch, groups, case["block_tables"].shape[1] * BLOCK_SIZE, params)
+        row = dict(split_ms=setup.time_ms(split_fn), splits=split.num_splits,
+                   tokens_per_split=split.tokens_per_split,
+                   programs=batch * groups * split.num_splits)  # fmt: skip
+        row["combine_ms"] = setup.time_ms(combine_fn) if combine_fn is not None else 0.0
+        rows[f"{batch}x{seq_len}"] = row
+    return rows
+
+
 def geometric_mean_ms(result: dict) -> float:
     times = [row["ms"] for row in result["timings"].values()]
     return math.exp(sum(map(math.log, times)) / len(times))
@@ -212,10 +260,18 @@ def best_per_bucket(setup: Setup, results: list[dict]) -> dict:
 
 
 def config_name(params: dict) -> str:
-    """e.g. "tokens_major H16 N32 w4 s6 tp528 m1024" (m: min_tokens_per_split)."""
+    """e.g. "tokens_major H16 N16 w4 s4 tp396 m256 max512 tma" (m: min_tokens_per_split, max:
+    max_splits where not 256)."""
     tiles = f"H{params['BLOCK_H']} N{params['BLOCK_N']} w{params['num_warps']}"
     splits = f"s{params['num_stages']} tp{params['target_programs']}"
-    return f"{params['layout']} {tiles} {splits} m{params['min_tokens_per_split']}"
+    options = [name for key, name in OPTION_NAMES.items() if params.get(key)]
+    if params["max_splits"] != SPLITS["max_splits"]:
+        options.insert(0, f"max{params['max_splits']}")
+    return " ".join([params["layout"], tiles, splits, f"m{params['min_tokens_per_split']}",
+                     *options])  # fmt: skip
+
+
+OPTION_NAMES = dict(USE_TMA="tma", WARP_SPECIALIZE="ws", EVICT_FIRST="evict")
 
 
 def config_status(result: dict) -> str:
@@ -228,30 +284,45 @@ def config_status(result: dict) -> str:
     return f"rel_error {result['rel_error']:.1e}, geomean {geometric_mean_ms(result):.3f} ms"
 
 
-def print_table(results: list[dict], baselines: dict, best: dict) -> None:
+def print_table(results: list[dict], baselines: dict, best: dict, stages: dict) -> None:
     print("\nconfigs (geomean ms over the bucket's cases):")
     for index, result in enumerate(results):
         print(f"  #{index} {result['heads']:>3} heads {config_name(result['params'])}: "
               f"{config_status(result)}")  # fmt: skip
-    print("\n| heads | B x ctx | baseline ms | best ms | KV TB/s | share of 4.23 TB/s | speed-up |")
-    print("|---|---|---|---|---|---|---|")
-    for (heads, batch, seq_len), base in baselines.items():
-        row = best.get(heads, {}).get("timings", {}).get(f"{batch}x{seq_len}")
-        if row is None:
-            print(f"| {heads} | {batch} x {seq_len} | {base['ms']:.3f} | - | - | - | - |")
-            continue
-        speedup = base["ms"] / row["ms"]
-        print(f"| {heads} | {batch} x {seq_len} | {base['ms']:.3f} | {row['ms']:.3f} | "
-              f"{row['tb_per_s']:.2f} | {row['hbm_share']:.0%} | {speedup:.2f}x |")  # fmt: skip
+    shipped = {
+        heads: next((r for r in results if r["heads"] == heads and r["params"] == params), {})
+        for heads, params in SHIPPED.items()
+    }
+    print("\nsplit kernel / combine timed apart (combine after an L2 flush: an upper bound):")
+    for (name, heads), rows in stages.items():
+        for shape, row in rows.items():
+            print(f"  {name} {heads} heads {shape}: split {row['split_ms']:.3f} ms, combine "
+                  f"{row['combine_ms']:.3f} ms; {row['splits']} splits of "
+                  f"{row['tokens_per_split']} tokens, {row['programs']} programs")  # fmt: skip
     for heads, result in best.items():
         print(f"best {heads} heads: {config_name(result['params'])}")
+    print("\n| heads | B x ctx | baseline ms | shipped ms | best ms | KV TB/s | share of 4.23 TB/s "
+          "| speed-up |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for (heads, batch, seq_len), base in baselines.items():
+        key = f"{batch}x{seq_len}"
+        ref = shipped.get(heads, {}).get("timings", {}).get(key)
+        ref_ms = f"{ref['ms']:.3f}" if ref else "-"
+        row = best.get(heads, {}).get("timings", {}).get(key)
+        if row is None:
+            cells = f"{heads} | {batch} x {seq_len} | {base['ms']:.3f} | {ref_ms}"
+            print(f"| {cells} | - | - | - | - |")
+            continue
+        speedup = base["ms"] / row["ms"]
+        print(f"| {heads} | {batch} x {seq_len} | {base['ms']:.3f} | {ref_ms} | {row['ms']:.3f} | "
+              f"{row['tb_per_s']:.2f} | {row['hbm_share']:.0%} | {speedup:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results path")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
-    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this")
+    parser.add_argument("--budget-s", type=float, default=70.0, help="stop sweeping after this")
     args = parser.parse_args()
     started = time.perf_counter()
     setup = Setup(args.smoke)
@@ -267,17 +338,27 @@ def main() -> None:
         print(f"[{time.perf_counter() - started:5.1f} s] {heads} heads {config_name(params)}: "
               f"{config_status(results[-1])}", flush=True)  # fmt: skip
     best = best_per_bucket(setup, results)
+    stages = {}  # the best and the shipped config per bucket: split kernel and combine apart
+    for heads, result in best.items():
+        for name, params in (("best", result["params"]), ("shipped", SHIPPED.get(heads))):
+            if params is None or (name == "shipped" and params == result["params"]):
+                continue
+            try:
+                stages[(name, heads)] = time_stages(setup, params, cases, heads)
+            except Exception as error:  # noqa: BLE001 - reported, the table still prints
+                print(f"stage timing of {name} {heads} heads failed: {error}")
     device_name = "cpu" if args.smoke else torch.cuda.get_device_name()
     output = dict(
         device=device_name,
         wall_s=time.perf_counter() - started,
         baselines={f"{h} heads {b}x{s}": row for (h, b, s), row in baselines.items()},
         results=results,
+        stages={f"{name} {heads} heads": rows for (name, heads), rows in stages.items()},
         config_entry={device_name: {"default": {str(h): r["params"] for h, r in best.items()}}},
     )
     with open(args.out, "w") as file:
         json.dump(output, file, indent=1)
-    print_table(results, baselines, best)
+    print_table(results, baselines, best, stages)
     print(f"\nwall {output['wall_s']:.1f} s; best configs -> {args.out} (config_entry)")
 
 

@@ -14,6 +14,8 @@ c_kv (L = kv_lora_rank) followed by the roped shared key k_pe (R = qk_rope_head_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rayinfer.kernels import paged_attention
@@ -128,6 +130,42 @@ def mla_decode_attention(
 
 def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
     """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R]."""
+    out, launch_split, launch_combine = mla_decode_launches(
+        q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size
+    )
+    launch_split()
+    if launch_combine is not None:
+        launch_combine()
+    return out
+
+
+def mla_tma_fits(slots: torch.Tensor, latent_rank: int, rope_dim: int, block_size: int,
+                 params: dict) -> bool:  # fmt: skip
+    """Whether USE_TMA can run: tiles inside one cache block, power-of-two latent and rope dims
+    (the descriptors' boxes are the whole dims), 16-byte aligned rows and rope columns, sm_90+."""
+    size = slots.element_size()
+    dims_fit = latent_rank == triton.next_power_of_2(latent_rank) and rope_dim >= 16
+    dims_fit = dims_fit and rope_dim == triton.next_power_of_2(rope_dim)
+    offsets = (slots.data_ptr(), slots.stride(0) * size, latent_rank * size)
+    if not dims_fit or block_size % params["BLOCK_N"] or any(o % 16 for o in offsets):
+        return False
+    return slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] >= 9
+
+
+def _tma_scratch(device: torch.device):
+    """Global scratch for the descriptors the kernel builds on device."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+    """(out [B, N, L], split launch, combine launch or None): the dedicated kernel's launches on
+    buffers allocated once, so that the sweep can time the split kernel and the combine apart.
+
+    Launch options of `params` (absent: off): "USE_TMA" loads the full tiles through TMA
+    descriptors over the flat cache (a tile never crosses a cache block; the last, partial tile of
+    a split goes through masked pointer loads), "WARP_SPECIALIZE" runs that TMA loop with
+    `tl.range(..., warp_specialize=True)`, "EVICT_FIRST" marks the pointer loads of the cache
+    evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
@@ -139,9 +177,15 @@ def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     mid_shape = (num_seqs, num_heads, split.num_splits, latent_rank)  # [B, N, S, L]
     mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
     mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
-    _mla_decode_split_kernel[(num_groups, num_seqs, split.num_splits)](
+    use_tma = bool(params.get("USE_TMA")) and mla_tma_fits(slots, latent_rank, rope_dim,
+                                                           block_size, params)  # fmt: skip
+    if use_tma and slots.device.type == "cuda":
+        triton.set_allocator(_tma_scratch(slots.device))  # per thread: set here
+    grid = (num_groups, num_seqs, split.num_splits)
+    launch_split = functools.partial(
+        _mla_decode_split_kernel[grid],
         q_latent, q_pe, slots, mid_out, mid_lse, block_tables, seq_lens,
-        scale, num_heads, split.tokens_per_split,
+        scale, num_heads, split.tokens_per_split, slots.shape[0],
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), slots.stride(0),
         block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         LATENT_RANK=latent_rank, ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(latent_rank),
@@ -149,11 +193,13 @@ def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         BLOCK_N=params["BLOCK_N"], BLOCK_SIZE=block_size,
         TOKENS_MAJOR=params["layout"] == "tokens_major",
         DOT_PRECISION=dot_precision(q_latent.dtype), IS_ONLY_SPLIT=is_only_split,
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and bool(params.get("WARP_SPECIALIZE")),
+        EVICT_FIRST=bool(params.get("EVICT_FIRST")),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
-    if not is_only_split:
-        _combine_splits(mid_out, mid_lse, out, params)
-    return out
+    if is_only_split:
+        return out, launch_split, None
+    return out, launch_split, functools.partial(_combine_splits, mid_out, mid_lse, out, params)
 
 
 def _combine_splits(mid_out, mid_lse, out, params) -> None:
@@ -196,15 +242,72 @@ def _tile_slots(table_ptr, offs_n, split_end, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _mla_update(
+    acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale, in_bounds,
+    TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One cache tile into the online softmax: (acc, m_i, l_i) updated."""
+    scores = _mla_scores(kv_c, k_pe, q_latent, q_pe, qk_scale, in_bounds, TOKENS_MAJOR,
+                         DOT_PRECISION)  # fmt: skip
+    if TOKENS_MAJOR:  # scores [BLOCK_N, BLOCK_H]
+        m_new = tl.maximum(m_i, tl.max(scores, 0))
+        p = tl.math.exp2(scores - m_new[None, :])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = tl.dot(
+            tl.trans(kv_c), p.to(kv_c.dtype), acc * alpha[None, :], input_precision=DOT_PRECISION
+        )  # [BLOCK_L, BLOCK_H]
+    else:  # scores [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(
+            p.to(kv_c.dtype), kv_c, acc * alpha[:, None], input_precision=DOT_PRECISION
+        )  # [BLOCK_H, BLOCK_L]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _mla_pointer_tile(
+    cache_ptr, rows, offs_n, split_end, offs_l, offs_r, stride_slot,
+    LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, EVICT_FIRST: tl.constexpr,
+):  # fmt: skip
+    """(kv_c [BLOCK_N, BLOCK_L], k_pe [BLOCK_N, BLOCK_R], in_bounds [BLOCK_N]) through masked
+    pointer loads of the cache rows `rows`; positions past split_end read as zeros."""
+    in_bounds = offs_n < split_end
+    row_ptrs = cache_ptr + rows[:, None] * stride_slot  # [BLOCK_N, 1]
+    l_mask = in_bounds[:, None] & (offs_l[None, :] < LATENT_RANK)
+    r_mask = in_bounds[:, None] & (offs_r[None, :] < ROPE_DIM)
+    if EVICT_FIRST:
+        kv_c = tl.load(row_ptrs + offs_l[None, :], mask=l_mask, other=0.0,
+                       eviction_policy="evict_first")  # fmt: skip
+        k_pe = tl.load(row_ptrs + LATENT_RANK + offs_r[None, :], mask=r_mask, other=0.0,
+                       eviction_policy="evict_first")  # fmt: skip
+    else:
+        kv_c = tl.load(row_ptrs + offs_l[None, :], mask=l_mask, other=0.0)
+        k_pe = tl.load(row_ptrs + LATENT_RANK + offs_r[None, :], mask=r_mask, other=0.0)
+    return kv_c, k_pe, in_bounds
+
+
+@triton.jit
+def _tile_first_slot(table_ptr, start_n, end, BLOCK_SIZE: tl.constexpr):
+    """Cache slot of context position start_n (slot 0 at or past end): a tile's first row."""
+    block_id = tl.load(table_ptr + start_n // BLOCK_SIZE, mask=start_n < end, other=0)
+    return block_id * BLOCK_SIZE + start_n % BLOCK_SIZE
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_latent_ptr, q_pe_ptr, cache_ptr, mid_out_ptr, mid_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    scale, num_heads, tokens_per_split,
+    scale, num_heads, tokens_per_split, num_slots,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_slot, stride_block_table,
     stride_mid_b, stride_mid_h, stride_mid_s,
     LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_ONLY_SPLIT: tl.constexpr,
+    IS_ONLY_SPLIT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):  # fmt: skip
     """One (head group, sequence, split): partial softmax . c_kv over the split's tokens.
 
@@ -212,7 +315,9 @@ def _mla_decode_split_kernel(
     (q_latent . c_kv + q_pe . k_pe) and the output (p @ c_kv, c_kv being the value too).
     TOKENS_MAJOR computes the transposed problem (scores^T = c_kv @ q^T, out^T = c_kv^T @ p^T):
     the token and latent dims are then the dots' M (BLOCK_N and L: wgmma-sized on Hopper even with
-    16 heads), the queries stay in shared memory and the accumulator is [L, BLOCK_H]."""
+    16 heads), the queries stay in shared memory and the accumulator is [L, BLOCK_H].
+    USE_TMA: the split's full tiles come through TMA descriptors (one table load per tile, no
+    per-row addresses), its last partial tile through masked pointer loads."""
     head_start = tl.program_id(0) * BLOCK_H  # head groups vary fastest: they share rows in L2
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -246,47 +351,50 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_block_table
     offs_tile = tl.arange(0, BLOCK_N)
-    # The next tile's slots are loaded one iteration ahead (carried): the cache loads then do not
-    # wait on a table load of their own iteration, and Triton's pipeliner can issue them
-    # num_stages - 1 tiles ahead instead of num_stages - 2.
-    rows = _tile_slots(table_ptr, split_start + offs_tile, split_end, BLOCK_SIZE)
-    for start_n in range(split_start, split_end, BLOCK_N):
-        offs_n = start_n + offs_tile  # [BLOCK_N] context positions
-        in_bounds = offs_n < split_end
-        row_ptrs = cache_ptr + rows[:, None] * stride_slot  # [BLOCK_N, 1]
-        rows = _tile_slots(table_ptr, offs_n + BLOCK_N, split_end, BLOCK_SIZE)
-        kv_c = tl.load(
-            row_ptrs + offs_l[None, :],
-            mask=in_bounds[:, None] & (offs_l[None, :] < LATENT_RANK),
-            other=0.0,
-        )
-        k_pe = tl.load(
-            row_ptrs + LATENT_RANK + offs_r[None, :],
-            mask=in_bounds[:, None] & (offs_r[None, :] < ROPE_DIM),
-            other=0.0,
-        )
-        scores = _mla_scores(kv_c, k_pe, q_latent, q_pe, qk_scale, in_bounds, TOKENS_MAJOR,
-                             DOT_PRECISION)  # fmt: skip
-        if TOKENS_MAJOR:  # scores [BLOCK_N, BLOCK_H]
-            m_new = tl.maximum(m_i, tl.max(scores, 0))
-            p = tl.math.exp2(scores - m_new[None, :])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            acc = tl.dot(
-                tl.trans(kv_c),
-                p.to(kv_c.dtype),
-                acc * alpha[None, :],
-                input_precision=DOT_PRECISION,
-            )  # [BLOCK_L, BLOCK_H]
-        else:  # scores [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.math.exp2(scores - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(
-                p.to(kv_c.dtype), kv_c, acc * alpha[:, None], input_precision=DOT_PRECISION
-            )  # [BLOCK_H, BLOCK_L]
-        m_i = m_new
+    if USE_TMA:
+        kv_desc = tl.make_tensor_descriptor(cache_ptr, shape=[num_slots, LATENT_RANK],
+                                            strides=[stride_slot, 1],
+                                            block_shape=[BLOCK_N, BLOCK_L])  # fmt: skip
+        pe_desc = tl.make_tensor_descriptor(cache_ptr + LATENT_RANK, shape=[num_slots, ROPE_DIM],
+                                            strides=[stride_slot, 1],
+                                            block_shape=[BLOCK_N, BLOCK_R])  # fmt: skip
+        full_end = split_start + tl.maximum(split_end - split_start, 0) // BLOCK_N * BLOCK_N
+        all_in = offs_tile < BLOCK_N  # full tiles: every row is context
+        # As for pointer loads: the next tile's first slot is loaded one iteration ahead.
+        first_slot = _tile_first_slot(table_ptr, split_start, full_end, BLOCK_SIZE)
+        if WARP_SPECIALIZE:
+            for start_n in tl.range(split_start, full_end, BLOCK_N, warp_specialize=True):
+                kv_c, k_pe = kv_desc.load([first_slot, 0]), pe_desc.load([first_slot, 0])
+                first_slot = _tile_first_slot(table_ptr, start_n + BLOCK_N, full_end, BLOCK_SIZE)
+                acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
+                                            all_in, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
+        else:
+            for start_n in range(split_start, full_end, BLOCK_N):
+                kv_c, k_pe = kv_desc.load([first_slot, 0]), pe_desc.load([first_slot, 0])
+                first_slot = _tile_first_slot(table_ptr, start_n + BLOCK_N, full_end, BLOCK_SIZE)
+                acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
+                                            all_in, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
+        if full_end < split_end:  # the sequence's last, partial tile
+            offs_n = full_end + offs_tile
+            rows = _tile_slots(table_ptr, offs_n, split_end, BLOCK_SIZE)
+            kv_c, k_pe, in_bounds = _mla_pointer_tile(cache_ptr, rows, offs_n, split_end, offs_l,
+                                                      offs_r, stride_slot, LATENT_RANK, ROPE_DIM,
+                                                      EVICT_FIRST)  # fmt: skip
+            acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
+                                        in_bounds, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
+    else:
+        # The next tile's slots are loaded one iteration ahead (carried): the cache loads then do
+        # not wait on a table load of their own iteration, and Triton's pipeliner can issue them
+        # num_stages - 1 tiles ahead instead of num_stages - 2.
+        rows = _tile_slots(table_ptr, split_start + offs_tile, split_end, BLOCK_SIZE)
+        for start_n in range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + offs_tile  # [BLOCK_N] context positions
+            kv_c, k_pe, in_bounds = _mla_pointer_tile(cache_ptr, rows, offs_n, split_end, offs_l,
+                                                      offs_r, stride_slot, LATENT_RANK, ROPE_DIM,
+                                                      EVICT_FIRST)  # fmt: skip
+            rows = _tile_slots(table_ptr, offs_n + BLOCK_N, split_end, BLOCK_SIZE)
+            acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
+                                        in_bounds, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split stores zeros, weighted 0 when combined
     mid_base = mid_out_ptr + seq * stride_mid_b + split * stride_mid_s
     if TOKENS_MAJOR:

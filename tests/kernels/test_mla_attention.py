@@ -94,6 +94,62 @@ def test_decode_head_groups_and_half_precision(layout):
     torch.testing.assert_close(ours, reference, atol=2e-3, rtol=2e-3)
 
 
+LAUNCH_OPTIONS = {
+    "tma": dict(USE_TMA=True),
+    "tma-warp-specialized": dict(USE_TMA=True, WARP_SPECIALIZE=True),
+    "evict-first": dict(EVICT_FIRST=True),
+    "tma-evict-first": dict(USE_TMA=True, EVICT_FIRST=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["tokens_major", "heads_major"])
+@pytest.mark.parametrize("options", list(LAUNCH_OPTIONS))
+@pytest.mark.parametrize(
+    "seq_lens,num_heads,block_size,block_n,splits",
+    [
+        ([37, 16, 3], 16, 16, 16, 3),  # full tiles, a partial last tile, a sequence of one tile
+        ([70, 5, 64], 20, 32, 16, 4),  # two tiles per cache block; heads over two programs
+        ([33], 16, 16, 32, 2),  # tiles wider than a block: TMA falls back to pointer loads
+    ],
+)
+def test_decode_launch_options_match_reference(seq_lens, num_heads, block_size, block_n, splits,
+                                               options, layout):  # fmt: skip
+    knobs = dict(max_splits=splits, min_tokens_per_split=16, target_programs=64)
+    params = dict(LAYOUTS[layout], BLOCK_N=block_n, BLOCK_H=16, **knobs, **LAUNCH_OPTIONS[options])
+    ours, reference = run_decode_case(seq_lens, num_heads, 32, 16, block_size, torch.float32,
+                                      params)  # fmt: skip
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_tma_fits_needs_tiles_inside_blocks_and_aligned_columns():
+    slots = torch.randn(64, 48)
+    assert mla.mla_tma_fits(slots, 32, 16, 16, dict(BLOCK_N=16))
+    assert not mla.mla_tma_fits(slots, 32, 16, 16, dict(BLOCK_N=32))  # tile spans two blocks
+    assert not mla.mla_tma_fits(torch.randn(64, 56), 48, 8, 16, dict(BLOCK_N=16))  # dims
+    assert not mla.mla_tma_fits(torch.randn(64, 50)[:, :48], 32, 16, 16, dict(BLOCK_N=16))
+
+
+def test_decode_launches_split_then_combine():
+    """The sweep's separate launches give the same output as mla_decode_attention."""
+    generator = torch.Generator().manual_seed(3)
+    tables, num_blocks = shuffled_tables([40, 9], 16, generator)
+    kv_cache = torch.randn(num_blocks, 16, 48, generator=generator)
+    q_latent, q_pe = torch.randn(2, 16, 32, generator=generator), torch.randn(2, 16, 16)
+    splits = dict(max_splits=3, min_tokens_per_split=16, target_programs=64)
+    params = dict(LAYOUTS["tokens_major"], BLOCK_N=16, BLOCK_H=16, num_warps=4, num_stages=1,
+                  **splits)  # fmt: skip
+    seq_lens = torch.tensor([40, 9], dtype=torch.int32)
+    out, launch_split, launch_combine = mla.mla_decode_launches(
+        q_latent, q_pe, kv_cache.view(-1, 48), tables, seq_lens, 0.1, params, 16
+    )
+    assert launch_combine is not None
+    launch_split()
+    launch_combine()
+    expected = mla.mla_decode_attention(q_latent, q_pe, kv_cache, tables, seq_lens, 0.1,
+                                        params=params)  # fmt: skip
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("query_len,seq_len", [(7, 7), (3, 20), (1, 9)])
 def test_causal_attention_matches_reference(query_len, seq_len):
     generator = torch.Generator().manual_seed(1)

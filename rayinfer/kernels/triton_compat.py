@@ -33,5 +33,11 @@ except ImportError:  # a CPU-only install: kernels are defined but never launche
         next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length(),
         testing=types.SimpleNamespace(do_bench=_unavailable),
     )
-    tl = types.SimpleNamespace(constexpr=object, dtype=object, tensor=object)
+    class _Constexpr:
+        """Stands for tl.constexpr both as an annotation and as a module constant."""
+
+        def __init__(self, value=None):
+            self.value = value
+
+    tl = types.SimpleNamespace(constexpr=_Constexpr, dtype=object, tensor=object)
     TensorDescriptor = types.SimpleNamespace(from_tensor=_unavailable)

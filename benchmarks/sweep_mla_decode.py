@@ -72,7 +72,10 @@ SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30): the same-run ref
 #   target_programs sized to those slots (one full wave), max_splits 512 so that 1 x 128k fills it.
 # - EVICT_FIRST on the pointer loads of the cache (read once): the partials stay in L2.
 # - split counts of the shipped tile: tp264 m1024 (one wave, half the partials), tp1056.
-# - tokens-major 64-token tiles at s2 (92 KiB: two programs per SM; both dots wgmma).
+# - 16-token tiles through pointer loads at s4 (74 KiB, three programs per SM).
+# - tokens-major 64-token tiles at s2 (164 KiB: one program per SM; both dots wgmma), last.
+# 128 heads: heads-major 64-head tiles with TMA 16-token tiles, s3 128 KiB (one program per SM,
+# as the shipped H64 N64 s2 at 216 KiB).
 # WARP_SPECIALIZE: Triton 3.9 builds no partitions for this loop (mma.sync scores dot), one
 # variant at the end in case 3.6 does.
 MORE_SPLITS = dict(max_splits=512)
@@ -86,17 +89,16 @@ CONFIGS = [
     (16, tokens_major(16, 16, 4, 3, **MORE_SPLITS, **TMA)),
     (16, tokens_major(16, 32, 4, 3, target_programs=264, min_tokens_per_split=1024)),
     (16, tokens_major(16, 16, 4, 4, target_programs=792, **MORE_SPLITS, **TMA)),
-    (16, tokens_major(16, 64, 4, 2)),
+    (16, tokens_major(16, 16, 4, 4, target_programs=396, **MORE_SPLITS)),
     (16, tokens_major(16, 16, 4, 6, target_programs=264, min_tokens_per_split=1024, **TMA)),
     (16, tokens_major(16, 16, 4, 3, target_programs=1056, **MORE_SPLITS, **TMA)),
     (16, tokens_major(16, 32, 4, 3, target_programs=1056, **EVICT)),
-    (16, tokens_major(16, 16, 4, 4)),
     (16, heads_major(16, 16, 4, 4, **TMA)),
     (16, tokens_major(16, 16, 8, 4, **TMA)),
     (128, heads_major(64, 16, 8, 3, **TMA)),
     (128, heads_major(64, 64, 8, 2, **EVICT)),
-    (128, heads_major(64, 16, 8, 4, **TMA)),
     (16, tokens_major(16, 16, 4, 4, **WS)),
+    (16, tokens_major(16, 64, 4, 2)),
 ]
 
 SMOKE_CASES = {4: [(1, 40), (3, 17)], 20: [(2, 33)]}

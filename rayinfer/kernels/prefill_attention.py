@@ -21,6 +21,8 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 - WARP_SPECIALIZE: `tl.range(..., warp_specialize=True)` on the unmasked loop when it is not
   PIPELINE_QK's, with USE_TMA only (the paged and unaligned pointer paths run without it); an
   sm_90a compile (triton 3.9) gets no warp partitions from it on Hopper: same code as without;
+- "paged" (a dict of the above and tiles): overrides for paged_prefill_attention, whose K/V
+  always load through pointers (an sm_90a compile of 128x64/8 pointer tiles spills registers);
 - CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
   RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
   max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
@@ -471,6 +473,8 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
     dim0, dim1 = split_head_dim(query.shape[-1])
     # Buckets by qk head dim: MLA's 192/128 tiles need less shared memory than 128/128's.
     params = launch_params("prefill_attention", query.device, query.shape[-1])
+    if is_paged:  # K/V through block tables and pointers: the entry's "paged" tiles, if it has any
+        params = {**params, **(params.get("paged") or {})}
     block_m, block_n = params["BLOCK_M"], params["BLOCK_N"]
     options = _launch_options(params, (query, key, value, out), (dim0,), is_paged)
     num_tiles = triton.cdiv(max(max_query_len, 1), block_m)

@@ -80,6 +80,8 @@ VARIANTS = {
         USE_TMA=True, WARP_SPECIALIZE=True, CONDITIONAL_RESCALE=True
     ),
     "pipelined-conditional-rescale": dict(PIPELINE_QK=True, CONDITIONAL_RESCALE=True, BLOCK_M=32),
+    # paged_prefill_attention's own tiles (contiguous K/V ignore them)
+    "paged-tiles": dict(USE_TMA=True, paged=dict(BLOCK_M=32, BLOCK_N=16, CONDITIONAL_RESCALE=True)),
 }
 
 
@@ -205,3 +207,30 @@ def test_warp_specialization_only_with_tma():
     assert contiguous["WARP_SPECIALIZE"] and contiguous["CONDITIONAL_RESCALE"]
     paged = prefill_module._launch_options(options, aligned, (32,), is_paged=True)
     assert not paged["USE_TMA"] and not paged["WARP_SPECIALIZE"] and paged["CONDITIONAL_RESCALE"]
+
+
+def test_paged_tiles_apply_to_paged_kv_only(monkeypatch):
+    """A config's "paged" entry overrides tiles and options for paged K/V, not contiguous K/V."""
+    original = prefill_module.launch_params
+    paged = dict(BLOCK_N=32, CONDITIONAL_RESCALE=True)
+    monkeypatch.setattr(
+        prefill_module,
+        "launch_params",
+        lambda op, device, bucket=1: {**original(op, device, bucket), "paged": paged},
+    )
+    seen = []
+    launch_options = prefill_module._launch_options
+
+    def spy(params, tensors, column_offsets, is_paged):
+        seen.append((is_paged, params["BLOCK_N"], params.get("CONDITIONAL_RESCALE", False)))
+        return launch_options(params, tensors, column_offsets, is_paged)
+
+    monkeypatch.setattr(prefill_module, "_launch_options", spy)
+    run_varlen([3], [3], 2, 2, 32, 32, torch.float32)
+    query = torch.randn(3, 2, 32)
+    cache = torch.randn(2, 4, 2, 2, 32)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    lens, starts = torch.tensor([6], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    paged_prefill_attention(query, cache, table, lens, starts, 3, 32**-0.5)
+    default_block_n = original("prefill_attention", torch.device("cpu"), 32)["BLOCK_N"]
+    assert default_block_n != 32 and seen == [(False, default_block_n, False), (True, 32, True)]

@@ -1,6 +1,14 @@
-"""Shared fixtures: one Ray cluster for the whole test session (2-core CI machine)."""
+"""Shared fixtures: one Ray cluster for the whole test session (2-core CI machine).
+
+Triton kernels run on CPU tensors through Triton's interpreter. The switch is read when a kernel
+is decorated, so it is set here, before any test module imports rayinfer (whose comm and layers
+import the kernel modules through ops.py)."""
+
+import os
 
 import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,2 @@
-"""Kernel tests run Triton on CPU tensors through the interpreter, set before triton loads."""
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+"""Kernel tests run Triton on CPU tensors through the interpreter: tests/conftest.py sets
+TRITON_INTERPRET before anything imports Triton."""

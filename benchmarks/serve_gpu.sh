@@ -7,9 +7,12 @@ set -uo pipefail
 [ -n "${NO_BUNDLE:-}" ] || source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp}
+# The Ray bundle has no console scripts: run Serve's CLI through Python when `serve` is missing.
+SERVE=(serve)
+command -v serve >/dev/null || SERVE=(python -c 'import sys; from ray.serve.scripts import cli; sys.argv[0] = "serve"; cli()')
 URL=http://127.0.0.1:8000
 start=$(date +%s)
-timeout "${SERVE_TIMEOUT:-280}" serve run rayinfer.app:build >"$OUT/serve_gpu.log" 2>&1 &
+timeout "${SERVE_TIMEOUT:-280}" "${SERVE[@]}" run rayinfer.app:build >"$OUT/serve_gpu.log" 2>&1 &
 for _ in $(seq 1 180); do curl -sf "$URL/v1/models" >/dev/null && break; sleep 1; done
 echo "up after $(( $(date +%s) - start )) s: $(curl -s "$URL/v1/models")"
 chat='{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
@@ -24,4 +27,4 @@ nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,nohead
 python -m rayinfer.bench serve --url "$URL" --num-prompts 32 --max-concurrency 8 \
   --json "$OUT/serve_gpu.json" 2>&1 | grep -v -e "^-" -e "P9[59]" | tail -22
 grep -iE "cuda|device|error" "$OUT/serve_gpu.log" | grep -v "^\s*$" | head -10
-serve shutdown -y >/dev/null 2>&1 || true
+"${SERVE[@]}" shutdown -y >/dev/null 2>&1 || true

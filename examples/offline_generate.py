@@ -1,6 +1,6 @@
 """The offline engine: generate, chat, and a prefill -> decode hand-off between two engines.
 
-    python examples/offline_generate.py [--model tiny|/path/to/checkpoint]
+python examples/offline_generate.py [--model tiny|/path/to/checkpoint]
 """
 
 import argparse

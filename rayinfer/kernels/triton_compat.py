@@ -33,6 +33,7 @@ except ImportError:  # a CPU-only install: kernels are defined but never launche
         next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length(),
         testing=types.SimpleNamespace(do_bench=_unavailable),
     )
+
     class _Constexpr:
         """Stands for tl.constexpr both as an annotation and as a module constant."""
 

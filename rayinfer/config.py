@@ -208,6 +208,38 @@ class CacheConfig:
             raise ConfigError(f"num_blocks={self.num_blocks} must be positive")
 
 
+def check_gpu_memory_utilization(
+    value: float | None, key: str = "gpu_memory_utilization"
+) -> float | None:
+    """None (size the KV cache by token count) or a fraction in (0, 1]; else a ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(
+            f"{key}={value!r} must be a fraction in (0, 1]: the share of each GPU's total memory "
+            "that weights, activations and the KV cache may use (e.g. 0.9)"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class KVMemoryConfig:
+    """Size each worker's KV cache from its GPU's memory (`gpu_memory_utilization`), after a
+    profiling step of the largest batch the scheduler can form. Ignored off CUDA."""
+
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int  # the largest step the scheduler forms
+    max_model_len: int  # the cache must hold at least one sequence this long
+    max_num_seqs: int = 1  # rows of logits the profiling step computes
+    key: str = "gpu_memory_utilization"  # how errors name the setting (`decode.` in Serve)
+
+    def __post_init__(self):
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.key)
+        for key in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""

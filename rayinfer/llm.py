@@ -9,9 +9,11 @@ import torch
 from rayinfer.config import (
     CacheConfig,
     ConfigError,
+    KVMemoryConfig,
     ModelConfig,
     ParallelPlan,
     SchedulerConfig,
+    check_gpu_memory_utilization,
     cuda_graph_config,
 )
 from rayinfer.engine.engine import LLMEngine
@@ -36,6 +38,10 @@ class LLM:
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs without tensor or expert
     parallelism, whose collectives stay eager; the capture time is `LLM.graph_capture_seconds`).
+    num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
+    the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
+    fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
+    a profiling step of max_num_batched_tokens tokens and a reserve (see engine/kv_memory.py).
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -63,12 +70,22 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        check_gpu_memory_utilization(gpu_memory_utilization)
+        given_blocks = num_kv_blocks is not None
         if num_kv_blocks is None:
             num_kv_blocks = -(-max(4 * max_model_len, 16384) // block_size)
         self.cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max(max_num_batched_tokens, 1), max_model_len
         )
+        self.kv_memory = None  # given num_kv_blocks wins; off CUDA the runner ignores it
+        if gpu_memory_utilization is not None and not given_blocks:
+            self.kv_memory = KVMemoryConfig(
+                gpu_memory_utilization,
+                self.scheduler_config.max_num_batched_tokens,
+                max_model_len,
+                max_num_seqs,
+            )
         self.tokenizer = _load_tokenizer(tokenizer or path)
         parallel = parallel or ParallelPlan()
         parallel.check_fits(self.model_config)
@@ -89,6 +106,7 @@ class LLM:
         self.engine = LLMEngine(
             self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
         )
+        self.cache_config = self.engine.cache_config  # the block count the executor allocated
         self._request_ids = itertools.count()
 
     def _make_executor(self, plan: ParallelPlan):
@@ -104,6 +122,7 @@ class LLM:
                 self.two_batch_overlap,
                 self.load_format,
                 self.cuda_graphs,
+                self.kv_memory,
             )
         import ray
 
@@ -124,6 +143,7 @@ class LLM:
             load_format=self.load_format,
             all_to_all=self.all_to_all,
             cuda_graphs=self.cuda_graphs,
+            kv_memory=self.kv_memory,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rayinfer.config import ConfigError, ParallelPlan
+from rayinfer.config import ConfigError, ParallelPlan, check_gpu_memory_utilization
 
 
 class _Strict(BaseModel):
@@ -73,6 +73,12 @@ class PhaseConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="sequences batched in one engine step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks per replica")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        description="size the KV cache to fill this fraction in (0, 1] of each GPU's memory "
+        "(after a profiling step); default: max(4 x max_model_len, 16384) tokens. "
+        "num_kv_blocks wins when both are set; needs whole GPUs per worker",
+    )
     cpus_per_worker: float = Field(
         0.5, gt=0, description="CPUs a worker reserves on a machine without GPUs"
     )
@@ -98,6 +104,17 @@ class PhaseConfig(_Strict):
         if parsed is None:
             raise ValueError("use true, false or auto")
         return parsed
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _check_gpu_memory_utilization(cls, value: float | None) -> float | None:
+        try:
+            return check_gpu_memory_utilization(value)
+        except ConfigError:
+            raise ValueError(
+                "must be a fraction in (0, 1]: the share of each GPU's total memory that weights, "
+                "activations and the KV cache may use (e.g. 0.9)"
+            ) from None
 
     @property
     def plan(self) -> ParallelPlan:
@@ -150,6 +167,9 @@ class AppConfig(_Strict):
                     f"stay eager); got tp={phase_config.tp}, ep={phase_config.ep}: use false or "
                     "auto"
                 )
+            shares_gpus = (phase_config.gpus_per_worker or 1.0) < 1
+            if phase_config.gpu_memory_utilization is not None and shares_gpus:
+                raise ValueError(gpu_sharing_conflict(phase, phase_config.gpus_per_worker))
         return self
 
     @classmethod
@@ -160,6 +180,15 @@ class AppConfig(_Strict):
             return cls.model_validate(nested)
         except ValidationError as error:
             raise ConfigError(describe_validation_error(error, cls)) from None
+
+
+def gpu_sharing_conflict(phase: str, gpus_per_worker: float) -> str:
+    """Why a phase sizing its cache from GPU memory cannot share GPUs."""
+    return (
+        f"{phase}.gpu_memory_utilization needs whole GPUs per worker, but {phase}.gpus_per_worker"
+        f"={gpus_per_worker:g}: workers sharing a GPU start together and would each count on the "
+        f"same free memory; set {phase}.num_kv_blocks instead, or give each worker a GPU"
+    )
 
 
 def nest_dotted_keys(args: dict[str, Any]) -> dict[str, Any]:

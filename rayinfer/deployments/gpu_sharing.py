@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from rayinfer.config import ConfigError
-from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.config import AppConfig, gpu_sharing_conflict
 
 PHASES = ("prefill", "decode")
 
@@ -37,6 +37,9 @@ def resolve_gpu_shares(config: AppConfig, num_gpus: int) -> AppConfig:
                 "prefill.gpus_per_worker / decode.gpus_per_worker (single-worker replicas only)"
             )
         share = 1.0 / math.ceil(sum(needed.values()) / num_gpus)
+        for p in undecided:
+            if getattr(config, p).gpu_memory_utilization is not None:
+                raise ConfigError(gpu_sharing_conflict(p, share))
     updates = {
         p: getattr(config, p).model_copy(update={"gpus_per_worker": share}) for p in undecided
     }

@@ -9,6 +9,7 @@ from rayinfer.config import (
     CacheConfig,
     ConfigError,
     CudaGraphConfig,
+    KVMemoryConfig,
     ModelConfig,
     SchedulerConfig,
     cuda_graph_config,
@@ -106,6 +107,15 @@ def build_engine(
     scheduler_config = SchedulerConfig(
         phase_config.max_num_seqs, phase_config.max_num_batched_tokens, source.max_model_len
     )
+    kv_memory = None  # num_kv_blocks, when given, wins
+    if phase_config.gpu_memory_utilization is not None and phase_config.num_kv_blocks is None:
+        kv_memory = KVMemoryConfig(
+            phase_config.gpu_memory_utilization,
+            phase_config.max_num_batched_tokens,
+            source.max_model_len,
+            phase_config.max_num_seqs,
+            key=f"{phase}.gpu_memory_utilization",
+        )
     use_gpus = uses_gpus(config)
     spec = WorkerSpec(
         model_config=model_config,
@@ -116,6 +126,7 @@ def build_engine(
         plan=phase_config.plan,
         two_batch_overlap=phase_config.two_batch_overlap,
         cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len),
+        kv_memory=kv_memory,
     )
     group = WorkerGroup(
         name_prefix,

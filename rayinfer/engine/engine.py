@@ -7,7 +7,7 @@ hand-off in another engine, which decodes it without recomputing the prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
@@ -37,6 +37,9 @@ class LLMEngine:
         executor: Executor,
         tokenizer=None,
     ):
+        if executor.num_kv_blocks not in (None, cache_config.num_blocks):
+            # The executor sized its cache from GPU memory (gpu_memory_utilization).
+            cache_config = replace(cache_config, num_blocks=executor.num_kv_blocks)
         capacity = cache_config.num_blocks * cache_config.block_size
         if scheduler_config.max_model_len > capacity:
             raise ConfigError(

@@ -18,6 +18,12 @@ class Executor(ABC):
         """Run one step; the next token of each request that samples, in batch order."""
 
     @property
+    def num_kv_blocks(self) -> int | None:
+        """Blocks per partition the executor allocated when it sized the cache from GPU memory
+        (`gpu_memory_utilization`); None: the CacheConfig's `num_blocks`."""
+        return None
+
+    @property
     def num_kv_partitions(self) -> int:
         """Separate KV caches (data-parallel attention replicas), each `num_blocks` blocks."""
         return 1

@@ -4,17 +4,38 @@ One ModelRunner lives on each device (in-process, or inside a Ray worker actor).
 model's weights, the KV cache tensors and the per-request sampling generators; with a
 CudaGraphConfig, also the decode graphs (captured here, after the cache exists), which run every
 pure-decode batch that fits them.
+
+With a KVMemoryConfig on CUDA (`gpu_memory_utilization`), the cache's block count comes from the
+GPU's memory instead of the CacheConfig: `kv_blocks_that_fit` runs one profiling step of the
+largest batch after the weights are loaded (see kv_memory.py), then `allocate_kv` allocates the
+cache and captures the graphs. A multi-worker group calls the two itself, allocating every
+worker's cache with the smallest count any worker found (`allocate_kv=False`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import accumulate
 
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, CudaGraphConfig, ModelConfig
+from rayinfer.config import (
+    CacheConfig,
+    ConfigError,
+    CudaGraphConfig,
+    KVMemoryConfig,
+    ModelConfig,
+)
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
+from rayinfer.engine.kv_memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    SAFETY_MARGIN_BYTES,
+    activation_peak_bytes,
+    device_memory,
+    kv_bytes_per_block,
+    num_kv_blocks_for_memory,
+)
 from rayinfer.engine.kv_transfer import (
     KVPayload,
     pack_kv,
@@ -37,6 +58,11 @@ from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
 
 
+def supports_memory_sizing(device: torch.device) -> bool:
+    """Whether the cache can be sized from the device's memory (CUDA's allocator statistics)."""
+    return device.type == "cuda"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -48,6 +74,8 @@ class ModelRunner:
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
         cuda_graphs: CudaGraphConfig | None = None,
+        kv_memory: KVMemoryConfig | None = None,
+        allocate_kv: bool = True,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -63,13 +91,84 @@ class ModelRunner:
         else:
             self.model = load_model(model_config, dtype, self.device, parallel)
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
-        self.kv_caches = self._allocate_kv_caches()
         self.generators: dict[str, torch.Generator] = {}
-        self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
+        self.cuda_graphs = cuda_graphs
+        # Sizing the cache from memory needs CUDA's allocator statistics; elsewhere the
+        # CacheConfig's count stands.
+        self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
+        self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        if allocate_kv:
+            num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
+            self.allocate_kv(num_blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the cache with num_blocks blocks, then capture the decode graphs over it."""
+        if num_blocks != self.cache_config.num_blocks:
+            self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
+        self.kv_caches = self._allocate_kv_caches()
+        self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
+
+    @property
+    def captures_decode_graphs(self) -> bool:
+        """Graphs only for forwards without collectives: tp or ep > 1 stays eager."""
+        parallel = self.parallel
+        return self.cuda_graphs is not None and parallel.tp_size == 1 and parallel.ep_size == 1
+
+    def kv_blocks_that_fit(self, kv_memory: KVMemoryConfig | None = None) -> int | None:
+        """KV blocks this device can hold under `kv_memory` (default: the runner's; None without
+        one, e.g. off CUDA), measured by a profiling step of the largest batch; a ConfigError when
+        not even one max_model_len sequence fits."""
+        kv_memory = kv_memory or self.kv_memory
+        if kv_memory is None:
+            return None
+        block_size = self.cache_config.block_size
+        peak = self._profile_activation_peak(kv_memory)
+        total, in_use = device_memory(self.device)  # the profiling cache is freed by now
+        reserve = SAFETY_MARGIN_BYTES
+        if self.captures_decode_graphs:
+            reserve += CUDA_GRAPH_RESERVE_BYTES
+        return num_kv_blocks_for_memory(
+            total_bytes=total,
+            utilization=kv_memory.gpu_memory_utilization,
+            non_kv_bytes=in_use,
+            activation_peak_bytes=peak,
+            bytes_per_block=kv_bytes_per_block(
+                self.model_config, self.parallel.tp_size, self.dtype.itemsize, block_size
+            ),
+            block_size=block_size,
+            max_model_len=kv_memory.max_model_len,
+            reserve_bytes=reserve,
+            key=kv_memory.key,
+        )
+
+    def _profile_activation_peak(self, kv_memory: KVMemoryConfig) -> int:
+        """The profiling step's peak beyond the weights and its cache: the step reads one
+        max_model_len sequence's context from a cache of just that size, freed on return."""
+        caches = self._new_kv_caches(-(-kv_memory.max_model_len // self.cache_config.block_size))
+        return activation_peak_bytes(lambda: self._profile_step(caches, kv_memory), self.device)
+
+    @torch.inference_mode()
+    def _profile_step(self, caches: list[torch.Tensor], kv_memory: KVMemoryConfig) -> None:
+        """The largest step the scheduler can form: max_num_batched_tokens new tokens (a prefill
+        chunk) at the end of a max_model_len context, so attention reads the longest context
+        (MLA's prefill rebuilds K and V of all of it), then logits for max_num_seqs rows. Every
+        worker of a group runs it at once, so the collectives of tp / ep plans match."""
+        context = kv_memory.max_model_len
+        num_tokens = min(kv_memory.max_num_batched_tokens, context)
+        block_size = self.cache_config.block_size
+        table = list(range(-(-context // block_size)))
+        metadata = build_attention_metadata(
+            [num_tokens], [context], [table], block_size, self.device
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(context - num_tokens, context, device=self.device)
+        hidden = self._forward(input_ids, positions, ForwardContext(metadata, caches))  # [T, H]
+        rows = min(kv_memory.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[-rows:])  # [rows, V] float32
 
     def _capture_decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
-        """Graphs only for forwards without collectives: tp or ep > 1 stays eager."""
-        if config is None or self.parallel.tp_size > 1 or self.parallel.ep_size > 1:
+        if config is None or not self.captures_decode_graphs:
             return None
         graphs = DecodeGraphs(
             self.model, self.kv_caches, config, self.cache_config.block_size, self.device
@@ -78,7 +177,10 @@ class ModelRunner:
         return graphs
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        shape = (self.cache_config.num_blocks, self.cache_config.block_size, *self.kv_shape)
+        return self._new_kv_caches(self.cache_config.num_blocks)
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = (num_blocks, self.cache_config.block_size, *self.kv_shape)
         try:
             return [
                 torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -89,7 +191,7 @@ class ModelRunner:
                 raise
             size = torch.Size(shape).numel() * self.dtype.itemsize * self.model_config.num_layers
             raise ConfigError(
-                f"the KV cache (num_kv_blocks={self.cache_config.num_blocks} x block_size="
+                f"the KV cache (num_kv_blocks={num_blocks} x block_size="
                 f"{self.cache_config.block_size} tokens, {size / 2**30:.1f} GiB) does not fit on "
                 f"{self.device}; lower num_kv_blocks or max_model_len"
             ) from None

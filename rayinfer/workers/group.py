@@ -7,6 +7,10 @@ splits the model: each data-parallel replica (`tp` consecutive workers) holds it
 partition of the engine's, see `num_kv_partitions`) and runs the requests the engine placed in it;
 the first worker of each replica reports that share's tokens. The workers form their tensor- and
 expert-parallel collective groups themselves (see `Worker`).
+
+With `spec.kv_memory` on GPUs (`gpu_memory_utilization`), every worker profiles how many KV blocks
+its GPU holds and the group allocates the smallest count on all of them: the engine's block
+managers use one block count for every partition (`num_kv_blocks`).
 """
 
 from __future__ import annotations
@@ -85,6 +89,23 @@ class WorkerGroup(Executor):
             for rank in range(num_workers)
         ]
         self.descriptions = ray.get([w.describe.remote() for w in self.workers])
+        self._num_kv_blocks = None
+        if spec.kv_memory is not None:
+            self._num_kv_blocks = self._agree_on_kv_blocks(spec.cache_config.num_blocks)
+
+    def _agree_on_kv_blocks(self, configured: int) -> int | None:
+        """Profile every worker at once (a tp / ep step has collectives), then allocate the
+        smallest count anywhere; None when the workers allocated the configured cache (no
+        CUDA)."""
+        counts = ray.get([worker.kv_blocks_that_fit.remote() for worker in self.workers])
+        waiting = [worker for worker, count in zip(self.workers, counts) if count is not None]
+        num_blocks = min(counts) if len(waiting) == len(counts) else None
+        ray.get([worker.allocate_kv.remote(num_blocks or configured) for worker in waiting])
+        return num_blocks
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        return self._num_kv_blocks
 
     def _start_worker(self, rank, spec, use_gpus, cpus_per_worker, placement_group):
         options = {"name": self.worker_names[rank], "max_restarts": 0, "max_concurrency": 1}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config import CacheConfig, CudaGraphConfig, ModelConfig
+from rayinfer.config import CacheConfig, CudaGraphConfig, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.kv_transfer import KVPayload
@@ -22,6 +22,7 @@ class InProcessExecutor(Executor):
         two_batch_overlap: bool = False,
         load_format: str = "safetensors",
         cuda_graphs: CudaGraphConfig | None = None,
+        kv_memory: KVMemoryConfig | None = None,
     ):
         self.runner = ModelRunner(
             model_config,
@@ -31,7 +32,12 @@ class InProcessExecutor(Executor):
             two_batch_overlap=two_batch_overlap,
             load_format=load_format,
             cuda_graphs=cuda_graphs,
+            kv_memory=kv_memory,
         )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.cache_config.num_blocks
 
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rayinfer.config import CacheConfig, CudaGraphConfig, ModelConfig, ParallelPlan
+from rayinfer.config import (
+    CacheConfig,
+    CudaGraphConfig,
+    KVMemoryConfig,
+    ModelConfig,
+    ParallelPlan,
+)
 from rayinfer.engine.batch import ModelBatch
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.step_profiler import StepProfiler
@@ -54,6 +60,7 @@ class WorkerSpec:
     all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"
     cuda_graphs: CudaGraphConfig | None = None  # decode graphs; only without collectives
+    kv_memory: KVMemoryConfig | None = None  # size the cache from GPU memory (CUDA only)
 
 
 class Worker:
@@ -82,7 +89,11 @@ class Worker:
             spec.two_batch_overlap,
             spec.load_format,
             spec.cuda_graphs,
+            spec.kv_memory,
+            allocate_kv=False,
         )
+        if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
+            self.runner.allocate_kv(spec.cache_config.num_blocks)
 
     def _join_groups(self, prefix: str) -> ParallelContext:
         """Form this worker's tensor- and expert-parallel collective groups with its peers (every
@@ -123,6 +134,16 @@ class Worker:
 
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
+
+    def kv_blocks_that_fit(self) -> int | None:
+        """KV blocks this GPU can hold (a profiling step; the whole group runs it at once so
+        that its collectives match); None when the cache is already allocated (no CUDA)."""
+        if self.runner.kv_caches:
+            return None
+        return self.runner.kv_blocks_that_fit()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv(num_blocks)
 
     def start_profile(self, path: str) -> None:
         self.profiler = StepProfiler(self.device)

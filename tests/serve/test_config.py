@@ -105,3 +105,25 @@ def test_grafana_dashboard_charts_every_serve_metric():
     )
     missing = [name for name in METRIC_NAMES if f"ray_{name}" not in exprs]
     assert not missing, f"metrics without a dashboard panel: {missing}"
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "abc"])
+def test_gpu_memory_utilization_outside_zero_to_one_names_the_key_and_range(value):
+    with pytest.raises(ConfigError) as error:
+        AppConfig.from_args({"decode.gpu_memory_utilization": value})
+    assert "decode.gpu_memory_utilization" in str(error.value)
+    if value != "abc":
+        assert "(0, 1]" in str(error.value)
+
+
+def test_gpu_memory_utilization_is_opt_in_per_phase():
+    config = AppConfig.from_args({"prefill.gpu_memory_utilization": "0.85"})
+    assert config.prefill.gpu_memory_utilization == 0.85
+    assert config.decode.gpu_memory_utilization is None  # default: size by token count
+
+
+def test_gpu_memory_utilization_refuses_a_shared_gpu():
+    with pytest.raises(ConfigError, match=r"decode\.gpu_memory_utilization needs whole GPUs"):
+        AppConfig.from_args(
+            {"decode.gpu_memory_utilization": "0.9", "decode.gpus_per_worker": "0.5"}
+        )

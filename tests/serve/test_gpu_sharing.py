@@ -48,3 +48,11 @@ def test_multi_worker_replicas_never_share_a_gpu():
 def test_share_must_be_a_fraction_of_one_gpu():
     with pytest.raises(ConfigError, match="gpus_per_worker"):
         AppConfig.from_args({"decode.gpus_per_worker": 2})
+
+
+def test_sizing_the_cache_from_memory_does_not_share_a_gpu():
+    """Workers sharing a GPU would each count on the same free memory: set num_kv_blocks."""
+    config = AppConfig.from_args({"decode.gpu_memory_utilization": "0.9"})
+    with pytest.raises(ConfigError, match=r"decode\.gpu_memory_utilization.*num_kv_blocks"):
+        resolve_gpu_shares(config, num_gpus=1)
+    assert shares(resolve_gpu_shares(config, num_gpus=2)) == (1.0, 1.0)

@@ -30,6 +30,7 @@ def build(args: dict[str, Any] | None = None) -> Application:
     model_config = source.model_config
     config.prefill.plan.check_fits(model_config, "prefill")
     config.decode.plan.check_fits(model_config, "decode")
+    check_phase_fp8_weights(config, model_config, source.path)
     use_gpus = uses_gpus(config)
     if use_gpus:
         config = resolve_gpu_shares(config, available_gpus())
@@ -46,6 +47,20 @@ def build(args: dict[str, Any] | None = None) -> Application:
         ray_actor_options={"num_cpus": 0},
     )
     return Ingress.options(**ingress_options).bind(config_dict, source, prefill, decode)
+
+
+def check_phase_fp8_weights(config: AppConfig, model_config, path) -> None:
+    """Each phase with fp8_weights on: a checkpoint with FP8 weights and a tp keeping blocks
+    whole (ConfigError naming `<phase>.fp8_weights` and `<phase>.tp`), before any replica starts."""
+    from rayinfer.models.fp8 import check_fp8_weights
+    from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
+
+    for phase in ("prefill", "decode"):
+        phase_config: PhaseConfig = getattr(config, phase)
+        if phase_config.uses_fp8_weights(config.fp8_weights):
+            key = f"{phase}.fp8_weights" if phase_config.fp8_weights else "fp8_weights"
+            check_fp8_weights(model_config, phase_config.tp, key, f"{phase}.tp")
+            check_has_fp8_weights(checkpoint_files(path), path, key)
 
 
 def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.models.dummy import LOAD_FORMATS
+from rayinfer.models.fp8 import check_fp8_weights
+from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
 
 
 class LLM:
@@ -42,6 +44,10 @@ class LLM:
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
     fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
     a profiling step of max_num_batched_tokens tokens and a reserve (see engine/kv_memory.py).
+    fp8_weights: keep a DeepSeek V2/V3 checkpoint's FP8 block-scaled weights in FP8 and multiply
+    them in FP8 with activations quantized per token (W8A8); False (the default) dequantizes them
+    to `dtype` at load. True fails (ConfigError) for a checkpoint without FP8 weights or a tensor-
+    parallel split that cuts a 128x128 block. Not yet verified end to end on a GPU (see README).
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class LLM:
         all_to_all: dict | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch_size: int = 256,
+        fp8_weights: bool = False,
     ):
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(path)
@@ -89,6 +96,13 @@ class LLM:
         self.tokenizer = _load_tokenizer(tokenizer or path)
         parallel = parallel or ParallelPlan()
         parallel.check_fits(self.model_config)
+        if fp8_weights not in (True, False):
+            raise ConfigError(f"fp8_weights={fp8_weights!r}; use True or False")
+        if fp8_weights:
+            check_fp8_weights(self.model_config, parallel.tp)
+            if load_format != "dummy":
+                check_has_fp8_weights(checkpoint_files(path), path)
+        self.fp8_weights = fp8_weights
         self.two_batch_overlap = two_batch_overlap
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
@@ -123,6 +137,7 @@ class LLM:
                 self.load_format,
                 self.cuda_graphs,
                 self.kv_memory,
+                self.fp8_weights,
             )
         import ray
 
@@ -144,6 +159,7 @@ class LLM:
             all_to_all=self.all_to_all,
             cuda_graphs=self.cuda_graphs,
             kv_memory=self.kv_memory,
+            fp8_weights=self.fp8_weights,
         )
         prefix = f"rayinfer-llm-{id(self):x}"
         return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)

@@ -90,6 +90,9 @@ class PhaseConfig(_Strict):
     max_graph_batch_size: int = Field(
         256, ge=1, description="largest decode batch captured (capped by max_num_seqs)"
     )
+    fp8_weights: bool | None = Field(
+        None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
+    )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     @field_validator("cuda_graphs", mode="before")
@@ -120,6 +123,10 @@ class PhaseConfig(_Strict):
     def plan(self) -> ParallelPlan:
         return ParallelPlan(tp=self.tp, dp=self.dp, ep=self.ep)
 
+    def uses_fp8_weights(self, app_default: bool) -> bool:
+        """This phase's fp8_weights: its own when set, else the app's top-level one."""
+        return app_default if self.fp8_weights is None else self.fp8_weights
+
     @property
     def num_workers(self) -> int:
         return self.tp * self.dp
@@ -143,6 +150,12 @@ class AppConfig(_Strict):
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
     served_model_name: str | None = Field(None, description="name clients pass as `model`")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    fp8_weights: bool = Field(
+        False,
+        description="keep a DeepSeek V2/V3 checkpoint's FP8 block-scaled weights in FP8 (W8A8 "
+        "GEMMs and FP8 fused MoE) instead of dequantizing them to dtype at load; not yet "
+        "verified end to end on a GPU",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="longest prompt plus output")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")

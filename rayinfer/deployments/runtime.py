@@ -127,6 +127,7 @@ def build_engine(
         two_batch_overlap=phase_config.two_batch_overlap,
         cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len),
         kv_memory=kv_memory,
+        fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),
     )
     group = WorkerGroup(
         name_prefix,

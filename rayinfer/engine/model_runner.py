@@ -76,6 +76,7 @@ class ModelRunner:
         cuda_graphs: CudaGraphConfig | None = None,
         kv_memory: KVMemoryConfig | None = None,
         allocate_kv: bool = True,
+        fp8_weights: bool = False,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -87,9 +88,11 @@ class ModelRunner:
         if not model_config.is_mla:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
         if load_format == "dummy":
-            self.model = build_dummy_model(model_config, dtype, self.device, parallel)
+            self.model = build_dummy_model(
+                model_config, dtype, self.device, parallel, fp8_weights=fp8_weights
+            )
         else:
-            self.model = load_model(model_config, dtype, self.device, parallel)
+            self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.generators: dict[str, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs

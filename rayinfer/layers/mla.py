@@ -8,6 +8,10 @@ Per token the cache holds only the normed latent c_kv [L] and the roped shared k
   attention runs directly on the cached latents, and the latent output is mapped through W_UV.
   Both give the same result; `use_absorbed_decode = False` forces the expanded form everywhere.
 Heads are split over tensor-parallel ranks (q/kv_b/o projections); the latent path is replicated.
+
+With `fp8=True` (fp8_weights) q_a/q_b (or q), kv_a_proj_with_mqa and o_proj keep their FP8
+block-scaled weights; kv_b_proj stays in the model dtype (the loader dequantizes it), because the
+absorbed decode reads it as W_UK / W_UV in einsums, not through a GEMM with quantized activations.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, no
 class MLAAttention(nn.Module):
     use_absorbed_decode = True
 
-    def __init__(self, config: ModelConfig, layer_idx: int, parallel: ParallelContext = SINGLE):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        parallel: ParallelContext = SINGLE,
+        fp8: bool = False,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         hidden, num_heads = config.hidden_size, config.num_attention_heads
@@ -43,16 +53,20 @@ class MLAAttention(nn.Module):
         q_out = [num_heads * self.qk_head_dim]
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, fp8=fp8)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, parallel=parallel)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, q_out, parallel=parallel, fp8=fp8
+            )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, q_out, parallel=parallel)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias)
+            self.q_proj = ColumnParallelLinear(hidden, q_out, parallel=parallel, fp8=fp8)
+        latent = self.kv_lora_rank + self.rope_dim
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias, fp8=fp8)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         kv_b_out = [num_heads * (self.nope_dim + self.v_head_dim)]
+        # kv_b_proj stays in the model dtype even with fp8 (see the module docstring)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, kv_b_out, parallel=parallel)
-        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias, parallel)
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias, parallel, fp8)
         # V2 always rotates interleaved pairs; V3 reads `rope_interleave` (default true)
         is_v2 = config.architecture == "DeepseekV2ForCausalLM"
         is_interleaved = is_v2 or bool(config.hf.get("rope_interleave", True))

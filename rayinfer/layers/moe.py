@@ -28,6 +28,12 @@ name (`...mlp.experts.3.gate_proj.weight`; Mixtral: pass `MIXTRAL_EXPERT_PROJECT
 `moe.experts.load_expert_weight(expert_id, part, tensor)`. Shared experts load through
 `GatedMLP.load_weight(projection_name, tensor)`.
 
+FP8 weights (`fp8=True`, DeepSeek-V3 checkpoints served with fp8_weights): the routed experts keep
+`w13`/`w2` in float8_e4m3fn with `w13_scale` [E_local, 2I/128, ceil(H/128)] and `w2_scale`
+[E_local, ceil(H/128), I/128] block scales (I must be a multiple of 128: gate and up share one
+stacked weight) and run the FP8 fused MoE; the shared experts are FP8 linear layers. The scales
+load through the same calls with `is_scale=True` (checkpoint `...weight_scale_inv`).
+
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 When every EP rank holds the same tokens, each computes its experts' share and the shares are
 summed over the EP group; when ranks hold different tokens (`tokens_differ_across_ep`), tokens are
@@ -46,8 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
-from rayinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from rayinfer.layers.linear import FP8_BLOCK, ColumnParallelLinear, RowParallelLinear
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
 DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -95,21 +102,32 @@ class GatedMLP(nn.Module):
     """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, parallel: ParallelContext = SINGLE
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext = SINGLE,
+        fp8: bool = False,
     ):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], parallel=parallel
+            hidden_size, [intermediate_size, intermediate_size], parallel=parallel, fp8=fp8
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=parallel)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, parallel=parallel, fp8=fp8
+        )
 
-    def load_weight(self, projection: str, loaded: torch.Tensor) -> None:
-        """Checkpoint `gate_proj` / `up_proj` / `down_proj` weight -> this rank's slice."""
+    def load_weight(self, projection: str, loaded: torch.Tensor, is_scale: bool = False) -> None:
+        """Checkpoint `gate_proj` / `up_proj` / `down_proj` weight (or, is_scale, its FP8
+        `weight_scale_inv`) -> this rank's slice."""
+        module = self.down_proj if projection == "down_proj" else self.gate_up_proj
+        param = module.weight_scale_inv if is_scale else module.weight
+        if param is None:
+            raise ValueError(f"{projection} keeps no FP8 scales here (fp8_weights is off)")
+        load = module.scale_loader if is_scale else module.weight_loader
         if projection == "down_proj":
-            self.down_proj.weight_loader(self.down_proj.weight, loaded)
+            load(param, loaded)
             return
-        shard_id = {"gate_proj": 0, "up_proj": 1}[projection]
-        self.gate_up_proj.weight_loader(self.gate_up_proj.weight, loaded, shard_id)
+        load(param, loaded, {"gate_proj": 0, "up_proj": 1}[projection])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -144,6 +162,7 @@ class FusedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         parallel: ParallelContext = SINGLE,
+        fp8: bool = False,
     ):
         super().__init__()
         self.num_experts = num_experts
@@ -152,26 +171,66 @@ class FusedExperts(nn.Module):
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
         shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
         shape2 = (self.num_local_experts, hidden_size, intermediate_size)
-        self.w13 = nn.Parameter(torch.empty(shape13), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(shape2), requires_grad=False)
+        dtype = torch.float8_e4m3fn if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
+        self.w13_scale = self.w2_scale = None
+        if fp8:
+            if intermediate_size % FP8_BLOCK:
+                raise ConfigError(
+                    f"fp8_weights: moe_intermediate_size={intermediate_size} is not a multiple of "
+                    f"{FP8_BLOCK}, so gate and up cannot share one block-scaled w13; "
+                    "use fp8_weights=False"
+                )
+            blocks = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
+            scale13 = (self.num_local_experts, blocks(2 * intermediate_size), blocks(hidden_size))
+            scale2 = (self.num_local_experts, blocks(hidden_size), blocks(intermediate_size))
+            self.w13_scale = nn.Parameter(
+                torch.empty(scale13, dtype=torch.float32), requires_grad=False
+            )
+            self.w2_scale = nn.Parameter(
+                torch.empty(scale2, dtype=torch.float32), requires_grad=False
+            )
 
-    def load_expert_weight(self, expert_id: int, part: str, loaded: torch.Tensor) -> bool:
-        """Copy one expert's `gate`/`up` [I, H] or `down` [H, I]; False if not held on this rank."""
+    def load_expert_weight(
+        self, expert_id: int, part: str, loaded: torch.Tensor, is_scale: bool = False
+    ) -> bool:
+        """Copy one expert's `gate`/`up` [I, H] or `down` [H, I] (is_scale: its FP8 block scales
+        [I/128, H/128] or [H/128, I/128]); False if the expert is not held on this rank."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} outside n_routed_experts={self.num_experts}")
         local = expert_id - self.first_local_expert
         if not 0 <= local < self.num_local_experts:
             return False
-        size = self.intermediate_size
+        if is_scale:
+            if self.w13_scale is None:
+                raise ValueError("these experts keep no FP8 scales (fp8_weights is off)")
+            size = self.intermediate_size // FP8_BLOCK
+            stacked = (self.w2_scale if part == "down" else self.w13_scale).data
+        else:
+            size = self.intermediate_size
+            stacked = (self.w2 if part == "down" else self.w13).data
         rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[part]
-        target = (self.w2 if part == "down" else self.w13).data[local, rows]
+        target = stacked[local, rows]
         if target.shape != loaded.shape:
+            what = f"{part} scale" if is_scale else part
             raise ValueError(
-                f"expert {expert_id} {part}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expert {expert_id} {what}: checkpoint shape {tuple(loaded.shape)}, "
                 f"expected {tuple(target.shape)}"
+            )
+        if target.dtype == torch.float8_e4m3fn and loaded.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
+                "keep FP8 block-scaled weights (fp8_weights=True)"
             )
         target.copy_(loaded)
         return True
+
+    def run(self, x, topk_weights, local_ids):
+        """The fused MoE over this rank's experts; local_ids [T, K] outside [0, E_local) skip."""
+        return ops.fused_moe(
+            x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale
+        )
 
     def forward(self, x, topk_weights, topk_ids):
         """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].
@@ -182,7 +241,7 @@ class FusedExperts(nn.Module):
         if self.num_local_experts != self.num_experts:
             outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
             local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
-        return ops.fused_moe(x, self.w13, self.w2, topk_weights, local_ids)
+        return self.run(x, topk_weights, local_ids)
 
 
 class MoE(nn.Module):
@@ -196,15 +255,16 @@ class MoE(nn.Module):
         routing: RoutingMethod,
         shared_intermediate_size: int = 0,
         parallel: ParallelContext = SINGLE,
+        fp8: bool = False,
     ):
         super().__init__()
         self.routing = routing
         self.parallel = parallel
         self.gate = Router(hidden_size, num_experts, routing.use_correction_bias)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel, fp8)
         self.shared_experts = None
         if shared_intermediate_size:
-            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, parallel)
+            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, parallel, fp8)
 
     def route(self, x: torch.Tensor) -> ops.MoeRouting:  # [T, H] -> ([T, K], [T, K])
         method = self.routing
@@ -237,8 +297,8 @@ class MoE(nn.Module):
         received = group.dispatch(
             x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
         )  # received.x [R, H]; topk_ids [R, K] local to this rank, -1 elsewhere
-        expert_out = ops.fused_moe(
-            received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
+        expert_out = self.experts.run(
+            received.x, received.topk_weights, received.topk_ids
         )  # [R, H]
         return group.combine(expert_out, received.handle)  # [T, H] in the original order
 
@@ -260,8 +320,8 @@ class MoE(nn.Module):
 
     def experts_and_combine(self, received) -> torch.Tensor:
         """Run this rank's experts on what arrived and send the results back: [T, H]."""
-        expert_out = ops.fused_moe(
-            received.x, self.experts.w13, self.experts.w2, received.topk_weights, received.topk_ids
+        expert_out = self.experts.run(
+            received.x, received.topk_weights, received.topk_ids
         )  # [R, H]
         return self.parallel.ep_group.combine(expert_out, received.handle)
 

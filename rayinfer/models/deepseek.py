@@ -23,6 +23,7 @@ from rayinfer.layers.mla import MLAAttention
 from rayinfer.layers.moe import GatedMLP, MoE, RoutingMethod, copy_checked, parse_expert_weight_name
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.parallel import SINGLE, ParallelContext
+from rayinfer.models.fp8 import SCALE_SUFFIX
 
 _LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 _MLP_PROJECTION = re.compile(
@@ -61,11 +62,13 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, parallel: ParallelContext):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, parallel: ParallelContext, fp8: bool = False
+    ):
         super().__init__()
         hidden = config.hidden_size
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config, layer_idx, parallel)
+        self.self_attn = MLAAttention(config, layer_idx, parallel, fp8)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         if is_moe_layer(config, layer_idx):
             self.mlp = MoE(
@@ -75,9 +78,10 @@ class DeepseekDecoderLayer(nn.Module):
                 routing_method(config),
                 config.moe_intermediate_size * config.num_shared_experts,
                 parallel,
+                fp8,
             )
         else:
-            self.mlp = GatedMLP(hidden, config.intermediate_size, parallel)
+            self.mlp = GatedMLP(hidden, config.intermediate_size, parallel, fp8)
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         """hidden, residual [T, H] (residual None at the first layer) -> (hidden, residual)."""
@@ -91,11 +95,11 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelContext):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, fp8: bool = False):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, parallel) for i in range(config.num_layers)
+            DeepseekDecoderLayer(config, i, parallel, fp8) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -108,13 +112,21 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """`DeepseekV2ForCausalLM` and `DeepseekV3ForCausalLM` (see the registry's model contract)."""
+    """`DeepseekV2ForCausalLM` and `DeepseekV3ForCausalLM` (see the registry's model contract).
 
-    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
+    fp8_weights: keep the checkpoint's FP8 block-scaled weights (attention projections but
+    kv_b_proj, dense MLPs, shared and routed experts); the router, embeddings, lm_head, norms and
+    kv_b_proj stay in the model dtype. The loader then hands over `...weight_scale_inv` tensors too.
+    """
+
+    def __init__(
+        self, config: ModelConfig, parallel: ParallelContext = SINGLE, fp8_weights: bool = False
+    ):
         super().__init__()
         self.config = config
         self.parallel = parallel
-        self.model = DeepseekModel(config, parallel)
+        self.fp8_weights = fp8_weights
+        self.model = DeepseekModel(config, parallel, fp8_weights)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel)
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
@@ -157,20 +169,34 @@ class DeepseekForCausalLM(nn.Module):
             names.update(self._checkpoint_names_of(param_name))
         return names
 
+    def fp8_checkpoint_names(self) -> set[str]:
+        """Checkpoint weights this rank keeps in FP8 (their `weight_scale_inv` loads too); every
+        other FP8 checkpoint weight is dequantized to the model dtype by the loader."""
+        names: set[str] = set()
+        for param_name, param in self.named_parameters():
+            if param.dtype == torch.float8_e4m3fn:
+                names.update(self._checkpoint_names_of(param_name))
+        return names
+
     def _checkpoint_names_of(self, param_name: str) -> list[str]:
         module_name, _, leaf = param_name.rpartition(".")
-        if leaf in ("w13", "w2"):  # FusedExperts: one checkpoint tensor per local expert and part
+        if leaf in ("w13", "w2", "w13_scale", "w2_scale"):  # FusedExperts: per expert and part
             experts = self.get_submodule(module_name)
-            projections = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
+            projections = ("down_proj",) if leaf.startswith("w2") else ("gate_proj", "up_proj")
+            suffix = ".weight" + (SCALE_SUFFIX if leaf.endswith("_scale") else "")
             first, count = experts.first_local_expert, experts.num_local_experts
             return [
-                f"{module_name}.{e}.{p}.weight"
+                f"{module_name}.{e}.{p}{suffix}"
                 for e in range(first, first + count)
                 for p in projections
             ]
-        if param_name.endswith("gate_up_proj.weight"):
-            prefix = param_name.removesuffix("gate_up_proj.weight")
-            return [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]
+        for leaf_name in ("gate_up_proj.weight", "gate_up_proj.weight" + SCALE_SUFFIX):
+            if param_name.endswith(leaf_name):
+                prefix, tail = (
+                    param_name.removesuffix(leaf_name),
+                    leaf_name.removeprefix("gate_up_"),
+                )
+                return [f"{prefix}gate_{tail}", f"{prefix}up_{tail}"]
         if param_name == "lm_head.weight" and self.config.tie_word_embeddings:
             return []
         return [param_name]
@@ -181,18 +207,24 @@ class DeepseekForCausalLM(nn.Module):
         return is_mtp or name.endswith("rotary_emb.inv_freq")
 
     def _load_one(self, name: str, tensor: torch.Tensor, params: dict, modules: dict) -> str:
-        """Load one checkpoint tensor; returns the name of the parameter it filled."""
-        expert = parse_expert_weight_name(name)
+        """Load one checkpoint tensor; returns the name of the parameter it filled.
+
+        `<weight>_scale_inv` (FP8 block scales, only handed over with fp8_weights) goes where its
+        weight goes: the experts' w13_scale / w2_scale, or the linear layer's weight_scale_inv."""
+        is_scale = name.endswith(SCALE_SUFFIX)
+        weight_name = name.removesuffix(SCALE_SUFFIX)
+        scale = "_scale" if is_scale else ""
+        expert = parse_expert_weight_name(weight_name)
         if expert is not None and f"{expert.prefix}.experts" in modules:
             experts = modules[f"{expert.prefix}.experts"]
-            experts.load_expert_weight(expert.expert_id, expert.part, tensor)
-            return f"{expert.prefix}.experts.{'w2' if expert.part == 'down' else 'w13'}"
-        projection = _MLP_PROJECTION.match(name)
+            experts.load_expert_weight(expert.expert_id, expert.part, tensor, is_scale)
+            return f"{expert.prefix}.experts.{'w2' if expert.part == 'down' else 'w13'}{scale}"
+        projection = _MLP_PROJECTION.match(weight_name)
         if projection is not None and projection.group(1) in modules:
             module_name, projection_name = projection.groups()
-            modules[module_name].load_weight(projection_name, tensor)
+            modules[module_name].load_weight(projection_name, tensor, is_scale)
             merged = "down_proj" if projection_name == "down_proj" else "gate_up_proj"
-            return f"{module_name}.{merged}.weight"
+            return f"{module_name}.{merged}.weight{SCALE_SUFFIX if is_scale else ''}"
         if name not in params:
             raise ValueError(
                 f"no such parameter in {self.config.architecture} "

@@ -50,3 +50,60 @@ def quantize_block_fp8(
     scale_inv = amax / fp8_max
     quantized = (blocks / scale_inv[:, None, :, None]).view_as(padded)
     return quantized[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
+
+
+def check_fp8_weights(config, tp_size: int = 1, key: str = "fp8_weights", tp_key: str = "tp"):
+    """Fail (ConfigError naming the key and the sizes) unless `config`'s model can keep FP8
+    block-scaled weights when split `tp_size` ways: no 128x128 block may be cut between
+    tensor-parallel ranks, nor between the gate and up halves of a stacked gate/up weight."""
+    from rayinfer.config import MLA_ARCHITECTURES, ConfigError
+    from rayinfer.models.deepseek import is_moe_layer
+
+    if config.architecture not in MLA_ARCHITECTURES:
+        raise ConfigError(
+            f"{key}=true is implemented for DeepSeek V2/V3 checkpoints only, not "
+            f"{config.architecture}; use {key}=false (FP8 weights are dequantized at load)"
+        )
+    heads = config.num_attention_heads
+    # (key as the config names it, its value, whether TP splits it, whether gate/up stack it)
+    sizes = [
+        (
+            "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
+            heads * (config.qk_nope_head_dim + config.qk_rope_head_dim),
+            True,
+            False,
+        ),
+        ("num_attention_heads*v_head_dim", heads * config.v_head_dim, True, False),
+    ]
+    layers = range(config.num_layers)
+    if any(not is_moe_layer(config, i) for i in layers):
+        sizes.append(("intermediate_size", config.intermediate_size, True, True))
+    if any(is_moe_layer(config, i) for i in layers):
+        sizes.append(("moe_intermediate_size", config.moe_intermediate_size, False, True))
+        if config.num_shared_experts:
+            shared = config.moe_intermediate_size * config.num_shared_experts
+            sizes.append(("moe_intermediate_size*n_shared_experts", shared, True, True))
+
+    def problem(tp: int) -> str | None:
+        for name, value, split, stacked in sizes:
+            local = value // tp if split else value
+            if (split and tp > 1 or stacked) and local % FP8_BLOCK_SIZE:
+                if stacked and not (split and tp > 1):
+                    return (
+                        f"{name}={value} is not a multiple of {FP8_BLOCK_SIZE}, so the gate and "
+                        f"up halves of the stacked weight would share a {FP8_BLOCK_SIZE}x"
+                        f"{FP8_BLOCK_SIZE} FP8 block"
+                    )
+                return (
+                    f"{tp_key}={tp} splits {name}={value} into {local} per rank, which is not a "
+                    f"multiple of {FP8_BLOCK_SIZE}: a {FP8_BLOCK_SIZE}x{FP8_BLOCK_SIZE} FP8 "
+                    "weight block would be cut between ranks"
+                )
+        return None
+
+    found = problem(tp_size)
+    if found is None:
+        return
+    valid = [tp for tp in range(1, heads + 1) if heads % tp == 0 and problem(tp) is None]
+    hint = f"use {tp_key} in {valid} or {key}=false" if valid else f"use {key}=false"
+    raise ConfigError(f"{key}=true: {found}; {hint}")

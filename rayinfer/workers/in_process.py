@@ -23,6 +23,7 @@ class InProcessExecutor(Executor):
         load_format: str = "safetensors",
         cuda_graphs: CudaGraphConfig | None = None,
         kv_memory: KVMemoryConfig | None = None,
+        fp8_weights: bool = False,
     ):
         self.runner = ModelRunner(
             model_config,
@@ -33,6 +34,7 @@ class InProcessExecutor(Executor):
             load_format=load_format,
             cuda_graphs=cuda_graphs,
             kv_memory=kv_memory,
+            fp8_weights=fp8_weights,
         )
 
     @property

@@ -61,6 +61,7 @@ class WorkerSpec:
     collective_backend: str = "rayinfer"
     cuda_graphs: CudaGraphConfig | None = None  # decode graphs; only without collectives
     kv_memory: KVMemoryConfig | None = None  # size the cache from GPU memory (CUDA only)
+    fp8_weights: bool = False  # keep FP8 block-scaled checkpoint weights in FP8 (DeepSeek)
 
 
 class Worker:
@@ -91,6 +92,7 @@ class Worker:
             spec.cuda_graphs,
             spec.kv_memory,
             allocate_kv=False,
+            fp8_weights=spec.fp8_weights,
         )
         if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
             self.runner.allocate_kv(spec.cache_config.num_blocks)

@@ -1,0 +1,174 @@
+"""What landed on 2026-11-30 without a check on a GPU, checked in one run (2 GPUs, Ray bundle):
+
+1. Two-batch overlap on two CUDA streams: greedy tokens of dp=2 ep=2 plans (NCCL and host-staged,
+   overlap off and on) against one GPU, float32, tiny DeepSeek-V3 and Qwen3-MoE checkpoints.
+2. `fp8_weights=True` on CUDA: a tiny FP8 block-scaled DeepSeek-V3 (the test suite's shapes),
+   prompt logits against the dequantized model (relative error per position) and greedy tokens,
+   with CUDA graphs on (the default), in bfloat16.
+3. `gpu_memory_utilization=0.9`: the blocks it chose, that generation works, and the device's
+   peak reserved memory against the budget.
+
+Usage (carry [".device"]):
+    source .device/ray/use-ray-bundle.sh; export PYTHONPATH=$PWD:$PYTHONPATH
+    python benchmarks/gpu_verify_pending.py --out $OUT/pending.json
+`--smoke` runs it on the CPU (gloo workers; no graphs; gpu_memory_utilization is ignored there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rayinfer  # noqa: E402
+from rayinfer.config import ParallelPlan  # noqa: E402
+from tests.models.harness import TINY_MLA, make_hf_checkpoint, make_prompts  # noqa: E402
+
+GREEDY = rayinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+QWEN3_MOE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+)
+
+
+def checkpoints(folder: Path) -> dict[str, Path]:
+    from tests.models.test_deepseek import make_deepseek_checkpoint
+    from tests.models.test_fp8_weights import ROUTED, quantize_like_deepseek_v3
+    from tests.models.test_loader import rewrite_checkpoint
+
+    deepseek = make_deepseek_checkpoint(folder / "deepseek_v3", "deepseek_v3", **TINY_MLA)
+    fp8_source = make_deepseek_checkpoint(folder / "fp8-source", "deepseek_v3", **ROUTED)
+    return {
+        "deepseek_v3": deepseek,
+        "qwen3_moe": make_hf_checkpoint(folder / "qwen3_moe", "qwen3_moe", **QWEN3_MOE),
+        "fp8": rewrite_checkpoint(fp8_source, folder / "fp8", quantize_like_deepseek_v3),
+    }
+
+
+def vocab_of(path) -> int:
+    from rayinfer.config import ModelConfig
+
+    return ModelConfig.from_pretrained(path).vocab_size
+
+
+def tokens_of(llm, prompts) -> list[list[int]]:
+    try:
+        return [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+def check_overlap(paths: dict[str, Path], device: str) -> list[dict]:
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    rows = []
+    for family in ("deepseek_v3", "qwen3_moe"):
+        path = str(paths[family])
+        prompts = make_prompts(vocab_of(path), lengths=(5, 37, 130, 300))
+        common = dict(device=device, dtype="float32", max_model_len=512)
+        expected = tokens_of(rayinfer.LLM(path, **common), prompts)
+        for transport in ("dist", "host"):
+            for overlap in (False, True):
+                llm = rayinfer.LLM(
+                    path,
+                    parallel=ParallelPlan(dp=2, ep=2),
+                    two_batch_overlap=overlap,
+                    all_to_all={"transport": transport},
+                    **common,
+                )
+                got = tokens_of(llm, prompts)
+                row = dict(
+                    check="overlap", family=family, transport=transport, overlap=overlap,
+                    exact=got == expected,
+                )  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+    ray.shutdown()
+    return rows
+
+
+def check_fp8(path: Path, device: str) -> dict:
+    from rayinfer.config import ModelConfig
+    from rayinfer.models.loader import load_model
+    from tests.models.harness import run_greedy
+
+    config = ModelConfig.from_pretrained(path)
+    prompts = make_prompts(config.vocab_size)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    runs = {
+        fp8: run_greedy(
+            load_model(config, dtype, device, fp8_weights=fp8), config, prompts, 8, dtype=dtype
+        )
+        for fp8 in (True, False)
+    }
+    mine = torch.cat(runs[True].prompt_logits).float()
+    theirs = torch.cat(runs[False].prompt_logits).float()
+    relative = (mine - theirs).norm(dim=-1) / theirs.norm(dim=-1)
+    llm = rayinfer.LLM(str(path), device=device, fp8_weights=True, max_model_len=128)
+    generated = tokens_of(llm, prompts)
+    row = dict(
+        check="fp8_weights",
+        dtype=str(dtype),
+        median_relative_error=relative.median().item(),
+        max_relative_error=relative.max().item(),
+        top1_agreement=(mine.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
+        llm_generated=[len(t) for t in generated],
+        finite=bool(torch.isfinite(mine).all()),
+    )
+    print(row, flush=True)
+    return row
+
+
+def check_memory_sizing(path: Path, device: str) -> dict:
+    llm = rayinfer.LLM(str(path), device=device, gpu_memory_utilization=0.9, max_model_len=4096)
+    blocks = len(llm.engine.block_managers[0].blocks)
+    generated = tokens_of(llm, make_prompts(vocab_of(path), lengths=(5, 300)))
+    row = dict(check="gpu_memory_utilization", num_blocks=blocks, generated=len(generated))
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        row["peak_reserved_fraction"] = torch.cuda.max_memory_reserved() / total
+    print(row, flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="on the CPU")
+    parser.add_argument("--skip-parallel", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    start, rows = time.time(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = checkpoints(Path(tmp))
+        if not args.skip_parallel:
+            rows += check_overlap(paths, device)
+        rows.append(check_fp8(paths["fp8"], device))
+        rows.append(check_memory_sizing(paths["deepseek_v3"], device))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"\nwall {time.time() - start:.0f} s")
+    for row in rows:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

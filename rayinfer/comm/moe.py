@@ -13,7 +13,6 @@ import torch
 
 from rayinfer.comm.fp8 import Fp8Rows, dequantize, quantize_per_token
 from rayinfer.kernels import ops
-from rayinfer.kernels.moe_combine import combine_row_index
 
 
 class AllToAll(Protocol):
@@ -31,15 +30,14 @@ class DispatchHandle:
     send_token_ids: [S] int64: source token of each row sent, grouped by destination rank.
     split_matrix: [world][world] rows rank i sent to rank j in dispatch.
     row_index: [T, world] int32: row of `send_token_ids` (and of combine's returned rows) for
-        each token and destination rank, -1 where the token did not go there; None: built from
-        send_token_ids when combine needs it.
+        each token and destination rank, -1 where the token did not go there.
     """
 
     send_token_ids: torch.Tensor
     split_matrix: list[list[int]]
     rank: int
     num_tokens: int
-    row_index: torch.Tensor | None = None
+    row_index: torch.Tensor
 
     @property
     def in_splits(self) -> list[int]:
@@ -125,11 +123,8 @@ def combine(
         split_matrix=handle.combine_matrix,
         **a2a_options,
     )
-    row_index = handle.row_index
-    if row_index is None:
-        row_index = combine_row_index(handle.send_token_ids, handle.in_splits, handle.num_tokens)
     # One gather-and-sum per token (float32, rank order), written in expert_out's dtype.
-    return ops.moe_combine(back, row_index, expert_out.dtype)
+    return ops.moe_combine(back, handle.row_index, expert_out.dtype)
 
 
 @dataclass(frozen=True)

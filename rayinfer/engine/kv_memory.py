@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.config import ConfigError, ModelConfig, check_gpu_memory_utilization
 
 GIB = 2**30
 SAFETY_MARGIN_BYTES = GIB // 2  # fragmentation, lazily created cuBLAS / NCCL workspaces
@@ -52,8 +52,7 @@ def num_kv_blocks_for_memory(
     """Blocks that fit in `total_bytes x utilization` besides what is in use (`non_kv_bytes`), the
     largest step's activations and a reserve; a ConfigError naming `key` and max_model_len when
     they would not hold one sequence of max_model_len tokens."""
-    if not 0 < utilization <= 1:
-        raise ConfigError(f"{key}={utilization!r} must be a fraction in (0, 1]")
+    check_gpu_memory_utilization(utilization, key)
     if bytes_per_block <= 0 or block_size <= 0 or max_model_len <= 0:
         raise ValueError(
             f"bytes_per_block={bytes_per_block}, block_size={block_size} and "

@@ -109,7 +109,7 @@ class ModelRunner:
         """Allocate the cache with num_blocks blocks, then capture the decode graphs over it."""
         if num_blocks != self.cache_config.num_blocks:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
-        self.kv_caches = self._allocate_kv_caches()
+        self.kv_caches = self._new_kv_caches(num_blocks)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
 
     @property
@@ -178,9 +178,6 @@ class ModelRunner:
         )
         graphs.capture()
         return graphs
-
-    def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        return self._new_kv_caches(self.cache_config.num_blocks)
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (num_blocks, self.cache_config.block_size, *self.kv_shape)

@@ -66,6 +66,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ layer.weight [N, K]^T (+ bias): W8A8 where the layer keeps FP8 weights."""
+    if layer.weight_scale_inv is None:
+        return F.linear(x, layer.weight, bias)
+    out = fp8_linear(x, layer.weight, layer.weight_scale_inv)
+    return out if bias is None else out + bias
+
+
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str = "weight") -> None:
     if param.shape != loaded.shape:
         raise ValueError(
@@ -105,10 +113,7 @@ class ReplicatedLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:
-            out = fp8_linear(x, self.weight, self.weight_scale_inv)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -178,10 +183,7 @@ class ColumnParallelLinear(nn.Module):
         target.copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:
-            out = fp8_linear(x, self.weight, self.weight_scale_inv)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -232,10 +234,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:
-            out = fp8_linear(x, self.weight, self.weight_scale_inv)
-        else:
-            out = F.linear(x, self.weight)
+        out = _matmul(x, self, None)
         if self.parallel.tp_size > 1:
             self.parallel.tp_group.all_reduce(out)
         if self.bias is not None:

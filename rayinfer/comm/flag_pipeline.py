@@ -87,6 +87,7 @@ class FlagPipeline:
         self._start_mark = self.gpu.new_event()
         self._end_marks: dict[tuple[str, int], object] = {}
         self._addresses: dict[int, int] = {}
+        self._words: dict[int, ctypes.c_uint32] = {}  # host flag address -> its live word
         self._check_round_trip()
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
@@ -104,34 +105,37 @@ class FlagPipeline:
             self.gpu.wait_event(caller, self._end_mark(key))
 
     def _queue_send(self, t: Transfer) -> None:
-        stream, shm, me = self._stream(("d2h", t.peer)), self.shm, self.shm.rank
+        stream, shm, me, peer = self._stream(("d2h", t.peer)), self.shm, self.shm.rank, t.peer
         for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
-            seq = self.sent[t.peer]
+            seq = self.sent[peer]
             slot = seq % shm.num_slots
             if seq >= shm.num_slots:  # the slot's last chunk must have been taken out
-                emptied = shm.consumed_flag(me, t.peer, slot)
+                emptied = shm.consumed_flag(me, peer, slot)
                 self._wait_unless_seen(stream, emptied, seq - shm.num_slots + 1)
-            self.gpu.copy_async(shm.slot(me, t.peer, seq)[: chunk.numel()], chunk, stream)
-            filled = self._device_address(shm.published_flag(me, t.peer, slot))
+            self.gpu.copy_async(shm.slot(me, peer, seq, chunk.numel()), chunk, stream)
+            filled = self._device_address(shm.published_flag(me, peer, slot))
             self.gpu.write(stream, filled, seq + 1)
-            self.sent[t.peer] = seq + 1
+            self.sent[peer] = seq + 1
 
     def _queue_recv(self, t: Transfer) -> None:
-        stream, shm, me = self._stream(("h2d", t.peer)), self.shm, self.shm.rank
+        stream, shm, me, peer = self._stream(("h2d", t.peer)), self.shm, self.shm.rank, t.peer
         for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
-            seq = self.received[t.peer]
+            seq = self.received[peer]
             slot = seq % shm.num_slots
-            self._wait_unless_seen(stream, shm.published_flag(t.peer, me, slot), seq + 1)
-            self.gpu.copy_async(chunk, shm.slot(t.peer, me, seq)[: chunk.numel()], stream)
-            emptied = self._device_address(shm.consumed_flag(t.peer, me, slot))
+            self._wait_unless_seen(stream, shm.published_flag(peer, me, slot), seq + 1)
+            self.gpu.copy_async(chunk, shm.slot(peer, me, seq, chunk.numel()), stream)
+            emptied = self._device_address(shm.consumed_flag(peer, me, slot))
             self.gpu.write(stream, emptied, seq + 1)
-            self.received[t.peer] = seq + 1
+            self.received[peer] = seq + 1
 
     def _wait_unless_seen(self, stream, host_address: int, value: int) -> None:
         """Queue a GPU wait for the flag, unless this CPU already reads the value: then the copy
         before the flag's write has finished (the write is fenced behind it), and one driver
         call less is queued. Ring slots freed long ago and chunks already sent skip it."""
-        if ctypes.c_uint32.from_address(host_address).value != value & 0xFFFFFFFF:
+        word = self._words.get(host_address)
+        if word is None:  # one ctypes view per flag, read live each time
+            word = self._words[host_address] = ctypes.c_uint32.from_address(host_address)
+        if word.value != value & 0xFFFFFFFF:
             self.gpu.wait_equal(stream, self._device_address(host_address), value)
 
     def _order_after(self, caller: torch.cuda.Stream, keys: list[tuple[str, int]]) -> None:
@@ -168,6 +172,9 @@ class FlagPipeline:
 
 
 def _chunks(buf: torch.Tensor, chunk_bytes: int):
-    """[num_bytes] uint8 -> consecutive views of at most chunk_bytes."""
-    for start in range(0, buf.numel(), chunk_bytes):
-        yield buf[start : start + chunk_bytes]
+    """[num_bytes] uint8 -> consecutive views of at most chunk_bytes (a block that fits in
+    one chunk is itself: no view)."""
+    num_bytes = buf.numel()
+    if num_bytes <= chunk_bytes:
+        return (buf,)
+    return [buf[start : start + chunk_bytes] for start in range(0, num_bytes, chunk_bytes)]

@@ -4,7 +4,9 @@
 import datetime
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from rayinfer.comm import moe
 from rayinfer.comm.cost_model import Choice, choose
 from rayinfer.comm.host_staged import HostStagedTransport
 from rayinfer.comm.layout import as_byte_rows, check_splits
-from rayinfer.comm.metrics import AllToAllTimer
+from rayinfer.comm.metrics import AllToAllRecorder
 from rayinfer.comm.pending import Pending
 from rayinfer.comm.rendezvous import forget_store, make_store
 from rayinfer.comm.schedules import ScheduleContext, get_schedule
@@ -23,6 +25,10 @@ from rayinfer.comm.topology import Topology
 from rayinfer.comm.transport import DistTransport, Transport
 
 BACKEND_NAME = "RAYINFER"
+# Size classes (see RayinferGroup.plan) checked for a plan that does not depend on size: class c
+# is 2 ** (c / 2) bytes per pair, so 0..88 covers 1 byte to 16 TiB per pair.
+_SIZE_CLASSES = range(89)
+_UNKNOWN = object()
 _REDUCE_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -45,6 +51,10 @@ class RayinferGroup(BaseGroup):
         if joined_through_ray and rank == 0:
             forget_store(group_name)
         self._plans: dict[int, Choice] = {}
+        self._choices: dict[tuple, Choice] = {}  # (plan id or None, schedule, transport) -> Choice
+        self._size_free_plan: Choice | None | object = _UNKNOWN
+        self._contexts: dict[str, ScheduleContext] = {}  # by transport, without split matrix
+        self._metrics = AllToAllRecorder(group_name)
         self._key_counts: dict[str, int] = {}
         self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
         self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
@@ -63,6 +73,7 @@ class RayinferGroup(BaseGroup):
 
     def destroy_group(self):
         self._executor.shutdown(wait=True)
+        self._metrics.flush()
         for t in self._transports.values():
             t.close()
         if hasattr(self.pg, "shutdown"):
@@ -126,8 +137,10 @@ class RayinferGroup(BaseGroup):
         Zero splits are allowed. schedule: "auto", "nccl", "pairwise" or "hierarchical";
         transport: "auto", "dist" or "host". split_matrix: [world][world] rows i -> j, if the
         caller already has it; "auto" and "hierarchical" otherwise all-gather it (every rank
-        must decide alike). Returns the (schedule, transport) used and why."""
-        self._drain()
+        must decide alike), unless the topology makes `auto`'s pick the same at every size.
+        Returns the (schedule, transport) used and why."""
+        if self._last is not None:
+            self._drain()
         return self._all_to_all(out, inp, out_splits, in_splits, schedule, transport, split_matrix)
 
     def all_to_all_async(self, out, inp, out_splits, in_splits, **kw) -> Pending[Choice]:
@@ -143,6 +156,9 @@ class RayinferGroup(BaseGroup):
     def topology(self, topology: Topology) -> None:
         self._topology = topology
         self._plans.clear()
+        self._choices.clear()
+        self._contexts.clear()
+        self._size_free_plan = _UNKNOWN
 
     def plan(self, split_matrix: list[list[int]], row_bytes: int) -> Choice:
         """The (schedule, transport) `auto` picks for this exchange on this group's topology.
@@ -151,12 +167,31 @@ class RayinferGroup(BaseGroup):
         exchange of that size, and remembered: running the model on every call cost ~100 us
         of Python. Every rank holds the same matrix, so every rank picks the same plan."""
         n = self.world_size
-        pair_rows = sum(sum(row) - row[i] for i, row in enumerate(split_matrix)) / max(n * n - n, 1)
-        size_class = round(2 * math.log2(max(pair_rows * row_bytes, 1.0)))
+        to_others = sum(map(sum, split_matrix)) - sum(split_matrix[i][i] for i in range(n))
+        pair_rows = to_others / max(n * n - n, 1)
+        return self._plan_for_class(round(2 * math.log2(max(pair_rows * row_bytes, 1.0))))
+
+    def _plan_for_class(self, size_class: int) -> Choice:
         if size_class not in self._plans:
-            pair_bytes = int(2 ** (size_class / 2))
+            n, pair_bytes = self.world_size, int(2 ** (size_class / 2))
             self._plans[size_class] = choose(self.topology, [[pair_bytes] * n] * n, 1)
         return self._plans[size_class]
+
+    def size_free_plan(self) -> Choice | None:
+        """`auto`'s pick when this topology makes it the same at every size (e.g. NVLink:
+        always nccl/dist), else None. Then `auto` needs no split matrix, so no all-gather: the
+        pick depends only on the topology, which every rank holds alike, so every rank still
+        decides alike whatever its own splits. Worked out once per topology (all size classes
+        planned: ~2 ms for 2 ranks, ~60 ms for 8)."""
+        if self._size_free_plan is _UNKNOWN:
+            picks = {(p.schedule, p.transport) for p in map(self._plan_for_class, _SIZE_CLASSES)}
+            if len(picks) == 1:
+                schedule, transport = picks.pop()
+                reason = f"{schedule}/{transport} predicted fastest at every size on this topology"
+                self._size_free_plan = Choice(schedule, transport, {}, reason)
+            else:
+                self._size_free_plan = None
+        return self._size_free_plan
 
     def gather_split_matrix(self, in_splits: list[int] | torch.Tensor) -> list[list[int]]:
         """in_splits: [world] int (list, or a tensor on this group's device, which saves a
@@ -204,34 +239,72 @@ class RayinferGroup(BaseGroup):
     def _all_to_all(
         self, out, inp, out_splits, in_splits, schedule="auto", transport="auto", split_matrix=None
     ):
-        check_splits(out.shape[0], out_splits, self.world_size, "out_splits")
-        check_splits(inp.shape[0], in_splits, self.world_size, "in_splits")
-        row_bytes = inp[:1].numel() * inp.element_size() if inp.shape[0] else 0
-        is_auto = "auto" in (schedule, transport)
+        # Every call pays this Python (~1 us per simple call on the GPU VM), so the common case
+        # is kept to builtins on plain ints: no tensor views, no per-call objects.
+        n, rows = self.world_size, inp.shape[0]
+        if (
+            len(out_splits) != n
+            or len(in_splits) != n
+            or sum(out_splits) != out.shape[0]
+            or sum(in_splits) != rows
+            or min(out_splits) < 0
+            or min(in_splits) < 0
+        ):
+            check_splits(out.shape[0], out_splits, n, "out_splits")  # raises, saying what is wrong
+            check_splits(rows, in_splits, n, "in_splits")
+        row_bytes = inp.nbytes // rows if rows else 0
         matrix = split_matrix
-        if matrix is None and (is_auto or get_schedule(schedule).needs_split_matrix):
-            matrix = self.gather_split_matrix(in_splits)
-        if is_auto:
-            choice = self.plan(matrix, row_bytes).override(schedule, transport)
+        if schedule == "auto" or transport == "auto":
+            plan = self._size_free_plan
+            if plan is _UNKNOWN:
+                plan = self.size_free_plan()
+            if plan is None:
+                if matrix is None:
+                    matrix = self.gather_split_matrix(in_splits)
+                plan = self.plan(matrix, row_bytes)
+            choice = self._choice(plan, schedule, transport)
         else:
-            choice = Choice(schedule, transport, {}, "chosen by the caller")
-        num_bytes = (sum(in_splits) - in_splits[self.rank]) * row_bytes
-        timer = AllToAllTimer(self.group_name, num_bytes, choice.schedule, choice.transport)
+            choice = self._choice(None, schedule, transport)
+        num_bytes = (rows - in_splits[self.rank]) * row_bytes
         if choice.schedule == "nccl" and choice.transport == "dist" and out.dtype == inp.dtype:
-            with timer:  # NCCL's own all_to_all_single on the caller's tensors: nothing added
+            # NCCL's own all_to_all_single on the caller's tensors: nothing added
+            if not self._metrics.enabled:
                 self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
+                return choice
+            start = time.perf_counter()
+            self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
+            self._metrics.record("nccl", "dist", num_bytes, time.perf_counter() - start)
             return choice
-        out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
         chosen = get_schedule(choice.schedule)
-        ctx = ScheduleContext(
-            self.rank,
-            self.world_size,
-            self.transport(choice.transport),
-            self.topology.islands,
-            matrix,
-        )
-        with timer:
-            chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
+        ctx = self._contexts.get(choice.transport)
+        if ctx is None:
+            ctx = ScheduleContext(
+                self.rank, n, self.transport(choice.transport), self.topology.islands
+            )
+            self._contexts[choice.transport] = ctx
+        if chosen.needs_split_matrix:
+            if matrix is None:
+                matrix = self.gather_split_matrix(in_splits)
+            ctx = replace(ctx, split_matrix=matrix)
+        out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
+        start = time.perf_counter()
+        chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
+        if self._metrics.enabled:
+            seconds = time.perf_counter() - start
+            self._metrics.record(choice.schedule, choice.transport, num_bytes, seconds)
+        return choice
+
+    def _choice(self, plan: Choice | None, schedule: str, transport: str) -> Choice:
+        """The Choice returned for (plan, caller's names), made once: plan None is the caller's
+        own pick; else the plan with the caller's explicit names applied."""
+        key = (id(plan), schedule, transport)  # plans live until the topology changes
+        choice = self._choices.get(key)
+        if choice is None:
+            if plan is None:
+                choice = Choice(schedule, transport, {}, "chosen by the caller")
+            else:
+                choice = plan.override(schedule, transport)
+            self._choices[key] = choice
         return choice
 
     def _submit(self, fn, *args, **kw) -> Pending:

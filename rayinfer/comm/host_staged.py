@@ -14,7 +14,6 @@ import os
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,20 +26,19 @@ from rayinfer.comm.transport import Transfer, Transport
 _MIN_CHUNK_BYTES = 256 << 10
 
 
-@dataclass
 class _Job:
     """One block in flight: [num_bytes] uint8 `buf`, cut into chunks of `chunk_bytes`."""
 
-    peer: int
-    buf: torch.Tensor
-    chunk_bytes: int
-    next_chunk: int = 0
+    __slots__ = ("peer", "buf", "chunk_bytes", "num_chunks", "next_chunk")
 
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.buf.numel() // self.chunk_bytes)
+    def __init__(self, peer: int, buf: torch.Tensor, chunk_bytes: int):
+        self.peer, self.buf, self.chunk_bytes = peer, buf, chunk_bytes
+        self.num_chunks = -(-buf.numel() // chunk_bytes)
+        self.next_chunk = 0
 
     def chunk(self, i: int) -> torch.Tensor:
+        if self.num_chunks == 1:  # small blocks go whole: no view
+            return self.buf
         return self.buf[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
 
 
@@ -188,7 +186,7 @@ class HostStagedTransport(Transport):
             while job.next_chunk < job.num_chunks and self._has_free_slot(job.peer):
                 chunk = job.chunk(job.next_chunk)
                 seq = self.sent[job.peer]
-                slot = self.shm.slot(self.rank, job.peer, seq)[: chunk.numel()]
+                slot = self.shm.slot(self.rank, job.peer, seq, chunk.numel())
                 in_flight.append((self.copier.copy(slot, chunk, to_host=True), job.peer, seq + 1))
                 self.sent[job.peer] += 1
                 job.next_chunk += 1
@@ -206,7 +204,7 @@ class HostStagedTransport(Transport):
                 and self.shm.published(src, self.rank) > (self.received[src])
             ):
                 chunk = job.chunk(job.next_chunk)
-                slot = self.shm.slot(src, self.rank, self.received[src])[: chunk.numel()]
+                slot = self.shm.slot(src, self.rank, self.received[src], chunk.numel())
                 self.received[src] += 1
                 in_flight.append(
                     (self.copier.copy(chunk, slot, to_host=False), src, self.received[src])

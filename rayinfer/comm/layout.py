@@ -17,6 +17,8 @@ def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] any dtype -> [N, row_bytes] uint8 view of the same (contiguous) memory."""
     if not t.is_contiguous():
         raise ValueError("all_to_all needs contiguous tensors; call .contiguous() first")
+    if t.dim() == 2 and t.stride(1) == 1:  # the common case: one view, or none
+        return t if t.dtype == torch.uint8 else t.view(torch.uint8)
     rows, row_bytes = t.shape[0], math.prod(t.shape[1:]) * t.element_size()
     if t.numel() == 0:
         return t.new_empty((rows, row_bytes), dtype=torch.uint8)

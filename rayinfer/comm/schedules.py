@@ -66,11 +66,16 @@ class Pairwise(Schedule):
     def run(self, ctx, out, inp, out_splits, in_splits):
         out_at, in_at = offsets(out_splits), offsets(in_splits)
         me, n = ctx.rank, ctx.world_size
-        out[out_at[me] : out_at[me + 1]].copy_(inp[in_at[me] : in_at[me + 1]])
+        out_flat, in_flat = out.view(-1), inp.view(-1)  # one view each; a byte slice per block
+        out_row, in_row = out.shape[1], inp.shape[1]
+        if out_splits[me]:
+            out_flat[out_at[me] * out_row : out_at[me + 1] * out_row].copy_(
+                in_flat[in_at[me] * in_row : in_at[me + 1] * in_row]
+            )
         for k in range(1, n):
             dst, src = (me + k) % n, (me - k) % n
-            send = Transfer(dst, inp[in_at[dst] : in_at[dst + 1]].reshape(-1))
-            recv = Transfer(src, out[out_at[src] : out_at[src + 1]].reshape(-1))
+            send = Transfer(dst, in_flat[in_at[dst] * in_row : in_at[dst + 1] * in_row])
+            recv = Transfer(src, out_flat[out_at[src] * out_row : out_at[src + 1] * out_row])
             ctx.transport.exchange([send], [recv])
 
 

@@ -53,10 +53,11 @@ class SharedSegments:
         self.headers = [_header(seg, world_size) for seg in self.segments]
         self.is_pinned = pin and _pin(self.segments)
 
-    def slot(self, src: int, dst: int, seq: int) -> torch.Tensor:
-        """[slot_bytes] uint8: the ring slot that carries chunk `seq` from src to dst."""
+    def slot(self, src: int, dst: int, seq: int, num_bytes: int | None = None) -> torch.Tensor:
+        """[slot_bytes] uint8 (or its first num_bytes): the ring slot that carries chunk `seq`
+        from src to dst."""
         start = self._header_bytes + (dst * self.num_slots + seq % self.num_slots) * self.slot_bytes
-        return self.segments[src][start : start + self.slot_bytes]
+        return self.segments[src][start : start + (num_bytes or self.slot_bytes)]
 
     def published(self, src: int, dst: int) -> int:
         return int(self.headers[src][dst])

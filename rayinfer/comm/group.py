@@ -29,6 +29,7 @@ BACKEND_NAME = "RAYINFER"
 # is 2 ** (c / 2) bytes per pair, so 0..88 covers 1 byte to 16 TiB per pair.
 _SIZE_CLASSES = range(89)
 _UNKNOWN = object()
+_NO_PLAN = -1  # _choices key for the caller's own (schedule, transport)
 _REDUCE_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -140,12 +141,50 @@ class RayinferGroup(BaseGroup):
         must decide alike), unless the topology makes `auto`'s pick the same at every size.
         Returns the (schedule, transport) used and why."""
         if self._last is not None:
-            self._drain()
-        return self._all_to_all(out, inp, out_splits, in_splits, schedule, transport, split_matrix)
+            self._drain()  # calls run in issue order (a no-op on the background thread itself)
+        # Every call pays this Python (~1 us per simple call on the GPU VM), so the common case
+        # is kept to builtins on plain ints: no tensor views, no per-call objects.
+        n, rows = self.world_size, inp.shape[0]
+        if (
+            len(out_splits) != n
+            or len(in_splits) != n
+            or sum(out_splits) != out.shape[0]
+            or sum(in_splits) != rows
+            or min(out_splits) < 0
+            or min(in_splits) < 0
+        ):
+            check_splits(out.shape[0], out_splits, n, "out_splits")  # raises, saying what is wrong
+            check_splits(rows, in_splits, n, "in_splits")
+        if schedule == "auto" or transport == "auto":
+            plan = self._size_free_plan
+            if plan is _UNKNOWN:
+                plan = self.size_free_plan()
+            if plan is None:
+                if split_matrix is None:
+                    split_matrix = self.gather_split_matrix(in_splits)
+                plan = self.plan(split_matrix, inp.nbytes // rows if rows else 0)
+            choice = self._choices.get((id(plan), schedule, transport))
+        else:
+            plan = None
+            choice = self._choices.get((_NO_PLAN, schedule, transport))
+        if choice is None:
+            choice = self._choice(plan, schedule, transport)
+        if choice.schedule == "nccl" and choice.transport == "dist" and out.dtype == inp.dtype:
+            # NCCL's own all_to_all_single on the caller's tensors: nothing added
+            if not self._metrics.enabled:
+                self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
+                return choice
+            start = time.perf_counter()
+            self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
+            seconds = time.perf_counter() - start
+            num_bytes = (inp.nbytes // rows) * (rows - in_splits[self.rank]) if rows else 0
+            self._metrics.record("nccl", "dist", num_bytes, seconds)
+            return choice
+        return self._run_schedule(choice, out, inp, out_splits, in_splits, split_matrix)
 
     def all_to_all_async(self, out, inp, out_splits, in_splits, **kw) -> Pending[Choice]:
         """As all_to_all, in the background; `out` is valid after `wait()`."""
-        return self._submit(self._all_to_all, out, inp, out_splits, in_splits, **kw)
+        return self._submit(self.all_to_all, out, inp, out_splits, in_splits, **kw)
 
     @property
     def topology(self) -> Topology:
@@ -236,50 +275,14 @@ class RayinferGroup(BaseGroup):
             )
         return self._transports[name]
 
-    def _all_to_all(
-        self, out, inp, out_splits, in_splits, schedule="auto", transport="auto", split_matrix=None
-    ):
-        # Every call pays this Python (~1 us per simple call on the GPU VM), so the common case
-        # is kept to builtins on plain ints: no tensor views, no per-call objects.
-        n, rows = self.world_size, inp.shape[0]
-        if (
-            len(out_splits) != n
-            or len(in_splits) != n
-            or sum(out_splits) != out.shape[0]
-            or sum(in_splits) != rows
-            or min(out_splits) < 0
-            or min(in_splits) < 0
-        ):
-            check_splits(out.shape[0], out_splits, n, "out_splits")  # raises, saying what is wrong
-            check_splits(rows, in_splits, n, "in_splits")
-        row_bytes = inp.nbytes // rows if rows else 0
-        matrix = split_matrix
-        if schedule == "auto" or transport == "auto":
-            plan = self._size_free_plan
-            if plan is _UNKNOWN:
-                plan = self.size_free_plan()
-            if plan is None:
-                if matrix is None:
-                    matrix = self.gather_split_matrix(in_splits)
-                plan = self.plan(matrix, row_bytes)
-            choice = self._choice(plan, schedule, transport)
-        else:
-            choice = self._choice(None, schedule, transport)
-        num_bytes = (rows - in_splits[self.rank]) * row_bytes
-        if choice.schedule == "nccl" and choice.transport == "dist" and out.dtype == inp.dtype:
-            # NCCL's own all_to_all_single on the caller's tensors: nothing added
-            if not self._metrics.enabled:
-                self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
-                return choice
-            start = time.perf_counter()
-            self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
-            self._metrics.record("nccl", "dist", num_bytes, time.perf_counter() - start)
-            return choice
+    def _run_schedule(self, choice, out, inp, out_splits, in_splits, matrix):
+        rows = inp.shape[0]
+        num_bytes = (inp.nbytes // rows) * (rows - in_splits[self.rank]) if rows else 0
         chosen = get_schedule(choice.schedule)
         ctx = self._contexts.get(choice.transport)
         if ctx is None:
             ctx = ScheduleContext(
-                self.rank, n, self.transport(choice.transport), self.topology.islands
+                self.rank, self.world_size, self.transport(choice.transport), self.topology.islands
             )
             self._contexts[choice.transport] = ctx
         if chosen.needs_split_matrix:
@@ -297,7 +300,8 @@ class RayinferGroup(BaseGroup):
     def _choice(self, plan: Choice | None, schedule: str, transport: str) -> Choice:
         """The Choice returned for (plan, caller's names), made once: plan None is the caller's
         own pick; else the plan with the caller's explicit names applied."""
-        key = (id(plan), schedule, transport)  # plans live until the topology changes
+        key = (_NO_PLAN if plan is None else id(plan), schedule, transport)  # plans live until
+        # the topology changes, which clears this cache
         choice = self._choices.get(key)
         if choice is None:
             if plan is None:

@@ -51,6 +51,7 @@ class SharedSegments:
         _wait_all(store, f"shm-mapped-{token}", world_size)
         os.unlink(paths[rank])  # the mappings stay valid; nothing is left behind
         self.headers = [_header(seg, world_size) for seg in self.segments]
+        self._flags_base = [seg.data_ptr() + self._flags_at for seg in self.segments]
         self.is_pinned = pin and _pin(self.segments)
 
     def slot(self, src: int, dst: int, seq: int, num_bytes: int | None = None) -> torch.Tensor:
@@ -81,13 +82,13 @@ class SharedSegments:
 
     def _flag_address(self, owner: int, kind: int, peer: int, slot: int) -> int:
         index = (kind * self.world_size + peer) * self.num_slots + slot
-        return self.segments[owner].data_ptr() + self._flags_at + 4 * index
+        return self._flags_base[owner] + 4 * index
 
     def close(self) -> None:
         if self.is_pinned:
             for seg in self.segments:
                 torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
-        self.segments, self.headers = [], []
+        self.segments, self.headers, self._flags_base = [], [], []
 
 
 def _agree_on_token(store: dist.Store, rank: int) -> str:

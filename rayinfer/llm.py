@@ -36,7 +36,10 @@ class LLM:
     compute (for plans whose experts exchange tokens). load_format "dummy" draws random weights
     instead of reading safetensors (a folder with config.json is enough; for benchmarks).
     all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy
-    through pinned host memory, for GPUs without peer-to-peer) or {"use_fp8": True}.
+    through pinned host memory, for GPUs without peer-to-peer), {"use_fp8": True}, or
+    {"dedup": True/False} (each token only to the ranks of its experts, or every token to every
+    expert-parallel rank with no device sync; default: all tokens where nearly all need every
+    rank anyway, see rayinfer.comm.moe).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs without tensor or expert
     parallelism, whose collectives stay eager; the capture time is `LLM.graph_capture_seconds`).

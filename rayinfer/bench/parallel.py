@@ -66,7 +66,14 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m rayinfer.bench parallel")
     parser.add_argument("--config", required=True, help="folder with the model's config.json")
     parser.add_argument("--plans", nargs="+", default=["tp=1"])
-    parser.add_argument("--transports", nargs="+", default=["dist"], help="dist and/or host")
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["dist"],
+        help="MoE exchanges to run: a transport (dist, host) with optional ':'-joined flags: "
+        "fp8 (FP8 dispatch), dedup (each token only to the ranks of its experts), all (every "
+        "token to every rank); e.g. host host:fp8 host:dedup",
+    )
     parser.add_argument("--overlap", nargs="+", default=["off"], help="off and/or on")
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
     parser.add_argument("--decode-batches", nargs="*", type=int, default=[1, 64])
@@ -80,6 +87,19 @@ def parse_args(argv):
         help="also profile one prefill of the longest prompt per run (torch.profiler tables)",
     )
     return parser.parse_args(argv)
+
+
+EXCHANGE_FLAGS = {"fp8": ("use_fp8", True), "dedup": ("dedup", True), "all": ("dedup", False)}
+
+
+def exchange_options(text: str) -> dict:
+    """'host:fp8:dedup' -> {"transport": "host", "use_fp8": True, "dedup": True}."""
+    transport, *flags = text.split(":")
+    unknown = [flag for flag in flags if flag not in EXCHANGE_FLAGS]
+    if unknown:
+        valid = list(EXCHANGE_FLAGS)
+        raise ValueError(f"unknown exchange flags {unknown} in {text!r}; valid: {valid}")
+    return {"transport": transport, **dict(EXCHANGE_FLAGS[flag] for flag in flags)}
 
 
 def median(values):
@@ -122,7 +142,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
         load_format="dummy",
         parallel=plan,
         two_batch_overlap=overlap,
-        all_to_all={"transport": transport},
+        all_to_all=exchange_options(transport),
         max_model_len=longest + args.decode_tokens + 8,
         max_num_batched_tokens=longest,
         enable_prefix_caching=False,
@@ -151,7 +171,8 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
                 times.append(time.perf_counter() - start)
             result["prefill"][length] = plan.dp * length / median(times)
         if args.profile_dir:
-            name = f"tp{plan.tp}_dp{plan.dp}_ep{plan.ep}-{transport}-overlap_{int(overlap)}"
+            exchange = transport.replace(":", "_")
+            name = f"tp{plan.tp}_dp{plan.dp}_ep{plan.ep}-{exchange}-overlap_{int(overlap)}"
             llm.start_profile(f"{args.profile_dir}/{name}")
             llm.generate(prompts(plan.dp, longest), first)
             llm.stop_profile()

@@ -3,9 +3,22 @@
 Experts are split evenly and contiguously: rank r holds experts
 [r * experts_per_rank, (r + 1) * experts_per_rank). One packed row per (token, destination)
 carries the activations (bf16, or FP8 plus its scale) with the token's top-k expert ids and
-weights, so dispatch is one all-gather of counts plus one all-to-all.
+weights.
+
+Two ways to pick the rows, chosen per call:
+- deduplicated: a token travels to each rank that holds at least one of its experts. The row
+  counts depend on the routing, so dispatch all-gathers them and waits for the device once.
+- all tokens: every token travels to every rank (an all-gather of tokens, and combine a
+  reduce-scatter of results, as Megatron-LM's "allgather" token dispatcher). The counts are the
+  ranks' token counts, known on the host before the step (`tokens_per_rank`), so nothing waits
+  for the device and the exchange can be queued ahead of the compute it overlaps. With few
+  ranks nearly every token needs every rank anyway: DeepSeek-V2-Lite (64 experts, top-6) on 2
+  ranks sends 98.8% of its tokens to the other rank under uniform routing, DeepSeek-V3 (256,
+  top-8) on 8 ranks 66%. `dedup=None` takes all tokens when `tokens_per_rank` is given and the
+  expected share is at least ALL_TOKENS_MIN_SHARE.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +26,9 @@ import torch
 
 from rayinfer.comm.fp8 import Fp8Rows, dequantize, quantize_per_token
 from rayinfer.kernels import ops
+
+# Send every token to every rank when a rank is expected to need at least this share of them.
+ALL_TOKENS_MIN_SHARE = 0.9
 
 
 class AllToAll(Protocol):
@@ -66,6 +82,13 @@ class DispatchResult:
     handle: DispatchHandle
 
 
+def expected_share_per_rank(num_experts: int, top_k: int, world_size: int) -> float:
+    """Share of a rank's tokens with at least one of their top-k experts on a given other rank,
+    for uniform routing: 1 - C(E - E/n, K) / C(E, K)."""
+    others = num_experts - num_experts // world_size
+    return 1.0 - math.comb(others, top_k) / math.comb(num_experts, top_k)
+
+
 def dispatch(
     comm: AllToAll,
     x: torch.Tensor,
@@ -73,14 +96,36 @@ def dispatch(
     topk_weights: torch.Tensor,
     num_experts: int,
     use_fp8: bool = False,
+    tokens_per_rank: list[int] | None = None,
+    dedup: bool | None = None,
     **a2a_options,
 ) -> DispatchResult:
     """x: [T, H] bf16/fp32: tokens. topk_ids: [T, K] int: global expert ids.
     topk_weights: [T, K] float: router weights. use_fp8: send activations as e4m3 with one
-    scale per token (see fp8.py for the error bound); the result is dequantized to x.dtype."""
+    scale per token (see fp8.py for the error bound); the result is dequantized to x.dtype.
+    tokens_per_rank: [world] every rank's T for this call, if the caller knows it (then the
+    all-tokens exchange needs no device sync). dedup: True sends each token only to the ranks
+    holding its experts, False sends all tokens (needs tokens_per_rank), None picks (see the
+    module docstring). Every rank must pass the same tokens_per_rank and dedup."""
     n = comm.world_size
     if num_experts % n:
         raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={n}")
+    if tokens_per_rank is not None and (
+        len(tokens_per_rank) != n or tokens_per_rank[comm.rank] != x.shape[0]
+    ):
+        raise ValueError(
+            f"tokens_per_rank={tokens_per_rank} must have one count per rank ({n}) and "
+            f"{x.shape[0]} (this rank's tokens) at position {comm.rank}"
+        )
+    if dedup is None:
+        share = expected_share_per_rank(num_experts, topk_ids.shape[1], n)
+        dedup = tokens_per_rank is None or share < ALL_TOKENS_MIN_SHARE
+    if not dedup:
+        if tokens_per_rank is None:
+            raise ValueError("dedup=False sends every token to every rank: pass tokens_per_rank")
+        return _dispatch_all_tokens(
+            comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, a2a_options
+        )
     per_rank = num_experts // n
     dest = topk_ids // per_rank  # [T, K]
     goes_to = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
@@ -106,6 +151,35 @@ def dispatch(
     recv_x, recv_ids, recv_weights = _unpack(recv, x.shape[1], topk_ids.shape[1], x.dtype, use_fp8)
     handle = DispatchHandle(token_ids, matrix, comm.rank, x.shape[0], row_index)
     return DispatchResult(recv_x, recv_ids, recv_weights, handle)
+
+
+def _dispatch_all_tokens(
+    comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, a2a_options
+) -> DispatchResult:
+    """Every token to every rank, global expert ids in the rows; each rank keeps its experts'
+    slots. No device sync: every size is a token count the host already has."""
+    n, rank, num_tokens = comm.world_size, comm.rank, x.shape[0]
+    per_rank = num_experts // n
+    matrix = [[count] * n for count in tokens_per_rank]  # rank i sends its T_i rows to each j
+    rows = _pack(x, None, topk_ids.int(), topk_weights.float(), use_fp8)  # [T, row_bytes]
+    send = rows.repeat(n, 1)  # [n * T, row_bytes]: the same rows for every destination
+    recv = rows.new_empty((sum(tokens_per_rank), rows.shape[1]))
+    comm.all_to_all(
+        recv, send, list(tokens_per_rank), [num_tokens] * n, split_matrix=matrix, **a2a_options
+    )
+    recv_x, recv_ids, recv_weights = _unpack(recv, x.shape[1], topk_ids.shape[1], x.dtype, use_fp8)
+    local_ids = recv_ids - rank * per_rank  # [R, K]
+    held = (local_ids >= 0) & (local_ids < per_rank)
+    tokens = torch.arange(num_tokens, device=x.device)
+    # Combine brings back rank d's rows for these tokens at d * T + t.
+    row_index = (tokens.unsqueeze(1) + torch.arange(n, device=x.device) * num_tokens).int()
+    handle = DispatchHandle(tokens.repeat(n), matrix, rank, num_tokens, row_index)
+    return DispatchResult(
+        recv_x,
+        torch.where(held, local_ids, -1),
+        torch.where(held, recv_weights, 0.0),
+        handle,
+    )
 
 
 def combine(
@@ -166,10 +240,12 @@ class RowLayout:
 
 
 def _pack(x, token_ids, local_ids, weights, use_fp8: bool) -> torch.Tensor:
-    """x [T, H], token_ids [S], local_ids [S, K], weights [S, K] -> [S, row_bytes] uint8: row s
-    carries x[token_ids[s]] (see RowLayout). The payload is gathered straight into the layout."""
+    """x [T, H], token_ids [S] (None: every token in order, S = T), local_ids [S, K], weights
+    [S, K] -> [S, row_bytes] uint8: row s carries x[token_ids[s]] (see RowLayout). The payload is
+    gathered straight into the layout."""
     layout = RowLayout(x.shape[1], local_ids.shape[1], x.dtype, use_fp8)
-    rows = torch.empty(token_ids.shape[0], layout.row_bytes, dtype=torch.uint8, device=x.device)
+    num_rows = x.shape[0] if token_ids is None else token_ids.shape[0]
+    rows = torch.empty(num_rows, layout.row_bytes, dtype=torch.uint8, device=x.device)
     rows[:, layout.ids_at + 8 * layout.topk :].zero_()
     if use_fp8:
         rows[:, layout.hidden : layout.payload_bytes].zero_()
@@ -185,8 +261,11 @@ def _pack(x, token_ids, local_ids, weights, use_fp8: bool) -> torch.Tensor:
     return rows
 
 
-def _gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = src[index[i]], one gather written into the (strided) view `out`."""
+def _gather_rows(src: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[i] = src[index[i]] (index None: out = src), written into the (strided) view `out`."""
+    if index is None:
+        out.copy_(src)
+        return
     result = torch.index_select(src, 0, index, out=out)
     if result.data_ptr() != out.data_ptr():  # an implementation that could not write in place
         out.copy_(result)

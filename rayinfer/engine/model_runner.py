@@ -259,6 +259,15 @@ class ModelRunner:
         self._forward(input_ids, positions, ctx)
 
     def _forward(self, input_ids, positions, ctx) -> torch.Tensor:
+        parallel = self.parallel
+        if parallel.ep_size > 1 and parallel.tokens_differ_across_ep:
+            # Experts exchange tokens: learn every rank's count once, before any work is
+            # queued, so that no MoE layer has to wait for the device to size its exchange.
+            with parallel.ep_group.tokens_of_step(input_ids.shape[0], self.device):
+                return self._run_model(input_ids, positions, ctx)
+        return self._run_model(input_ids, positions, ctx)
+
+    def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:
             return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)

@@ -295,7 +295,11 @@ class MoE(nn.Module):
         """Send each token once to every EP rank holding one of its experts; sum the results."""
         group = self.parallel.ep_group
         received = group.dispatch(
-            x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
+            x,
+            routing.topk_ids,
+            routing.topk_weights,
+            num_experts=self.experts.num_experts,
+            tokens_per_rank=group.tokens_per_rank,
         )  # received.x [R, H]; topk_ids [R, K] local to this rank, -1 elsewhere
         expert_out = self.experts.run(
             received.x, received.topk_weights, received.topk_ids
@@ -311,11 +315,16 @@ class MoE(nn.Module):
         """Whether forward sends tokens to other ranks (dispatch/combine) and so can overlap."""
         return self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep
 
-    def dispatch_tokens(self, x: torch.Tensor):
-        """Route [T, H] tokens and send each to the EP ranks holding its experts."""
+    def dispatch_tokens(self, x: torch.Tensor, tokens_per_rank: list[int] | None = None):
+        """Route [T, H] tokens and send each to the EP ranks holding its experts;
+        tokens_per_rank: every EP rank's T for this call, when known (no device sync then)."""
         routing = self.route(x)
         return self.parallel.ep_group.dispatch(
-            x, routing.topk_ids, routing.topk_weights, num_experts=self.experts.num_experts
+            x,
+            routing.topk_ids,
+            routing.topk_weights,
+            num_experts=self.experts.num_experts,
+            tokens_per_rank=tokens_per_rank,
         )
 
     def experts_and_combine(self, received) -> torch.Tensor:

@@ -7,10 +7,14 @@ group (rayinfer's own backend in practice).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+ALL_TO_ALL_OPTIONS = ("schedule", "transport", "use_fp8", "dedup")
 
 
 class LayerGroup:
@@ -21,13 +25,34 @@ class LayerGroup:
         self.group = group
         self.rank = rank
         self.size = size
-        # Options for every MoE exchange: schedule, transport ("dist"/"host"/"auto"), use_fp8.
+        # Options for every MoE exchange: schedule, transport ("dist"/"host"/"auto"), use_fp8,
+        # dedup (see rayinfer.comm.moe).
         self.all_to_all = dict(all_to_all or {})
+        unknown = set(self.all_to_all) - set(ALL_TO_ALL_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"all_to_all options {sorted(unknown)} are unknown; valid: {ALL_TO_ALL_OPTIONS}"
+            )
+        # Every rank's token count in the current forward, while `tokens_of_step` holds it:
+        # MoE layers pass it to dispatch, which then needs no device sync to size the exchange.
+        self.tokens_per_rank: list[int] | None = None
+
+    @contextmanager
+    def tokens_of_step(self, num_tokens: int, device: torch.device) -> Iterator[list[int]]:
+        """Learn every rank's token count for one forward (one tiny all-gather, one host sync
+        before any of the step's work is queued) and hold it in `tokens_per_rank` meanwhile."""
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        self.tokens_per_rank = self.all_gather_concat(mine, 0).tolist()
+        try:
+            yield self.tokens_per_rank
+        finally:
+            self.tokens_per_rank = None
 
     def _options(self, options: dict, for_dispatch: bool) -> dict:
         merged = {**self.all_to_all, **options}
-        if not for_dispatch:
-            merged.pop("use_fp8", None)  # combine always sends the activations' own dtype
+        if not for_dispatch:  # combine sends the activations' own dtype back, as dispatch chose
+            merged.pop("use_fp8", None)
+            merged.pop("dedup", None)
         return merged
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

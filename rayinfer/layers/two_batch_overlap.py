@@ -7,9 +7,11 @@ MoE layer that exchanges tokens, the host queues
     lane A: attention(A)                dispatch(A) experts(A) combine(A)       shared(A) + add
     lane B:              attention(B)                          dispatch(B) ...  shared(B) + add
 
-and where dispatch must read the routed counts (a sync of its own lane only), the GPU goes on
-with the other lane's queued work: attention(B) under the exchange of A, experts(A) under the
-exchange of B, combine(A) under experts(B), combine(B) under the next layer's attention(A).
+and where dispatch must read the routed counts (deduplicated dispatch: a sync of its own lane
+only), the GPU goes on with the other lane's queued work: attention(B) under the exchange of A,
+experts(A) under the exchange of B, combine(A) under experts(B), combine(B) under the next
+layer's attention(A). With the all-tokens dispatch (every rank's micro-batch sizes known from the
+step's, see micro_batch_sizes) nothing waits for the device and the host queues ahead.
 
 The step's tokens are halved; a sequence cut by the half becomes two chunks, the second reading the
 first's KV from the cache (lane B waits for lane A's attention of the same layer). Every rank
@@ -39,6 +41,12 @@ class MicroBatch:
     ctx: ForwardContext
     hidden: torch.Tensor  # [t, H]
     residual: torch.Tensor | None = None
+
+
+def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
+    """Tokens each micro-batch of a T-token step computes (an empty half computes one
+    placeholder token): every rank derives its peers' micro-batch sizes from their step sizes."""
+    return max(num_tokens // 2, 1), num_tokens - num_tokens // 2
 
 
 def supports_two_batch_overlap(model) -> bool:
@@ -91,6 +99,8 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
         idle_forward_inputs(part_ctx, input_ids.device) if idle else (ids, pos, part_ctx)
         for (ids, pos, part_ctx), idle in zip(parts, is_idle)
     ]
+    if tuple(ids.shape[0] for ids, _, _ in parts) != micro_batch_sizes(input_ids.shape[0]):
+        raise RuntimeError(f"micro-batch split of {input_ids.shape[0]} tokens broke its rule")
     lanes = lanes_for(input_ids.device)
     batches = []
     for lane, (ids, pos, part_ctx) in zip(lanes, parts):
@@ -140,9 +150,11 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
         with lane.active():
             moe_inputs.append(_attention_half(layer, batch))
     combined = []
-    for moe_input, lane in zip(moe_inputs, lanes):  # A's exchange under B's attention, ...
+    step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
+    for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's exchange under B's ...
+        tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
         with lane.active():
-            combined.append(moe.experts_and_combine(moe.dispatch_tokens(moe_input)))
+            combined.append(moe.experts_and_combine(moe.dispatch_tokens(moe_input, tokens)))
     for batch, moe_input, routed, lane in zip(batches, moe_inputs, combined, lanes):
         with lane.active():
             batch.hidden = moe.finish(moe_input, routed)

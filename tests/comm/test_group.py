@@ -147,6 +147,66 @@ def test_dispatch_identity_combine_returns_input_times_weight_sum(
     assert all(run(members, world_size, _moe_roundtrip, num_experts, topk, transport, is_async))
 
 
+def _all_tokens_roundtrip(group, num_experts: int, topk: int, transport: str, use_fp8: bool):
+    """Every token to every rank (dedup=False, counts given): no token is dropped or doubled, and
+    combine returns what the deduplicated exchange returns, exactly."""
+    counts = [(0, 1, 5, 33)[r % 4] for r in range(group.world_size)]
+    x, ids, weights = _routing(counts[group.rank], num_experts, topk, seed=group.rank)
+    kw = dict(num_experts=num_experts, transport=transport, use_fp8=use_fp8)
+    every = group.dispatch(x, ids, weights, tokens_per_rank=counts, dedup=False, **kw)
+    assert every.x.shape[0] == sum(counts)  # all tokens of every rank arrived here
+    assert bool((every.topk_weights[every.topk_ids < 0] == 0).all())
+    per_rank = num_experts // group.world_size
+    held = int((every.topk_ids >= 0).sum())
+    arrived = group.dispatch(x, ids, weights, **kw)  # deduplicated: the same expert slots here
+    assert held == int((arrived.topk_ids >= 0).sum())
+    assert bool((every.topk_ids < per_rank).all())
+    back = group.combine(identity_experts(every.x, every.topk_weights), every.handle)
+    y = group.combine(identity_experts(arrived.x, arrived.topk_weights), arrived.handle)
+    assert torch.equal(back, y)
+    if not use_fp8:
+        torch.testing.assert_close(back, moe_identity_ref(x, weights), rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "transport,use_fp8", [("dist", False), ("host", False), ("host", True)], ids=str
+)
+def test_all_tokens_dispatch_matches_the_deduplicated_one(members, world_size, transport, use_fp8):
+    assert all(run(members, world_size, _all_tokens_roundtrip, 16, 4, transport, use_fp8))
+
+
+def _bad_token_counts(group):
+    x, ids, weights = _routing(3, 8, 2, seed=0)
+    errors = []
+    for counts, dedup in [([3] * (group.world_size + 1), None), ([4] * group.world_size, None),
+                          (None, False)]:  # fmt: skip
+        try:
+            group.dispatch(x, ids, weights, num_experts=8, tokens_per_rank=counts, dedup=dedup)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_token_counts_that_cannot_be_right_are_refused(members):
+    errors = run(members, 2, _bad_token_counts)[0]
+    assert len(errors) == 3
+    assert "tokens_per_rank" in errors[0] and "one count per rank (2)" in errors[0]
+    assert "3 (this rank's tokens) at position" in errors[1]
+    assert "pass tokens_per_rank" in errors[2]
+
+
+def test_expected_share_decides_between_the_two_exchanges():
+    from rayinfer.comm.moe import ALL_TOKENS_MIN_SHARE, expected_share_per_rank
+
+    # DeepSeek-V2-Lite on 2 ranks: almost every token needs the other rank -> all tokens
+    assert expected_share_per_rank(64, 6, 2) == pytest.approx(0.988, abs=1e-3)
+    # DeepSeek-V3 on 8 ranks: a third of the tokens would travel for nothing -> deduplicate
+    assert expected_share_per_rank(256, 8, 8) < ALL_TOKENS_MIN_SHARE
+    assert expected_share_per_rank(8, 8, 2) == 1.0  # top-k = all experts: every rank needed
+
+
 def _fp8_error(group):
     x, ids, weights = _routing(40, 16, 4, seed=10 + group.rank)
     x = (x * torch.logspace(-3, 2, 64)).to(torch.bfloat16)  # channels across five decades

@@ -100,6 +100,29 @@ def test_host_staged_exchange_gives_the_same_tokens(
     assert tokens == single_worker_tokens["deepseek_v3"]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("transport", ["dist", "host"])
+def test_all_tokens_exchange_gives_the_same_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, overlap, transport
+):
+    """Every token to every EP rank (dedup=False; the default where nearly every token needs
+    every rank): token counts learned once per step, no device sync inside the layers."""
+    tokens = run_plan(
+        checkpoints["deepseek_v3"],
+        ParallelPlan(dp=2, ep=2),
+        prompts,
+        overlap=overlap,
+        all_to_all={"dedup": False, "transport": transport},
+    )
+    assert tokens == single_worker_tokens["deepseek_v3"]
+
+
+def test_unknown_all_to_all_option_is_named(ray_cluster, checkpoints):
+    with pytest.raises(Exception, match=r"\['dedupe'\] are unknown; valid: .*'dedup'"):
+        run_plan(checkpoints["deepseek_v3"], ParallelPlan(dp=2, ep=2), [[1, 2]],
+                 all_to_all={"dedupe": False})  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "family, prefill_plan, decode_plan",
     [
@@ -139,15 +162,18 @@ def test_plan_that_does_not_fit_the_model_names_the_key(checkpoints):
         )
 
 
+@pytest.mark.parametrize("dedup", [None, False], ids=["default", "all-tokens"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_idle_data_parallel_rank_still_joins_the_exchange(
-    ray_cluster, checkpoints, prompts, single_worker_tokens, overlap
+    ray_cluster, checkpoints, prompts, single_worker_tokens, overlap, dedup
 ):
     """One request for two DP replicas: the idle replica runs a placeholder token through every
     layer so that its expert exchanges pair with the busy one's (and so does an empty micro-batch
     under two-batch overlap)."""
     plan = ParallelPlan(dp=2, ep=2)
-    tokens = run_plan(checkpoints["deepseek_v3"], plan, prompts[1:2], overlap=overlap)
+    tokens = run_plan(
+        checkpoints["deepseek_v3"], plan, prompts[1:2], overlap=overlap, all_to_all={"dedup": dedup}
+    )
     assert tokens == single_worker_tokens["deepseek_v3"][1:2]
 
 

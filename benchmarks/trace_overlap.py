@@ -1,0 +1,115 @@
+"""Where a profiled step's time goes on the GPU: compute, copies, their overlap, and idle gaps.
+
+Reads the Chrome traces that `LLM.start_profile/stop_profile` (or `python -m rayinfer.bench
+parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
+
+- span: first GPU activity to last (the profiled step);
+- kernels: time at least one kernel runs (union over streams), and how much of it has kernels on
+  two or more streams at once (the two-batch-overlap lanes running together);
+- copies: time at least one memcpy/memset runs, and how much of it no kernel hides;
+- idle: time with nothing at all on the GPU;
+- host syncs: host time blocked in stream/device/event synchronize calls;
+- busiest streams by kernel and copy time.
+
+    python benchmarks/trace_overlap.py DIR/*.json [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+COPY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total
+
+
+def covered_by_at_least(intervals: list[tuple[float, float]], depth: int) -> float:
+    """Length of time at least `depth` intervals overlap."""
+    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    total, active, last = 0.0, 0, None
+    for time, step in edges:
+        if last is not None and active >= depth:
+            total += time - last
+        active += step
+        last = time
+    return total
+
+
+def summarize(trace_path: Path) -> dict:
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    kernels, copies, syncs = [], [], 0.0
+    per_stream: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+        category = event.get("cat", "")
+        if category == "kernel":
+            kernels.append((start, end))
+        elif category in COPY_CATEGORIES:
+            copies.append((start, end))
+        elif category == "cuda_runtime" and event.get("name", "").startswith(SYNC_CALLS):
+            syncs += end - start
+            continue
+        else:
+            continue
+        stream = event.get("args", {}).get("stream", "?")
+        per_stream[f"{category} stream {stream}"] += end - start
+    gpu = kernels + copies
+    if not gpu:
+        return {"trace": trace_path.name, "error": "no GPU events"}
+    span = max(e for _, e in gpu) - min(s for s, _ in gpu)
+    kernel_time, copy_time = union_length(kernels), union_length(copies)
+    busy = union_length(gpu)
+    ms = 1e-3
+    return {
+        "trace": trace_path.name,
+        "span_ms": span * ms,
+        "kernels_ms": kernel_time * ms,
+        "kernels_on_two_streams_ms": covered_by_at_least(kernels, 2) * ms,
+        "copies_ms": copy_time * ms,
+        "copies_not_hidden_ms": (busy - kernel_time) * ms,
+        "idle_ms": (span - busy) * ms,
+        "host_sync_ms": syncs * ms,
+        "streams_ms": {k: v * ms for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])[:6]},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    rows = [summarize(Path(path)) for path in args.traces]
+    for row in rows:
+        if "error" in row:
+            print(f"{row['trace']}: {row['error']}")
+            continue
+        print(
+            f"{row['trace']}: span {row['span_ms']:.1f} ms | kernels {row['kernels_ms']:.1f} "
+            f"(two streams at once {row['kernels_on_two_streams_ms']:.1f}) | copies "
+            f"{row['copies_ms']:.1f} (not hidden {row['copies_not_hidden_ms']:.1f}) | idle "
+            f"{row['idle_ms']:.1f} | host syncs {row['host_sync_ms']:.1f}"
+        )
+        for stream, busy_ms in row["streams_ms"].items():
+            print(f"    {stream}: {busy_ms:.1f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

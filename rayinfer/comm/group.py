@@ -52,7 +52,8 @@ class RayinferGroup(BaseGroup):
         if joined_through_ray and rank == 0:
             forget_store(group_name)
         self._plans: dict[int, Choice] = {}
-        self._choices: dict[tuple, Choice] = {}  # (plan id or None, schedule, transport) -> Choice
+        self._choices: dict[tuple, Choice] = {}  # (id(plan) or _NO_PLAN, schedule, transport)
+        self._keyed_plans: list[Choice] = []  # alive while keyed by id in _choices
         self._size_free_plan: Choice | None | object = _UNKNOWN
         self._contexts: dict[str, ScheduleContext] = {}  # by transport, without split matrix
         self._metrics = AllToAllRecorder(group_name)
@@ -196,6 +197,7 @@ class RayinferGroup(BaseGroup):
         self._topology = topology
         self._plans.clear()
         self._choices.clear()
+        self._keyed_plans.clear()
         self._contexts.clear()
         self._size_free_plan = _UNKNOWN
 
@@ -300,14 +302,14 @@ class RayinferGroup(BaseGroup):
     def _choice(self, plan: Choice | None, schedule: str, transport: str) -> Choice:
         """The Choice returned for (plan, caller's names), made once: plan None is the caller's
         own pick; else the plan with the caller's explicit names applied."""
-        key = (_NO_PLAN if plan is None else id(plan), schedule, transport)  # plans live until
-        # the topology changes, which clears this cache
+        key = (_NO_PLAN if plan is None else id(plan), schedule, transport)
         choice = self._choices.get(key)
         if choice is None:
             if plan is None:
                 choice = Choice(schedule, transport, {}, "chosen by the caller")
             else:
                 choice = plan.override(schedule, transport)
+                self._keyed_plans.append(plan)  # so that its id is not reused while keyed
             self._choices[key] = choice
         return choice
 

@@ -22,6 +22,7 @@ from collections import deque
 TAG_KEYS = ("phase", "schedule", "transport")
 SECONDS_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0]
 FLUSH_INTERVAL_S = 1.0
+MAX_WAITING_SAMPLES = 1 << 16  # beyond (over 65k calls/s, or Ray shut down) the oldest drop
 
 
 def phase_of(group_name: str) -> str:
@@ -69,7 +70,8 @@ class AllToAllRecorder:
     def __init__(self, group_name: str):
         self.phase = phase_of(group_name)
         self.enabled = _metrics() is not None
-        self._samples: deque = deque()  # append/popleft are atomic: no lock on the hot path
+        # append/popleft are atomic: no lock on the hot path
+        self._samples: deque = deque(maxlen=MAX_WAITING_SAMPLES)
         self._flush_lock = threading.Lock()
         self._tags: dict[tuple[str, str], dict[str, str]] = {}
         if self.enabled:
@@ -88,7 +90,10 @@ class AllToAllRecorder:
         with self._flush_lock:  # the flusher thread and an explicit flush() may race
             sent_bytes: dict[tuple[str, str], int] = {}
             for i in range(len(self._samples)):
-                schedule, transport, num_bytes, secs = self._samples.popleft()
+                try:
+                    schedule, transport, num_bytes, secs = self._samples.popleft()
+                except IndexError:  # cleared meanwhile
+                    break
                 tags = self.tags(schedule, transport)
                 seconds.observe(secs, tags=tags)
                 key = (schedule, transport)
@@ -125,8 +130,12 @@ class _Flusher:
 
     @classmethod
     def _run(cls) -> None:
+        import ray
+
         while True:
             time.sleep(FLUSH_INTERVAL_S)
+            if not ray.is_initialized():  # shut down: nothing to record into
+                continue
             for recorder in list(cls._recorders):
                 try:
                     recorder.flush()

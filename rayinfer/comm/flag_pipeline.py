@@ -93,19 +93,25 @@ class FlagPipeline:
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
         sends = [t for t in sends if t.buf.numel()]
         recvs = [t for t in recvs if t.buf.numel()]
+        if not sends and not recvs:
+            return
         caller = self.gpu.current_stream()
         used = [("d2h", t.peer) for t in sends] + [("h2d", t.peer) for t in recvs]
-        self._order_after(caller, used)
-        for t in sends:
-            self._queue_send(t)
-        for t in recvs:
-            self._queue_recv(t)
-        for key in used:
-            self.gpu.record_into(self._end_mark(key), self._stream(key))
-            self.gpu.wait_event(caller, self._end_mark(key))
+        streams = [self._stream(key) for key in used]
+        self.gpu.record_into(self._start_mark, caller)  # the copies read what the caller made
+        for stream in streams:
+            self.gpu.wait_event(stream, self._start_mark)
+        for t, stream in zip(sends, streams):
+            self._queue_send(t, stream)
+        for t, stream in zip(recvs, streams[len(sends) :]):
+            self._queue_recv(t, stream)
+        for key, stream in zip(used, streams):
+            mark = self._end_mark(key)
+            self.gpu.record_into(mark, stream)
+            self.gpu.wait_event(caller, mark)
 
-    def _queue_send(self, t: Transfer) -> None:
-        stream, shm, me, peer = self._stream(("d2h", t.peer)), self.shm, self.shm.rank, t.peer
+    def _queue_send(self, t: Transfer, stream) -> None:
+        shm, me, peer = self.shm, self.shm.rank, t.peer
         for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
             seq = self.sent[peer]
             slot = seq % shm.num_slots
@@ -117,8 +123,8 @@ class FlagPipeline:
             self.gpu.write(stream, filled, seq + 1)
             self.sent[peer] = seq + 1
 
-    def _queue_recv(self, t: Transfer) -> None:
-        stream, shm, me, peer = self._stream(("h2d", t.peer)), self.shm, self.shm.rank, t.peer
+    def _queue_recv(self, t: Transfer, stream) -> None:
+        shm, me, peer = self.shm, self.shm.rank, t.peer
         for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
             seq = self.received[peer]
             slot = seq % shm.num_slots
@@ -137,14 +143,6 @@ class FlagPipeline:
             word = self._words[host_address] = ctypes.c_uint32.from_address(host_address)
         if word.value != value & 0xFFFFFFFF:
             self.gpu.wait_equal(stream, self._device_address(host_address), value)
-
-    def _order_after(self, caller: torch.cuda.Stream, keys: list[tuple[str, int]]) -> None:
-        """The copies read data that the caller's stream produced."""
-        if not keys:
-            return
-        self.gpu.record_into(self._start_mark, caller)
-        for key in keys:
-            self.gpu.wait_event(self._stream(key), self._start_mark)
 
     def _stream(self, key: tuple[str, int]) -> torch.cuda.Stream:
         if key not in self._streams:

@@ -15,6 +15,9 @@ Modes, each in a fresh process (Ray's metrics are set up once per process):
              what one Counter.inc + Histogram.observe costs.
   host2      two processes, the real host-staged transport through shared memory: the group's
              nccl/host call against the bare transport exchange of the same blocks.
+  flag-sim   the GPU-driven host protocol (flag_pipeline.py) queueing one exchange (one block
+             each way, 2 ranks) on the stream simulator of tests/comm/test_flag_pipeline.py:
+             the pipeline's own Python, without the driver calls a GPU adds.
 Tensors are on CUDA where available (run it on the GPU machine as is), else on CPU.
 Each number: the median over batches of the mean per call within a batch (perf_counter_ns).
 """
@@ -38,7 +41,7 @@ import torch.distributed as dist
 _PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 sys.path.insert(1 + len(_PYTHONPATH), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("stub", "stub+ray", "host2")
+MODES = ("stub", "stub+ray", "host2", "flag-sim")
 
 
 def parse_args(argv):
@@ -262,6 +265,36 @@ def _host2_worker(rank: int, args, store_path: str, path: str) -> None:
     group.destroy_group()
 
 
+def run_flag_sim(args) -> list[dict]:
+    import random
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.append(os.path.join(root, "tests", "comm"))
+    from test_flag_pipeline import make_pipelines, run_all
+
+    from rayinfer.comm.transport import Transfer
+
+    pipes, gpus = make_pipelines(2, slot_bytes=8 << 20, num_slots=8)
+    block = args.tokens // 2 * args.hidden * 2
+    bufs = [(torch.ones(block, dtype=torch.uint8), torch.empty(block, dtype=torch.uint8))] * 2
+    rng = random.Random(0)
+
+    def one() -> float:
+        queued = 0
+        for me, pipe in enumerate(pipes):
+            send, recv = bufs[me]
+            t0 = time.perf_counter_ns()
+            pipe.exchange([Transfer(1 - me, send)], [Transfer(1 - me, recv)])
+            queued += time.perf_counter_ns() - t0
+        run_all(gpus, rng)  # the simulated streams run the queued copies and flags
+        return queued / 2
+
+    for _ in range(50):
+        one()
+    times = [one() for _ in range(args.batches * 10)]
+    return [dict(mode="flag-sim", case="queue one exchange", us=statistics.median(times) / 1e3)]
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = ["| mode | case | us per call |", "|---|---|---|"]
     lines += [f"| {r['mode']} | {r['case']} | {r['us']:.1f} |" for r in rows]
@@ -283,6 +316,8 @@ def main(argv=None) -> int:
             rows += json.loads(proc.stdout.strip().splitlines()[-1])
     elif args.mode == "host2":
         rows = run_host2(args)
+    elif args.mode == "flag-sim":
+        rows = run_flag_sim(args)
     else:
         rows = run_stub(args, with_ray=args.mode == "stub+ray")
     if args.json == "-":

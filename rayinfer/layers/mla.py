@@ -88,7 +88,8 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext):
         """positions [T], hidden [T, H] -> [T, H]; writes the tokens' latents into the cache."""
-        q_nope, q_pe = self._query(hidden).split([self.nope_dim, self.rope_dim], dim=-1)
+        query = self._query(hidden)  # [T, N, Dqk]
+        q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, L]
@@ -96,6 +97,7 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb.forward_and_cache(
             positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping
         )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
+        query[..., self.nope_dim :] = q_pe  # the whole rotated query, no concatenation
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
         if decode_seqs:
@@ -103,7 +105,7 @@ class MLAAttention(nn.Module):
         starts = list(accumulate(ctx.attn.query_lens_cpu, initial=0))  # [B + 1]
         for seq in prefill_seqs:
             rows = slice(starts[seq], starts[seq + 1])
-            self._attend_expanded(q_nope[rows], q_pe[rows], kv_cache, ctx.attn, seq, out[rows])
+            self._attend_expanded(query[rows], kv_cache, ctx.attn, seq, out[rows])
         return self.o_proj(out.flatten(1))  # [T, H]
 
     def _split_batch(self, attn: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -119,16 +121,18 @@ class MLAAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_local_heads, -1, self.kv_lora_rank)
         return per_head.split([self.nope_dim, self.v_head_dim], dim=1)
 
-    def _attend_expanded(self, q_nope, q_pe, kv_cache, attn, seq: int, out: torch.Tensor):
-        """One sequence's q new tokens: q_nope [q, N, Dnope], q_pe [q, N, R] -> out [q, N, Dv]."""
+    def _attend_expanded(self, query, kv_cache, attn, seq: int, out: torch.Tensor):
+        """One sequence's q new tokens: query [q, N, Dqk] (rotated) -> out [q, N, Dv]."""
         context = ops.mla_gather_context(kv_cache, attn.block_tables[seq], attn.seq_lens_cpu[seq])
-        context = context.to(q_nope.dtype)  # [s, L + R]
+        context = context.to(query.dtype)  # [s, L + R]
         kv_c, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(kv_c).view(-1, self.num_local_heads, self.nope_dim + self.v_head_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
-        k_pe = k_pe[:, None, :].expand(-1, self.num_local_heads, -1)  # [s, N, R]
-        key = torch.cat((k_nope, k_pe), dim=-1)  # [s, N, Dqk]
-        query = torch.cat((q_nope, q_pe), dim=-1)  # [q, N, Dqk]
+        # Two copies into one buffer: torch.cat with the head-broadcast k_pe took 178 us per
+        # 16k-token layer on an H200 (a batched strided copy).
+        key = kv.new_empty(kv.shape[0], self.num_local_heads, self.qk_head_dim)  # [s, N, Dqk]
+        key[..., : self.nope_dim] = k_nope
+        key[..., self.nope_dim :] = k_pe[:, None, :]
         out[:] = ops.mla_causal_attention(query, key, value, self.scale)
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):

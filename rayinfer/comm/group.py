@@ -55,7 +55,8 @@ class RayinferGroup(BaseGroup):
         self._choices: dict[tuple, Choice] = {}  # (id(plan) or _NO_PLAN, schedule, transport)
         self._keyed_plans: list[Choice] = []  # alive while keyed by id in _choices
         self._size_free_plan: Choice | None | object = _UNKNOWN
-        self._contexts: dict[str, ScheduleContext] = {}  # by transport, without split matrix
+        # by (transport, channel), without split matrix
+        self._contexts: dict[tuple[str, int], ScheduleContext] = {}
         self._metrics = AllToAllRecorder(group_name)
         self._key_counts: dict[str, int] = {}
         self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
@@ -133,6 +134,7 @@ class RayinferGroup(BaseGroup):
         schedule: str = "auto",
         transport: str = "auto",
         split_matrix: list[list[int]] | None = None,
+        channel: int = 0,
     ) -> Choice:
         """out: [sum(out_splits), ...] any dtype: filled with rows from each rank, in rank order.
         inp: [sum(in_splits), ...] same dtype: in_splits[d] rows for rank d, in rank order.
@@ -140,7 +142,11 @@ class RayinferGroup(BaseGroup):
         transport: "auto", "dist" or "host". split_matrix: [world][world] rows i -> j, if the
         caller already has it; "auto" and "hierarchical" otherwise all-gather it (every rank
         must decide alike), unless the topology makes `auto`'s pick the same at every size.
-        Returns the (schedule, transport) used and why."""
+        channel: the host transport keeps one independent pipeline (copy streams, staging slots,
+        flags) per channel, so exchanges queued on different channels do not wait for each
+        other in first-in-first-out streams (two-batch overlap gives each micro-batch its own);
+        NCCL runs every channel on its one stream. Returns the (schedule, transport) used and
+        why."""
         if self._last is not None:
             self._drain()  # calls run in issue order (a no-op on the background thread itself)
         # Every call pays this Python (~1 us per simple call on the GPU VM), so the common case
@@ -181,7 +187,7 @@ class RayinferGroup(BaseGroup):
             num_bytes = (inp.nbytes // rows) * (rows - in_splits[self.rank]) if rows else 0
             self._metrics.record("nccl", "dist", num_bytes, seconds)
             return choice
-        return self._run_schedule(choice, out, inp, out_splits, in_splits, split_matrix)
+        return self._run_schedule(choice, out, inp, out_splits, in_splits, split_matrix, channel)
 
     def all_to_all_async(self, out, inp, out_splits, in_splits, **kw) -> Pending[Choice]:
         """As all_to_all, in the background; `out` is valid after `wait()`."""
@@ -267,26 +273,32 @@ class RayinferGroup(BaseGroup):
         self._key_counts[prefix] = self._key_counts.get(prefix, 0) + 1
         return f"{prefix}-{self._key_counts[prefix]}"
 
-    def transport(self, name: str) -> Transport:
-        if name not in self._transports:
+    def transport(self, name: str, channel: int = 0) -> Transport:
+        """The transport `name` of `channel` (host: one pipeline per channel, made on first use;
+        every rank makes its channels in the same order of calls, so their keys match)."""
+        if name == "dist":
+            return self._transports["dist"]
+        key = name if channel == 0 else f"{name}#{channel}"
+        if key not in self._transports:
             if name != "host":
                 raise ValueError(f"unknown transport {name!r}; use 'dist', 'host' or 'auto'")
+            if channel < 0:
+                raise ValueError(f"channel={channel} must be 0 or more")
             store = dist.PrefixStore(self.next_key("host"), self.store)
-            self._transports[name] = HostStagedTransport(
+            self._transports[key] = HostStagedTransport(
                 store, self.rank, self.world_size, self.device
             )
-        return self._transports[name]
+        return self._transports[key]
 
-    def _run_schedule(self, choice, out, inp, out_splits, in_splits, matrix):
+    def _run_schedule(self, choice, out, inp, out_splits, in_splits, matrix, channel=0):
         rows = inp.shape[0]
         num_bytes = (inp.nbytes // rows) * (rows - in_splits[self.rank]) if rows else 0
         chosen = get_schedule(choice.schedule)
-        ctx = self._contexts.get(choice.transport)
+        ctx = self._contexts.get((choice.transport, channel))
         if ctx is None:
-            ctx = ScheduleContext(
-                self.rank, self.world_size, self.transport(choice.transport), self.topology.islands
-            )
-            self._contexts[choice.transport] = ctx
+            transport = self.transport(choice.transport, channel)
+            ctx = ScheduleContext(self.rank, self.world_size, transport, self.topology.islands)
+            self._contexts[(choice.transport, channel)] = ctx
         if chosen.needs_split_matrix:
             if matrix is None:
                 matrix = self.gather_split_matrix(in_splits)

@@ -53,6 +53,7 @@ from rayinfer.layers.sampler import apply_penalties, sample_tokens
 from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
     supports_two_batch_overlap,
+    worth_overlapping,
 )
 from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
@@ -269,7 +270,10 @@ class ModelRunner:
 
     def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:
-            return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+            ep_group = self.parallel.ep_group
+            tokens = getattr(ep_group, "tokens_per_rank", None) or [input_ids.shape[0]]
+            if worth_overlapping(tokens, self.device):
+                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
 
     def _generator(self, request_id: str, params) -> torch.Generator | None:

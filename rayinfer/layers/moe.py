@@ -315,9 +315,12 @@ class MoE(nn.Module):
         """Whether forward sends tokens to other ranks (dispatch/combine) and so can overlap."""
         return self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep
 
-    def dispatch_tokens(self, x: torch.Tensor, tokens_per_rank: list[int] | None = None):
+    def dispatch_tokens(
+        self, x: torch.Tensor, tokens_per_rank: list[int] | None = None, channel: int = 0
+    ):
         """Route [T, H] tokens and send each to the EP ranks holding its experts;
-        tokens_per_rank: every EP rank's T for this call, when known (no device sync then)."""
+        tokens_per_rank: every EP rank's T for this call, when known (no device sync then);
+        channel: the exchange pipeline to queue on (see RayinferGroup.all_to_all)."""
         routing = self.route(x)
         return self.parallel.ep_group.dispatch(
             x,
@@ -325,14 +328,15 @@ class MoE(nn.Module):
             routing.topk_weights,
             num_experts=self.experts.num_experts,
             tokens_per_rank=tokens_per_rank,
+            channel=channel,
         )
 
-    def experts_and_combine(self, received) -> torch.Tensor:
+    def experts_and_combine(self, received, channel: int = 0) -> torch.Tensor:
         """Run this rank's experts on what arrived and send the results back: [T, H]."""
         expert_out = self.experts.run(
             received.x, received.topk_weights, received.topk_ids
         )  # [R, H]
-        return self.parallel.ep_group.combine(expert_out, received.handle)
+        return self.parallel.ep_group.combine(expert_out, received.handle, channel=channel)
 
     def finish(self, x: torch.Tensor, combined: torch.Tensor) -> torch.Tensor:
         """[T, H] input and the combined routed-expert output -> the block's output [T, H]."""

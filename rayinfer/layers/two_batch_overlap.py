@@ -7,8 +7,9 @@ MoE layer that exchanges tokens, the host queues
     lane A: attention(A)  dispatch(A)                experts(A) combine(A)   shared(A) + add
     lane B:               attention(B)  dispatch(B)             experts(B) combine(B) shared(B)
 
-Both lanes' dispatches are queued before either combine because the exchanges of both lanes
-share the transport's streams, first in, first out. Where dispatch must read the routed counts
+Each lane exchanges on its own channel of the transport (host-staged: its own copy streams,
+slots and flags), and both lanes' dispatches are queued before either combine (NCCL runs all
+channels on one stream, first in, first out). Where dispatch must read the routed counts
 (deduplicated dispatch: a sync of its own lane only), the GPU goes on with the other lane's
 queued work: attention(B) under the exchange of A, experts(A) under the exchange of B,
 combine(A) under experts(B), combine(B) under the next layer's attention(A). With the
@@ -49,6 +50,19 @@ def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
     """Tokens each micro-batch of a T-token step computes (an empty half computes one
     placeholder token): every rank derives its peers' micro-batch sizes from their step sizes."""
     return max(num_tokens // 2, 1), num_tokens - num_tokens // 2
+
+
+# On CUDA two lanes cost the host about twice the launches of one: with fewer tokens per rank
+# than this the GPU ran out of queued work (2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2
+# host-staged: 4k tokens per rank went from 0.68x to 0.31x transformers' rate with overlap,
+# 16k from 0.98x to 1.05x). Every rank decides from the same counts.
+MIN_TOKENS_TO_OVERLAP_ON_CUDA = 8192
+
+
+def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
+    """Whether a step with these token counts (every rank's that shares its collectives) runs
+    as two micro-batches; on CPU always (the lanes there exist to check the logic)."""
+    return device.type != "cuda" or max(tokens_per_rank) >= MIN_TOKENS_TO_OVERLAP_ON_CUDA
 
 
 def supports_two_batch_overlap(model) -> bool:
@@ -151,20 +165,19 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
             lane.wait_for(lanes[0])
         with lane.active():
             moe_inputs.append(_attention_half(layer, batch))
-    # Both dispatches before either combine: the exchanges of both lanes share the transport's
-    # streams (first in, first out), so a combine queued between them would hold B's dispatch
-    # until A's experts are done (measured on 2 H200s host-staged: B's tokens then waited and
-    # 72 of 95 ms of copies per 16k-token forward ran with no kernel beside them).
+    # Each lane exchanges on its own channel (the host transport's copy streams run first in,
+    # first out: on one pipeline B's dispatch waited behind A's combine, which waits for A's
+    # experts), and both dispatches are queued before either combine (NCCL has one stream).
     step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
     received = []
     for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's under B's attention
         tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
         with lane.active():
-            received.append(moe.dispatch_tokens(moe_input, tokens))
+            received.append(moe.dispatch_tokens(moe_input, tokens, channel=i))
     combined = []
-    for arrived, lane in zip(received, lanes):  # A's combine under B's experts
+    for i, (arrived, lane) in enumerate(zip(received, lanes)):  # A's combine under B's experts
         with lane.active():
-            combined.append(moe.experts_and_combine(arrived))
+            combined.append(moe.experts_and_combine(arrived, channel=i))
     for batch, moe_input, routed, lane in zip(batches, moe_inputs, combined, lanes):
         with lane.active():
             batch.hidden = moe.finish(moe_input, routed)

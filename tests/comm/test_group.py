@@ -177,6 +177,29 @@ def test_all_tokens_dispatch_matches_the_deduplicated_one(members, world_size, t
     assert all(run(members, world_size, _all_tokens_roundtrip, 16, 4, transport, use_fp8))
 
 
+def _two_channels(group):
+    """Host-staged exchanges on channels 0 and 1 (independent pipelines), interleaved."""
+    n = group.world_size
+    matrix = random_split_matrix(n, 40, torch.Generator().manual_seed(7))
+    in_splits, out_splits = matrix[group.rank], [row[group.rank] for row in matrix]
+    results = []
+    for channel in (0, 1, 1, 0):
+        inp = torch.arange(sum(in_splits) * 3, dtype=torch.float32).view(-1, 3) + channel
+        out = torch.empty(sum(out_splits), 3)
+        group.all_to_all(out, inp, out_splits, in_splits, "pairwise", "host", matrix, channel)
+        results.append(out)
+    inp = torch.arange(sum(in_splits) * 3, dtype=torch.float32).view(-1, 3)
+    reference = torch.empty(sum(out_splits), 3)
+    group.all_to_all(reference, inp, out_splits, in_splits, "nccl", "dist", matrix)
+    exact = [torch.equal(out, reference + channel) for out, channel in zip(results, (0, 1, 1, 0))]
+    distinct = group.transport("host", 1) is not group.transport("host", 0)
+    return distinct and all(exact)
+
+
+def test_host_channels_are_independent_pipelines_with_the_same_result(members):
+    assert all(run(members, 2, _two_channels))
+
+
 def _bad_token_counts(group):
     x, ids, weights = _routing(3, 8, 2, seed=0)
     errors = []

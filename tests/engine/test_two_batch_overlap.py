@@ -31,3 +31,21 @@ def test_a_sequence_cut_by_the_split_becomes_two_chunks():
     assert second.attn.block_tables.tolist() == [[0, 1], [2, -1]]
     assert second.attn.query_start_loc.tolist() == [0, 2, 3]
     assert first.attn.slot_mapping.tolist() == metadata.slot_mapping.tolist()[:1]
+
+
+def test_micro_batch_sizes_and_when_to_overlap():
+    import torch
+
+    from rayinfer.layers.two_batch_overlap import (
+        MIN_TOKENS_TO_OVERLAP_ON_CUDA,
+        micro_batch_sizes,
+        worth_overlapping,
+    )
+
+    # an empty half computes one placeholder token; peers derive these from the step's counts
+    assert [micro_batch_sizes(t) for t in (1, 2, 7)] == [(1, 1), (1, 1), (3, 4)]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    small, large = MIN_TOKENS_TO_OVERLAP_ON_CUDA - 1, MIN_TOKENS_TO_OVERLAP_ON_CUDA
+    assert not worth_overlapping([small, 5], cuda)
+    assert worth_overlapping([5, large], cuda)  # one rank's long step decides for all
+    assert worth_overlapping([1], cpu)  # CPU lanes check the logic at any size

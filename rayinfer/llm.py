@@ -33,8 +33,10 @@ class LLM:
     device: "auto" (CUDA when visible, else CPU), "cpu" or "cuda". dtype: None picks float32 on
     the CPU and bfloat16 on GPUs. parallel: how several workers (one Ray actor per GPU) split the
     model; two_batch_overlap: overlap the MoE all-to-all of one micro-batch with the other's
-    compute (for plans whose experts exchange tokens). load_format "dummy" draws random weights
-    instead of reading safetensors (a folder with config.json is enough; for benchmarks).
+    compute (for plans whose experts exchange tokens; None, the default, turns it on there on
+    GPUs, for steps of at least 8192 tokens on some rank: measured faster from there).
+    load_format "dummy" draws random weights instead of reading safetensors (a folder with
+    config.json is enough; for benchmarks).
     all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy
     through pinned host memory, for GPUs without peer-to-peer), {"use_fp8": True}, or
     {"dedup": True/False} (each token only to the ranks of its experts, or every token to every
@@ -68,7 +70,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         parallel: ParallelPlan | None = None,
-        two_batch_overlap: bool = False,
+        two_batch_overlap: bool | None = None,
         load_format: str = "safetensors",
         all_to_all: dict | None = None,
         cuda_graphs: bool | None = None,

@@ -56,8 +56,10 @@ class PhaseConfig(_Strict):
     tp: int = Field(1, ge=1, description="tensor-parallel workers per replica")
     dp: int = Field(1, ge=1, description="data-parallel attention workers per replica")
     ep: int = Field(1, ge=1, description="expert-parallel degree (divides tp*dp)")
-    two_batch_overlap: bool = Field(
-        False, description="overlap one micro-batch's MoE all-to-all with the other's compute"
+    two_batch_overlap: bool | None = Field(
+        None,
+        description="overlap one micro-batch's MoE all-to-all with the other's compute "
+        "(default: on for GPU plans whose experts exchange tokens, steps of >= 8192 tokens)",
     )
     gpus_per_worker: float | None = Field(
         None,

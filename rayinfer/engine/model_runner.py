@@ -72,7 +72,7 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         parallel: ParallelContext = SINGLE,
-        two_batch_overlap: bool = False,
+        two_batch_overlap: bool | None = None,
         load_format: str = "safetensors",
         cuda_graphs: CudaGraphConfig | None = None,
         kv_memory: KVMemoryConfig | None = None,
@@ -94,6 +94,9 @@ class ModelRunner:
             )
         else:
             self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
+        if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
+            exchanges = parallel.ep_size > 1 and parallel.tokens_differ_across_ep
+            two_batch_overlap = self.device.type == "cuda" and exchanges
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.generators: dict[str, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs

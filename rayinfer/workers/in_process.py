@@ -19,7 +19,7 @@ class InProcessExecutor(Executor):
         cache_config: CacheConfig,
         device: str | torch.device,
         dtype: torch.dtype,
-        two_batch_overlap: bool = False,
+        two_batch_overlap: bool | None = None,
         load_format: str = "safetensors",
         cuda_graphs: CudaGraphConfig | None = None,
         kv_memory: KVMemoryConfig | None = None,

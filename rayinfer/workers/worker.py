@@ -55,7 +55,7 @@ class WorkerSpec:
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
     import_timeout_s: float = 60.0
     plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
-    two_batch_overlap: bool = False  # overlap one micro-batch's all-to-all with the other's math
+    two_batch_overlap: bool | None = None  # one micro-batch's all-to-all under the other's math
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
     all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"

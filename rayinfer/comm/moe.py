@@ -18,6 +18,7 @@ Two ways to pick the rows, chosen per call:
   expected share is at least ALL_TOKENS_MIN_SHARE.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -159,27 +160,38 @@ def _dispatch_all_tokens(
     """Every token to every rank, global expert ids in the rows; each rank keeps its experts'
     slots. No device sync: every size is a token count the host already has."""
     n, rank, num_tokens = comm.world_size, comm.rank, x.shape[0]
-    per_rank = num_experts // n
+    per_rank, topk = num_experts // n, topk_ids.shape[1]
+    layout = RowLayout(x.shape[1], topk, x.dtype, use_fp8)
     matrix = [[count] * n for count in tokens_per_rank]  # rank i sends its T_i rows to each j
-    rows = _pack(x, None, topk_ids.int(), topk_weights.float(), use_fp8)  # [T, row_bytes]
-    send = rows.repeat(n, 1)  # [n * T, row_bytes]: the same rows for every destination
-    recv = rows.new_empty((sum(tokens_per_rank), rows.shape[1]))
+    if use_fp8:
+        rows = _pack(x, None, topk_ids.int(), topk_weights.float(), use_fp8)  # [T, row_bytes]
+        send = rows.repeat(n, 1)  # [n * T, row_bytes]: the same rows for every destination
+    else:  # one launch for all n copies
+        send = ops.pack_for_every_rank(
+            x, topk_ids, topk_weights, n, layout.ids_at, layout.row_bytes
+        )
+    recv = send.new_empty((sum(tokens_per_rank), layout.row_bytes))
     comm.all_to_all(
         recv, send, list(tokens_per_rank), [num_tokens] * n, split_matrix=matrix, **a2a_options
     )
-    recv_x, recv_ids, recv_weights = _unpack(recv, x.shape[1], topk_ids.shape[1], x.dtype, use_fp8)
-    local_ids = recv_ids - rank * per_rank  # [R, K]
-    held = (local_ids >= 0) & (local_ids < per_rank)
-    tokens = torch.arange(num_tokens, device=x.device)
-    # Combine brings back rank d's rows for these tokens at d * T + t.
-    row_index = (tokens.unsqueeze(1) + torch.arange(n, device=x.device) * num_tokens).int()
-    handle = DispatchHandle(tokens.repeat(n), matrix, rank, num_tokens, row_index)
-    return DispatchResult(
-        recv_x,
-        torch.where(held, local_ids, -1),
-        torch.where(held, recv_weights, 0.0),
-        handle,
-    )
+    payload, scale, _, _ = layout.columns(recv)
+    recv_x = dequantize(Fp8Rows(payload, scale.squeeze(1)), x.dtype) if use_fp8 else payload
+    local_ids, weights = ops.localize_expert_ids(
+        recv, layout.ids_at, topk, rank * per_rank, per_rank
+    )  # [R, K] each: -1 / 0 where another rank holds the expert
+    send_token_ids, row_index = _all_tokens_index(num_tokens, n, x.device)
+    handle = DispatchHandle(send_token_ids, matrix, rank, num_tokens, row_index)
+    return DispatchResult(recv_x, local_ids, weights, handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_tokens_index(num_tokens: int, world: int, device: torch.device):
+    """(send_token_ids [world * T]: 0..T-1 once per rank; row_index [T, world] int32: combine
+    brings back rank d's row for token t at d * T + t). Read-only, cached: they depend on the
+    sizes alone, and building them took six launches per exchange."""
+    tokens = torch.arange(num_tokens, device=device)
+    row_index = (tokens.unsqueeze(1) + torch.arange(world, device=device) * num_tokens).int()
+    return tokens.repeat(world), row_index
 
 
 def combine(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels import moe_pack
 from rayinfer.kernels import rotary as _rotary
 from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
@@ -70,6 +71,24 @@ def moe_combine(back, row_index, out_dtype=None):
     if _on_cuda(back):
         return moe_combine_triton(back, row_index, out_dtype)
     return moe_combine_reference(back, row_index, out_dtype)
+
+
+def pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes):
+    """x [T, H], topk_ids [T, K] (global), topk_weights [T, K] -> [world * T, row_bytes] uint8:
+    every token's row once per rank (layout in kernels/moe_pack.py)."""
+    if _on_cuda(x):
+        return moe_pack.pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes)
+    return moe_pack.pack_for_every_rank_reference(
+        x, topk_ids, topk_weights, world, ids_at, row_bytes
+    )
+
+
+def localize_expert_ids(rows, ids_at, topk, first_expert, num_local):
+    """Arrived rows [R, row_bytes] uint8 -> (local expert ids [R, K] int64, -1 off this rank;
+    weights [R, K] float32, 0 off this rank)."""
+    if _on_cuda(rows):
+        return moe_pack.localize_expert_ids(rows, ids_at, topk, first_expert, num_local)
+    return moe_pack.localize_expert_ids_reference(rows, ids_at, topk, first_expert, num_local)
 
 
 def moe_routing(

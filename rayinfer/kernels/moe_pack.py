@@ -1,0 +1,147 @@
+"""The all-tokens MoE exchange's two row passes, one launch each (rayinfer.comm.moe):
+
+- `pack_for_every_rank`: every token's row (activations, its top-k global expert ids as int32, its
+  router weights as float32, zero padding) written once per rank, `world` copies back to back, in
+  the byte layout of comm.moe.RowLayout: [world * T, row_bytes] uint8.
+- `localize_expert_ids`: on receipt, each slot's global expert id -> this rank's local id, or -1
+  (and weight 0) where another rank holds the expert.
+
+Row layout, in bytes: payload [0, H * itemsize), ids int32 [ids_at, ids_at + 4K), weights float32
+[ids_at + 4K, ids_at + 8K), zeros up to row_bytes (a multiple of 64). Done with torch ops these
+took ~15 launches per exchange, which the host pays twice per MoE layer and micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayinfer.kernels.triton_compat import tl, triton
+
+
+def _check_layout(hidden: int, itemsize: int, ids_at: int, topk: int, row_bytes: int) -> None:
+    if ids_at % 4 or row_bytes % 64 or ids_at < hidden * itemsize or row_bytes < ids_at + 8 * topk:
+        raise ValueError(
+            f"row layout ids_at={ids_at}, row_bytes={row_bytes} cannot hold {hidden} x "
+            f"{itemsize}-byte values and {topk} ids and weights"
+        )
+
+
+def pack_for_every_rank_reference(x, topk_ids, topk_weights, world, ids_at, row_bytes):
+    """x [T, H], topk_ids [T, K] int, topk_weights [T, K] -> [world * T, row_bytes] uint8."""
+    num_tokens, topk = topk_ids.shape
+    _check_layout(x.shape[1], x.element_size(), ids_at, topk, row_bytes)
+    rows = torch.zeros(num_tokens, row_bytes, dtype=torch.uint8, device=x.device)
+    payload = x.shape[1] * x.element_size()
+    rows[:, :payload] = x.contiguous().view(torch.uint8).view(num_tokens, payload)
+    ids = topk_ids.to(torch.int32).contiguous().view(torch.uint8).view(num_tokens, 4 * topk)
+    weights = topk_weights.float().contiguous().view(torch.uint8).view(num_tokens, 4 * topk)
+    rows[:, ids_at : ids_at + 4 * topk] = ids
+    rows[:, ids_at + 4 * topk : ids_at + 8 * topk] = weights
+    return rows.repeat(world, 1)
+
+
+@triton.jit
+def _pack_kernel(
+    x_ptr, ids_ptr, weights_ptr, payload_ptr, words_ptr, num_tokens, hidden, stride_x,
+    payload_stride, words_stride, ids_word, pad_words,
+    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (token block, hidden block, rank): that block of the payload; the hidden block 0
+    programs also write the ids, weights and padding words of their rows."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = (tl.program_id(2) * num_tokens + tokens).to(tl.int64)  # rank r's copy
+    token_mask = tokens < num_tokens
+    mask = token_mask[:, None] & (cols < hidden)[None, :]
+    values = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask)
+    tl.store(payload_ptr + rows[:, None] * payload_stride + cols[None, :], values, mask=mask)
+    if tl.program_id(1) == 0:
+        slots = tl.arange(0, BLOCK_K)
+        slot_mask = token_mask[:, None] & (slots < TOPK)[None, :]
+        offs = tokens.to(tl.int64)[:, None] * TOPK + slots[None, :]
+        ids = tl.load(ids_ptr + offs, mask=slot_mask, other=0).to(tl.int32)
+        weights = tl.load(weights_ptr + offs, mask=slot_mask, other=0.0).to(tl.float32)
+        words = words_ptr + rows[:, None] * words_stride + ids_word + slots[None, :]
+        tl.store(words, ids, mask=slot_mask)
+        tl.store(words + TOPK, weights.to(tl.int32, bitcast=True), mask=slot_mask)
+        pad = tl.arange(0, BLOCK_PAD)
+        pad_mask = token_mask[:, None] & (pad < pad_words)[None, :]
+        pad_at = words_ptr + rows[:, None] * words_stride + ids_word + 2 * TOPK + pad[None, :]
+        tl.store(pad_at, tl.zeros((BLOCK_T, BLOCK_PAD), dtype=tl.int32), mask=pad_mask)
+
+
+def pack_for_every_rank(
+    x: torch.Tensor,  # [T, H] bf16/fp16/fp32
+    topk_ids: torch.Tensor,  # [T, K] int: global expert ids
+    topk_weights: torch.Tensor,  # [T, K] float
+    world: int,
+    ids_at: int,  # byte offset of the ids in a row
+    row_bytes: int,
+) -> torch.Tensor:  # [world * T, row_bytes] uint8
+    num_tokens, topk = topk_ids.shape
+    hidden, itemsize = x.shape[1], x.element_size()
+    _check_layout(hidden, itemsize, ids_at, topk, row_bytes)
+    rows = torch.empty(world * num_tokens, row_bytes, dtype=torch.uint8, device=x.device)
+    if num_tokens == 0:
+        return rows
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    payload, words = rows.view(x.dtype), rows.view(torch.int32)  # same bytes, typed views
+    pad_words = (row_bytes - ids_at) // 4 - 2 * topk
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, 4), triton.cdiv(hidden, block_h), world)
+    _pack_kernel[grid](
+        x, topk_ids.contiguous(), topk_weights.contiguous(), payload, words, num_tokens, hidden,
+        x.stride(0), payload.stride(0), words.stride(0), ids_at // 4, pad_words,
+        TOPK=topk, BLOCK_T=4, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(topk),
+        BLOCK_PAD=triton.next_power_of_2(max(pad_words, 1)), num_warps=4,
+    )  # fmt: skip
+    return rows
+
+
+def localize_expert_ids_reference(rows, ids_at, topk, first_expert, num_local):
+    """rows [R, row_bytes] uint8 -> (local ids [R, K] int64, -1 where not held here;
+    weights [R, K] float32, 0 where not held)."""
+    words = rows[:, ids_at : ids_at + 8 * topk].contiguous().view(torch.int32)  # [R, 2K]
+    local = words[:, :topk].long() - first_expert
+    weights = words[:, topk:].view(torch.float32)
+    held = (local >= 0) & (local < num_local)
+    return torch.where(held, local, -1), torch.where(held, weights, 0.0)
+
+
+@triton.jit
+def _localize_kernel(
+    words_ptr, ids_out_ptr, weights_out_ptr, num_rows, words_stride, ids_word, first_expert,
+    num_local, TOPK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slots = tl.arange(0, BLOCK_K)
+    mask = (rows < num_rows)[:, None] & (slots < TOPK)[None, :]
+    at = words_ptr + rows.to(tl.int64)[:, None] * words_stride + ids_word + slots[None, :]
+    local = tl.load(at, mask=mask, other=0) - first_expert
+    weights = tl.load(at + TOPK, mask=mask, other=0).to(tl.float32, bitcast=True)
+    held = (local >= 0) & (local < num_local)
+    out = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
+    tl.store(ids_out_ptr + out, tl.where(held, local, -1).to(tl.int64), mask=mask)
+    tl.store(weights_out_ptr + out, tl.where(held, weights, 0.0), mask=mask)
+
+
+def localize_expert_ids(
+    rows: torch.Tensor,  # [R, row_bytes] uint8 as they arrived
+    ids_at: int,
+    topk: int,
+    first_expert: int,  # this rank's first global expert id
+    num_local: int,  # experts held here
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R, K] int64, [R, K] float32
+    num_rows = rows.shape[0]
+    local = torch.empty(num_rows, topk, dtype=torch.int64, device=rows.device)
+    weights = torch.empty(num_rows, topk, dtype=torch.float32, device=rows.device)
+    if num_rows == 0:
+        return local, weights
+    words = rows.view(torch.int32)
+    _localize_kernel[(triton.cdiv(num_rows, 64),)](
+        words, local, weights, num_rows, words.stride(0), ids_at // 4, first_expert, num_local,
+        TOPK=topk, BLOCK_R=64, BLOCK_K=triton.next_power_of_2(topk), num_warps=4,
+    )  # fmt: skip
+    return local, weights

@@ -113,6 +113,29 @@ def check_overlap(paths: dict[str, Path], device: str, variants, families) -> li
     return rows
 
 
+def check_moe_pack(device: str) -> dict:
+    """The all-tokens row kernels in bfloat16 (the CPU interpreter runs float32/float16 only):
+    bytes equal to the torch reference at DeepSeek-V2-Lite's hidden size and top-6."""
+    from rayinfer.kernels import moe_pack
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 2048, generator=gen).to(device, torch.bfloat16)
+    ids = torch.rand(1000, 64, generator=gen).argsort(1)[:, :6].to(device)
+    weights = torch.rand(1000, 6, generator=gen).to(device)
+    ids_at, row_bytes = 4096, 4160  # comm.moe.RowLayout(2048, 6, bfloat16, False)
+    got = moe_pack.pack_for_every_rank(x, ids, weights, 2, ids_at, row_bytes)
+    expected = moe_pack.pack_for_every_rank_reference(x, ids, weights, 2, ids_at, row_bytes)
+    local = moe_pack.localize_expert_ids(got, ids_at, 6, 32, 32)
+    local_ref = moe_pack.localize_expert_ids_reference(expected, ids_at, 6, 32, 32)
+    row = dict(
+        check="moe_pack_bf16",
+        pack_equal=bool(torch.equal(got, expected)),
+        localize_equal=all(torch.equal(a, b) for a, b in zip(local, local_ref)),
+    )
+    print(row, flush=True)
+    return row
+
+
 def check_fp8(path: Path, device: str) -> dict:
     from rayinfer.config import ModelConfig
     from rayinfer.models.loader import load_model
@@ -173,6 +196,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = checkpoints(Path(tmp))
         if args.all_tokens_only:
+            if device == "cuda":  # on CPU tests/kernels/test_moe_pack.py runs the interpreter
+                rows.append(check_moe_pack(device))
             rows += check_overlap(paths, device, ALL_TOKENS, ["deepseek_v3"])
         else:
             if not args.skip_parallel:

@@ -26,7 +26,8 @@ def _routing(num_tokens: int, hidden: int, topk: int, num_experts: int, dtype, s
     return x, ids, weights
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+# bfloat16 too: these kernels only move bytes, which the interpreter gets right for it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "num_tokens, hidden, topk, world", [(5, 48, 2, 2), (1, 33, 8, 3), (0, 64, 4, 2), (7, 130, 1, 1)]
 )

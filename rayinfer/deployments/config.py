@@ -50,6 +50,31 @@ class AutoscalingConfig(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+class AllToAllConfig(_Strict):
+    """How a phase's workers exchange MoE tokens when its experts are split across data-parallel
+    ranks (`ep` > 1 with `dp` > 1); see rayinfer.comm."""
+
+    transport: Literal["auto", "dist", "host"] = Field(
+        "auto",
+        description="dist: NCCL (gloo on CPU); host: GPU -> pinned host memory -> GPU copies, for "
+        "GPUs without peer-to-peer; auto: the cost model's pick",
+    )
+    schedule: Literal["auto", "nccl", "pairwise", "hierarchical"] = "auto"
+    use_fp8: bool = Field(
+        False, description="send dispatched activations as FP8 e4m3 with one scale per token"
+    )
+    dedup: bool | None = Field(
+        None,
+        description="true: each token only to the ranks of its experts (one device sync per "
+        "layer); false: every token to every rank (no sync); default: false where nearly every "
+        "token needs every rank",
+    )
+
+    def options(self) -> dict[str, Any]:
+        """The options LLM(all_to_all=...) and the workers take."""
+        return self.model_dump()
+
+
 class PhaseConfig(_Strict):
     """One phase (prefill or decode): its workers per replica, batching limits and autoscaling."""
 
@@ -96,6 +121,7 @@ class PhaseConfig(_Strict):
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
     )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    all_to_all: AllToAllConfig = Field(default_factory=AllToAllConfig)
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod

@@ -125,6 +125,7 @@ def build_engine(
         num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
         plan=phase_config.plan,
         two_batch_overlap=phase_config.two_batch_overlap,
+        all_to_all=phase_config.all_to_all.options(),
         cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len),
         kv_memory=kv_memory,
         fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),

@@ -50,6 +50,8 @@ def test_defaults_are_one_replica_per_phase():
         ({"decode.autoscaling.min_replicas": "3"}, "min_replicas=3 exceeds max_replicas=1"),
         ({"prefill.ep": "2"}, "prefill.ep=2 must divide"),
         ({"decode": "1", "decode.tp": "1"}, "decode is set to '1' and also used as a section"),
+        ({"decode.all_to_all.transport": "nvlink"}, "decode.all_to_all.transport='nvlink'"),
+        ({"prefill.all_to_all.dedupe": "true"}, "prefill.all_to_all.dedupe: unknown key"),
     ],
 )
 def test_invalid_args_name_the_key(args, expected):
@@ -127,3 +129,20 @@ def test_gpu_memory_utilization_refuses_a_shared_gpu():
         AppConfig.from_args(
             {"decode.gpu_memory_utilization": "0.9", "decode.gpus_per_worker": "0.5"}
         )
+
+
+def test_each_phase_chooses_its_token_exchange():
+    """GPUs without peer-to-peer: decode's experts exchange through host memory, FP8 dispatch;
+    the options reach the workers as LLM(all_to_all=...) takes them."""
+    config = AppConfig.from_args(
+        {
+            "decode.all_to_all.transport": "host",
+            "decode.all_to_all.use_fp8": "true",
+            "prefill.all_to_all.dedup": "false",
+        }  # fmt: skip
+    )
+    assert config.decode.all_to_all.options() == {
+        "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None
+    }  # fmt: skip
+    assert config.prefill.all_to_all.dedup is False
+    assert config.prefill.all_to_all.transport == "auto"

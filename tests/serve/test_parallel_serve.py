@@ -1,6 +1,8 @@
 """`serve run rayinfer.app:build prefill.tp=2 decode.dp=2 decode.ep=2` on CPU: prefill splits
 heads over two workers, decode runs two data-parallel attention replicas whose experts exchange
-tokens, and the KV hands off between the two layouts; answers equal the offline engine's."""
+tokens (through shared host memory, `decode.all_to_all.transport=host`, as on GPUs without
+peer-to-peer), and the KV hands off between the two layouts; answers equal the offline
+engine's."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ from tests.serve.cluster import ServeCluster, wait_for
 
 pytestmark = pytest.mark.slow
 
-APP_ARGS = ["max_model_len=256", "prefill.tp=2", "decode.dp=2", "decode.ep=2"]
+APP_ARGS = [
+    "max_model_len=256",
+    "prefill.tp=2",
+    "decode.dp=2",
+    "decode.ep=2",
+    "decode.all_to_all.transport=host",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +45,13 @@ def test_parallel_plans_answer_like_the_offline_engine(server):
     ]
     assert [a.choices[0].text for a in answers] == expected
     assert server.running_replicas("Prefill") == 1 and server.running_replicas("Decode") == 1
-    # Decode's two DP replicas exchanged tokens with their experts: the all-to-all is metered.
+    # Decode's two DP replicas exchanged tokens with their experts through host memory: the
+    # all-to-all is metered, tagged with the transport it used.
     wait_for(
-        lambda: server.metric_sum("ray_rayinfer_all_to_all_bytes_total") > 0,
+        lambda: (
+            'transport="host"' in server.metrics_text()
+            and server.metric_sum("ray_rayinfer_all_to_all_bytes_total") > 0
+        ),
         timeout_s=60,
         what="all-to-all bytes in Prometheus",
     )

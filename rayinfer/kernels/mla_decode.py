@@ -1,0 +1,142 @@
+"""MLA decode in the absorbed form, on the Triton kernels: `mla_decode_attention` picks the kernel
+shared with GQA (paged_attention.split_k_decode) or the dedicated MLA kernel, whose launches
+`mla_decode_launches` builds (split, then combine). The math is in mla_attention's docstring.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rayinfer.kernels import paged_attention
+from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel, _mla_decode_split_kernel
+from rayinfer.kernels.paged_attention import choose_split, dot_precision, split_k_decode
+from rayinfer.kernels.triton_compat import triton
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,  # [B, N, L]
+    q_pe: torch.Tensor,  # [B, N, R]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]: new tokens already written
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    seq_lens: torch.Tensor | list[int],  # [B] context length, the new token included
+    scale: float,
+    params: dict | None = None,  # tile config override (sweeps, tests); else configs/*.json
+) -> torch.Tensor:  # [B, N, L]
+    """Each program holds BLOCK_H heads' queries and streams the shared latent rows once; the
+    value tile is the key's latent part, so a cached byte is read once per head tile.
+
+    `params["layout"]` picks the kernel: "tokens_major" / "heads_major" run the dedicated MLA
+    kernel (below), absent or "shared" the split-K kernel shared with GQA. The other keys of
+    `params` tune the dedicated kernel only: the shared one reads its tiles from the configs
+    through `paged_attention.launch_params` (patched by the benchmarks' sweeps)."""
+    latent_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_rank + rope_dim:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [blocks, bs, "
+                         f"L + R = {latent_rank + rope_dim}]")  # fmt: skip
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("q_latent, q_pe need a dense last dim; kv_cache must be contiguous")
+    if not torch.is_tensor(seq_lens):
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+    seq_lens = seq_lens.to(torch.int32)
+    slots = kv_cache.view(-1, latent_rank + rope_dim)  # [num_slots, L + R]
+    found = paged_attention.launch_params("mla_attention", q_latent.device, q_latent.shape[1])
+    params = {**found, **(params or {})}
+    if params.get("layout", "shared") != "shared":
+        return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
+                                   kv_cache.shape[1])  # fmt: skip
+    layout = dict(
+        heads_per_program=None, queries_per_kv=q_latent.shape[1], block_size=kv_cache.shape[1],
+        head_dim_v=latent_rank, has_pe=True, stride_kv_head=0, value_offset=0, value_is_key=True,
+    )  # fmt: skip
+    return split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, layout,
+                          "mla_attention")  # fmt: skip
+
+
+def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+    """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R]."""
+    out, launch_split, launch_combine = mla_decode_launches(
+        q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size
+    )
+    launch_split()
+    if launch_combine is not None:
+        launch_combine()
+    return out
+
+
+def mla_tma_fits(slots: torch.Tensor, latent_rank: int, rope_dim: int, block_size: int,
+                 params: dict) -> bool:  # fmt: skip
+    """Whether USE_TMA can run: tiles inside one cache block, power-of-two latent and rope dims
+    (the descriptors' boxes are the whole dims), 16-byte aligned rows and rope columns, sm_90+."""
+    size = slots.element_size()
+    dims_fit = latent_rank == triton.next_power_of_2(latent_rank) and rope_dim >= 16
+    dims_fit = dims_fit and rope_dim == triton.next_power_of_2(rope_dim)
+    offsets = (slots.data_ptr(), slots.stride(0) * size, latent_rank * size)
+    if not dims_fit or block_size % params["BLOCK_N"] or any(o % 16 for o in offsets):
+        return False
+    return slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] >= 9
+
+
+def _tma_scratch(device: torch.device):
+    """Global scratch for the descriptors the kernel builds on device."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+    """(out [B, N, L], split launch, combine launch or None): the dedicated kernel's launches on
+    buffers allocated once, so that the sweep can time the split kernel and the combine apart.
+
+    Launch options of `params` (absent: off): "USE_TMA" loads the full tiles through TMA
+    descriptors over the flat cache (a tile never crosses a cache block; the last, partial tile of
+    a split goes through masked pointer loads), "WARP_SPECIALIZE" runs that TMA loop with
+    `tl.range(..., warp_specialize=True)`, "EVICT_FIRST" marks the pointer loads of the cache
+    evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
+    num_seqs, num_heads, latent_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
+    num_groups = triton.cdiv(num_heads, block_h)
+    max_context = block_tables.shape[1] * block_size
+    split = choose_split(num_seqs, num_groups, max_context, params)
+    out = q_latent.new_empty(num_seqs, num_heads, latent_rank)  # [B, N, L]
+    is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
+    mid_shape = (num_seqs, num_heads, split.num_splits, latent_rank)  # [B, N, S, L]
+    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
+    mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
+    use_tma = bool(params.get("USE_TMA")) and mla_tma_fits(slots, latent_rank, rope_dim,
+                                                           block_size, params)  # fmt: skip
+    if use_tma and slots.device.type == "cuda":
+        triton.set_allocator(_tma_scratch(slots.device))  # per thread: set here
+    grid = (num_groups, num_seqs, split.num_splits)
+    launch_split = functools.partial(
+        _mla_decode_split_kernel[grid],
+        q_latent, q_pe, slots, mid_out, mid_lse, block_tables, seq_lens,
+        scale, num_heads, split.tokens_per_split, slots.shape[0],
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), slots.stride(0),
+        block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        LATENT_RANK=latent_rank, ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(latent_rank),
+        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h,
+        BLOCK_N=params["BLOCK_N"], BLOCK_SIZE=block_size,
+        TOKENS_MAJOR=params["layout"] == "tokens_major",
+        DOT_PRECISION=dot_precision(q_latent.dtype), IS_ONLY_SPLIT=is_only_split,
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and bool(params.get("WARP_SPECIALIZE")),
+        EVICT_FIRST=bool(params.get("EVICT_FIRST")),
+        num_warps=params["num_warps"], num_stages=params["num_stages"],
+    )  # fmt: skip
+    if is_only_split:
+        return out, launch_split, None
+    return out, launch_split, functools.partial(_combine_splits, mid_out, mid_lse, out, params)
+
+
+def _combine_splits(mid_out, mid_lse, out, params) -> None:
+    """out [B, N, L] = the splits' partial outputs [B, N, S, L] weighted by their lse [B, N, S]."""
+    num_seqs, num_heads, num_splits, latent_rank = mid_out.shape
+    block_dv = min(params.get("COMBINE_BLOCK_L", 128), triton.next_power_of_2(latent_rank))
+    grid = (num_seqs, num_heads, triton.cdiv(latent_rank, block_dv))
+    _mla_combine_kernel[grid](
+        mid_out, mid_lse, out, num_splits,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        LATENT_RANK=latent_rank, BLOCK_L=block_dv,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLITS_PER_STEP=16,
+    )  # fmt: skip

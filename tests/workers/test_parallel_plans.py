@@ -100,21 +100,30 @@ def test_host_staged_exchange_gives_the_same_tokens(
     assert tokens == single_worker_tokens["deepseek_v3"]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-@pytest.mark.parametrize("transport", ["dist", "host"])
+@pytest.mark.parametrize(
+    "family, plan, transport, overlap",
+    [
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), "dist", False),
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), "dist", True),
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), "host", False),
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), "host", True),  # a transport channel per lane
+        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), "host", True),  # TP pairs share tokens
+    ],
+    ids=str,
+)
 def test_all_tokens_exchange_gives_the_same_tokens(
-    ray_cluster, checkpoints, prompts, single_worker_tokens, overlap, transport
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, transport, overlap
 ):
     """Every token to every EP rank (dedup=False; the default where nearly every token needs
     every rank): token counts learned once per step, no device sync inside the layers."""
     tokens = run_plan(
-        checkpoints["deepseek_v3"],
-        ParallelPlan(dp=2, ep=2),
+        checkpoints[family],
+        plan,
         prompts,
         overlap=overlap,
         all_to_all={"dedup": False, "transport": transport},
     )
-    assert tokens == single_worker_tokens["deepseek_v3"]
+    assert tokens == single_worker_tokens[family]
 
 
 def test_unknown_all_to_all_option_is_named(ray_cluster, checkpoints):

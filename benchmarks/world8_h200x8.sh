@@ -7,7 +7,7 @@ set -uo pipefail
 source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD:$PYTHONPATH TOKENIZERS_PARALLELISM=false
 WORLD=${WORLD:-8}
-OUT=${OUT:-/tmp/world$WORLD}
+OUT=${OUT:-/tmp/world$WORLD}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 # both phases in fresh processes (NCCL_P2P_DISABLE=1 for the host-staged one); the table's

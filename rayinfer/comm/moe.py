@@ -179,16 +179,18 @@ def _dispatch_all_tokens(
     local_ids, weights = ops.localize_expert_ids(
         recv, layout.ids_at, topk, rank * per_rank, per_rank
     )  # [R, K] each: -1 / 0 where another rank holds the expert
-    send_token_ids, row_index = _all_tokens_index(num_tokens, n, x.device)
+    stream = torch.cuda.current_stream(x.device).stream_id if x.is_cuda else 0
+    send_token_ids, row_index = _all_tokens_index(num_tokens, n, x.device, stream)
     handle = DispatchHandle(send_token_ids, matrix, rank, num_tokens, row_index)
     return DispatchResult(recv_x, local_ids, weights, handle)
 
 
 @functools.lru_cache(maxsize=64)
-def _all_tokens_index(num_tokens: int, world: int, device: torch.device):
+def _all_tokens_index(num_tokens: int, world: int, device: torch.device, stream: int):
     """(send_token_ids [world * T]: 0..T-1 once per rank; row_index [T, world] int32: combine
     brings back rank d's row for token t at d * T + t). Read-only, cached: they depend on the
-    sizes alone, and building them took six launches per exchange."""
+    sizes alone, and building them took six launches per exchange. Cached per CUDA stream: an
+    entry made on one two-batch-overlap lane is only ready in that lane's order."""
     tokens = torch.arange(num_tokens, device=device)
     row_index = (tokens.unsqueeze(1) + torch.arange(world, device=device) * num_tokens).int()
     return tokens.repeat(world), row_index

@@ -1,0 +1,40 @@
+"""benchmarks/trace_overlap.py on a hand-made Chrome trace: what it reports is what the events
+say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_overlap.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("trace_overlap", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def event(cat, start, dur, stream=7, name="k"):
+    args = {"stream": stream}
+    return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": args}
+
+
+def test_summary_of_a_small_trace(tmp_path):
+    trace = tmp_path / "step.json"
+    events = [
+        event("kernel", 0, 100),  # 0-100 stream 7
+        event("kernel", 50, 100, stream=9),  # 50-150 stream 9: 50 us on two streams
+        event("gpu_memcpy", 120, 60, stream=11),  # 120-180: 30 us with no kernel beside it
+        event("kernel", 200, 50),  # 180-200 idle
+        event("cuda_runtime", 10, 40, name="cudaStreamSynchronize"),
+        event("cpu_op", 0, 500, name="aten::mm"),  # host events other than syncs are ignored
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    row = load_script().summarize(trace)
+    assert row["span_ms"] * 1e3 == 250
+    assert round(row["kernels_ms"] * 1e3) == 200
+    assert round(row["kernels_on_two_streams_ms"] * 1e3) == 50
+    assert round(row["copies_ms"] * 1e3) == 60 and round(row["copies_not_hidden_ms"] * 1e3) == 30
+    assert round(row["idle_ms"] * 1e3) == 20
+    assert round(row["host_sync_ms"] * 1e3) == 40

@@ -30,6 +30,34 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the valid values."""
 
 
+# The MoE token exchange's options (LLM(all_to_all=...), a serve phase's all_to_all.*) and the
+# values each takes; see rayinfer.comm.moe and RayinferGroup.all_to_all.
+ALL_TO_ALL_CHOICES = {
+    "schedule": ("auto", "nccl", "pairwise", "hierarchical"),
+    "transport": ("auto", "dist", "host"),
+    "use_fp8": (False, True),
+    "dedup": (None, True, False),
+}
+
+
+def check_all_to_all(options: dict | None) -> dict:
+    """A checked copy of the exchange options; a ConfigError names the bad key or value and
+    what is allowed."""
+    options = dict(options or {})
+    for key, value in options.items():
+        if key not in ALL_TO_ALL_CHOICES:
+            raise ConfigError(
+                f"all_to_all.{key} is unknown; valid keys: {', '.join(ALL_TO_ALL_CHOICES)}"
+            )
+        allowed = ALL_TO_ALL_CHOICES[key]
+        # `is` for True/False/None (so 1 is not True), equality for the names
+        if not any(value is c or (type(value) is str and value == c) for c in allowed):
+            raise ConfigError(
+                f"all_to_all.{key}={value!r}; use one of {', '.join(map(str, allowed))}"
+            )
+    return options
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a checkpoint, with the values every family needs named explicitly.

@@ -13,6 +13,7 @@ from rayinfer.config import (
     ModelConfig,
     ParallelPlan,
     SchedulerConfig,
+    check_all_to_all,
     check_gpu_memory_utilization,
     cuda_graph_config,
 )
@@ -112,7 +113,7 @@ class LLM:
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
         self.load_format = load_format
-        self.all_to_all = all_to_all
+        self.all_to_all = check_all_to_all(all_to_all)
         self.cuda_graphs = cuda_graph_config(
             cuda_graphs,
             is_cuda=self.device.type == "cuda",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-ALL_TO_ALL_OPTIONS = ("schedule", "transport", "use_fp8", "dedup")
+from rayinfer.config import check_all_to_all
 
 
 class LayerGroup:
@@ -27,12 +27,7 @@ class LayerGroup:
         self.size = size
         # Options for every MoE exchange: schedule, transport ("dist"/"host"/"auto"), use_fp8,
         # dedup (see rayinfer.comm.moe).
-        self.all_to_all = dict(all_to_all or {})
-        unknown = set(self.all_to_all) - set(ALL_TO_ALL_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"all_to_all options {sorted(unknown)} are unknown; valid: {ALL_TO_ALL_OPTIONS}"
-            )
+        self.all_to_all = check_all_to_all(all_to_all)
         # Every rank's token count in the current forward, while `tokens_of_step` holds it:
         # MoE layers pass it to dispatch, which then needs no device sync to size the exchange.
         self.tokens_per_rank: list[int] | None = None

@@ -2,6 +2,8 @@
 every parallel plan gives the single-worker greedy tokens, and a prefill under one plan hands its
 KV off to a decode under another."""
 
+import re
+
 import pytest
 
 import rayinfer
@@ -126,10 +128,19 @@ def test_all_tokens_exchange_gives_the_same_tokens(
     assert tokens == single_worker_tokens[family]
 
 
-def test_unknown_all_to_all_option_is_named(ray_cluster, checkpoints):
-    with pytest.raises(Exception, match=r"\['dedupe'\] are unknown; valid: .*'dedup'"):
-        run_plan(checkpoints["deepseek_v3"], ParallelPlan(dp=2, ep=2), [[1, 2]],
-                 all_to_all={"dedupe": False})  # fmt: skip
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"dedupe": False}, "all_to_all.dedupe is unknown; valid keys: schedule, transport"),
+        ({"transport": "nvlink"}, "all_to_all.transport='nvlink'; use one of auto, dist, host"),
+        ({"dedup": "no"}, "all_to_all.dedup='no'; use one of None, True, False"),
+    ],
+)
+def test_bad_all_to_all_option_is_named_before_any_worker_starts(checkpoints, options, expected):
+    from rayinfer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        rayinfer.LLM(str(checkpoints["deepseek_v3"]), device="cpu", all_to_all=options)
 
 
 @pytest.mark.parametrize(

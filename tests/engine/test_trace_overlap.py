@@ -1,18 +1,9 @@
 """benchmarks/trace_overlap.py on a hand-made Chrome trace: what it reports is what the events
 say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_overlap.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("trace_overlap", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def event(cat, start, dur, stream=7, name="k"):
@@ -31,7 +22,7 @@ def test_summary_of_a_small_trace(tmp_path):
         event("cpu_op", 0, 500, name="aten::mm"),  # host events other than syncs are ignored
     ]
     trace.write_text(json.dumps({"traceEvents": events}))
-    row = load_script().summarize(trace)
+    row = load_benchmark("trace_overlap").summarize(trace)
     assert row["span_ms"] * 1e3 == 250
     assert round(row["kernels_ms"] * 1e3) == 200
     assert round(row["kernels_on_two_streams_ms"] * 1e3) == 50

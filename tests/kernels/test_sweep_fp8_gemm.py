@@ -1,23 +1,15 @@
 """benchmarks/sweep_fp8_gemm.py end to end in its --smoke mode (CPU, interpreter, tiny shapes)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_fp8_gemm.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sweep_fp8_gemm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_smoke_run_checks_rows_and_writes_a_config_snippet(tmp_path):
     out = tmp_path / "fp8_sweep.json"
     # A budget this small runs the shipped tiles of each problem and skips the other variants.
-    assert load_script().main(["--smoke", "--budget-s", "0.01", "--out", str(out)]) == 0
+    sweep = load_benchmark("sweep_fp8_gemm")
+    assert sweep.main(["--smoke", "--budget-s", "0.01", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(row["M"], row["N"], row["K"]) for row in result["rows"]] == [
         (40, 256, 384),

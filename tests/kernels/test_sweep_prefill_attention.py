@@ -1,23 +1,15 @@
 """The GPU sweep script's logic, run end to end in its --smoke mode (interpreter, tiny fp32)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_prefill_attention.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sweep_prefill_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_smoke_run_writes_checked_rows_and_a_config_snippet(tmp_path):
     out = tmp_path / "sweep.json"
     # A budget this small runs each stage's first variant and skips the rest.
-    assert load_script().main(["--smoke", "--budget-s", "0.5", "--out", str(out)]) == 0
+    sweep = load_benchmark("sweep_prefill_attention")
+    assert sweep.main(["--smoke", "--budget-s", "0.5", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     first = result["sweep_128"][0]
     assert first["check"]["ok"] and len(first["timings"]) == 2
@@ -29,7 +21,7 @@ def test_smoke_run_writes_checked_rows_and_a_config_snippet(tmp_path):
 
 
 def test_best_ignores_wrong_failed_and_skipped_variants():
-    sweep = load_script()
+    sweep = load_benchmark("sweep_prefill_attention")
     timed = [dict(ms=ms, tokens=n) for ms, n in ((2.0, 8), (4.0, 16))]
     rows = [
         dict(name="wrong", check=dict(ok=False), timings=[dict(ms=0.1, tokens=8)] * 2),

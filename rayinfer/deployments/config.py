@@ -11,7 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rayinfer.config import ConfigError, ParallelPlan, check_gpu_memory_utilization
+from rayinfer.config import (
+    ALL_TO_ALL_CHOICES,
+    ConfigError,
+    ParallelPlan,
+    check_gpu_memory_utilization,
+)
 
 
 class _Strict(BaseModel):
@@ -54,12 +59,12 @@ class AllToAllConfig(_Strict):
     """How a phase's workers exchange MoE tokens when its experts are split across data-parallel
     ranks (`ep` > 1 with `dp` > 1); see rayinfer.comm."""
 
-    transport: Literal["auto", "dist", "host"] = Field(
+    transport: Literal[ALL_TO_ALL_CHOICES["transport"]] = Field(
         "auto",
         description="dist: NCCL (gloo on CPU); host: GPU -> pinned host memory -> GPU copies, for "
         "GPUs without peer-to-peer; auto: the cost model's pick",
     )
-    schedule: Literal["auto", "nccl", "pairwise", "hierarchical"] = "auto"
+    schedule: Literal[ALL_TO_ALL_CHOICES["schedule"]] = "auto"
     use_fp8: bool = Field(
         False, description="send dispatched activations as FP8 e4m3 with one scale per token"
     )

@@ -95,8 +95,7 @@ class ModelRunner:
         else:
             self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
         if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
-            exchanges = parallel.ep_size > 1 and parallel.tokens_differ_across_ep
-            two_batch_overlap = self.device.type == "cuda" and exchanges
+            two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.generators: dict[str, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs
@@ -263,11 +262,10 @@ class ModelRunner:
         self._forward(input_ids, positions, ctx)
 
     def _forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        parallel = self.parallel
-        if parallel.ep_size > 1 and parallel.tokens_differ_across_ep:
-            # Experts exchange tokens: learn every rank's count once, before any work is
-            # queued, so that no MoE layer has to wait for the device to size its exchange.
-            with parallel.ep_group.tokens_of_step(input_ids.shape[0], self.device):
+        if self.parallel.experts_exchange_tokens:
+            # Learn every rank's token count once, before any work is queued, so that no MoE
+            # layer has to wait for the device to size its exchange.
+            with self.parallel.ep_group.tokens_of_step(input_ids.shape[0], self.device):
                 return self._run_model(input_ids, positions, ctx)
         return self._run_model(input_ids, positions, ctx)
 

@@ -281,7 +281,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         routing = self.route(x)
-        if self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep:
+        if self.exchanges_tokens:
             out = self._exchange_with_experts(x, routing)
         else:
             out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
@@ -313,7 +313,7 @@ class MoE(nn.Module):
     @property
     def exchanges_tokens(self) -> bool:
         """Whether forward sends tokens to other ranks (dispatch/combine) and so can overlap."""
-        return self.parallel.ep_size > 1 and self.parallel.tokens_differ_across_ep
+        return self.parallel.experts_exchange_tokens
 
     def dispatch_tokens(
         self, x: torch.Tensor, tokens_per_rank: list[int] | None = None, channel: int = 0

@@ -96,6 +96,11 @@ class ParallelContext:
     ep_group: LayerGroup | None = None
     tokens_differ_across_ep: bool = False
 
+    @property
+    def experts_exchange_tokens(self) -> bool:
+        """Whether MoE layers send tokens to other ranks' experts (dispatch/combine)."""
+        return self.ep_size > 1 and self.tokens_differ_across_ep
+
     def __post_init__(self):
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} outside tp_size={self.tp_size}")

@@ -141,25 +141,3 @@ class _Flusher:
                     recorder.flush()
                 except Exception:  # noqa: BLE001  (metrics must never break the exchange)
                     pass
-
-
-class AllToAllTimer:
-    """`with AllToAllTimer(group_name, bytes_to_others, schedule, transport): ...exchange...`
-    records at once (no batching); the group's hot path uses AllToAllRecorder instead."""
-
-    def __init__(self, group_name: str, num_bytes: int, schedule: str, transport: str):
-        self.tags = {"phase": phase_of(group_name), "schedule": schedule, "transport": transport}
-        self.num_bytes = num_bytes
-
-    def __enter__(self) -> AllToAllTimer:
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        metrics = _metrics()
-        if metrics is None or exc[0] is not None:
-            return
-        sent, seconds = metrics
-        if self.num_bytes > 0:  # Counter.inc refuses 0
-            sent.inc(self.num_bytes, tags=self.tags)
-        seconds.observe(time.perf_counter() - self.start, tags=self.tags)

@@ -140,3 +140,15 @@ def test_metrics_are_batched_with_exact_counts(groups, monkeypatch):
     assert {t["schedule"] for t in seconds.tags} == {"nccl", "pairwise"}
     assert {t["schedule"] for t in sent.tags} == {"nccl"}  # nothing sent: no Counter.inc(0)
     assert all(t["phase"] == "decode" and t["transport"] == "dist" for t in seconds.tags)
+
+
+def test_a_failed_exchange_records_nothing(groups, monkeypatch):
+    sent, seconds = FakeMetric(), FakeMetric()
+    monkeypatch.setattr(metrics, "_made", (sent, seconds))
+    recorder = metrics.AllToAllRecorder(groups[0].group_name)
+    monkeypatch.setattr(groups[0], "_metrics", recorder)
+    inp = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="in_splits"):
+        groups[0].all_to_all(torch.zeros(3, 2), inp, [1, 2], [1, 1], "nccl", "dist")
+    recorder.flush()
+    assert sent.values == [] and seconds.values == []

@@ -7,6 +7,8 @@
    with CUDA graphs on (the default), in bfloat16.
 3. `gpu_memory_utilization=0.9`: the blocks it chose, that generation works, and the device's
    peak reserved memory against the budget.
+4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
+   from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
 
 Usage (carry [".device"]):
     source .device/ray/use-ray-bundle.sh; export PYTHONPATH=$PWD:$PYTHONPATH
@@ -113,6 +115,42 @@ def check_overlap(paths: dict[str, Path], device: str, variants, families) -> li
     return rows
 
 
+# Decode steps from CUDA graphs across workers: NCCL kernels captured (the all-tokens exchange,
+# all-reduces); every replica replays the bucket its driver agreed on, an idle one on padding.
+GRAPH_PLANS = [
+    ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(None)),
+    ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(1, 2)),  # one prompt: a replica idles
+    ("qwen3_moe", ParallelPlan(dp=2, ep=2), slice(None)),
+    ("qwen3_moe", ParallelPlan(tp=2, ep=2), slice(None)),
+]
+
+
+def check_decode_graphs(paths: dict[str, Path], device: str) -> list[dict]:
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    rows, expected = [], {}
+    for family, plan, chosen in GRAPH_PLANS:
+        path = str(paths[family])
+        prompts = make_prompts(vocab_of(path), lengths=(5, 37, 130, 300))[chosen]
+        common = dict(device=device, dtype="float32", max_model_len=512, max_num_seqs=8)
+        if family not in expected:
+            expected[family] = tokens_of(rayinfer.LLM(path, **common), prompts)
+        llm = rayinfer.LLM(path, parallel=plan, cuda_graphs=True, **common)
+        steps = llm.engine.executor.step_counts
+        capture_s = ray.get(llm.engine.executor.workers[0].graph_capture_seconds.remote())
+        got = tokens_of(llm, prompts)
+        row = dict(
+            check="decode_graphs", family=family, plan=str(plan), prompts=len(prompts),
+            exact=got == expected[family][chosen], graph_steps=steps["graph"],
+            eager_steps=steps["eager"], capture_s=capture_s,
+        )  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+    ray.shutdown()
+    return rows
+
+
 def check_moe_pack(device: str) -> dict:
     """The all-tokens row kernels in bfloat16 (the CPU interpreter runs float32/float16 only):
     bytes equal to the torch reference at DeepSeek-V2-Lite's hidden size and top-6."""
@@ -190,12 +228,19 @@ def main() -> int:
         action="store_true",
         help="only the all-tokens exchange (DeepSeek-V3, host-staged, overlap off and on)",
     )
+    parser.add_argument(
+        "--decode-graphs-only",
+        action="store_true",
+        help="only decode CUDA graphs across workers (dp=2 ep=2, tp=2 ep=2, an idle replica)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     start, rows = time.time(), []
     with tempfile.TemporaryDirectory() as tmp:
         paths = checkpoints(Path(tmp))
-        if args.all_tokens_only:
+        if args.decode_graphs_only:
+            rows += check_decode_graphs(paths, device)
+        elif args.all_tokens_only:
             if device == "cuda":  # on CPU tests/kernels/test_moe_pack.py runs the interpreter
                 rows.append(check_moe_pack(device))
             rows += check_overlap(paths, device, ALL_TOKENS, ["deepseek_v3"])

@@ -304,6 +304,19 @@ class ParallelPlan:
     def num_workers(self) -> int:
         return self.tp * self.dp
 
+    @property
+    def has_collectives(self) -> bool:
+        """Whether the workers talk during a forward (so they must run every step together)."""
+        return self.tp > 1 or self.ep > 1
+
+    @property
+    def experts_exchange_tokens(self) -> bool:
+        """Whether some expert-parallel group spans several data-parallel replicas, whose tokens
+        differ, so that MoE layers send tokens between workers (workers are numbered
+        dp_rank * tp + tp_rank; an EP group is `ep` consecutive workers)."""
+        groups = range(0, self.num_workers, self.ep)
+        return self.ep > 1 and any(g // self.tp != (g + self.ep - 1) // self.tp for g in groups)
+
     def check_fits(self, model: ModelConfig, key: str = "parallel") -> None:
         """Fail, naming the key and the sizes that work, when the model cannot be split so."""
         limits = [("tp", self.tp, "num_attention_heads", model.num_attention_heads)]
@@ -333,6 +346,34 @@ class CudaGraphConfig:
                 raise ConfigError(f"{key}={getattr(self, key)} must be positive")
 
 
+def graph_blocker(
+    plan: ParallelPlan, all_to_all: dict | None = None, prefix: str = ""
+) -> str | None:
+    """Why decode steps of this plan cannot run from CUDA graphs, or None when they can.
+
+    Collectives inside the forward are captured as NCCL kernels: tensor-parallel all-reduces,
+    and the experts' token exchange when every token goes to every rank (static sizes: every
+    rank pads its decode batch to the bucket the group agreed on)."""
+    if not plan.experts_exchange_tokens:
+        return None
+    return exchange_graph_blocker(all_to_all, prefix)
+
+
+def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
+    """Why a token exchange with these options cannot be replayed from a graph, or None: the
+    host-staged transport queues flag values that change every call, and the deduplicated
+    exchange sizes itself from the routing on the host."""
+    options = all_to_all or {}
+    if options.get("transport") == "host":
+        return (
+            f"{prefix}all_to_all.transport=host exchanges through host flags that a graph "
+            "cannot replay (use auto or dist)"
+        )
+    if options.get("dedup") is True:
+        return f"{prefix}all_to_all.dedup=true sizes the exchange from the routing on the host"
+    return None
+
+
 def cuda_graph_config(
     requested: bool | None,
     *,
@@ -341,22 +382,20 @@ def cuda_graph_config(
     max_num_seqs: int,
     max_graph_batch_size: int,
     max_model_len: int,
+    all_to_all: dict | None = None,
     key: str = "cuda_graphs",
 ) -> CudaGraphConfig | None:
-    """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose workers
-    run no collectives (tp = ep = 1); True elsewhere fails, naming the key. True on the CPU runs
-    the same padded static-buffer path eagerly (no capture), which tests use."""
+    """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose forward
+    can be captured (see `graph_blocker`); True where it cannot fails, naming the key. True on
+    the CPU runs the same padded static-buffer path eagerly (no capture), which tests use."""
     if requested not in (None, True, False):
         raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
     if max_graph_batch_size < 1:
         raise ConfigError(f"max_graph_batch_size={max_graph_batch_size} must be >= 1")
-    has_collectives = plan.tp > 1 or plan.ep > 1
-    if requested and has_collectives:
-        raise ConfigError(
-            f"{key}=true needs tp=1 and ep=1 (collectives inside the forward stay eager); "
-            f"got tp={plan.tp}, ep={plan.ep}: set {key}=false or auto"
-        )
-    enabled = (is_cuda and not has_collectives) if requested is None else requested
+    blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
+    if requested and blocker:
+        raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
+    enabled = (is_cuda and not blocker) if requested is None else requested
     if not enabled:
         return None
     return CudaGraphConfig(min(max_num_seqs, max_graph_batch_size), max_model_len)

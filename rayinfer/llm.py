@@ -44,8 +44,11 @@ class LLM:
     expert-parallel rank with no device sync; default: all tokens where nearly all need every
     rank anyway, see rayinfer.comm.moe).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
-    sequences from CUDA graphs captured at start (None: on for CUDA runs without tensor or expert
-    parallelism, whose collectives stay eager; the capture time is `LLM.graph_capture_seconds`).
+    sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
+    captured; with several workers their collectives are captured as NCCL kernels and every
+    data-parallel replica pads its decodes to the bucket of the largest, which rules out the
+    host-staged or deduplicated token exchange, see config.graph_blocker; the capture time is
+    `LLM.graph_capture_seconds`).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
     fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
@@ -121,6 +124,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_graph_batch_size=max_graph_batch_size,
             max_model_len=max_model_len,
+            all_to_all=self.all_to_all,
         )
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(

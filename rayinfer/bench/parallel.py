@@ -75,6 +75,13 @@ def parse_args(argv):
         "token to every rank); e.g. host host:fp8 host:dedup",
     )
     parser.add_argument("--overlap", nargs="+", default=["off"], help="off and/or on")
+    parser.add_argument(
+        "--graphs",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "off"],
+        help="decode CUDA graphs: auto (where the forward can be captured) and/or off (eager)",
+    )
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
     parser.add_argument("--decode-batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--decode-tokens", type=int, default=16)
@@ -132,7 +139,7 @@ def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, flo
     return results
 
 
-def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
+def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> dict:
     from rayinfer import LLM, SamplingParams
 
     longest = max(args.prompt_lens)
@@ -145,7 +152,9 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
         all_to_all=exchange_options(transport),
         max_model_len=longest + args.decode_tokens + 8,
         max_num_batched_tokens=longest,
+        max_num_seqs=max([64, *args.decode_batches]),
         enable_prefix_caching=False,
+        cuda_graphs=None if graphs == "auto" else False,
     )
     vocab = llm.model_config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -160,7 +169,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
 
     try:
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
-        result = {"prefill": {}, "decode": {}}
+        result = {"prefill": {}, "decode": {}, "graph_capture_s": graph_capture_seconds(llm)}
         for length in args.prompt_lens:
             llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
             times = []
@@ -196,6 +205,16 @@ def rayinfer_run(config_dir, plan, transport, overlap, args) -> dict:
         torch.cuda.empty_cache()
 
 
+def graph_capture_seconds(llm) -> float | None:
+    """Warm-up and capture time of the decode graphs (the first worker's), None without."""
+    executor = llm.engine.executor
+    if getattr(executor, "workers", None):
+        import ray
+
+        return ray.get(executor.workers[0].graph_capture_seconds.remote())
+    return llm.graph_capture_seconds
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = ModelConfig.from_pretrained(args.config)
@@ -214,24 +233,30 @@ def main(argv=None) -> int:
             print(f"transformers 1 GPU  prefill {length:6d}: {rate:10.0f} tok/s  MFU {mfu:.1%}")
     for plan_text in args.plans:
         plan = parse_plan(plan_text)
-        exchanges = plan.ep > 1 and plan.ep > plan.tp  # experts exchange tokens across DP ranks
-        for transport in args.transports if exchanges else ["dist"]:
-            for overlap in args.overlap if exchanges else ["off"]:
-                try:
-                    run = rayinfer_run(args.config, plan, transport, overlap == "on", args)
-                except Exception as error:  # report and go on: one failed plan ends no run
-                    print(f"{plan_text} {transport} overlap={overlap}: FAILED {error!r}")
-                    continue
-                run.update(plan=plan_text, transport=transport, overlap=overlap)
-                report["runs"].append(run)
-                print_run(run, plan, flops_per_token, report.get("transformers", {}))
+        exchanges = plan.experts_exchange_tokens
+        runs = [
+            (transport, overlap, graphs)
+            for transport in (args.transports if exchanges else ["dist"])
+            for overlap in (args.overlap if exchanges else ["off"])
+            for graphs in args.graphs
+        ]
+        for transport, overlap, graphs in runs:
+            label = f"{plan_text} {transport} overlap={overlap} graphs={graphs}"
+            try:
+                run = rayinfer_run(args.config, plan, transport, overlap == "on", args, graphs)
+            except Exception as error:  # report and go on: one failed plan ends no run
+                print(f"{label}: FAILED {error!r}")
+                continue
+            run.update(plan=plan_text, transport=transport, overlap=overlap, graphs=graphs)
+            report["runs"].append(run)
+            print_run(run, plan, flops_per_token, report.get("transformers", {}))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 
 def print_run(run, plan, flops_per_token, baseline) -> None:
-    label = f"{run['plan']} {run['transport']} overlap={run['overlap']}"
+    label = f"{run['plan']} {run['transport']} ov={run['overlap']} graphs={run['graphs']}"
     for length, rate in run["prefill"].items():
         per_gpu = rate / plan.num_workers
         mfu = per_gpu * flops_per_token / H200_BF16_PEAK_FLOPS
@@ -244,3 +269,5 @@ def print_run(run, plan, flops_per_token, baseline) -> None:
         )
     for batch, rate in run["decode"].items():
         print(f"{label:32s} decode batch {batch:4d}: {rate:10.1f} tok/s")
+    if run["graph_capture_s"] is not None:
+        print(f"{label:32s} decode graphs captured in {run['graph_capture_s']:.1f} s")

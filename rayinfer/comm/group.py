@@ -178,7 +178,10 @@ class RayinferGroup(BaseGroup):
             choice = self._choice(plan, schedule, transport)
         if choice.schedule == "nccl" and choice.transport == "dist" and out.dtype == inp.dtype:
             # NCCL's own all_to_all_single on the caller's tensors: nothing added
-            if not self._metrics.enabled:
+            if not self._metrics.enabled or (
+                out.is_cuda and torch.cuda.is_current_stream_capturing()
+            ):
+                # (a graph's capture only records the call: it takes no time worth a sample)
                 self.pg.alltoall_base(out, inp, out_splits, in_splits, self._a2a_options).wait()
                 return choice
             start = time.perf_counter()

@@ -16,6 +16,7 @@ from rayinfer.config import (
     ConfigError,
     ParallelPlan,
     check_gpu_memory_utilization,
+    graph_blocker,
 )
 
 
@@ -117,7 +118,8 @@ class PhaseConfig(_Strict):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
         description="replay pure-decode steps from CUDA graphs captured at start: true, false or "
-        "auto (on for the decode phase on GPUs with tp=1 and ep=1; off for prefill)",
+        "auto (on for the decode phase on GPUs where the forward can be captured: not with "
+        "all_to_all.transport=host or dedup=true when experts exchange tokens; off for prefill)",
     )
     max_graph_batch_size: int = Field(
         256, ge=1, description="largest decode batch captured (capped by max_num_seqs)"
@@ -206,12 +208,13 @@ class AppConfig(_Strict):
                 phase_config.plan  # noqa: B018  (constructing the plan validates it)
             except ConfigError as error:
                 raise ValueError(f"{phase}.{error}") from None
-            has_collectives = phase_config.tp > 1 or phase_config.ep > 1
-            if phase_config.cuda_graphs is True and has_collectives:
+            blocker = graph_blocker(
+                phase_config.plan, phase_config.all_to_all.options(), prefix=f"{phase}."
+            )
+            if phase_config.cuda_graphs is True and blocker:
                 raise ValueError(
-                    f"{phase}.cuda_graphs=true needs {phase}.tp=1 and {phase}.ep=1 (collectives "
-                    f"stay eager); got tp={phase_config.tp}, ep={phase_config.ep}: use false or "
-                    "auto"
+                    f"{phase}.cuda_graphs=true cannot capture this forward: {blocker}; or use "
+                    "false or auto"
                 )
             shares_gpus = (phase_config.gpus_per_worker or 1.0) < 1
             if phase_config.gpu_memory_utilization is not None and shares_gpus:

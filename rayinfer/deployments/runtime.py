@@ -146,7 +146,8 @@ def phase_graphs(
     phase_config: PhaseConfig, phase: str, use_gpus: bool, max_model_len: int
 ) -> CudaGraphConfig | None:
     """The phase's decode graphs; `auto` captures them only where decode steps run (the decode
-    phase; prefill replicas stop after the first token) on GPUs, without tp or ep."""
+    phase; prefill replicas stop after the first token) on GPUs, where the forward can be
+    captured (config.graph_blocker)."""
     requested = phase_config.cuda_graphs
     if requested == "auto":
         requested = None if phase == "decode" else False
@@ -157,5 +158,6 @@ def phase_graphs(
         max_num_seqs=phase_config.max_num_seqs,
         max_graph_batch_size=phase_config.max_graph_batch_size,
         max_model_len=max_model_len,
+        all_to_all=phase_config.all_to_all.options(),
         key=f"{phase}.cuda_graphs",
     )

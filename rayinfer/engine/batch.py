@@ -25,7 +25,16 @@ class ScheduledRequest:
 
 @dataclass
 class ModelBatch:
+    """One step's requests for one executor (or, from a WorkerGroup, for one worker: the share
+    of its data-parallel replica, with what the whole group agreed on for this step)."""
+
     requests: list[ScheduledRequest]
+    # Every rank's token count in this worker's expert-parallel group (its DP replica's tokens;
+    # an idle replica's placeholder token counts 1): the token exchange then needs no gather.
+    ep_tokens: list[int] | None = None
+    # Set when every replica of a group with collectives runs this step as pure decodes padded
+    # to this CUDA graph bucket (idle replicas replay it on padding); None: eager.
+    decode_bucket: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,10 @@ rows; logits and sampling stay outside the graph.
 What runs inside must not synchronize with the host nor take shapes from data: the split-K
 decode attention splits by the bucket and max_model_len (the padded block tables), MLA's absorbed
 decode reads the device context lengths, and fused MoE sorts into its worst-case padded size and
-reads the real row count on the device. Forwards with collectives (tp or ep > 1) stay eager.
+reads the real row count on the device. Collectives are captured too (NCCL kernels): in a worker
+group every rank replays the bucket the driver agreed on for the step (`shared_decode_bucket`),
+an idle data-parallel replica on padding, and the experts' exchange sends every token to every
+rank, so its sizes are the bucket's.
 
 On the CPU nothing is captured: `run` pads the batch the same way and runs the forward eagerly
 over the static inputs, so the padding, the slicing and the static buffers are testable there.
@@ -27,7 +30,7 @@ import torch
 
 from rayinfer.config import CudaGraphConfig
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.decode_inputs import DecodeStep, StaticDecodeInputs
+from rayinfer.engine.decode_inputs import DecodeStep, StaticDecodeInputs, fits_static_decode
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
 from rayinfer.layers.forward_context import ForwardContext
 
@@ -61,11 +64,8 @@ class DecodeGraphs:
 
     def can_run(self, requests: list[ScheduledRequest]) -> bool:
         """A pure-decode batch (one new token per sequence) that fits the largest bucket."""
-        return (
-            self.enabled
-            and 0 < len(requests) <= self.max_batch_size
-            and all(self.inputs.fits(r) for r in requests)
-        )
+        width = self.inputs.max_blocks_per_seq
+        return self.enabled and shared_decode_bucket([requests], self.sizes, width) is not None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -91,10 +91,12 @@ class DecodeGraphs:
             len(self.sizes), self.sizes, self.capture_seconds,
         )  # fmt: skip
 
-    def run(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+    def run(self, requests: list[ScheduledRequest], bucket: int | None = None) -> torch.Tensor:
         """Hidden states [n, H] of n decodes; valid until the next `run` (a view of the graph's
-        static output on CUDA)."""
-        bucket = bucket_for(len(requests), self.sizes)
+        static output on CUDA). `bucket`: the one a worker group agreed on (see
+        `shared_decode_bucket`; with no requests the whole bucket is padding); default: the
+        smallest that holds the batch."""
+        bucket = bucket or bucket_for(len(requests), self.sizes)
         step: DecodeStep = self.inputs.fill(requests, bucket)
         captured = self.graphs.get(bucket)
         if captured is None:
@@ -103,3 +105,18 @@ class DecodeGraphs:
             graph, hidden = captured
             graph.replay()
         return hidden[: len(requests)]
+
+
+def shared_decode_bucket(
+    shares: list[list[ScheduledRequest]], sizes: list[int], max_blocks_per_seq: int
+) -> int | None:
+    """The one bucket in which every share (a data-parallel replica's requests) runs this step
+    as padded decodes, or None when some share cannot (a prefill chunk, a table wider than
+    max_model_len, more sequences than the largest bucket, or nothing to run at all). Empty
+    shares are allowed: they replay the bucket on padding."""
+    largest = max(map(len, shares), default=0)
+    if not 0 < largest <= sizes[-1]:
+        return None
+    if not all(fits_static_decode(r, max_blocks_per_seq) for share in shares for r in share):
+        return None
+    return bucket_for(largest, sizes)

@@ -25,6 +25,11 @@ PAD_SLOT = -1  # the cache writes skip negative slots
 PAD_BLOCK = 0  # padding rows read block 0 (context length 1) and use nothing they read
 
 
+def fits_static_decode(request: ScheduledRequest, max_blocks_per_seq: int) -> bool:
+    """One new token, and a block table no wider than the static tables."""
+    return len(request.token_ids) == 1 and len(request.block_table) <= max_blocks_per_seq
+
+
 class DecodeStep(NamedTuple):
     input_ids: torch.Tensor  # [b] int64: a view of the static buffer
     positions: torch.Tensor  # [b] int64
@@ -65,7 +70,7 @@ class StaticDecodeInputs:
         return self.lengths[self.max_batch_size :].view(self.max_batch_size, -1)
 
     def fits(self, request: ScheduledRequest) -> bool:
-        return len(request.token_ids) == 1 and len(request.block_table) <= self.max_blocks_per_seq
+        return fits_static_decode(request, self.max_blocks_per_seq)
 
     def fill(self, requests: list[ScheduledRequest], bucket: int) -> DecodeStep:
         """Copy one decode per request into rows [0, n), padding into [n, bucket)."""

@@ -25,6 +25,7 @@ from rayinfer.config import (
     CudaGraphConfig,
     KVMemoryConfig,
     ModelConfig,
+    exchange_graph_blocker,
 )
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
@@ -117,9 +118,14 @@ class ModelRunner:
 
     @property
     def captures_decode_graphs(self) -> bool:
-        """Graphs only for forwards without collectives: tp or ep > 1 stays eager."""
+        """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
+        token exchange through host flags or sized from the routing cannot be replayed."""
+        if self.cuda_graphs is None:
+            return False
         parallel = self.parallel
-        return self.cuda_graphs is not None and parallel.tp_size == 1 and parallel.ep_size == 1
+        if not parallel.experts_exchange_tokens:
+            return True
+        return exchange_graph_blocker(parallel.ep_group.all_to_all) is None
 
     def kv_blocks_that_fit(self, kv_memory: KVMemoryConfig | None = None) -> int | None:
         """KV blocks this device can hold under `kv_memory` (default: the runner's; None without
@@ -177,7 +183,7 @@ class ModelRunner:
         if config is None or not self.captures_decode_graphs:
             return None
         graphs = DecodeGraphs(
-            self.model, self.kv_caches, config, self.cache_config.block_size, self.device
+            self._graph_forward, self.kv_caches, config, self.cache_config.block_size, self.device
         )
         graphs.capture()
         return graphs
@@ -203,10 +209,11 @@ class ModelRunner:
     def execute(self, batch: ModelBatch) -> list[int]:
         """Run one step; returns the next token of every request with `samples`, in order."""
         requests = batch.requests
-        if not requests:
-            self._idle_forward()
+        bucket = self._agreed_bucket(batch)
+        if not requests and bucket is None:
+            self._idle_forward(batch.ep_tokens)
             return []
-        hidden, last_rows = self._forward_batch(requests)  # [T, H], rows to sample from
+        hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens)  # [T, H], rows
         if not last_rows:
             return []
         logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32
@@ -226,11 +233,27 @@ class ModelRunner:
             [self._generator(r.request_id, r.params) for r in sampling],
         )
 
-    def _forward_batch(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+    def _agreed_bucket(self, batch: ModelBatch) -> int | None:
+        """The decode graph bucket every rank of this worker's group replays this step (the
+        group's driver decides it: ranks that talk must run the same graph), or None."""
+        if self.decode_graphs is None or not self.parallel.has_collectives:
+            return None
+        return batch.decode_bucket
+
+    def _forward_batch(
+        self,
+        requests: list[ScheduledRequest],
+        bucket: int | None = None,
+        ep_tokens: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
-        token; pure decodes through the CUDA graphs when they fit."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(requests):
-            hidden = self.decode_graphs.run(requests)  # [B, H]: one row per request
+        token; pure decodes through the CUDA graphs: in `bucket` when a group agreed on one,
+        alone whenever they fit. ep_tokens: every EP rank's token count, when known."""
+        graphs = self.decode_graphs
+        if bucket is not None or (
+            graphs is not None and not self.parallel.has_collectives and graphs.can_run(requests)
+        ):
+            hidden = graphs.run(requests, bucket)  # [B, H]: one row per request
             return hidden, [row for row, r in enumerate(requests) if r.samples]
         input_ids = [t for r in requests for t in r.token_ids]
         positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
@@ -246,28 +269,38 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             ctx,
+            ep_tokens,
         )  # [T, H]
         ends = accumulate(len(r.token_ids) for r in requests)  # on the host: no device sync
         return hidden, [end - 1 for r, end in zip(requests, ends) if r.samples]
 
-    def _idle_forward(self) -> None:
+    def _idle_forward(self, ep_tokens: list[int] | None = None) -> None:
         """A rank with no requests this step still joins its peers' collectives (DP replicas
         whose experts exchange tokens), with one placeholder token that writes no cache."""
-        if self.parallel.tp_size == 1 and self.parallel.ep_size == 1:
+        if not self.parallel.has_collectives:
             return
         empty = build_attention_metadata([], [], [], self.cache_config.block_size, self.device)
         input_ids, positions, ctx = idle_forward_inputs(
             ForwardContext(empty, self.kv_caches), self.device
         )
-        self._forward(input_ids, positions, ctx)
+        self._forward(input_ids, positions, ctx, ep_tokens)
 
-    def _forward(self, input_ids, positions, ctx) -> torch.Tensor:
+    def _forward(self, input_ids, positions, ctx, ep_tokens=None) -> torch.Tensor:
         if self.parallel.experts_exchange_tokens:
-            # Learn every rank's token count once, before any work is queued, so that no MoE
-            # layer has to wait for the device to size its exchange.
-            with self.parallel.ep_group.tokens_of_step(input_ids.shape[0], self.device):
+            # Every rank's token count, known before any work is queued (sent with the step, or
+            # gathered once here), so that no MoE layer waits for the device to size its exchange.
+            group = self.parallel.ep_group
+            with group.tokens_of_step(input_ids.shape[0], self.device, known=ep_tokens):
                 return self._run_model(input_ids, positions, ctx)
         return self._run_model(input_ids, positions, ctx)
+
+    def _graph_forward(self, input_ids, positions, ctx) -> torch.Tensor:
+        """The forward a decode graph captures (and runs on the CPU): with a token exchange,
+        every rank holds the bucket's tokens and the exchange takes replayable options."""
+        if not self.parallel.experts_exchange_tokens:
+            return self.model(input_ids, positions, ctx)
+        with self.parallel.ep_group.static_exchange(input_ids.shape[0]):
+            return self.model(input_ids, positions, ctx)
 
     def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:

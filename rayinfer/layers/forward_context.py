@@ -122,14 +122,19 @@ def _sub_metadata(attn, query_lens, seq_lens, rows, tokens: slice) -> AttentionM
     )
 
 
+# Tokens an idle rank runs so that it joins its peers' collectives (see idle_forward_inputs).
+IDLE_FORWARD_TOKENS = 1
+
+
 def idle_forward_inputs(
     ctx: ForwardContext, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
     """One placeholder token for a rank (or micro-batch) with nothing to compute, so that it still
     joins every collective of the forward pass. It reads block 0, writes no cache slot (-1) and
     its output is thrown away."""
-    metadata = build_attention_metadata([1], [1], [[0]], ctx.attn.block_size, device)
+    count = IDLE_FORWARD_TOKENS
+    metadata = build_attention_metadata([count], [1], [[0]], ctx.attn.block_size, device)
     metadata.slot_mapping.fill_(-1)
-    input_ids = torch.zeros(1, dtype=torch.int64, device=device)
-    positions = torch.zeros(1, dtype=torch.int64, device=device)
+    input_ids = torch.zeros(count, dtype=torch.int64, device=device)
+    positions = torch.zeros(count, dtype=torch.int64, device=device)
     return input_ids, positions, ForwardContext(metadata, ctx.kv_caches)

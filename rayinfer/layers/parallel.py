@@ -33,15 +33,42 @@ class LayerGroup:
         self.tokens_per_rank: list[int] | None = None
 
     @contextmanager
-    def tokens_of_step(self, num_tokens: int, device: torch.device) -> Iterator[list[int]]:
-        """Learn every rank's token count for one forward (one tiny all-gather, one host sync
-        before any of the step's work is queued) and hold it in `tokens_per_rank` meanwhile."""
-        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        self.tokens_per_rank = self.all_gather_concat(mine, 0).tolist()
+    def tokens_of_step(
+        self, num_tokens: int, device: torch.device, known: list[int] | None = None
+    ) -> Iterator[list[int]]:
+        """Hold every rank's token count for one forward in `tokens_per_rank`: `known` when the
+        caller has it (a WorkerGroup sends it with the step), else learned with one tiny
+        all-gather (one host sync, before any of the step's work is queued)."""
+        if known is None:
+            mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+            known = self.all_gather_concat(mine, 0).tolist()
+        elif len(known) != self.size or known[self.rank] != num_tokens:
+            raise ValueError(
+                f"tokens per rank {known}: rank {self.rank} of {self.size} runs {num_tokens}"
+            )
+        self.tokens_per_rank = list(known)
         try:
             yield self.tokens_per_rank
         finally:
             self.tokens_per_rank = None
+
+    @contextmanager
+    def static_exchange(self, num_tokens: int) -> Iterator[None]:
+        """One forward captured in a CUDA graph (or run as one would be): every rank holds
+        num_tokens tokens, and the token exchange takes only what a graph can replay: every token
+        to every rank (dedup=False: sizes from the counts alone) and, for `auto`, NCCL (the host
+        transport queues flag values that change with every call)."""
+        configured = self.all_to_all
+        static = {**configured, "dedup": False}
+        for key, replayable in (("transport", "dist"), ("schedule", "nccl")):
+            if static.get(key, "auto") == "auto":
+                static[key] = replayable
+        self.all_to_all = static
+        try:
+            with self.tokens_of_step(num_tokens, None, known=[num_tokens] * self.size):
+                yield
+        finally:
+            self.all_to_all = configured
 
     def _options(self, options: dict, for_dispatch: bool) -> dict:
         merged = {**self.all_to_all, **options}
@@ -100,6 +127,11 @@ class ParallelContext:
     def experts_exchange_tokens(self) -> bool:
         """Whether MoE layers send tokens to other ranks' experts (dispatch/combine)."""
         return self.ep_size > 1 and self.tokens_differ_across_ep
+
+    @property
+    def has_collectives(self) -> bool:
+        """Whether a forward pass talks to other ranks (so every rank must run it in step)."""
+        return self.tp_size > 1 or self.ep_size > 1
 
     def __post_init__(self):
         if not 0 <= self.tp_rank < self.tp_size:

@@ -22,9 +22,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.decode_graphs import shared_decode_bucket
 from rayinfer.engine.executor import Executor, KVLostError
+from rayinfer.engine.graph_buckets import graph_batch_sizes
 from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
 
@@ -89,6 +92,8 @@ class WorkerGroup(Executor):
             for rank in range(num_workers)
         ]
         self.descriptions = ray.get([w.describe.remote() for w in self.workers])
+        self.graph_buckets = self._graph_buckets(spec)
+        self.step_counts = {"graph": 0, "eager": 0}  # steps run from decode graphs or eagerly
         self._num_kv_blocks = None
         if spec.kv_memory is not None:
             self._num_kv_blocks = self._agree_on_kv_blocks(spec.cache_config.num_blocks)
@@ -122,22 +127,43 @@ class WorkerGroup(Executor):
             self.worker_names[rank], rank, self.num_workers, spec
         )
 
+    def _graph_buckets(self, spec: WorkerSpec) -> tuple[list[int], int] | None:
+        """(bucket sizes, table width in blocks) of the decode graphs every worker captured, when
+        the workers talk during a forward: then this driver picks each step's bucket for all of
+        them. None: no graphs, or workers that may each decide alone."""
+        graphs = spec.cuda_graphs
+        if graphs is None or not self.plan.has_collectives:
+            return None
+        if not all(d["decode_graphs"] for d in self.descriptions):
+            return None
+        width = -(-graphs.max_model_len // spec.cache_config.block_size)
+        return graph_batch_sizes(graphs.max_batch_size), width
+
     # --- Executor ----------------------------------------------------------------------------
     def execute(self, batch: ModelBatch) -> list[int]:
-        shares = [ModelBatch([]) for _ in range(self.plan.dp)]
+        shares: list[list[ScheduledRequest]] = [[] for _ in range(self.plan.dp)]
         for request in batch.requests:
-            shares[request.kv_partition].requests.append(request)
-        calls = [
-            worker.execute.remote(shares[placement.dp_rank])
-            for worker, placement in zip(self.workers, self.placements)
+            shares[request.kv_partition].append(request)
+        bucket = None
+        if self.graph_buckets is not None:
+            bucket = shared_decode_bucket(shares, *self.graph_buckets)
+        self.step_counts["eager" if bucket is None else "graph"] += 1
+        # Each replica's token count (an idle one runs a placeholder) for the token exchange.
+        tokens = [
+            max(sum(len(r.token_ids) for r in share), IDLE_FORWARD_TOKENS) for share in shares
         ]
+        calls = []
+        for worker, placement in zip(self.workers, self.placements):
+            ep_tokens = None
+            if placement.tokens_differ_across_ep:
+                ep_tokens = [tokens[replica] for replica in placement.ep_peer_replicas]
+            share = ModelBatch(shares[placement.dp_rank], ep_tokens, bucket)
+            calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results = ray.get(calls)
         tokens_of = {}
         for rank in leaders:
-            sampling = [
-                r.request_id for r in shares[self.placements[rank].dp_rank].requests if r.samples
-            ]
+            sampling = [r.request_id for r in shares[self.placements[rank].dp_rank] if r.samples]
             tokens_of.update(zip(sampling, results[rank]))
         return [tokens_of[r.request_id] for r in batch.requests if r.samples]
 

@@ -41,6 +41,12 @@ class WorkerPlacement:
         return first // self.plan.tp != last // self.plan.tp
 
     @property
+    def ep_peer_replicas(self) -> list[int]:
+        """The data-parallel replica of each rank of this worker's expert-parallel group."""
+        first = self.ep_group_index * self.plan.ep
+        return [(first + i) // self.plan.tp for i in range(self.plan.ep)]
+
+    @property
     def is_dp_leader(self) -> bool:
         """The worker whose sampled tokens stand for its DP replica."""
         return self.tp_rank == 0

@@ -59,7 +59,7 @@ class WorkerSpec:
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
     all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"
-    cuda_graphs: CudaGraphConfig | None = None  # decode graphs; only without collectives
+    cuda_graphs: CudaGraphConfig | None = None  # decode graphs (see config.graph_blocker)
     kv_memory: KVMemoryConfig | None = None  # size the cache from GPU memory (CUDA only)
     fp8_weights: bool = False  # keep FP8 block-scaled checkpoint weights in FP8 (DeepSeek)
 
@@ -132,10 +132,16 @@ class Worker:
             "device": str(self.device),
             "dtype": str(self.dtype),
             "pid": os.getpid(),
+            "decode_graphs": self.runner.captures_decode_graphs,
         }
 
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
+
+    def graph_capture_seconds(self) -> float | None:
+        """Warm-up and capture of this worker's decode graphs; None without graphs."""
+        graphs = self.runner.decode_graphs
+        return None if graphs is None else graphs.capture_seconds
 
     def kv_blocks_that_fit(self) -> int | None:
         """KV blocks this GPU can hold (a profiling step; the whole group runs it at once so

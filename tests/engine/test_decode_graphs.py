@@ -17,7 +17,7 @@ from rayinfer.config import (
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import phase_graphs
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
-from rayinfer.engine.decode_graphs import DecodeGraphs
+from rayinfer.engine.decode_graphs import DecodeGraphs, shared_decode_bucket
 from rayinfer.engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
 from rayinfer.engine.model_runner import ModelRunner
@@ -167,7 +167,9 @@ def test_runner_sends_pure_decodes_to_the_graphs_and_the_rest_eagerly(monkeypatc
     calls = []
     run = runner.decode_graphs.run
     monkeypatch.setattr(
-        runner.decode_graphs, "run", lambda reqs: calls.append(len(reqs)) or run(reqs)
+        runner.decode_graphs,
+        "run",
+        lambda reqs, bucket=None: calls.append(len(reqs)) or run(reqs, bucket),
     )
     prompt = ScheduledRequest("a", [1, 2, 3], 0, [0], True, GREEDY)
     runner.execute(ModelBatch([prompt]))
@@ -197,21 +199,48 @@ def test_llm_with_graphs_generates_the_eager_tokens(family, tmp_path):
     assert tokens[True] == tokens[False]
 
 
+def test_group_agrees_on_one_bucket_for_every_replica():
+    """The driver of a worker group picks the bucket of the largest replica's share; an empty
+    share replays it on padding; any prefill, too-wide table or oversized share means eager."""
+    sizes, width = [1, 2, 4, 8], 4
+    decode = decode_request("a", 4, 3, [0])
+    assert shared_decode_bucket([[decode] * 3, []], sizes, width) == 4
+    assert shared_decode_bucket([[decode], [decode]], sizes, width) == 1
+    assert shared_decode_bucket([[], []], sizes, width) is None  # nothing to run
+    assert shared_decode_bucket([[decode] * 9, []], sizes, width) is None  # beyond the largest
+    prefill = ScheduledRequest("p", [1, 2, 3], 0, [0], True, GREEDY)
+    assert shared_decode_bucket([[decode], [prefill]], sizes, width) is None
+    wide = decode_request("w", 4, 3, [0, 1, 2, 3, 5])
+    assert shared_decode_bucket([[decode], [wide]], sizes, width) is None
+
+
 # --- the switch --------------------------------------------------------------------------------
-def test_graphs_default_on_for_cuda_without_collectives():
-    def resolve(requested, is_cuda=True, plan=None):
+def test_graphs_default_on_for_cuda_where_the_forward_can_be_captured():
+    def resolve(requested, is_cuda=True, plan=None, all_to_all=None):
         plan = plan or ParallelPlan()
         return cuda_graph_config(requested, is_cuda=is_cuda, plan=plan, max_num_seqs=64,
-                                 max_graph_batch_size=32, max_model_len=1024)  # fmt: skip
+                                 max_graph_batch_size=32, max_model_len=1024,
+                                 all_to_all=all_to_all)  # fmt: skip
 
     assert resolve(None) == CudaGraphConfig(max_batch_size=32, max_model_len=1024)
     assert resolve(None, is_cuda=False) is None
-    assert resolve(None, plan=ParallelPlan(tp=2)) is None
     assert resolve(None, plan=ParallelPlan(dp=2)) is not None  # no collectives in the forward
+    # All-reduces and the all-tokens exchange are captured as NCCL kernels.
+    assert resolve(None, plan=ParallelPlan(tp=2)) is not None
+    assert resolve(None, plan=ParallelPlan(dp=2, ep=2)) is not None
+    # The host-staged or deduplicated exchange cannot be replayed: auto turns graphs off...
+    ep = ParallelPlan(dp=2, ep=2)
+    assert resolve(None, plan=ep, all_to_all={"transport": "host"}) is None
+    assert resolve(None, plan=ep, all_to_all={"dedup": True}) is None
+    # ...but only where experts exchange tokens (tp=2, ep=2 sums shares with an all-reduce).
+    assert resolve(None, plan=ParallelPlan(tp=2, ep=2), all_to_all={"transport": "host"})
     assert resolve(False) is None
     assert resolve(True, is_cuda=False) is not None  # the CPU runs the padded path eagerly
-    with pytest.raises(ConfigError, match="cuda_graphs=true needs tp=1 and ep=1"):
-        resolve(True, plan=ParallelPlan(tp=2, ep=2))
+    expected = "cuda_graphs=true cannot capture this forward: all_to_all.transport=host"
+    with pytest.raises(ConfigError, match=expected):
+        resolve(True, plan=ep, all_to_all={"transport": "host"})
+    with pytest.raises(ConfigError, match="all_to_all.dedup=true sizes the exchange"):
+        resolve(True, plan=ep, all_to_all={"dedup": True})
 
 
 def test_serve_config_takes_cuda_graphs_per_phase():
@@ -223,8 +252,16 @@ def test_serve_config_takes_cuda_graphs_per_phase():
     assert AppConfig.from_args({"prefill.cuda_graphs": "on"}).prefill.cuda_graphs is True
     with pytest.raises(ConfigError, match=r"decode.cuda_graphs='maybe': use true, false or auto"):
         AppConfig.from_args({"decode.cuda_graphs": "maybe"})
-    with pytest.raises(ConfigError, match=r"decode.cuda_graphs=true needs decode.tp=1"):
-        AppConfig.from_args({"decode.cuda_graphs": True, "decode.tp": 2})
+    expected = r"decode.cuda_graphs=true cannot capture .* decode.all_to_all.transport=host"
+    with pytest.raises(ConfigError, match=expected):
+        AppConfig.from_args(
+            {"decode.cuda_graphs": True, "decode.dp": 2, "decode.ep": 2,
+             "decode.all_to_all.transport": "host"}
+        )  # fmt: skip
+    # The all-tokens exchange over NCCL is captured: auto keeps decode graphs for dp=2 ep=2.
+    ep = AppConfig.from_args({"decode.dp": 2, "decode.ep": 2})
+    ep_graphs = phase_graphs(ep.decode, "decode", use_gpus=True, max_model_len=4096)
+    assert ep_graphs is not None and ep_graphs.max_model_len == 4096
     auto = AppConfig.from_args({})
     decode = phase_graphs(auto.decode, "decode", use_gpus=True, max_model_len=4096)
     assert decode == CudaGraphConfig(max_batch_size=128, max_model_len=4096)

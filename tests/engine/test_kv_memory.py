@@ -29,7 +29,7 @@ from rayinfer.engine.kv_memory import (
     num_kv_blocks_for_memory,
 )
 from rayinfer.engine.model_runner import ModelRunner
-from rayinfer.layers.parallel import ParallelContext
+from rayinfer.layers.parallel import LayerGroup, ParallelContext
 from rayinfer.workers.in_process import InProcessExecutor
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
@@ -257,10 +257,15 @@ def test_decode_graphs_reserve_their_pool(checkpoint, monkeypatch):
     assert without - with_graphs == pytest.approx(CUDA_GRAPH_RESERVE_BYTES / per_block, abs=1)
 
 
-def test_tensor_parallel_ranks_take_no_graph_reserve(checkpoint, monkeypatch):
+def test_ranks_whose_exchange_cannot_be_replayed_take_no_graph_reserve(checkpoint, monkeypatch):
     FakeCuda(monkeypatch)
     runner = make_runner(checkpoint, cuda_graphs=CudaGraphConfig(8, 256))
-    runner.parallel = ParallelContext(tp_rank=0, tp_size=2)  # collectives stay eager
+    runner.parallel = ParallelContext(tp_rank=0, tp_size=2)  # all-reduces are captured
+    assert runner.captures_decode_graphs
+    host = LayerGroup(None, rank=0, size=2, all_to_all={"transport": "host"})
+    runner.parallel = ParallelContext(
+        ep_rank=0, ep_size=2, ep_group=host, tokens_differ_across_ep=True
+    )  # host-staged token exchange: eager
     assert not runner.captures_decode_graphs
 
 

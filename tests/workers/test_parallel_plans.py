@@ -48,12 +48,22 @@ def single_worker_tokens(checkpoints, prompts):
     }
 
 
-def run_plan(path, plan, prompts, overlap=False, all_to_all=None) -> list[list[int]]:
+def run_plan(
+    path, plan, prompts, overlap=False, all_to_all=None, cuda_graphs=None, steps=None
+) -> list[list[int]]:
     llm = rayinfer.LLM(
-        str(path), device="cpu", parallel=plan, two_batch_overlap=overlap, all_to_all=all_to_all
+        str(path),
+        device="cpu",
+        parallel=plan,
+        two_batch_overlap=overlap,
+        all_to_all=all_to_all,
+        cuda_graphs=cuda_graphs,
     )
     try:
-        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        if steps is not None:
+            steps.update(llm.engine.executor.step_counts)
+        return tokens
     finally:
         llm.shutdown()
 
@@ -126,6 +136,29 @@ def test_all_tokens_exchange_gives_the_same_tokens(
         all_to_all={"dedup": False, "transport": transport},
     )
     assert tokens == single_worker_tokens[family]
+
+
+@pytest.mark.parametrize(
+    "family, plan, chosen",
+    [
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(None)),  # all-tokens exchange captured
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(1, 2)),  # idle replica replays padding
+        ("qwen3_moe", ParallelPlan(tp=2, ep=2), slice(None)),  # all-reduces captured
+        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), slice(None)),  # TP pairs share a bucket
+    ],
+    ids=["dp2-ep2", "dp2-ep2-idle-replica", "tp2-ep2", "tp2-dp2-ep4"],
+)
+def test_decode_graphs_across_workers_give_the_same_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, chosen
+):
+    """cuda_graphs=True on CPU workers runs what the graphs capture, eagerly: every replica pads
+    its decodes to the bucket the driver agreed on (the largest share's), an idle replica runs the
+    bucket on padding, and the exchange sends every token to every rank over the bucket's
+    sizes. The tokens stay the single worker's, and the steps really went that way."""
+    steps = {}
+    tokens = run_plan(checkpoints[family], plan, prompts[chosen], cuda_graphs=True, steps=steps)
+    assert tokens == single_worker_tokens[family][chosen]
+    assert steps["graph"] >= GREEDY.max_tokens - 1 and steps["eager"] >= 1  # prefill eager
 
 
 @pytest.mark.parametrize(

@@ -165,11 +165,23 @@ def check_moe_pack(device: str) -> dict:
     expected = moe_pack.pack_for_every_rank_reference(x, ids, weights, 2, ids_at, row_bytes)
     local = moe_pack.localize_expert_ids(got, ids_at, 6, 32, 32)
     local_ref = moe_pack.localize_expert_ids_reference(expected, ids_at, 6, 32, 32)
+    # FP8 dispatch rows (2026-11-30, third session): scale_at 2048, ids_at 2052, 2112-byte rows
+    fp8_args = (x, ids, weights, 2, 2048, 2052, 2112)
+    fp8_rows = moe_pack.pack_fp8_for_every_rank(*fp8_args)
+    fp8_ref = moe_pack.pack_fp8_for_every_rank_reference(*fp8_args)
+    values, want = (r[:, :2048].view(torch.float8_e4m3fn).float() for r in (fp8_rows, fp8_ref))
+    unpacked = moe_pack.unpack_fp8_rows(fp8_rows, 2048, 2048, torch.bfloat16)
     row = dict(
         check="moe_pack_bf16",
         pack_equal=bool(torch.equal(got, expected)),
         localize_equal=all(torch.equal(a, b) for a, b in zip(local, local_ref)),
-    )
+        fp8_tail_equal=bool(torch.equal(fp8_rows[:, 2048:], fp8_ref[:, 2048:])),
+        fp8_values_off=int((values != want).sum()),
+        fp8_values_max_step=float(((values - want).abs() / want.abs().clamp_min(2**-9)).max()),
+        fp8_unpack_equal=bool(torch.equal(
+            unpacked, moe_pack.unpack_fp8_rows_reference(fp8_rows, 2048, 2048, torch.bfloat16)
+        )),
+    )  # fmt: skip
     print(row, flush=True)
     return row
 
@@ -233,6 +245,7 @@ def main() -> int:
         action="store_true",
         help="only decode CUDA graphs across workers (dp=2 ep=2, tp=2 ep=2, an idle replica)",
     )
+    parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     start, rows = time.time(), []
@@ -240,6 +253,8 @@ def main() -> int:
         paths = checkpoints(Path(tmp))
         if args.decode_graphs_only:
             rows += check_decode_graphs(paths, device)
+        elif args.moe_pack_only:
+            rows.append(check_moe_pack(device))
         elif args.all_tokens_only:
             if device == "cuda":  # on CPU tests/kernels/test_moe_pack.py runs the interpreter
                 rows.append(check_moe_pack(device))

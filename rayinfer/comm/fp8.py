@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-FP8_MAX = 448.0
+from rayinfer.kernels.moe_pack import FP8_MAX, quantize_rows_reference
 
 
 class Fp8Rows(NamedTuple):
@@ -24,10 +24,7 @@ class Fp8Rows(NamedTuple):
 
 def quantize_per_token(x: torch.Tensor) -> Fp8Rows:
     """x: [T, H] float: activations -> FP8 rows with per-token scales."""
-    amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)  # [T, 1]
-    scales = amax / FP8_MAX
-    values = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8Rows(values, scales.squeeze(1))
+    return Fp8Rows(*quantize_rows_reference(x))
 
 
 def dequantize(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:

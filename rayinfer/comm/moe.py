@@ -163,9 +163,10 @@ def _dispatch_all_tokens(
     per_rank, topk = num_experts // n, topk_ids.shape[1]
     layout = RowLayout(x.shape[1], topk, x.dtype, use_fp8)
     matrix = [[count] * n for count in tokens_per_rank]  # rank i sends its T_i rows to each j
-    if use_fp8:
-        rows = _pack(x, None, topk_ids.int(), topk_weights.float(), use_fp8)  # [T, row_bytes]
-        send = rows.repeat(n, 1)  # [n * T, row_bytes]: the same rows for every destination
+    if use_fp8:  # one launch: each token quantized once, its row written for every rank
+        send = ops.pack_fp8_for_every_rank(
+            x, topk_ids, topk_weights, n, layout.payload_bytes, layout.ids_at, layout.row_bytes
+        )
     else:  # one launch for all n copies
         send = ops.pack_for_every_rank(
             x, topk_ids, topk_weights, n, layout.ids_at, layout.row_bytes
@@ -174,8 +175,10 @@ def _dispatch_all_tokens(
     comm.all_to_all(
         recv, send, list(tokens_per_rank), [num_tokens] * n, split_matrix=matrix, **a2a_options
     )
-    payload, scale, _, _ = layout.columns(recv)
-    recv_x = dequantize(Fp8Rows(payload, scale.squeeze(1)), x.dtype) if use_fp8 else payload
+    if use_fp8:
+        recv_x = ops.unpack_fp8_rows(recv, x.shape[1], layout.payload_bytes, x.dtype)
+    else:
+        recv_x = layout.columns(recv)[0]
     local_ids, weights = ops.localize_expert_ids(
         recv, layout.ids_at, topk, rank * per_rank, per_rank
     )  # [R, K] each: -1 / 0 where another rank holds the expert

@@ -83,6 +83,22 @@ def pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes):
     )
 
 
+def pack_fp8_for_every_rank(x, topk_ids, topk_weights, world, scale_at, ids_at, row_bytes):
+    """x [T, H] -> [world * T, row_bytes] uint8: every token quantized once to e4m3 with its own
+    scale, its row written once per rank (layout in kernels/moe_pack.py)."""
+    args = (x, topk_ids, topk_weights, world, scale_at, ids_at, row_bytes)
+    if _on_cuda(x):
+        return moe_pack.pack_fp8_for_every_rank(*args)
+    return moe_pack.pack_fp8_for_every_rank_reference(*args)
+
+
+def unpack_fp8_rows(rows, hidden, scale_at, dtype):
+    """Arrived FP8 rows [R, row_bytes] uint8 -> [R, H] dtype (values times their row's scale)."""
+    if _on_cuda(rows):
+        return moe_pack.unpack_fp8_rows(rows, hidden, scale_at, dtype)
+    return moe_pack.unpack_fp8_rows_reference(rows, hidden, scale_at, dtype)
+
+
 def localize_expert_ids(rows, ids_at, topk, first_expert, num_local):
     """Arrived rows [R, row_bytes] uint8 -> (local expert ids [R, K] int64, -1 off this rank;
     weights [R, K] float32, 0 off this rank)."""

@@ -50,6 +50,12 @@ METRICS = {
         "Hand-offs whose KV was lost, so decode recomputed the prompt.",
         (),
     ),
+    "engine_steps": (
+        "counter",
+        "rayinfer_engine_steps",
+        "Engine steps by how the workers ran the model: mode=graph (decode CUDA graphs) or eager.",
+        ("mode",),
+    ),
 }
 METRIC_NAMES = tuple(name for _, name, _, _ in METRICS.values())
 
@@ -83,6 +89,10 @@ class ServeMetrics:
         self.kv_handoff_seconds.observe(seconds, tags=self.tags)
         if num_bytes:
             self.kv_handoff_bytes.inc(num_bytes, tags=self.tags)
+
+    def add_steps(self, mode: str, count: int) -> None:
+        if count:
+            self.engine_steps.inc(count, tags={**self.tags, "mode": mode})
 
     def add_tokens(self, num_prompt: int, num_generated: int) -> None:
         if num_prompt:

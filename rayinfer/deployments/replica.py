@@ -37,6 +37,7 @@ class PhaseReplica:
         name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
         self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)
         self._num_kv_recomputes = 0
+        self._steps_reported = dict(self.workers.step_counts)  # mode -> steps already counted
         self._last_report = 0.0
         self.loop = EngineLoop(self.engine, name=name_prefix, on_tick=self._report_engine)
 
@@ -52,6 +53,9 @@ class PhaseReplica:
         if new_recomputes:
             self.metrics.kv_recomputes.inc(new_recomputes, tags=self.metrics.tags)
             self._num_kv_recomputes = stats["num_kv_recomputes"]
+        for mode, count in self.workers.step_counts.items():  # the loop thread counts them too
+            self.metrics.add_steps(mode, count - self._steps_reported.get(mode, 0))
+            self._steps_reported[mode] = count
 
     async def check_health(self) -> None:
         if not self.loop.is_healthy:
@@ -63,3 +67,7 @@ class PhaseReplica:
 
     def num_kv_recomputes(self) -> int:
         return self.engine.num_kv_recomputes
+
+    def step_counts(self) -> dict[str, int]:
+        """Engine steps the workers ran from decode CUDA graphs ("graph") or eagerly."""
+        return dict(self.workers.step_counts)

@@ -26,6 +26,12 @@ from rayinfer.kernels.triton_compat import tl, triton
 MIN_AMAX = 1e-12  # an all-zero token gets this magnitude instead of a zero scale
 
 
+def _unit_stride_and_rows(x: torch.Tensor, world: int, row_bytes: int):
+    """(x with unit column stride, the [world * T, row_bytes] uint8 rows a pack kernel fills)."""
+    rows = torch.empty(world * x.shape[0], row_bytes, dtype=torch.uint8, device=x.device)
+    return (x if x.stride(1) == 1 else x.contiguous()), rows
+
+
 def _check_layout(hidden: int, itemsize: int, ids_at: int, topk: int, row_bytes: int) -> None:
     if ids_at % 4 or row_bytes % 64 or ids_at < hidden * itemsize or row_bytes < ids_at + 8 * topk:
         raise ValueError(
@@ -130,11 +136,9 @@ def pack_fp8_for_every_rank(
     num_tokens, topk = topk_ids.shape
     hidden = x.shape[1]
     _check_fp8_layout(hidden, scale_at, ids_at, topk, row_bytes)
-    rows = torch.empty(world * num_tokens, row_bytes, dtype=torch.uint8, device=x.device)
+    x, rows = _unit_stride_and_rows(x, world, row_bytes)
     if num_tokens == 0:
         return rows
-    if x.stride(1) != 1:
-        x = x.contiguous()
     payload, words = rows.view(torch.float8_e4m3fn), rows.view(torch.int32)
     pad_words = (row_bytes - ids_at) // 4 - 2 * topk
     block_h = triton.next_power_of_2(hidden)
@@ -231,11 +235,9 @@ def pack_for_every_rank(
     num_tokens, topk = topk_ids.shape
     hidden, itemsize = x.shape[1], x.element_size()
     _check_layout(hidden, itemsize, ids_at, topk, row_bytes)
-    rows = torch.empty(world * num_tokens, row_bytes, dtype=torch.uint8, device=x.device)
+    x, rows = _unit_stride_and_rows(x, world, row_bytes)
     if num_tokens == 0:
         return rows
-    if x.stride(1) != 1:
-        x = x.contiguous()
     payload, words = rows.view(x.dtype), rows.view(torch.int32)  # same bytes, typed views
     pad_words = (row_bytes - ids_at) // 4 - 2 * topk
     block_h = min(1024, triton.next_power_of_2(hidden))

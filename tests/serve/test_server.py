@@ -107,6 +107,11 @@ def test_prometheus_lists_rayinfer_metrics(server):
     text = server.metrics_text()
     for name in ("requests_total", "kv_cache_usage", "queue_length", "generation_tokens_total"):
         assert f"ray_rayinfer_{name}" in text
+    wait_for(
+        lambda: server.metric_sum("ray_rayinfer_engine_steps_total") > 0,
+        timeout_s=30,
+        what="engine steps counted (mode=eager on the CPU: no graphs there by default)",
+    )
 
 
 def test_32_concurrent_streams_complete(server):

@@ -143,6 +143,11 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
     from rayinfer import LLM, SamplingParams
 
     longest = max(args.prompt_lens)
+    # Room for the largest decode batch at once (64-token prompts), or the longest prompt: the
+    # default cache (max(4 x max_model_len, 16384) tokens) would hold ~200 of 256 decodes and the
+    # batch would run in part, or preempted.
+    largest = max([1, *args.decode_batches])
+    cache_tokens = max(4 * (longest + args.decode_tokens + 8), largest * (64 + args.decode_tokens))
     llm = LLM(
         config_dir,
         device="cuda",
@@ -152,7 +157,8 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         all_to_all=exchange_options(transport),
         max_model_len=longest + args.decode_tokens + 8,
         max_num_batched_tokens=longest,
-        max_num_seqs=max([64, *args.decode_batches]),
+        max_num_seqs=max(64, largest),
+        num_kv_blocks=-(-cache_tokens // 16) + largest,  # block_size 16; one partial per sequence
         enable_prefix_caching=False,
         cuda_graphs=None if graphs == "auto" else False,
     )

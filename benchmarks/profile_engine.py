@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from rayinfer import LLM, SamplingParams  # noqa: E402
 
 def decode_steps(llm: LLM, batch: int, steps: int) -> None:
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 96, temperature=0, ignore_eos=True)
     for index in range(batch):
         engine.add_request(f"p{batch}-{index}", list(range(100, 164)), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
@@ -32,6 +33,12 @@ def decode_steps(llm: LLM, batch: int, steps: int) -> None:
     for _ in range(4):
         engine.step()  # warm-up decodes
     torch.cuda.synchronize()
+    walls = []
+    for _ in range(16):  # without the profiler: the step as the engine runs it
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    print(f"\n=== decode batch {batch}: wall {1e3 * sorted(walls)[8]:.2f} ms/step (median of 16)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -54,18 +61,24 @@ def report(prof, title: str, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
+    largest = max(args.batches)
     llm = LLM(args.config, device="cuda", load_format="dummy", max_model_len=8192,
-              max_num_batched_tokens=4096, enable_prefix_caching=False)  # fmt: skip
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    llm.generate([list(range(4096))], first)  # warm-up at the measured shape
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate([list(range(1, 4097))], first)
+              max_num_batched_tokens=4096, enable_prefix_caching=False,
+              max_num_seqs=max(64, largest),
+              num_kv_blocks=max(8192 * 4, largest * 256) // 16)  # fmt: skip
+    if not args.skip_prefill:
+        first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        llm.generate([list(range(4096))], first)  # warm-up at the measured shape
         torch.cuda.synchronize()
-    report(prof, "prefill 4096 tokens", 1)
-    decode_steps(llm, 1, 8)
-    decode_steps(llm, 64, 8)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([list(range(1, 4097))], first)
+            torch.cuda.synchronize()
+        report(prof, "prefill 4096 tokens", 1)
+    for batch in args.batches:
+        decode_steps(llm, batch, 8)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class BlockManager:
         # Keep at least one token to compute so the request gets logits for its next token.
         max_cached_blocks = (seq.num_tokens - 1) // self.block_size
         for index in range(max_cached_blocks):
-            tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
+            tokens = seq.token_slice(index * self.block_size, (index + 1) * self.block_size)
             prev_hash = chained_block_hash(prev_hash, tokens)
             block_id = self.block_id_by_hash.get(prev_hash)
             if block_id is None:
@@ -82,9 +82,11 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         num_hashed = self._num_hashed_blocks.get(seq.request_id, 0)
+        if num_full <= num_hashed:  # no block filled up this step (most decode steps)
+            return
         prev_hash = self.blocks[seq.block_table[num_hashed - 1]].hash if num_hashed else None
         for index in range(num_hashed, num_full):
-            tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
+            tokens = seq.token_slice(index * self.block_size, (index + 1) * self.block_size)
             prev_hash = chained_block_hash(prev_hash, tokens)
             block = self.blocks[seq.block_table[index]]
             if prev_hash not in self.block_id_by_hash:

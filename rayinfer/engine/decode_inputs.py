@@ -87,17 +87,21 @@ class StaticDecodeInputs:
         tables = lengths[self.max_batch_size :].reshape(self.max_batch_size, -1)  # [B, W]
         block_size = self.block_size
         tables[:bucket] = -1
+        # Per-row scalars go in as whole columns (one numpy call each, not three per row).
+        positions = [r.start_position for r in requests]  # of each new token, cached at its slot
+        pad = bucket - num_real
+        tokens[0, :bucket] = [r.token_ids[0] for r in requests] + [PAD_TOKEN] * pad
+        tokens[1, :bucket] = positions + [0] * pad
+        tokens[2, :bucket] = [
+            r.block_table[p // block_size] * block_size + p % block_size
+            for r, p in zip(requests, positions)
+        ] + [PAD_SLOT] * pad
+        context_lens = [p + 1 for p in positions] + [1] * pad
+        seq_lens[:bucket] = context_lens
         for row, request in enumerate(requests):
-            position = request.start_position  # of the new token; it is cached at `slot`
-            slot = request.block_table[position // block_size] * block_size + position % block_size
-            tokens[:, row] = (request.token_ids[0], position, slot)
-            seq_lens[row] = position + 1
             tables[row, : len(request.block_table)] = request.block_table
-        tokens[:, num_real:bucket] = ((PAD_TOKEN,), (0,), (PAD_SLOT,))
-        seq_lens[num_real:bucket] = 1
         tables[num_real:bucket, 0] = PAD_BLOCK
         self._copy_to_device(bucket)
-        context_lens = [r.seq_len for r in requests] + [1] * (bucket - num_real)
         return self.step(bucket, context_lens)
 
     def fill_padding(self, bucket: int) -> DecodeStep:

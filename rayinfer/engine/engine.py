@@ -209,6 +209,9 @@ class LLMEngine:
             self.executor.free_requests([seq.request_id])
 
     def _model_batch(self, scheduled: list[ScheduledSequence]) -> ModelBatch:
+        """The step's requests. Block tables are the sequences' own lists, not copies: the
+        executor reads them during `execute` (a worker group pickles them), and nothing changes
+        them before it returns."""
         requests = []
         for item in scheduled:
             seq = item.seq
@@ -216,9 +219,9 @@ class LLMEngine:
             requests.append(
                 ScheduledRequest(
                     request_id=seq.request_id,
-                    token_ids=seq.token_ids[start : start + item.num_new_tokens],
+                    token_ids=seq.token_slice(start, start + item.num_new_tokens),
                     start_position=start,
-                    block_table=list(seq.block_table),
+                    block_table=seq.block_table,
                     samples=item.samples,
                     params=seq.params,
                     kv_partition=seq.kv_partition,

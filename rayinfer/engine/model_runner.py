@@ -216,7 +216,9 @@ class ModelRunner:
         hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens)  # [T, H], rows
         if not last_rows:
             return []
-        logits = self.model.compute_logits(hidden[last_rows])  # [B, V] float32
+        # Every row samples in a pure decode: no index tensor to build and copy to the device.
+        last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
+        logits = self.model.compute_logits(last)  # [B, V] float32
         sampling = [r for r in requests if r.samples]
         if any(r.output_token_ids for r in sampling):
             apply_penalties(
@@ -225,9 +227,12 @@ class ModelRunner:
                 [r.params.presence_penalty for r in sampling],
                 [r.params.frequency_penalty for r in sampling],
             )
+        temperatures = [r.params.temperature for r in sampling]
+        if not any(temperatures):  # all greedy: no per-request lists or generators
+            return logits.argmax(dim=-1).tolist()
         return sample_tokens(
             logits,
-            [r.params.temperature for r in sampling],
+            temperatures,
             [r.params.top_k for r in sampling],
             [r.params.top_p for r in sampling],
             [self._generator(r.request_id, r.params) for r in sampling],

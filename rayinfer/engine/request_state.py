@@ -50,21 +50,21 @@ class RequestState:
 
     def take_output(self) -> RequestOutput:
         """The request's state plus what changed since the last call."""
-        seq = self.seq
-        visible = len(self.text)
-        if self.finish_reason is None:
-            visible = streamable_length(self.text, seq.params.stop)
-        visible = max(visible, self._num_chars_reported)
+        seq, text = self.seq, self.text
+        visible = len(text)
+        if self.finish_reason is None and seq.params.stop:  # hold back a stop string's start
+            visible = max(streamable_length(text, seq.params.stop), self._num_chars_reported)
+        generated = seq.output_token_ids
         output = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=self.text[:visible] if self.finish_reason is None else self.text,
-            new_token_ids=seq.output_token_ids[self._num_tokens_reported :],
-            new_text=self.text[self._num_chars_reported : visible],
+            token_ids=list(generated),
+            text=text if visible == len(text) else text[:visible],
+            new_token_ids=generated[self._num_tokens_reported :],
+            new_text=text[self._num_chars_reported : visible],
             finish_reason=self.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        self._num_tokens_reported = seq.num_output_tokens
+        self._num_tokens_reported = len(generated)
         self._num_chars_reported = visible
         return output

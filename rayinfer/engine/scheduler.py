@@ -69,15 +69,25 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            seats[seq.kv_partition] -= 1
-            budget = budgets[seq.kv_partition]
+            partition = seq.kv_partition
+            seats[partition] -= 1
+            budget = budgets[partition]
             if budget == 0:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, num_new):
-                self.manager_of(seq).allocate_slots(seq, num_new)
-                scheduled.append(ScheduledSequence.of(seq, num_new))
-                budgets[seq.kv_partition] -= num_new
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            computed = seq.num_computed_tokens
+            num_new = min(num_tokens - computed, budget)
+            # A decode whose token fits the last block needs no block (most steps): no checks.
+            fits = (
+                computed + num_new
+                <= len(seq.block_table) * self.block_managers[partition].block_size
+            )
+            if fits or self._make_room(seq, num_new):
+                if not fits:
+                    self.manager_of(seq).allocate_slots(seq, num_new)
+                samples = computed + num_new == num_tokens
+                scheduled.append(ScheduledSequence(seq, num_new, samples))
+                budgets[partition] -= num_new
         while self.waiting:
             seq = self.waiting[0]
             partition = self._partition_for(seq, budgets, seats)

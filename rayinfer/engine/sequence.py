@@ -34,6 +34,17 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building token_ids (a step reads a few tokens of a
+        sequence that may hold thousands)."""
+        prompt = self.prompt_token_ids
+        num_prompt = len(prompt)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -56,7 +67,7 @@ class Sequence:
 
     @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         tokens = self.num_tokens if num_tokens is None else num_tokens

@@ -155,7 +155,10 @@ def _check(positions, query, key, inv_freq):
 def _launch(positions, query, key, inv_freq, is_interleaved, attention_factor, cache_write):
     """cache_write: None, or (kv_cache, slot_mapping, companion [T, C], key_offset, offset)."""
     _check(positions, query, key, inv_freq)
-    query_out, key_out = query.clone(), key.clone()  # clones carry the pass-through features
+    rotated = 2 * inv_freq.shape[0]  # the kernel writes these features of every head
+    # Features past the rotary dim pass through: only then do the outputs start as copies.
+    query_out = torch.empty_like(query) if query.shape[-1] == rotated else query.clone()
+    key_out = torch.empty_like(key) if key.shape[-1] == rotated else key.clone()
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return query_out, key_out

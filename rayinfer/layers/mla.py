@@ -92,14 +92,15 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, L]
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, L] (the norm reads strided rows)
         kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
         q_pe, k_pe = self.rotary_emb.forward_and_cache(
             positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping
         )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
-        query[..., self.nope_dim :] = q_pe  # the whole rotated query, no concatenation
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
+        if prefill_seqs:  # the expanded form reads the whole rotated query (no concatenation)
+            query[..., self.nope_dim :] = q_pe
         if decode_seqs:
             self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.attn, decode_seqs, out)
         starts = list(accumulate(ctx.attn.query_lens_cpu, initial=0))  # [B + 1]

@@ -9,6 +9,9 @@
    peak reserved memory against the budget.
 4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
    from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
+5. (`--routing-only`, not yet run) the one-launch MoE routing kernel against the torch routing
+   for V2-Lite, V3 and Qwen3-MoE routers, and both timed; then
+   `RAYINFER_FUSED_ROUTING=1 python benchmarks/gpu_engine_parity.py` runs the models on it.
 
 Usage (carry [".device"]):
     source .device/ray/use-ray-bundle.sh; export PYTHONPATH=$PWD:$PYTHONPATH
@@ -151,6 +154,43 @@ def check_decode_graphs(paths: dict[str, Path], device: str) -> list[dict]:
     return rows
 
 
+# (name, experts, top_k, scoring, renormalize, groups, topk_groups, bias, scaling)
+ROUTERS = [
+    ("deepseek-v2-lite", 64, 6, "softmax", False, 1, 1, False, 1.0),
+    ("deepseek-v3", 256, 8, "sigmoid", True, 8, 4, True, 2.5),
+    ("qwen3-moe", 128, 8, "softmax", True, 1, 1, False, 1.0),
+]
+
+
+def check_routing(device: str) -> list[dict]:
+    """The one-launch routing kernel (opt-in: RAYINFER_FUSED_ROUTING=1) against the torch
+    reference on the GPU, then both timed: same experts best first, weights within 1e-5."""
+    import triton.testing
+
+    from rayinfer.kernels.moe_routing import moe_routing_reference
+    from rayinfer.kernels.moe_routing_kernel import moe_routing
+
+    rows = []
+    for name, experts, top_k, scoring, renorm, groups, topk_groups, has_bias, scaling in ROUTERS:
+        for num_tokens in (1, 64, 4096):
+            gen = torch.Generator().manual_seed(num_tokens)
+            logits = (torch.randn(num_tokens, experts, generator=gen) * 2).to(device)
+            bias = (torch.randn(experts, generator=gen) * 0.3).to(device) if has_bias else None
+            args = (logits, top_k, scoring, renorm, groups, topk_groups, bias, scaling)
+            ours, expected = moe_routing(*args), moe_routing_reference(*args)
+            same_ids = torch.equal(ours.topk_ids, expected.topk_ids)
+            error = (ours.topk_weights - expected.topk_weights).abs().max().item()
+            kernel_us = triton.testing.do_bench(lambda a=args: moe_routing(*a)) * 1e3
+            torch_us = triton.testing.do_bench(lambda a=args: moe_routing_reference(*a)) * 1e3
+            row = dict(
+                check="moe_routing_kernel", router=name, tokens=num_tokens, same_ids=same_ids,
+                max_weight_error=error, kernel_us=kernel_us, torch_us=torch_us,
+            )  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def check_moe_pack(device: str) -> dict:
     """The all-tokens row kernels in bfloat16 (the CPU interpreter runs float32/float16 only):
     bytes equal to the torch reference at DeepSeek-V2-Lite's hidden size and top-6."""
@@ -246,6 +286,9 @@ def main() -> int:
         help="only decode CUDA graphs across workers (dp=2 ep=2, tp=2 ep=2, an idle replica)",
     )
     parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
+    parser.add_argument(
+        "--routing-only", action="store_true", help="the one-launch MoE routing kernel"
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     start, rows = time.time(), []
@@ -255,6 +298,8 @@ def main() -> int:
             rows += check_decode_graphs(paths, device)
         elif args.moe_pack_only:
             rows.append(check_moe_pack(device))
+        elif args.routing_only:  # on CPU tests/kernels/test_moe_routing_kernel.py runs it
+            rows += check_routing(device) if device == "cuda" else []
         elif args.all_tokens_only:
             if device == "cuda":  # on CPU tests/kernels/test_moe_pack.py runs the interpreter
                 rows.append(check_moe_pack(device))

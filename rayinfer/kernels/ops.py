@@ -3,6 +3,8 @@ elsewhere. Layers call `ops.<name>`; nothing else picks an implementation."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from rayinfer.kernels import moe_pack
@@ -26,6 +28,7 @@ from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_tr
 from rayinfer.kernels.moe_combine import moe_combine as moe_combine_triton
 from rayinfer.kernels.moe_combine import moe_combine_reference
 from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference
+from rayinfer.kernels.moe_routing_kernel import moe_routing as moe_routing_triton
 from rayinfer.kernels.paged_attention import paged_attention_reference
 from rayinfer.kernels.prefill_attention import paged_mixed_attention
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton
@@ -33,6 +36,9 @@ from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
 from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
 from rayinfer.kernels.triton_compat import HAS_TRITON
+
+# The one-launch MoE routing kernel on CUDA: opt-in until it has run compiled on a GPU.
+FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "0") == "1"
 
 
 def _on_cuda(x: torch.Tensor) -> bool:
@@ -117,7 +123,20 @@ def moe_routing(
     correction_bias=None,
     routed_scaling_factor=1.0,
 ) -> MoeRouting:
-    """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64)."""
+    """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64).
+    On CUDA with RAYINFER_FUSED_ROUTING=1: the one-launch kernel (moe_routing_kernel.py; checked
+    under the interpreter, not yet run compiled on a GPU, so not yet the default)."""
+    if FUSED_ROUTING and _on_cuda(router_logits):
+        return moe_routing_triton(
+            router_logits,
+            top_k,
+            scoring,
+            renormalize,
+            num_groups,
+            topk_groups,
+            correction_bias,
+            routed_scaling_factor,
+        )
     return moe_routing_reference(
         router_logits,
         top_k,

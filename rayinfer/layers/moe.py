@@ -134,11 +134,15 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Router logits in float32: `weight` [E, H], plus the noaux_tc correction bias [E]."""
+    """Router logits in float32: `weight` [E, H], plus the noaux_tc correction bias [E].
+
+    The weight is kept in float32 whatever the model's dtype (a bf16 checkpoint's values are
+    upcast once at load): casting it on every call cost a launch per MoE layer and step."""
 
     def __init__(self, hidden_size: int, num_experts: int, use_correction_bias: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        weight = torch.empty(num_experts, hidden_size, dtype=torch.float32)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = copy_checked
         self.e_score_correction_bias = None
         if use_correction_bias:
@@ -147,7 +151,7 @@ class Router(nn.Module):
             self.e_score_correction_bias.weight_loader = copy_checked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class FusedExperts(nn.Module):
@@ -237,10 +241,11 @@ class FusedExperts(nn.Module):
 
         Under expert parallelism the result holds only this rank's experts' share.
         """
+        if self.num_local_experts == self.num_experts:  # every expert is here: ids as they are
+            return self.run(x, topk_weights, topk_ids)
         local_ids = topk_ids - self.first_local_expert  # [T, K]
-        if self.num_local_experts != self.num_experts:
-            outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
-            local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
+        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
+        local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
         return self.run(x, topk_weights, local_ids)
 
 

@@ -97,9 +97,10 @@ def test_fp8_weights_keep_float8_tensors_and_half_the_memory(routed):
     assert dense.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn
     assert moe.experts.w13_scale.shape == (8, 2, 2) and moe.experts.w2_scale.shape == (8, 2, 1)
-    # stays in the model dtype: kv_b_proj (absorbed into W_UK/W_UV), router, embeddings, lm_head
+    # stays in the model dtype: kv_b_proj (absorbed into W_UK/W_UV), embeddings, lm_head; the
+    # router keeps float32 (it computes in float32)
     assert attn.kv_b_proj.weight.dtype == torch.bfloat16
-    assert moe.gate.weight.dtype == torch.bfloat16
+    assert moe.gate.weight.dtype == torch.float32
     assert fp8_model.lm_head.weight.dtype == torch.bfloat16
     # the weights are the checkpoint's bytes, not a re-quantization
     name = "model.layers.1.mlp.experts.3.up_proj"

@@ -126,18 +126,9 @@ def moe_routing(
     """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64).
     On CUDA with RAYINFER_FUSED_ROUTING=1: the one-launch kernel (moe_routing_kernel.py; checked
     under the interpreter, not yet run compiled on a GPU, so not yet the default)."""
-    if FUSED_ROUTING and _on_cuda(router_logits):
-        return moe_routing_triton(
-            router_logits,
-            top_k,
-            scoring,
-            renormalize,
-            num_groups,
-            topk_groups,
-            correction_bias,
-            routed_scaling_factor,
-        )
-    return moe_routing_reference(
+    fused = FUSED_ROUTING and _on_cuda(router_logits)
+    route = moe_routing_triton if fused else moe_routing_reference
+    return route(
         router_logits,
         top_k,
         scoring,

@@ -340,6 +340,10 @@ class CudaGraphConfig:
     max_batch_size: int = 64
     max_model_len: int = 4096
 
+    def table_width(self, block_size: int) -> int:
+        """Blocks in the static block tables: enough for max_model_len tokens."""
+        return -(-self.max_model_len // block_size)
+
     def __post_init__(self):
         for key in ("max_batch_size", "max_model_len"):
             if getattr(self, key) <= 0:

@@ -51,8 +51,8 @@ class DecodeGraphs:
     ):
         self.forward = forward
         self.sizes = graph_batch_sizes(config.max_batch_size)
-        max_blocks = -(-config.max_model_len // block_size)
-        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, block_size, kv_caches, device)
+        width = config.table_width(block_size)
+        self.inputs = StaticDecodeInputs(self.sizes[-1], width, block_size, kv_caches, device)
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # b -> [b, H]
         self.enabled = True  # False: the runner takes its eager path (benchmarks compare both)

@@ -136,7 +136,7 @@ class WorkerGroup(Executor):
             return None
         if not all(d["decode_graphs"] for d in self.descriptions):
             return None
-        width = -(-graphs.max_model_len // spec.cache_config.block_size)
+        width = graphs.table_width(spec.cache_config.block_size)
         return graph_batch_sizes(graphs.max_batch_size), width
 
     # --- Executor ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 7 in one device call on nvidia-h200-x8 (WORLD=8) or nvidia-h200-x4 (WORLD=4), carry
 # [".device"]: the all-to-all schedules against NCCL and the cost model (NVLink and host-staged),
-# then DeepSeek-V2-Lite shapes with expert parallelism over every GPU, overlap off and on,
+# then DeepSeek-V2-Lite shapes with expert parallelism over every GPU, overlap off and on (decode
+# from CUDA graphs over NCCL for "dist", eager for "host"),
 # against transformers on one GPU. Results under $OUT; paste the tables into RESULTS.md.
 set -uo pipefail
 source .device/ray/use-ray-bundle.sh
@@ -16,5 +17,5 @@ timeout 240 python -m rayinfer.bench comm --world-size "$WORLD" --tokens 128 102
     --iters 10 --out "$OUT/comm" 2>&1 | grep -e "^|" -e "^#" -e Error | head -60
 timeout 300 python -m rayinfer.bench parallel --config benchmarks/configs/deepseek-v2-lite \
     --plans tp=1 "dp=$WORLD,ep=$WORLD" --transports host dist --overlap off on \
-    --prompt-lens 4096 16384 --decode-batches 1 64 --decode-tokens 16 --repeats 2 \
+    --prompt-lens 4096 16384 --decode-batches 1 64 256 --decode-tokens 32 --repeats 2 \
     --json "$OUT/parallel.json" 2>&1 | grep -e prefill -e decode -e FAIL

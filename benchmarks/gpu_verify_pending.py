@@ -9,9 +9,10 @@
    peak reserved memory against the budget.
 4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
    from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
-5. (`--routing-only`, not yet run) the one-launch MoE routing kernel against the torch routing
-   for V2-Lite, V3 and Qwen3-MoE routers, and both timed; then
-   `RAYINFER_FUSED_ROUTING=1 python benchmarks/gpu_engine_parity.py` runs the models on it.
+5. (`--decode-kernels-only`, not yet run) the opt-in decode kernels: the one-launch MoE routing
+   against the torch routing (V2-Lite, V3, Qwen3-MoE routers) and the two-launch small-batch
+   fused MoE against a float32 reference, each timed against what it replaces; then
+   `RAYINFER_FUSED_ROUTING=1 RAYINFER_SMALL_BATCH_MOE=1 python benchmarks/gpu_engine_parity.py`.
 
 Usage (carry [".device"]):
     source .device/ray/use-ray-bundle.sh; export PYTHONPATH=$PWD:$PYTHONPATH
@@ -191,6 +192,42 @@ def check_routing(device: str) -> list[dict]:
     return rows
 
 
+def check_small_batch_moe(device: str) -> list[dict]:
+    """The two-launch fused MoE (opt-in: RAYINFER_SMALL_BATCH_MOE=1) on DeepSeek-V2-Lite's experts
+    in bf16 against a float32 reference, then timed against the general fused MoE."""
+    import triton.testing
+
+    from rayinfer.kernels.fused_moe import fused_moe, fused_moe_reference
+    from rayinfer.kernels.fused_moe_small import fused_moe_small_batch
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, top_k = 64, 2048, 1408, 6
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(device)
+    rows = []
+    for num_tokens in (1, 2):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(device)
+        ids = torch.stack(
+            [torch.randperm(experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+        )
+        ids, weights = ids.to(device), torch.rand(num_tokens, top_k, generator=gen).to(device)
+        expected = fused_moe_reference(x, w13, w2, weights, ids)  # float32
+        bf16 = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+        ours = fused_moe_small_batch(*bf16).float()
+        general = fused_moe(*bf16).float()
+        scale = expected.norm()
+        row = dict(
+            check="fused_moe_small_batch", tokens=num_tokens,
+            relative_error=((ours - expected).norm() / scale).item(),
+            general_relative_error=((general - expected).norm() / scale).item(),
+            small_us=triton.testing.do_bench(lambda a=bf16: fused_moe_small_batch(*a)) * 1e3,
+            general_us=triton.testing.do_bench(lambda a=bf16: fused_moe(*a)) * 1e3,
+        )  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def check_moe_pack(device: str) -> dict:
     """The all-tokens row kernels in bfloat16 (the CPU interpreter runs float32/float16 only):
     bytes equal to the torch reference at DeepSeek-V2-Lite's hidden size and top-6."""
@@ -287,7 +324,9 @@ def main() -> int:
     )
     parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
     parser.add_argument(
-        "--routing-only", action="store_true", help="the one-launch MoE routing kernel"
+        "--decode-kernels-only",
+        action="store_true",
+        help="the opt-in decode kernels: one-launch MoE routing, two-launch small-batch MoE",
     )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -298,8 +337,9 @@ def main() -> int:
             rows += check_decode_graphs(paths, device)
         elif args.moe_pack_only:
             rows.append(check_moe_pack(device))
-        elif args.routing_only:  # on CPU tests/kernels/test_moe_routing_kernel.py runs it
-            rows += check_routing(device) if device == "cuda" else []
+        elif args.decode_kernels_only:  # on CPU tests/kernels/test_{moe_routing_kernel,
+            if device == "cuda":  # fused_moe_small}.py run them under the interpreter
+                rows += check_routing(device) + check_small_batch_moe(device)
         elif args.all_tokens_only:
             if device == "cuda":  # on CPU tests/kernels/test_moe_pack.py runs the interpreter
                 rows.append(check_moe_pack(device))

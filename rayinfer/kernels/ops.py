@@ -16,6 +16,7 @@ from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton
 from rayinfer.kernels.fp8_quant import fp8_quant_reference
 from rayinfer.kernels.fused_moe import dequantize_experts_reference, fused_moe_reference
 from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton
+from rayinfer.kernels.fused_moe_small import fits_small_batch, fused_moe_small_batch
 from rayinfer.kernels.mla_attention import mla_causal_attention as mla_causal_attention_triton
 from rayinfer.kernels.mla_attention import (
     mla_causal_attention_reference,
@@ -37,8 +38,10 @@ from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
 from rayinfer.kernels.triton_compat import HAS_TRITON
 
-# The one-launch MoE routing kernel on CUDA: opt-in until it has run compiled on a GPU.
+# Kernels that cut a decode step's launches, opt-in on CUDA until they have run compiled on a
+# GPU: MoE routing in one launch, and the fused MoE of a few slots in two.
 FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "0") == "1"
+SMALL_BATCH_MOE = os.environ.get("RAYINFER_SMALL_BATCH_MOE", "0") == "1"
 
 
 def _on_cuda(x: torch.Tensor) -> bool:
@@ -62,8 +65,12 @@ def silu_and_mul(x):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
-    float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H]."""
+    float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
+    On CUDA with RAYINFER_SMALL_BATCH_MOE=1, a few slots take the two-launch kernel
+    (fused_moe_small.py; checked under the interpreter, not yet run compiled on a GPU)."""
     if _on_cuda(x):
+        if SMALL_BATCH_MOE and fits_small_batch(topk_ids, w13, x):
+            return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if w13_scale is not None:
         w13 = dequantize_experts_reference(w13, w13_scale).to(x.dtype)

@@ -2,14 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class GeneratedTokens(Sequence):
+    """The first `count` tokens of a request's generated list, read when used: a running
+    request's output holds this instead of a copy, since copying every generated token into every
+    step's output made a long generation quadratic. The list only ever grows, so the prefix
+    stays what it was. Compares equal to a list of the same tokens; pickles as a plain list."""
+
+    __slots__ = ("_tokens", "_count")
+
+    def __init__(self, tokens: list[int], count: int):
+        self._tokens, self._count = tokens, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[: self._count][index]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError("generated token index out of range")
+        return self._tokens[index]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, GeneratedTokens)):
+            return len(other) == self._count and list(other) == self._tokens[: self._count]
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._tokens[: self._count])
+
+    def __reduce__(self):
+        return list, (self._tokens[: self._count],)
 
 
 @dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # every generated token so far
+    # every generated token so far (a list once finished; a GeneratedTokens view while running)
+    token_ids: list[int] | GeneratedTokens = field(default_factory=list)
     text: str = ""  # detokenized generated text so far (stop string cut off)
     new_token_ids: list[int] = field(default_factory=list)  # generated in the last step
     new_text: str = ""  # text added in the last step (safe to stream)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.outputs import GeneratedTokens, RequestOutput
 from rayinfer.engine.sequence import Sequence
 from rayinfer.engine.stop_checker import (
     find_stop_string,
@@ -55,10 +55,13 @@ class RequestState:
         if self.finish_reason is None and seq.params.stop:  # hold back a stop string's start
             visible = max(streamable_length(text, seq.params.stop), self._num_chars_reported)
         generated = seq.output_token_ids
+        so_far = (
+            list(generated) if self.finish_reason else GeneratedTokens(generated, len(generated))
+        )
         output = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(generated),
+            token_ids=so_far,
             text=text if visible == len(text) else text[:visible],
             new_token_ids=generated[self._num_tokens_reported :],
             new_text=text[self._num_chars_reported : visible],

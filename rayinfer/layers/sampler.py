@@ -13,13 +13,22 @@ def apply_penalties(
     presence: list[float],  # [B] OpenAI presence_penalty
     frequency: list[float],  # [B] OpenAI frequency_penalty
 ) -> None:
-    """logits -= presence * (count > 0) + frequency * count, counts over the generated tokens."""
-    for row, generated in enumerate(output_token_ids):
-        if not generated:
-            continue
-        ids = torch.tensor(generated, dtype=torch.int64, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)  # [V]
-        logits[row] -= presence[row] * (counts > 0).to(logits.dtype) + frequency[row] * counts
+    """logits -= presence * (count > 0) + frequency * count, counts over the generated tokens.
+    One count matrix for every penalized row (a handful of launches per step, not per row)."""
+    rows = [row for row, generated in enumerate(output_token_ids) if generated]
+    if not rows:
+        return
+    device, dtype = logits.device, logits.dtype
+    flat = [token for row in rows for token in output_token_ids[row]]
+    lengths = torch.tensor([len(output_token_ids[row]) for row in rows], device=device)
+    which = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)  # [N]
+    ids = torch.tensor(flat, dtype=torch.int64, device=device)  # [N]
+    counts = torch.zeros(len(rows), logits.shape[1], dtype=dtype, device=device)  # [R, V]
+    counts.index_put_((which, ids), torch.ones_like(ids, dtype=dtype), accumulate=True)
+    scale = torch.tensor([[presence[r], frequency[r]] for r in rows], dtype=dtype, device=device)
+    penalty = scale[:, :1] * (counts > 0).to(dtype) + scale[:, 1:] * counts  # [R, V]
+    index = torch.tensor(rows, device=device)
+    logits.index_put_((index,), logits[index] - penalty)
 
 
 def sample_tokens(

@@ -97,6 +97,29 @@ def test_penalties_subtract_presence_once_and_frequency_per_occurrence():
     assert logits[1:].abs().sum() == 0  # no penalties, or nothing generated yet
 
 
+def _penalties_row_by_row(logits, output_token_ids, presence, frequency):
+    """The plain definition, one row at a time."""
+    for row, generated in enumerate(output_token_ids):
+        if generated:
+            counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[1]).float()
+            logits[row] -= presence[row] * (counts > 0).float() + frequency[row] * counts
+
+
+def test_penalties_of_a_batch_equal_the_row_by_row_definition():
+    from rayinfer.layers.sampler import apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen)
+    generated = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in (7, 0, 1, 30, 3, 0)]
+    generated[5] = None
+    presence = torch.rand(6, generator=gen).tolist()
+    frequency = (torch.rand(6, generator=gen) - 0.5).tolist()
+    expected = logits.clone()
+    _penalties_row_by_row(expected, generated, presence, frequency)
+    apply_penalties(logits, generated, presence, frequency)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
 def test_penalties_outside_the_openai_range_name_their_field(field):
     with pytest.raises(InvalidRequestError) as error:

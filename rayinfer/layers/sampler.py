@@ -21,7 +21,9 @@ def apply_penalties(
     device, dtype = logits.device, logits.dtype
     flat = [token for row in rows for token in output_token_ids[row]]
     lengths = torch.tensor([len(output_token_ids[row]) for row in rows], device=device)
-    which = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)  # [N]
+    which = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), lengths, output_size=len(flat)
+    )  # [N]: the row of each token (output_size given: no device sync)
     ids = torch.tensor(flat, dtype=torch.int64, device=device)  # [N]
     counts = torch.zeros(len(rows), logits.shape[1], dtype=dtype, device=device)  # [R, V]
     counts.index_put_((which, ids), torch.ones_like(ids, dtype=dtype), accumulate=True)

@@ -312,10 +312,14 @@ class ParallelPlan:
     @property
     def experts_exchange_tokens(self) -> bool:
         """Whether some expert-parallel group spans several data-parallel replicas, whose tokens
-        differ, so that MoE layers send tokens between workers (workers are numbered
+        differ, so that MoE layers send tokens between workers."""
+        return any(map(self.ep_group_spans_replicas, range(self.num_workers // self.ep)))
+
+    def ep_group_spans_replicas(self, group: int) -> bool:
+        """Whether EP group `group` holds workers of several DP replicas (workers are numbered
         dp_rank * tp + tp_rank; an EP group is `ep` consecutive workers)."""
-        groups = range(0, self.num_workers, self.ep)
-        return self.ep > 1 and any(g // self.tp != (g + self.ep - 1) // self.tp for g in groups)
+        first = group * self.ep
+        return first // self.tp != (first + self.ep - 1) // self.tp
 
     def check_fits(self, model: ModelConfig, key: str = "parallel") -> None:
         """Fail, naming the key and the sizes that work, when the model cannot be split so."""

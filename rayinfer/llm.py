@@ -176,9 +176,8 @@ class LLM:
 
     @property
     def graph_capture_seconds(self) -> float | None:
-        """Warm-up and capture of the decode graphs at start; None without graphs in-process."""
-        graphs = getattr(getattr(self.engine.executor, "runner", None), "decode_graphs", None)
-        return None if graphs is None else graphs.capture_seconds
+        """Warm-up and capture of the decode graphs at start (a worker's); None without graphs."""
+        return self.engine.executor.graph_capture_seconds
 
     def start_profile(self, path: str) -> None:
         """Profile the engine steps from now on with torch.profiler (every worker of a

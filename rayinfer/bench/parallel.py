@@ -175,7 +175,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
 
     try:
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
-        result = {"prefill": {}, "decode": {}, "graph_capture_s": graph_capture_seconds(llm)}
+        result = {"prefill": {}, "decode": {}, "graph_capture_s": llm.graph_capture_seconds}
         for length in args.prompt_lens:
             llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
             times = []
@@ -209,16 +209,6 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def graph_capture_seconds(llm) -> float | None:
-    """Warm-up and capture time of the decode graphs (the first worker's), None without."""
-    executor = llm.engine.executor
-    if getattr(executor, "workers", None):
-        import ray
-
-        return ray.get(executor.workers[0].graph_capture_seconds.remote())
-    return llm.graph_capture_seconds
 
 
 def main(argv=None) -> int:

@@ -62,10 +62,12 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def can_run(self, requests: list[ScheduledRequest]) -> bool:
-        """A pure-decode batch (one new token per sequence) that fits the largest bucket."""
-        width = self.inputs.max_blocks_per_seq
-        return self.enabled and shared_decode_bucket([requests], self.sizes, width) is not None
+    def bucket_of(self, requests: list[ScheduledRequest]) -> int | None:
+        """The bucket a pure-decode batch (one new token per sequence) replays in, or None when
+        it does not fit one (or the graphs are switched off)."""
+        if not self.enabled:
+            return None
+        return shared_decode_bucket([requests], self.sizes, self.inputs.max_blocks_per_seq)
 
     @torch.inference_mode()
     def capture(self) -> None:

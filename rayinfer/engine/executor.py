@@ -24,6 +24,11 @@ class Executor(ABC):
         return None
 
     @property
+    def graph_capture_seconds(self) -> float | None:
+        """Warm-up and capture of the decode graphs at start (a worker's); None without graphs."""
+        return None
+
+    @property
     def num_kv_partitions(self) -> int:
         """Separate KV caches (data-parallel attention replicas), each `num_blocks` blocks."""
         return 1

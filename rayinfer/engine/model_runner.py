@@ -209,7 +209,7 @@ class ModelRunner:
     def execute(self, batch: ModelBatch) -> list[int]:
         """Run one step; returns the next token of every request with `samples`, in order."""
         requests = batch.requests
-        bucket = self._agreed_bucket(batch)
+        bucket = self._graph_bucket(batch)
         if not requests and bucket is None:
             self._idle_forward(batch.ep_tokens)
             return []
@@ -238,12 +238,14 @@ class ModelRunner:
             [self._generator(r.request_id, r.params) for r in sampling],
         )
 
-    def _agreed_bucket(self, batch: ModelBatch) -> int | None:
-        """The decode graph bucket every rank of this worker's group replays this step (the
-        group's driver decides it: ranks that talk must run the same graph), or None."""
-        if self.decode_graphs is None or not self.parallel.has_collectives:
+    def _graph_bucket(self, batch: ModelBatch) -> int | None:
+        """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk
+        must run the same graph, so with collectives the group's driver decides it for all."""
+        if self.decode_graphs is None:
             return None
-        return batch.decode_bucket
+        if self.parallel.has_collectives:
+            return batch.decode_bucket
+        return self.decode_graphs.bucket_of(batch.requests)
 
     def _forward_batch(
         self,
@@ -252,13 +254,10 @@ class ModelRunner:
         ep_tokens: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
-        token; pure decodes through the CUDA graphs: in `bucket` when a group agreed on one,
-        alone whenever they fit. ep_tokens: every EP rank's token count, when known."""
-        graphs = self.decode_graphs
-        if bucket is not None or (
-            graphs is not None and not self.parallel.has_collectives and graphs.can_run(requests)
-        ):
-            hidden = graphs.run(requests, bucket)  # [B, H]: one row per request
+        token; a pure decode with a `bucket` replays that CUDA graph. ep_tokens: every EP rank's
+        token count, when known."""
+        if bucket is not None:
+            hidden = self.decode_graphs.run(requests, bucket)  # [B, H]: one row per request
             return hidden, [row for row, r in enumerate(requests) if r.samples]
         input_ids = [t for r in requests for t in r.token_ids]
         positions = [p for r in requests for p in range(r.start_position, r.seq_len)]

@@ -50,7 +50,7 @@ def _gate_up_kernel(
         w_up = tl.load(rows + inter * stride_wn + tile, mask=mask, other=0.0).to(tl.float32)
         gate += tl.sum(w_gate * xk[None, :], 1)
         up += tl.sum(w_up * xk[None, :], 1)
-    act = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up; 0 for another rank's expert
+    act = gate * tl.sigmoid(gate) * up  # SiLU(gate) * up, as the general path; 0 off this rank
     tl.store(act_ptr + slot * stride_act + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
 
 

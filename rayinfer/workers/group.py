@@ -171,6 +171,10 @@ class WorkerGroup(Executor):
     def num_kv_partitions(self) -> int:
         return self.plan.dp
 
+    @property
+    def graph_capture_seconds(self) -> float | None:
+        return ray.get(self.workers[0].graph_capture_seconds.remote())
+
     def export_kv(
         self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
     ) -> KVRefs:

@@ -44,6 +44,11 @@ class InProcessExecutor(Executor):
     def execute(self, batch: ModelBatch) -> list[int]:
         return self.runner.execute(batch)
 
+    @property
+    def graph_capture_seconds(self) -> float | None:
+        graphs = self.runner.decode_graphs
+        return None if graphs is None else graphs.capture_seconds
+
     def export_kv(
         self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
     ) -> KVPayload:

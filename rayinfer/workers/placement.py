@@ -36,9 +36,7 @@ class WorkerPlacement:
 
     @property
     def tokens_differ_across_ep(self) -> bool:
-        first = self.ep_group_index * self.plan.ep
-        last = first + self.plan.ep - 1
-        return first // self.plan.tp != last // self.plan.tp
+        return self.plan.ep_group_spans_replicas(self.ep_group_index)
 
     @property
     def ep_peer_replicas(self) -> list[int]:

@@ -9,8 +9,13 @@
    writes another, GPU 0 waits for that; N round trips timed with CUDA events.
 3. One exchange, both protocols (two processes): host time to queue it, GPU time from the
    caller's start event to its end event, for 64 KiB to 112 MiB blocks.
+4. Ring reuse (`--ring`): the same four copy streams, but through a small staging ring that is
+   used over and over (GPU 0 writes slot i, GPU 1 reads it, and back), for several chunk sizes
+   and ring lengths; then the transport's own 112 MiB exchange with those rings. If a ring small
+   enough to stay in the CPU's last-level cache beats the 64 MiB figure of part 1, the copies
+   escape host memory's bandwidth, which caps part 1.
 
-Usage: python benchmarks/comm_host_path_probe.py [--out probe.json]
+Usage: python benchmarks/comm_host_path_probe.py [--out probe.json] [--ring]
 """
 
 from __future__ import annotations
@@ -62,6 +67,116 @@ def copy_concurrency(num_bytes: int = 64 * MIB, reps: int = 8) -> list[dict]:
             rows.append(dict(memory=memory, case=name, streams=len(work), gbps_per_stream=gbps))
             print(f"{memory:15s} {name:22s} {gbps:6.1f} GB/s per stream", flush=True)
     return rows
+
+
+def ring_reuse(total_bytes: int = 256 * MIB) -> list[dict]:
+    """GB/s per stream with all four copies at once, each chunk through ring slot i % R: GPU 0
+    writes ring A and reads ring B, GPU 1 the reverse (no ordering between them: a bandwidth
+    probe, not an exchange)."""
+    from rayinfer.comm.shm import _pin
+
+    devices = [torch.device("cuda", i) for i in range(2)]
+    sources = [torch.randint(0, 255, (total_bytes,), dtype=torch.uint8, device=d) for d in devices]
+    targets = [torch.empty(total_bytes, dtype=torch.uint8, device=d) for d in devices]
+    rows = []
+    for chunk, slots in ((8 * MIB, 8), (4 * MIB, 4), (2 * MIB, 4), (1 * MIB, 4), (MIB // 2, 4),
+                         (MIB // 4, 8), (1 * MIB, 2)):  # fmt: skip
+        rings = [_host_buffer(chunk * slots, "shm-registered", _pin) for _ in range(2)]
+        streams = [torch.cuda.Stream(d) for d in devices for _ in range(2)]
+        plan = [  # (stream, gpu, direction, ring)
+            (streams[0], 0, "d2h", rings[0]), (streams[1], 0, "h2d", rings[1]),
+            (streams[2], 1, "d2h", rings[1]), (streams[3], 1, "h2d", rings[0]),
+        ]  # fmt: skip
+
+        _copy_through_ring(plan, sources, targets, chunk, slots)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _copy_through_ring(plan, sources, targets, chunk, slots)
+            times.append(time.perf_counter() - t0)
+        gbps = total_bytes / statistics.median(times) / 1e9
+        rows.append(dict(probe="ring_reuse", chunk_bytes=chunk, slots=slots,
+                         ring_bytes=chunk * slots, gbps_per_stream=gbps))  # fmt: skip
+        print(f"ring {slots} x {chunk / MIB:5.2f} MiB ({chunk * slots / MIB:5.1f} MiB): "
+              f"{gbps:6.1f} GB/s per stream, all four at once", flush=True)  # fmt: skip
+    return rows
+
+
+def _copy_through_ring(plan, sources, targets, chunk: int, slots: int) -> None:
+    """Every stream of `plan` copies its GPU's whole buffer chunk by chunk, chunk i through ring
+    slot i % slots; returns when all are done."""
+    for stream, gpu, direction, ring in plan:
+        with torch.cuda.stream(stream):
+            for i, start in enumerate(range(0, sources[gpu].numel(), chunk)):
+                host = ring[(i % slots) * chunk : (i % slots + 1) * chunk]
+                if direction == "d2h":
+                    host.copy_(sources[gpu][start : start + chunk], non_blocking=True)
+                else:
+                    targets[gpu][start : start + chunk].copy_(host, non_blocking=True)
+    for stream, *_ in plan:
+        stream.synchronize()
+
+
+def _cpu_description() -> dict:
+    """Model name and cache sizes from lscpu (the last-level cache bounds part 4's rings)."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    wanted = ("Model name", "Socket(s)", "L2 cache", "L3 cache", "NUMA node(s)", "CPU(s)")
+    found = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in wanted:
+            found[key.strip()] = value.strip()
+    print("cpu:", found, flush=True)
+    return dict(probe="cpu", **found)
+
+
+def _ring_exchange_worker(rank: int, port: int, out_path: str) -> None:
+    """The transport's own 112 MiB and 8 MiB exchanges with the rings of ring_reuse."""
+    from rayinfer.comm.host_staged import HostStagedTransport
+    from rayinfer.comm.transport import Transfer
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, timeout)
+    rows = []
+    for chunk, slots in ((8 * MIB, 8), (2 * MIB, 4), (1 * MIB, 4), (MIB // 2, 8), (1 * MIB, 8)):
+        prefix = dist.PrefixStore(f"ring{chunk}x{slots}", store)
+        transport = HostStagedTransport(prefix, rank, 2, device, chunk_bytes=chunk,
+                                        num_slots=slots, protocol="gpu")  # fmt: skip
+        for size in (8 * MIB, 112 * MIB):
+            send = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
+            recv = torch.empty_like(send)
+            gpu_s = []
+            for it in range(8):
+                pg.barrier().wait()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                transport.exchange([Transfer(1 - rank, send)], [Transfer(1 - rank, recv)])
+                end.record()
+                torch.cuda.synchronize()
+                if it >= 2:
+                    gpu_s.append(start.elapsed_time(end) / 1e3)
+            ok = bool(torch.equal(recv, _peer_copy(send, pg)))
+            seconds = statistics.median(gpu_s)
+            rate = size / seconds / 1e9
+            rows.append(dict(probe="ring_exchange", chunk_bytes=chunk, slots=slots, bytes=size,
+                             total_us=seconds * 1e6, gbps=rate, exact=ok))  # fmt: skip
+            if rank == 0:
+                print(f"transport ring {slots} x {chunk / MIB:4.2f} MiB, {size / MIB:6.1f} MiB "
+                      f"exchange: {seconds * 1e6:8.1f} us ({size / seconds / 1e9:.1f} GB/s), "
+                      f"exact {ok}", flush=True)  # fmt: skip
+        transport.close()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def _host_buffer(num_bytes: int, memory: str, pin) -> torch.Tensor:
@@ -182,11 +297,17 @@ def _flag_round_trip(transport, pg, rank: int, trips: int = 200) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="comm_host_path_probe.json")
+    parser.add_argument("--ring", action="store_true", help="part 4 only: ring reuse")
     args = parser.parse_args()
-    rows = copy_concurrency()
+    if args.ring:
+        rows = [_cpu_description()] + ring_reuse()
+        worker = _ring_exchange_worker
+    else:
+        rows = copy_concurrency()
+        worker = _worker
     tmp = args.out + ".exchange"
     store = dist.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False)
-    mp.spawn(_worker, args=(store.port, tmp), nprocs=2)
+    mp.spawn(worker, args=(store.port, tmp), nprocs=2)
     with open(tmp) as f:
         rows += json.load(f)
     os.unlink(tmp)

@@ -125,22 +125,25 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     )  # fmt: skip
     if is_only_split:
         return out, launch_split, None
-    return out, launch_split, functools.partial(_combine_splits, mid_out, mid_lse, out, params)
+    combine = functools.partial(_combine_splits, mid_out, mid_lse, out, params, seq_lens,
+                                split.tokens_per_split)  # fmt: skip
+    return out, launch_split, combine
 
 
-def _combine_splits(mid_out, mid_lse, out, params) -> None:
+def _combine_splits(mid_out, mid_lse, out, params, seq_lens, tokens_per_split) -> None:
     """out [B, N, L] = the splits' partial outputs [B, N, S, L] weighted by their lse [B, N, S].
 
     One program per (sequence, head) over the whole latent row, reading at most as many splits
     per step as there are: with 128-wide chunks and 16 splits a step, a batch-256 decode graph
     (3 splits) launched 16k programs that mostly loaded masked lanes, and the combine took twice
-    the split kernel's time (1.3 ms per step on an H200, DeepSeek-V2-Lite shapes)."""
+    the split kernel's time (1.3 ms per step on an H200, DeepSeek-V2-Lite shapes). Only the
+    splits that hold tokens of the sequence are read (seq_lens [B] on the device)."""
     num_seqs, num_heads, num_splits, latent_rank = mid_out.shape
     whole_row = triton.next_power_of_2(latent_rank)
     block_dv = min(params.get("COMBINE_BLOCK_L", whole_row), whole_row)
     grid = (num_seqs, num_heads, triton.cdiv(latent_rank, block_dv))
     _mla_combine_kernel[grid](
-        mid_out, mid_lse, out, num_splits,
+        mid_out, mid_lse, out, seq_lens, tokens_per_split,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         LATENT_RANK=latent_rank, BLOCK_L=block_dv,

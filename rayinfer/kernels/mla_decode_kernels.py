@@ -116,6 +116,8 @@ def _mla_decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * tokens_per_split
+    if not IS_ONLY_SPLIT and split > 0 and split_start >= seq_len:
+        return  # past the context: the combine reads only the splits that hold tokens
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
     heads = head_start + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     head_mask = heads < num_heads
@@ -208,31 +210,37 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_combine_kernel(
-    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
+    mid_out_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, tokens_per_split,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     LATENT_RANK: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLITS_PER_STEP: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, head, latent chunk): merge the splits by their log-sum-exps, reading
-    SPLITS_PER_STEP partial rows per step so that many loads are in flight."""
+    """One (sequence, head, latent chunk): merge the splits that hold tokens by their
+    log-sum-exps, reading SPLITS_PER_STEP partial rows per step so that many loads are in flight.
+
+    A decode graph sizes its splits for the block table's width, so at short contexts most of
+    them are empty: those wrote nothing and are not read. A sequence without tokens (a graph's
+    padding row) gets zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_mask = offs_l < LATENT_RANK
+    live = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), tokens_per_split), 1)
     lse_base = mid_lse_ptr + seq * stride_lse_b + head * stride_lse_h
     offs_all = tl.arange(0, BLOCK_S)
-    lses = tl.load(lse_base + offs_all, mask=offs_all < num_splits, other=float("-inf"))
+    lses = tl.load(lse_base + offs_all, mask=offs_all < live, other=float("-inf"))
     lse_max = tl.max(lses, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no tokens: weights all 0
     total = tl.sum(tl.math.exp2(lses - lse_max), 0)
     acc = tl.zeros([BLOCK_L], tl.float32)
     mid_base = mid_out_ptr + seq * stride_mid_b + head * stride_mid_h
-    for first in range(0, num_splits, SPLITS_PER_STEP):
+    for first in range(0, live, SPLITS_PER_STEP):
         offs_s = first + tl.arange(0, SPLITS_PER_STEP)  # [SPLITS_PER_STEP]
-        s_mask = offs_s < num_splits
+        s_mask = offs_s < live
         weights = tl.math.exp2(tl.load(lse_base + offs_s, mask=s_mask, other=float("-inf"))
                                - lse_max)  # fmt: skip
         part_ptrs = mid_base + offs_s[:, None] * stride_mid_s + offs_l[None, :]
         parts = tl.load(part_ptrs, mask=s_mask[:, None] & l_mask[None, :], other=0.0)
         acc += tl.sum(weights[:, None] * parts, 0)  # [BLOCK_L]
-    out = acc / total
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_l, out, mask=l_mask)

@@ -38,9 +38,11 @@ from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
 from rayinfer.kernels.triton_compat import HAS_TRITON
 
-# Kernels that cut a decode step's launches, opt-in on CUDA until they have run compiled on a
-# GPU: MoE routing in one launch, and the fused MoE of a few slots in two.
-FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "0") == "1"
+# Kernels that cut a decode step's launches. MoE routing in one launch: on by default since it
+# ran compiled on an H200 (same experts as torch, weights within 1e-7; benchmarks/RESULTS.md),
+# RAYINFER_FUSED_ROUTING=0 turns it off. The fused MoE of a few slots in two: opt-in
+# (RAYINFER_SMALL_BATCH_MOE=1) until it is faster than the general path on a GPU.
+FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "1") == "1"
 SMALL_BATCH_MOE = os.environ.get("RAYINFER_SMALL_BATCH_MOE", "0") == "1"
 
 
@@ -67,7 +69,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None)
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     On CUDA with RAYINFER_SMALL_BATCH_MOE=1, a few slots take the two-launch kernel
-    (fused_moe_small.py; checked under the interpreter, not yet run compiled on a GPU)."""
+    (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     if _on_cuda(x):
         if SMALL_BATCH_MOE and fits_small_batch(topk_ids, w13, x):
             return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids)
@@ -131,8 +133,7 @@ def moe_routing(
     routed_scaling_factor=1.0,
 ) -> MoeRouting:
     """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64).
-    On CUDA with RAYINFER_FUSED_ROUTING=1: the one-launch kernel (moe_routing_kernel.py; checked
-    under the interpreter, not yet run compiled on a GPU, so not yet the default)."""
+    On CUDA the one-launch kernel (moe_routing_kernel.py) unless RAYINFER_FUSED_ROUTING=0."""
     fused = FUSED_ROUTING and _on_cuda(router_logits)
     route = moe_routing_triton if fused else moe_routing_reference
     return route(

@@ -120,6 +120,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * tokens_per_split
+    if not IS_ONLY_SPLIT and split > 0 and split_start >= seq_len:
+        return  # past the context: the reduce reads only the splits that hold tokens
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
     kv_head = head_start // QUERIES_PER_KV
     offs_h = tl.arange(0, BLOCK_H)
@@ -186,27 +188,31 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_out_ptr, mid_lse_ptr, out_ptr, num_heads, num_splits,
+    mid_out_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, num_heads, num_splits, tokens_per_split,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_ob, stride_oh,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """Merge the splits of one (sequence, head) by their log-sum-exps."""
+    """Merge the splits of one (sequence, head) that hold tokens by their log-sum-exps (a decode
+    graph's splits cover the block table's width; those past the context wrote nothing). A
+    sequence without tokens (a graph's padding row) gets zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < HEAD_DIM_V
+    live = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), tokens_per_split), 1)
     lse_base = mid_lse_ptr + (seq * num_heads + head) * num_splits
     mid_base = mid_out_ptr + seq * stride_mid_b + head * stride_mid_h
     offs_s = tl.arange(0, BLOCK_S)
-    lses = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))  # [BLOCK_S]
+    lses = tl.load(lse_base + offs_s, mask=offs_s < live, other=float("-inf"))  # [BLOCK_S]
     lse_max = tl.max(lses, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no tokens: weights all 0
     total = tl.sum(tl.math.exp2(lses - lse_max), 0)
     acc = tl.zeros([BLOCK_DV], tl.float32)
-    for split in range(0, num_splits):
+    for split in range(0, live):
         weight = tl.math.exp2(tl.load(lse_base + split) - lse_max)
         part = tl.load(mid_base + split * stride_mid_s + offs_dv, mask=dv_mask, other=0.0)
         acc += weight * part
-    out = acc / total
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_dv, out, mask=dv_mask)
 
 
@@ -263,7 +269,7 @@ def split_k_decode(q0, q1, kv_cache_slots, block_tables, seq_lens, scale, layout
     if is_only_split:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        mid_out, mid_lse, out, num_heads, split.num_splits,
+        mid_out, mid_lse, out, seq_lens, num_heads, split.num_splits, split.tokens_per_split,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), out.stride(0), out.stride(1),
         HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(split.num_splits),
     )  # fmt: skip

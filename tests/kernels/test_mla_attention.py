@@ -86,6 +86,25 @@ def test_decode_layouts_match_reference(seq_lens, num_heads, block_size, splits,
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode_with_a_graph_wide_table_and_a_padding_row(layout):
+    """As in a decode graph: the block table is far wider than the contexts (most splits hold no
+    tokens and are skipped) and a padding row has no context at all: it comes out as zeros."""
+    generator = torch.Generator().manual_seed(3)
+    seq_lens, width, block_size, heads = [5, 40, 0], 64, 4, 16
+    tables = torch.randperm(3 * width, generator=generator).to(torch.int32).view(3, width)
+    kv_cache = torch.randn(3 * width, block_size, 48, generator=generator)
+    q_latent = torch.randn(3, heads, 32, generator=generator)
+    q_pe = torch.randn(3, heads, 16, generator=generator)
+    params = dict(LAYOUTS[layout], max_splits=16, min_tokens_per_split=16, target_programs=64)
+    ours = mla.mla_decode_attention(q_latent, q_pe, kv_cache, tables, seq_lens, 0.1, params=params)
+    reference = mla.mla_decode_attention_reference(
+        q_latent[:2], q_pe[:2], kv_cache, tables[:2], seq_lens[:2], 0.1
+    )
+    torch.testing.assert_close(ours[:2], reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours[2], torch.zeros_like(ours[2]))
+
+
 @pytest.mark.parametrize("layout", ["tokens_major", "heads_major"])
 def test_decode_head_groups_and_half_precision(layout):
     """80 heads over 16-head tiles: five head groups share each split's rows; fp16 inputs."""

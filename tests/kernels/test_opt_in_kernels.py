@@ -1,7 +1,7 @@
-"""The opt-in decode kernels are wired into ops as the flags say (run here under Triton's
-interpreter by treating the CPU tensors as if they were on CUDA): with RAYINFER_FUSED_ROUTING /
-RAYINFER_SMALL_BATCH_MOE set, ops calls them with the arguments in the right order and returns
-what the references return; unset (the default), ops keeps to the paths checked on GPUs."""
+"""The decode kernels behind flags are wired into ops as the flags say (run here under Triton's
+interpreter by treating the CPU tensors as if they were on CUDA): with RAYINFER_FUSED_ROUTING
+(on by default) / RAYINFER_SMALL_BATCH_MOE (opt-in) set, ops calls them with the arguments in
+the right order and returns what the references return."""
 
 import pytest
 import torch
@@ -17,8 +17,19 @@ def as_if_on_cuda(monkeypatch):
     return monkeypatch
 
 
-def test_flags_are_off_by_default():
-    assert not ops.FUSED_ROUTING and not ops.SMALL_BATCH_MOE
+def test_routing_kernel_is_on_and_small_batch_moe_off_by_default(monkeypatch):
+    import importlib
+
+    monkeypatch.delenv("RAYINFER_FUSED_ROUTING", raising=False)
+    monkeypatch.delenv("RAYINFER_SMALL_BATCH_MOE", raising=False)
+    fresh = importlib.reload(ops)
+    try:
+        assert fresh.FUSED_ROUTING and not fresh.SMALL_BATCH_MOE
+        monkeypatch.setenv("RAYINFER_FUSED_ROUTING", "0")
+        assert not importlib.reload(ops).FUSED_ROUTING
+    finally:
+        monkeypatch.undo()
+        importlib.reload(ops)
 
 
 def test_fused_routing_flag_routes_through_the_kernel(as_if_on_cuda):

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.paged_attention import choose_split, paged_decode_attention
+from rayinfer.kernels.paged_attention import (
+    causal_attention,
+    choose_split,
+    gather_context,
+    paged_decode_attention,
+)
 from rayinfer.kernels.prefill_attention import paged_mixed_attention
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache
 from rayinfer.layers.forward_context import build_attention_metadata
@@ -180,6 +185,23 @@ def test_triton_matches_causal_sdpa(batch, dtype, num_heads, num_kv_heads, block
 def test_triton_edge_batches(batch):
     ours, reference = run_triton_batch(batch, 4, 2, 16, 4, torch.float32)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_decode_with_a_graph_wide_table_and_a_padding_row():
+    """As in a decode graph: a block table far wider than the contexts (most splits hold no
+    tokens and are skipped) and a padding row without context, which comes out as zeros."""
+    generator = torch.Generator().manual_seed(5)
+    seq_lens, width, block_size, heads, kv_heads, dim = [3, 50, 0], 40, 4, 8, 2, 16
+    tables = torch.randperm(3 * width, generator=generator).to(torch.int32).view(3, width)
+    kv_cache = torch.randn(3 * width, block_size, 2, kv_heads, dim, generator=generator)
+    query = torch.randn(3, heads, dim, generator=generator)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ours = paged_decode_attention(query, kv_cache, tables, lens, dim**-0.5)
+    for seq in range(2):
+        key, value = gather_context(kv_cache, tables[seq], seq_lens[seq])  # [S, Hkv, D]
+        expected = causal_attention(query[seq : seq + 1], key, value, dim**-0.5)
+        torch.testing.assert_close(ours[seq : seq + 1], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours[2], torch.zeros_like(ours[2]))
 
 
 def test_triton_decode_rejects_a_cache_of_another_shape():

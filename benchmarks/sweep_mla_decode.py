@@ -62,43 +62,29 @@ SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30): the same-run ref
 }
 
 # In priority order (the time budget may cut the tail); the shipped configs first.
-# Round 1 (2026-11-30 sweep): 32-token tokens-major tiles at 3 stages (88-91 KiB of shared memory,
-# two programs per SM) beat deeper pipelines at one program per SM (s4 0.157, s6 0.163 ms geomean
-# vs 0.117), and 1 x 128k went 0.149 -> 0.090 ms at s6 with 1024-token splits: split counts and
-# programs per SM matter more than stages. New here (shared memory from sm_90 compiles, Triton 3.9):
-# - USE_TMA with 16-token tiles (one cache block): a tile is two TMA copies (c_kv, k_pe) after one
-#   table load, no per-row addresses or 16-byte cp.asyncs; the dots read the TMA buffers in place.
-#   s3 56 KiB (four programs per SM, 528 slots), s4 74 KiB (three, 396 slots), s6 ~110 KiB (two).
-#   target_programs sized to those slots (one full wave), max_splits 512 so that 1 x 128k fills it.
-# - EVICT_FIRST on the pointer loads of the cache (read once): the partials stay in L2.
-# - split counts of the shipped tile: tp264 m1024 (one wave, half the partials), tp1056.
-# - 16-token tiles through pointer loads at s4 (74 KiB, three programs per SM).
-# - tokens-major 64-token tiles at s2 (164 KiB: one program per SM; both dots wgmma), last.
-# 128 heads: heads-major 64-head tiles with TMA 16-token tiles, s3 128 KiB (one program per SM,
-# as the shipped H64 N64 s2 at 216 KiB).
-# WARP_SPECIALIZE: Triton 3.9 builds no partitions for this loop (mma.sync scores dot), one
-# variant at the end in case 3.6 does.
-MORE_SPLITS = dict(max_splits=512)
+# Rounds 1-2 (2026-11-30, benchmarks/RESULTS.md): 32-token tokens-major tiles at 3 stages won;
+# TMA tiles, evict-first loads, deeper pipelines and other split counts did not beat them.
+# Round 3: TABLE_IN_LOOP. The shipped loop loads the next tile's block-table entries one
+# iteration ahead; sm_90 compiles (Triton 3.9) show the pipeliner then keeps that load
+# synchronous and issues it in the iteration whose cache copies it addresses, so its latency is
+# exposed every tile. Loaded in its own iteration, the table entries become an asynchronous
+# indirect load a stage ahead of the rows. The copies in flight then depend on the stages:
+# s3/s4 wait for all of them each iteration (one tile ahead), s5 keeps two tiles (94 KiB at
+# 32-token tiles: two programs per SM; 56 KiB at 16: four), s6 three.
+TIL = dict(TABLE_IN_LOOP=True)
 CONFIGS = [
     (16, SHIPPED[16]),
     (128, SHIPPED[128]),
-    (16, tokens_major(16, 16, 4, 4, **TMA)),
-    (16, tokens_major(16, 16, 4, 3, **TMA)),
-    (16, tokens_major(16, 32, 4, 3, **EVICT)),
-    (16, tokens_major(16, 16, 4, 4, target_programs=396, **MORE_SPLITS, **TMA)),
-    (16, tokens_major(16, 16, 4, 3, **MORE_SPLITS, **TMA)),
-    (16, tokens_major(16, 32, 4, 3, target_programs=264, min_tokens_per_split=1024)),
-    (16, tokens_major(16, 16, 4, 4, target_programs=792, **MORE_SPLITS, **TMA)),
-    (16, tokens_major(16, 16, 4, 4, target_programs=396, **MORE_SPLITS)),
-    (16, tokens_major(16, 16, 4, 6, target_programs=264, min_tokens_per_split=1024, **TMA)),
-    (16, tokens_major(16, 16, 4, 3, target_programs=1056, **MORE_SPLITS, **TMA)),
-    (16, tokens_major(16, 32, 4, 3, target_programs=1056, **EVICT)),
-    (16, heads_major(16, 16, 4, 4, **TMA)),
-    (16, tokens_major(16, 16, 8, 4, **TMA)),
-    (128, heads_major(64, 16, 8, 3, **TMA)),
-    (128, heads_major(64, 64, 8, 2, **EVICT)),
-    (16, tokens_major(16, 16, 4, 4, **WS)),
-    (16, tokens_major(16, 64, 4, 2)),
+    (16, tokens_major(16, 32, 4, 5, **TIL)),
+    (16, tokens_major(16, 16, 4, 5, **TIL)),
+    (16, tokens_major(16, 32, 4, 5, target_programs=264, **TIL)),
+    (16, tokens_major(16, 16, 4, 6, **TIL)),
+    (16, tokens_major(16, 32, 4, 6, **TIL)),
+    (16, tokens_major(16, 32, 4, 3, **TIL)),
+    (16, heads_major(16, 32, 4, 5, **TIL)),
+    (16, tokens_major(16, 16, 4, 5, target_programs=1056, **TIL)),
+    (128, heads_major(64, 32, 8, 5, **TIL)),
+    (128, heads_major(64, 64, 8, 3, **TIL)),
 ]
 
 SMOKE_CASES = {4: [(1, 40), (3, 17)], 20: [(2, 33)]}
@@ -108,6 +94,7 @@ SMOKE_CONFIGS = [
     (4, tokens_major(16, 16, 4, 1, **SMOKE_SPLITS, **WS)),
     (20, tokens_major(16, 32, 4, 1, **SMOKE_SPLITS, **EVICT)),
     (20, heads_major(16, 16, 4, 1, **SMOKE_SPLITS, **TMA)),
+    (20, tokens_major(16, 16, 4, 1, **SMOKE_SPLITS, **TIL)),
 ]
 
 

@@ -89,7 +89,9 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
 
     Launch options of `params` (absent: off): "USE_TMA" loads the full tiles through TMA
     descriptors over the flat cache (a tile never crosses a cache block; the last, partial tile of
-    a split goes through masked pointer loads), "WARP_SPECIALIZE" runs that TMA loop with
+    a split goes through masked pointer loads), "TABLE_IN_LOOP" loads each tile's block-table
+    entries in its own iteration (pipelined asynchronously) instead of one tile ahead,
+    "WARP_SPECIALIZE" runs that TMA loop with
     `tl.range(..., warp_specialize=True)`, "EVICT_FIRST" marks the pointer loads of the cache
     evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
@@ -121,6 +123,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         DOT_PRECISION=dot_precision(q_latent.dtype), IS_ONLY_SPLIT=is_only_split,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and bool(params.get("WARP_SPECIALIZE")),
         EVICT_FIRST=bool(params.get("EVICT_FIRST")),
+        TABLE_IN_LOOP=bool(params.get("TABLE_IN_LOOP")),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     if is_only_split:

@@ -100,7 +100,7 @@ def _mla_decode_split_kernel(
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_ONLY_SPLIT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     """One (head group, sequence, split): partial softmax . c_kv over the split's tokens.
 
@@ -177,10 +177,22 @@ def _mla_decode_split_kernel(
                                                       EVICT_FIRST)  # fmt: skip
             acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
                                         in_bounds, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
+    elif TABLE_IN_LOOP:
+        # Each tile's slots come from a table load of its own iteration: Triton's pipeliner makes
+        # that load asynchronous too (an indirect load, a stage before the cache rows it
+        # addresses), so neither waits in the loop.
+        for start_n in range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + offs_tile  # [BLOCK_N] context positions
+            rows = _tile_slots(table_ptr, offs_n, split_end, BLOCK_SIZE)
+            kv_c, k_pe, in_bounds = _mla_pointer_tile(cache_ptr, rows, offs_n, split_end, offs_l,
+                                                      offs_r, stride_slot, LATENT_RANK, ROPE_DIM,
+                                                      EVICT_FIRST)  # fmt: skip
+            acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
+                                        in_bounds, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
     else:
-        # The next tile's slots are loaded one iteration ahead (carried): the cache loads then do
-        # not wait on a table load of their own iteration, and Triton's pipeliner can issue them
-        # num_stages - 1 tiles ahead instead of num_stages - 2.
+        # The next tile's slots are loaded one iteration ahead (carried). The pipeliner then
+        # keeps that table load synchronous and issues it in the iteration whose cache copies
+        # it addresses (seen in the TTGIR for sm_90): its latency is exposed every tile.
         rows = _tile_slots(table_ptr, split_start + offs_tile, split_end, BLOCK_SIZE)
         for start_n in range(split_start, split_end, BLOCK_N):
             offs_n = start_n + offs_tile  # [BLOCK_N] context positions

@@ -118,6 +118,7 @@ LAUNCH_OPTIONS = {
     "tma-warp-specialized": dict(USE_TMA=True, WARP_SPECIALIZE=True),
     "evict-first": dict(EVICT_FIRST=True),
     "tma-evict-first": dict(USE_TMA=True, EVICT_FIRST=True),
+    "table-in-loop": dict(TABLE_IN_LOOP=True),
 }
 
 

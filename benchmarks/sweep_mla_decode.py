@@ -8,8 +8,9 @@ CPU check of this script's logic (Triton interpreter, float32, tiny shapes):
 
 Per config: a float32-reference check on a batch of mixed lengths (a NaN or a relative error above
 2e-2 fails it; an OutOfResources compile is recorded and skipped), then the cases of its head
-bucket timed with `triton.testing.do_bench` (median) against the same-run torch baseline (gather +
-bmm/softmax/bmm, as in rayinfer/bench/attention_timings.py). Sweeping stops once the time budget
+bucket timed from a CUDA graph (`triton.testing.do_bench_cudagraph`, median; the split and combine
+kernels apart with `do_bench`) against the same-run torch baseline (gather + bmm/softmax/bmm, as in
+rayinfer/bench/attention_timings.py, plain launches). Sweeping stops once the time budget
 is spent; what was not run is recorded as such.
 """
 
@@ -128,7 +129,10 @@ class Setup:
         return paged_mla_case(seq_lens, heads, self.latent_rank, self.rope_dim, BLOCK_SIZE,
                               self.dtype, self.device)  # fmt: skip
 
-    def time_ms(self, fn) -> float:
+    def time_ms(self, fn, graph: bool = False) -> float:
+        """Median ms of fn. graph: replayed from a CUDA graph (as a decode step runs it), so
+        that the host's launch cost does not hide the kernel's time: with plain launches the
+        small and mid cases measured mostly that cost, which drifted 2x within a run."""
         fn()
         if self.smoke:  # no CUDA events on CPU: one wall-clock run
             start = time.perf_counter()
@@ -137,6 +141,8 @@ class Setup:
         import triton.testing
 
         torch.cuda.synchronize()
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
@@ -204,7 +210,7 @@ def run_config(setup: Setup, heads: int, params: dict, cases: dict) -> dict:
             for (case_heads, batch, seq_len), case in cases.items():
                 if case_heads != heads:
                     continue
-                ms = setup.time_ms(lambda: decode(case, setup.scale))  # noqa: B023
+                ms = setup.time_ms(lambda: decode(case, setup.scale), graph=True)  # noqa: B023
                 row = timing_row(setup, case, batch, seq_len, ms)
                 result["timings"][f"{batch}x{seq_len}"] = row
     except Exception as error:  # noqa: BLE001 - a config that does not compile or run is skipped

@@ -89,7 +89,8 @@ SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30): the same-run ref
 # the shipped config first and last.
 # Round 7, timed from CUDA graphs (as the engine runs decode): the shipped config is stable
 # (0.058 ms geomean first and last), heads-major 16-head tiles win (0.052 ms: 70-73% of HBM at
-# full contexts), GATHER_TABLE does not help (0.054-0.059 ms). Round 8: around heads-major.
+# full contexts), GATHER_TABLE does not help (0.054-0.059 ms). Round 8: around heads-major (not
+# run yet: the session's device time was spent).
 TIL = dict(TABLE_IN_LOOP=True)
 GATHER = dict(GATHER_TABLE=True)
 EVICT32 = dict(min_tokens_per_split=32, EVICT_FIRST=True)
@@ -198,10 +199,17 @@ def build_cases(setup: Setup) -> dict:
 
 
 def time_baselines(setup: Setup, cases: dict) -> dict:
+    """The torch baseline per case, from a CUDA graph as our kernel is timed (plain launches
+    where it cannot be captured: recorded in the row's "graph")."""
     rows = {}
     for (heads, batch, seq_len), case in cases.items():
-        ms = setup.time_ms(lambda: baseline_decode(case, setup.scale, seq_len))  # noqa: B023
-        rows[(heads, batch, seq_len)] = timing_row(setup, case, batch, seq_len, ms)
+        fn = lambda: baseline_decode(case, setup.scale, seq_len)  # noqa: B023, E731
+        try:
+            ms, graph = setup.time_ms(fn, graph=True), True
+        except Exception:  # noqa: BLE001 - e.g. a host sync inside: timed with plain launches
+            ms, graph = setup.time_ms(fn), False
+        rows[(heads, batch, seq_len)] = dict(timing_row(setup, case, batch, seq_len, ms),
+                                             graph=graph)  # fmt: skip
     return rows
 
 

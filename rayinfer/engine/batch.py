@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rayinfer.engine.sampling_params import SamplingParams
 
@@ -43,3 +44,24 @@ class ModelBatch:
     @property
     def num_sampling(self) -> int:
         return sum(r.samples for r in self.requests)
+
+
+class SampledLogprobs(NamedTuple):
+    """A sampled token's log-probability and its request's k most likely alternatives (most
+    likely first), from the raw logits' log-softmax."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SampledTokens:
+    """What an executor returns for a step: the next token of every request with `samples`, in
+    order, and, when any of them asked for log-probabilities, theirs (None for the others)."""
+
+    token_ids: list[int]
+    logprobs: list[SampledLogprobs | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

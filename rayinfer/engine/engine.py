@@ -88,7 +88,7 @@ class LLMEngine:
         self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         self.pending_imports.append(_PendingImport(state, handoff.payload))
-        self._append_token(state, handoff.first_token_id)
+        self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
         first = state.take_output()  # the caller already has the first token
         if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
             self.pending_imports.pop()
@@ -129,8 +129,9 @@ class LLMEngine:
         ready, self.ready_outputs = self.ready_outputs, []
         if not scheduled:
             return ready
-        tokens = self.executor.execute(self._model_batch(scheduled))
-        sampled = iter(tokens)
+        result = self.executor.execute(self._model_batch(scheduled))
+        sampled = iter(result.token_ids)
+        logprobs = iter(result.logprobs) if result.logprobs is not None else None
         outputs = ready
         for item in scheduled:
             seq = item.seq
@@ -139,7 +140,7 @@ class LLMEngine:
             self.scheduler.manager_of(seq).mark_computed(seq)
             if samples:
                 state = self.states[seq.request_id]
-                self._append_token(state, next(sampled))
+                self._append_token(state, next(sampled), next(logprobs) if logprobs else None)
                 outputs.append(state.take_output())
         return outputs
 
@@ -156,6 +157,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=seq.prompt_token_ids,
             first_token_id=seq.output_token_ids[0],
+            first_token_logprobs=state.logprobs[0] if state.logprobs else None,
             payload=payload,
             num_bytes=getattr(payload, "num_bytes", 0),
         )
@@ -189,9 +191,9 @@ class LLMEngine:
         self.states[request_id] = state
         return state
 
-    def _append_token(self, state: RequestState, token_id: int) -> None:
+    def _append_token(self, state: RequestState, token_id: int, logprobs=None) -> None:
         reason = state.append_token(
-            token_id, self.eos_token_ids, self.scheduler_config.max_model_len
+            token_id, self.eos_token_ids, self.scheduler_config.max_model_len, logprobs
         )
         seq = state.seq
         if seq.prefill_only and reason is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.batch import ModelBatch, SampledTokens
 
 
 class KVLostError(RuntimeError):
@@ -14,8 +14,9 @@ class KVLostError(RuntimeError):
 
 class Executor(ABC):
     @abstractmethod
-    def execute(self, batch: ModelBatch) -> list[int]:
-        """Run one step; the next token of each request that samples, in batch order."""
+    def execute(self, batch: ModelBatch) -> SampledTokens:
+        """Run one step; the next token of each request that samples, in batch order, with the
+        log-probabilities of those that asked for them."""
 
     @property
     def num_kv_blocks(self) -> int | None:

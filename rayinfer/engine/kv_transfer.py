@@ -64,6 +64,7 @@ class KVHandoff:
     payload: Any  # None when the request already finished at its first token
     num_bytes: int = 0
     finish_reason: str | None = None  # set when there is nothing left to decode
+    first_token_logprobs: Any = None  # outputs.TokenLogprobs when the request asked for them
 
 
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from rayinfer.config import (
     ModelConfig,
     exchange_graph_blocker,
 )
-from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
 from rayinfer.engine.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -50,7 +50,12 @@ from rayinfer.layers.forward_context import (
     idle_forward_inputs,
 )
 from rayinfer.layers.parallel import SINGLE, ParallelContext
-from rayinfer.layers.sampler import apply_penalties, sample_tokens
+from rayinfer.layers.sampler import (
+    apply_penalties,
+    gather_logprobs,
+    log_probabilities,
+    sample_tokens,
+)
 from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
     supports_two_batch_overlap,
@@ -206,20 +211,33 @@ class ModelRunner:
             ) from None
 
     @torch.inference_mode()
-    def execute(self, batch: ModelBatch) -> list[int]:
-        """Run one step; returns the next token of every request with `samples`, in order."""
+    def execute(self, batch: ModelBatch) -> SampledTokens:
+        """Run one step; returns the next token of every request with `samples`, in order (and
+        their log-probabilities where asked)."""
         requests = batch.requests
         bucket = self._graph_bucket(batch)
         if not requests and bucket is None:
             self._idle_forward(batch.ep_tokens)
-            return []
+            return SampledTokens([])
         hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens)  # [T, H], rows
         if not last_rows:
-            return []
+            return SampledTokens([])
         # Every row samples in a pure decode: no index tensor to build and copy to the device.
         last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
         logits = self.model.compute_logits(last)  # [B, V] float32
         sampling = [r for r in requests if r.samples]
+        wanted = [r.params.logprobs for r in sampling]
+        raw = log_probabilities(logits, wanted)  # before penalties change the logits
+        tokens = self._sample(logits, sampling)
+        if raw is None:
+            return SampledTokens(tokens)
+        logprobs = gather_logprobs(*raw, tokens, wanted)
+        return SampledTokens(
+            tokens, [None if lp is None else SampledLogprobs(*lp) for lp in logprobs]
+        )
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> list[int]:
+        """[B, V] logits (penalized in place) -> the next token of each sampling request."""
         if any(r.output_token_ids for r in sampling):
             apply_penalties(
                 logits,

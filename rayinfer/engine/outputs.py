@@ -42,6 +42,22 @@ class GeneratedTokens(Sequence):
 
 
 @dataclass
+class Logprob:
+    token_id: int
+    logprob: float  # natural log of the model's probability (raw logits' log-softmax)
+    token: str | None = None  # the token's text on its own; None without a tokenizer
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the request's k most likely alternatives
+    (SamplingParams.logprobs = k), most likely first."""
+
+    chosen: Logprob
+    top: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +68,10 @@ class RequestOutput:
     new_text: str = ""  # text added in the last step (safe to stream)
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.logprobs: one entry per generated token (like token_ids: a list once
+    # finished, a view while running) and the last step's; None otherwise.
+    logprobs: list[TokenLogprobs] | GeneratedTokens | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

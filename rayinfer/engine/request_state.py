@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rayinfer.engine.outputs import GeneratedTokens, RequestOutput
+from rayinfer.engine.batch import SampledLogprobs
+from rayinfer.engine.outputs import GeneratedTokens, Logprob, RequestOutput, TokenLogprobs
 from rayinfer.engine.sequence import Sequence
 from rayinfer.engine.stop_checker import (
     find_stop_string,
@@ -14,6 +15,11 @@ from rayinfer.engine.stop_checker import (
 class RequestState:
     def __init__(self, seq: Sequence, tokenizer=None):
         self.seq = seq
+        self.tokenizer = tokenizer
+        # one entry per generated token when the request asked for log-probabilities
+        self.logprobs: list[TokenLogprobs] | None = None
+        if seq.params.logprobs is not None:
+            self.logprobs = []
         self.detokenizer = None
         if tokenizer is not None:
             from rayinfer.engine.detokenizer import IncrementalDetokenizer
@@ -25,11 +31,21 @@ class RequestState:
         self._num_chars_reported = 0
 
     def append_token(
-        self, token_id: int, eos_token_ids: set[int], max_model_len: int
+        self,
+        token_id: int,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        logprobs: SampledLogprobs | TokenLogprobs | None = None,
     ) -> str | None:
-        """Add a sampled token; returns why the request ends now, or None."""
+        """Add a sampled token (with its log-probabilities when the request asked for them: an
+        executor's numbers, or a TokenLogprobs already made, as a hand-off's first token's);
+        returns why the request ends now, or None."""
         seq = self.seq
         seq.output_token_ids.append(token_id)
+        if self.logprobs is not None:
+            if not isinstance(logprobs, TokenLogprobs):
+                logprobs = self.token_logprobs(token_id, logprobs)
+            self.logprobs.append(logprobs)
         reason = finish_reason_after_token(seq, eos_token_ids, max_model_len)
         if self.detokenizer is None:
             return reason
@@ -44,6 +60,23 @@ class RequestState:
             self.text = self.text[:cut]
             return "stop"
         return reason
+
+    def token_logprobs(self, token_id: int, sampled: SampledLogprobs | None) -> TokenLogprobs:
+        """The executor's numbers with each token's text. An executor always sends them for a
+        request that asked; a token without them (none known) records NaN rather than shift
+        the list against token_ids."""
+        if sampled is None:
+            return TokenLogprobs(Logprob(token_id, float("nan"), self._text_of(token_id)))
+        top = [
+            Logprob(i, value, self._text_of(i))
+            for i, value in zip(sampled.top_ids, sampled.top_logprobs)
+        ]
+        return TokenLogprobs(Logprob(token_id, sampled.logprob, self._text_of(token_id)), top)
+
+    def _text_of(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
@@ -68,6 +101,12 @@ class RequestState:
             finish_reason=self.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
         )
+        if self.logprobs is not None:
+            count = len(self.logprobs)
+            output.logprobs = (
+                list(self.logprobs) if self.finish_reason else GeneratedTokens(self.logprobs, count)
+            )
+            output.new_logprobs = self.logprobs[self._num_tokens_reported :]
         self._num_tokens_reported = len(generated)
         self._num_chars_reported = visible
         return output

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat `top_logprobs`
+
 
 class InvalidRequestError(ValueError):
     """A request's value is invalid; `field` names it so the server can answer 400."""
@@ -26,6 +28,10 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated text
+    # None: no log-probabilities; k: each generated token's log-probability under the model (the
+    # raw logits' log-softmax: before penalties, temperature, top-k/top-p) and the k most likely
+    # tokens' (0 <= k <= MAX_LOGPROBS)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +61,15 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequestError(name, f"must be a number in [-2, 2], got {value!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "logprobs",
+                f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
 

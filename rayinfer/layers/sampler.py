@@ -33,6 +33,40 @@ def apply_penalties(
     logits.index_put_((index,), logits[index] - penalty)
 
 
+def log_probabilities(
+    logits: torch.Tensor,  # [B, V] float32, raw (before penalties and temperature)
+    wanted: list[int | None],  # [B] alternatives each row wants; None: no log-probabilities
+) -> tuple[torch.Tensor, list[int]] | None:
+    """([R, V] float32 log-softmax of the rows that want log-probabilities, those rows), or None
+    when no row does. Taken before penalties change the logits in place."""
+    rows = [row for row, k in enumerate(wanted) if k is not None]
+    if not rows:
+        return None
+    chosen = logits if len(rows) == logits.shape[0] else logits[rows]
+    return torch.log_softmax(chosen.float(), dim=-1), rows
+
+
+def gather_logprobs(
+    log_probs: torch.Tensor,  # [R, V] from log_probabilities
+    rows: list[int],  # [R] their rows in the batch
+    token_ids: list[int],  # [B] the sampled tokens
+    wanted: list[int | None],  # [B] as for log_probabilities
+) -> list[tuple[float, list[int], list[float]] | None]:
+    """[B] (log-probability of the sampled token, the k most likely ids, their log-probabilities)
+    for the rows that want them, None for the others; one device-to-host copy."""
+    device = log_probs.device
+    ids = torch.tensor([token_ids[row] for row in rows], device=device)
+    chosen = log_probs.gather(1, ids[:, None])[:, 0]  # [R]
+    most = max(wanted[row] for row in rows)
+    top_values, top_ids = log_probs.topk(most, dim=-1) if most else (chosen[:, None][:, :0],) * 2
+    host = torch.cat([chosen[:, None], top_values, top_ids.to(log_probs.dtype)], dim=1).tolist()
+    out: list[tuple[float, list[int], list[float]] | None] = [None] * len(token_ids)
+    for index, row in enumerate(rows):
+        k, values = wanted[row], host[index]
+        out[row] = (values[0], [int(i) for i in values[1 + most : 1 + most + k]], values[1 : 1 + k])
+    return out
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [B, V] float32
     temperatures: list[float],  # [B]; 0 is greedy

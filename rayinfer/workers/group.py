@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import shared_decode_bucket
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.engine.graph_buckets import graph_batch_sizes
@@ -140,7 +140,7 @@ class WorkerGroup(Executor):
         return graph_batch_sizes(graphs.max_batch_size), width
 
     # --- Executor ----------------------------------------------------------------------------
-    def execute(self, batch: ModelBatch) -> list[int]:
+    def execute(self, batch: ModelBatch) -> SampledTokens:
         shares: list[list[ScheduledRequest]] = [[] for _ in range(self.plan.dp)]
         for request in batch.requests:
             shares[request.kv_partition].append(request)
@@ -160,12 +160,19 @@ class WorkerGroup(Executor):
             share = ModelBatch(shares[placement.dp_rank], ep_tokens, bucket)
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
-        results = ray.get(calls)
-        tokens_of = {}
+        results: list[SampledTokens] = ray.get(calls)
+        tokens_of, logprobs_of = {}, {}
         for rank in leaders:
             sampling = [r.request_id for r in shares[self.placements[rank].dp_rank] if r.samples]
-            tokens_of.update(zip(sampling, results[rank]))
-        return [tokens_of[r.request_id] for r in batch.requests if r.samples]
+            result = results[rank]
+            tokens_of.update(zip(sampling, result.token_ids))
+            if result.logprobs is not None:
+                logprobs_of.update(zip(sampling, result.logprobs))
+        order = [r.request_id for r in batch.requests if r.samples]
+        tokens = [tokens_of[request_id] for request_id in order]
+        if not logprobs_of:
+            return SampledTokens(tokens)
+        return SampledTokens(tokens, [logprobs_of.get(request_id) for request_id in order])
 
     @property
     def num_kv_partitions(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rayinfer.config import CacheConfig, CudaGraphConfig, KVMemoryConfig, ModelConfig
-from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.model_runner import ModelRunner
@@ -41,7 +41,7 @@ class InProcessExecutor(Executor):
     def num_kv_blocks(self) -> int:
         return self.runner.cache_config.num_blocks
 
-    def execute(self, batch: ModelBatch) -> list[int]:
+    def execute(self, batch: ModelBatch) -> SampledTokens:
         return self.runner.execute(batch)
 
     @property

@@ -20,7 +20,7 @@ from rayinfer.config import (
     ModelConfig,
     ParallelPlan,
 )
-from rayinfer.engine.batch import ModelBatch
+from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
@@ -135,7 +135,7 @@ class Worker:
             "decode_graphs": self.runner.captures_decode_graphs,
         }
 
-    def execute(self, batch: ModelBatch) -> list[int]:
+    def execute(self, batch: ModelBatch) -> SampledTokens:
         return self.runner.execute(batch)
 
     def graph_capture_seconds(self) -> float | None:

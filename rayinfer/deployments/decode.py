@@ -38,7 +38,8 @@ class Decode(PhaseReplica):
         async for event in self.loop.continue_prefilled(handoff, request.params):
             output = event.output
             now = time.perf_counter()
-            chunk = DecodeChunk(output.new_text, output.new_token_ids, output.finish_reason)
+            chunk = DecodeChunk(output.new_text, output.new_token_ids, output.finish_reason,
+                                new_logprobs=output.new_logprobs)  # fmt: skip
             if is_first:
                 stats = self.workers.stats
                 chunk.kv_import_s = stats.import_seconds.pop(handoff.request_id, 0.0)

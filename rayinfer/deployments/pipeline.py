@@ -38,6 +38,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
 
 
 class Pipeline:
@@ -102,11 +103,12 @@ class Pipeline:
         result = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
         timings.prefill_s = time.perf_counter() - start
         timings.kv_export_s = result.kv_export_s
+        first_logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
         if result.finish_reason is not None:
-            yield Delta(result.text, [result.first_token_id], result.finish_reason)
+            yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs)
             return
         timings.kv_bytes = result.handoff.num_bytes
-        yield Delta(result.first_text, [result.first_token_id], None)
+        yield Delta(result.first_text, [result.first_token_id], None, first_logprobs)
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
         finished = False
         try:
@@ -115,7 +117,8 @@ class Pipeline:
                     timings.kv_import_s = chunk.kv_import_s
                     timings.was_recomputed = chunk.was_recomputed
                 finished = chunk.finish_reason is not None
-                yield Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason)
+                yield Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason,
+                            chunk.new_logprobs)  # fmt: skip
         finally:
             if not finished:
                 stream.cancel()

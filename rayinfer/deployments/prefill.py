@@ -53,5 +53,6 @@ class Prefill(PhaseReplica):
                 handoff=event.handoff,
                 num_cached_tokens=output.num_cached_tokens,
                 kv_export_s=event.export_s,
+                first_logprobs=output.logprobs[0] if output.logprobs else None,
             )
         raise RuntimeError(f"prefill of {request.request_id!r} ended without an output")

@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies, and the OpenAI error body.
 
-Fields OpenAI defines but rayinfer does not implement (n > 1, logprobs, penalties) are accepted at
-their neutral values and refused otherwise, naming the field. Unknown fields are ignored, as the
-OpenAI server does. Extensions (vLLM's `top_k`, `ignore_eos`) are marked.
+Fields OpenAI defines but rayinfer does not implement (n > 1, best_of > 1, logit_bias, a JSON
+response_format, echo, suffix) are accepted at their neutral values and refused otherwise, naming
+the field. Unknown fields are ignored, as the OpenAI server does. Extensions (vLLM's `top_k`,
+`ignore_eos`) are marked. Log-probabilities: chat's `logprobs`/`top_logprobs` (up to 20) and
+completions' `logprobs` (up to 5), formatted by deployments/logprobs.py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -67,6 +69,14 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = Field(False, description="extension: keep going past EOS (benchmarks)")
     rayinfer_timings: bool = Field(False, description="extension: add hand-off timings")
+    logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("is not supported; send no bias")
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -100,7 +110,13 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            logprobs=self.requested_logprobs,
         )
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per generated token to report, or None for no log-probabilities."""
+        return None
 
 
 class ChatMessage(BaseModel):
@@ -120,6 +136,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = Field(None, description="only type text")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value and value.get("type", "text") != "text":
+            raise ValueError("only {'type': 'text'} is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -132,6 +168,20 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, description="only false is supported")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=1, description="only one candidate per request")
+    suffix: str | None = Field(None, description="only none is supported")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("is not supported")
+        return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -163,7 +213,9 @@ def usage_body(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, 
     }
 
 
-def chat_completion_body(request_id, model, text, finish_reason, usage) -> dict[str, Any]:
+def chat_completion_body(
+    request_id, model, text, finish_reason, usage, logprobs=None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -174,41 +226,51 @@ def chat_completion_body(request_id, model, text, finish_reason, usage) -> dict[
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         ],
         "usage": usage,
     }
 
 
-def completion_body(request_id, model, text, finish_reason, usage) -> dict[str, Any]:
+def completion_body(request_id, model, text, finish_reason, usage, logprobs=None) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        ],
         "usage": usage,
     }
 
 
-def chat_chunk_body(request_id, model, delta: dict, finish_reason=None) -> dict[str, Any]:
+def chat_chunk_body(
+    request_id, model, delta: dict, finish_reason=None, logprobs=None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        ],
     }
 
 
-def completion_chunk_body(request_id, model, text, finish_reason=None) -> dict[str, Any]:
+def completion_chunk_body(
+    request_id, model, text, finish_reason=None, logprobs=None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        ],
     }
 
 

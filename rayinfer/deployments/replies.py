@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rayinfer.deployments import protocol
+from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
 from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import Timings
@@ -40,14 +41,16 @@ class HttpReply:
         self.chat = chat
         self.request = request
         self.num_prompt_tokens = num_prompt_tokens
+        self._text_offset = 0  # completions' logprobs: where the next token's text starts
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
-        text, num_tokens, finish_reason = "", 0, None
+        text, num_tokens, finish_reason, entries = "", 0, None, []
         try:
             async for delta in deltas:
                 text += delta.text
                 num_tokens += len(delta.token_ids)
                 finish_reason = delta.finish_reason or finish_reason
+                entries += delta.logprobs or []
         except OpenAIError:
             raise
         except Exception as error:
@@ -56,7 +59,8 @@ class HttpReply:
             await deltas.aclose()
         usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
         build = protocol.chat_completion_body if self.chat else protocol.completion_body
-        body = build(self.request_id, self.model, text, finish_reason, usage)
+        body = build(self.request_id, self.model, text, finish_reason, usage,
+                     self._logprobs(entries))  # fmt: skip
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
         return body
@@ -68,7 +72,8 @@ class HttpReply:
                 yield sse(self._chunk({"role": "assistant", "content": ""}))
             async for delta in deltas:
                 num_tokens += len(delta.token_ids)
-                yield sse(self._chunk(delta.text, delta.finish_reason))
+                logprobs = self._logprobs(delta.logprobs or [])
+                yield sse(self._chunk(delta.text, delta.finish_reason, logprobs))
         except OpenAIError as error:  # the stream already started: report in-band, then end
             yield sse(error.body())
         except Exception as error:
@@ -79,13 +84,24 @@ class HttpReply:
             yield sse(self._usage_chunk(num_tokens, timings))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, content, finish_reason=None) -> dict:
+    def _chunk(self, content, finish_reason=None, logprobs=None) -> dict:
         if not self.chat:
             return protocol.completion_chunk_body(
-                self.request_id, self.model, content, finish_reason
+                self.request_id, self.model, content, finish_reason, logprobs
             )
         delta = content if isinstance(content, dict) else {"content": content}
-        return protocol.chat_chunk_body(self.request_id, self.model, delta, finish_reason)
+        return protocol.chat_chunk_body(self.request_id, self.model, delta, finish_reason, logprobs)
+
+    def _logprobs(self, entries: list) -> dict | None:
+        """The OpenAI logprobs object of these tokens (None when the request did not ask).
+        Completions' text offsets continue across a stream's chunks."""
+        if self.request.requested_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        body = completion_logprobs(entries, self._text_offset)
+        self._text_offset += sum(len(token) for token in body["tokens"])
+        return body
 
     def _usage_chunk(self, num_tokens: int, timings: Timings) -> dict:
         object_name = "chat.completion.chunk" if self.chat else "text_completion"

@@ -80,6 +80,7 @@ class PrefillResult:
     handoff: KVHandoff | None
     num_cached_tokens: int = 0
     kv_export_s: float = 0.0
+    first_logprobs: Any = None  # engine.outputs.TokenLogprobs when the request asked for them
 
 
 @dataclass
@@ -95,6 +96,7 @@ class DecodeChunk:
     finish_reason: str | None
     kv_import_s: float | None = None  # set on the first chunk
     was_recomputed: bool = False  # the KV was lost and decode recomputed the prompt
+    new_logprobs: list | None = None  # engine.outputs.TokenLogprobs of new_token_ids, if asked
 
 
 @dataclass

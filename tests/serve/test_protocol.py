@@ -15,6 +15,9 @@ from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionReque
 from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import GenerateRequest, Timings
+from rayinfer.engine.outputs import Logprob, TokenLogprobs
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
 
 def error_for(model, body: dict) -> OpenAIError:
@@ -47,11 +50,25 @@ def error_for(model, body: dict) -> OpenAIError:
         (CompletionRequest, {"prompt": "a", "n": 2}, "n"),
         (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
+        (CompletionRequest, {"prompt": "a", "logprobs": 6}, "logprobs"),
+        (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of"),
+        (CompletionRequest, {"prompt": "a", "suffix": "end"}, "suffix"),
+        (CompletionRequest, {"prompt": "a", "logit_bias": {"50256": -100}}, "logit_bias"),
+        (ChatCompletionRequest, {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "body"),  # needs logprobs=true
+        (
+            ChatCompletionRequest,
+            {**CHAT, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
     ],
 )
 def test_invalid_fields_answer_400_naming_them(model, body, param):
     error = error_for(model, body)
     assert error.status == 400
+    if param == "body":  # a rule across fields: the message names them
+        assert error.param is None and "top_logprobs" in error.message
+        return
     assert error.param == param
     assert error.body()["error"]["param"] == param
     assert error.body()["error"]["type"] == "invalid_request_error"
@@ -204,3 +221,50 @@ def test_stream_starts_after_the_first_delta_and_closes_the_rest():
         asyncio.run(first_delta(deltas(True)))
     assert caught.value.status == 500
     assert closed == [False, True]
+
+
+def entry(token_id: int, text: str, logprob: float, top=()) -> TokenLogprobs:
+    return TokenLogprobs(Logprob(token_id, logprob, text), [Logprob(i, lp, t) for i, t, lp in top])
+
+
+async def deltas_with_logprobs():
+    yield Delta("Hel", [1], None, [entry(1, "Hel", -0.5, [(1, "Hel", -0.5), (9, "Ha", -1.5)])])
+    yield Delta("lo", [2], "length", [entry(2, "lo", -0.25, [(2, "lo", -0.25), (8, None, -2.0)])])
+
+
+def test_chat_logprobs_in_whole_and_streamed_replies():
+    request = ChatCompletionRequest(**CHAT, logprobs=True, top_logprobs=2)
+    assert request.sampling_params(4).logprobs == 2
+    reply = HttpReply("chatcmpl-3", "tiny", True, request, 2)
+    body = asyncio.run(reply.whole(deltas_with_logprobs(), Timings()))
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hel", "lo"]
+    assert [c["logprob"] for c in content] == [-0.5, -0.25]
+    assert content[0]["bytes"] == list(b"Hel")
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["lo", "token_id:8"]
+    streamed = collect_events(HttpReply("chatcmpl-4", "tiny", True, request, 2),
+                              deltas_with_logprobs())  # fmt: skip
+    assert streamed[0]["choices"][0]["logprobs"] is None  # the role chunk
+    per_chunk = [b["choices"][0]["logprobs"]["content"] for b in streamed[1:]]
+    assert [c[0]["token"] for c in per_chunk] == ["Hel", "lo"]
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_text_offsets():
+    request = CompletionRequest(prompt="x", logprobs=1, stream=True)
+    assert request.sampling_params(4).logprobs == 1
+    bodies = collect_events(HttpReply("cmpl-5", "tiny", False, request, 1), deltas_with_logprobs())
+    first, second = (b["choices"][0]["logprobs"] for b in bodies)
+    assert first["tokens"] == ["Hel"] and first["token_logprobs"] == [-0.5]
+    assert first["top_logprobs"] == [{"Hel": -0.5, "Ha": -1.5}]
+    assert first["text_offset"] == [0] and second["text_offset"] == [3]
+    assert second["top_logprobs"] == [{"lo": -0.25, "token_id:8": -2.0}]
+
+
+def test_without_logprobs_the_fields_stay_null():
+    request = CompletionRequest(prompt="x")
+    assert request.sampling_params(4).logprobs is None
+    body = asyncio.run(HttpReply("cmpl-6", "tiny", False, request, 1).whole(
+        deltas_with_logprobs(), Timings()))  # fmt: skip
+    assert body["choices"][0]["logprobs"] is None
+    chat = ChatCompletionRequest(**CHAT, logprobs=False)
+    assert chat.sampling_params(4).logprobs is None

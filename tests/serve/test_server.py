@@ -86,6 +86,43 @@ def test_completion_equals_offline_llm(client):
     assert reply.choices[0].finish_reason == offline.finish_reason
 
 
+def test_logprobs_over_http_equal_the_offline_llm(client):
+    """Completions' logprobs (the first token from prefill, the rest from decode) equal the
+    offline engine's; chat's streamed logprobs cover every generated token."""
+    import rayinfer
+
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    params = rayinfer.SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    offline = rayinfer.LLM("tiny", max_model_len=256).generate(PROMPT, params)[0]
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == [entry.chosen.token for entry in offline.logprobs]
+    expected = [entry.chosen.logprob for entry in offline.logprobs]
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(1 <= len(top) <= 4 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the river."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                content += choice.logprobs.content
+    assert usage is not None and len(content) == usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+
+
 def test_serve_status_and_handoff_metric(server, client):
     deployments = server.serve_status()["applications"]["default"]["deployments"]
     assert {"Ingress", "Prefill", "Decode"} <= set(deployments)
@@ -152,6 +189,12 @@ BAD_BODIES = {
     "top_p=7": ("completions", {"prompt": "hi", "top_p": 7}, "top_p"),
     "prompt too long": ("completions", {"prompt": "fox " * 400}, "prompt"),
     "messages not a list": ("chat", {"messages": "hi"}, "messages"),
+    "top_logprobs=50": (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+        "top_logprobs",
+    ),
+    "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
 }
 
 

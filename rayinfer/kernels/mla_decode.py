@@ -91,8 +91,6 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     descriptors over the flat cache (a tile never crosses a cache block; the last, partial tile of
     a split goes through masked pointer loads), "TABLE_IN_LOOP" loads each tile's block-table
     entries in its own iteration (pipelined asynchronously) instead of one tile ahead,
-    "GATHER_TABLE" loads the split's entries once into registers and gathers each tile's rows
-    from them (no table load in the loop),
     "WARP_SPECIALIZE" runs that TMA loop with
     `tl.range(..., warp_specialize=True)`, "EVICT_FIRST" marks the pointer loads of the cache
     evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
@@ -126,8 +124,6 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and bool(params.get("WARP_SPECIALIZE")),
         EVICT_FIRST=bool(params.get("EVICT_FIRST")),
         TABLE_IN_LOOP=bool(params.get("TABLE_IN_LOOP")),
-        GATHER_TABLE=bool(params.get("GATHER_TABLE")),
-        BLOCKS_PER_SPLIT=triton.next_power_of_2(split.tokens_per_split // block_size + 2),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     if is_only_split:

@@ -100,8 +100,7 @@ def _mla_decode_split_kernel(
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TOKENS_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_ONLY_SPLIT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, TABLE_IN_LOOP: tl.constexpr, GATHER_TABLE: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     """One (head group, sequence, split): partial softmax . c_kv over the split's tokens.
 
@@ -173,26 +172,6 @@ def _mla_decode_split_kernel(
         if full_end < split_end:  # the sequence's last, partial tile
             offs_n = full_end + offs_tile
             rows = _tile_slots(table_ptr, offs_n, split_end, BLOCK_SIZE)
-            kv_c, k_pe, in_bounds = _mla_pointer_tile(cache_ptr, rows, offs_n, split_end, offs_l,
-                                                      offs_r, stride_slot, LATENT_RANK, ROPE_DIM,
-                                                      EVICT_FIRST)  # fmt: skip
-            acc, m_i, l_i = _mla_update(acc, m_i, l_i, kv_c, k_pe, q_latent, q_pe, qk_scale,
-                                        in_bounds, TOKENS_MAJOR, DOT_PRECISION)  # fmt: skip
-    elif GATHER_TABLE:
-        # The split's block-table entries are loaded once, before the loop, into registers
-        # ([BLOCKS_PER_SPLIT] int32); each tile takes its rows from them with a register gather.
-        # No global load then stands between a tile and its cache copies, which the pipeliner
-        # can issue num_stages - 1 tiles ahead.
-        first_block = split_start // BLOCK_SIZE
-        offs_b = tl.arange(0, BLOCKS_PER_SPLIT)
-        split_blocks = tl.load(table_ptr + first_block + offs_b,
-                               mask=first_block + offs_b < tl.cdiv(split_end, BLOCK_SIZE),
-                               other=0)  # fmt: skip
-        for start_n in range(split_start, split_end, BLOCK_N):
-            offs_n = start_n + offs_tile  # [BLOCK_N] context positions
-            local = tl.minimum(offs_n // BLOCK_SIZE - first_block, BLOCKS_PER_SPLIT - 1)
-            block_ids = tl.gather(split_blocks, local, 0)  # [BLOCK_N]
-            rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
             kv_c, k_pe, in_bounds = _mla_pointer_tile(cache_ptr, rows, offs_n, split_end, offs_l,
                                                       offs_r, stride_slot, LATENT_RANK, ROPE_DIM,
                                                       EVICT_FIRST)  # fmt: skip

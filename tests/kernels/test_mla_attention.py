@@ -119,7 +119,6 @@ LAUNCH_OPTIONS = {
     "evict-first": dict(EVICT_FIRST=True),
     "tma-evict-first": dict(USE_TMA=True, EVICT_FIRST=True),
     "table-in-loop": dict(TABLE_IN_LOOP=True),
-    "gather-table": dict(GATHER_TABLE=True),
 }
 
 

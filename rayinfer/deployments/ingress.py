@@ -4,6 +4,7 @@ It tokenizes (applying the chat template), checks the request against the model,
 Prefill then Decode (`Pipeline`) and streams the detokenized text as SSE or returns it whole.
 """
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayinfer.deployments import protocol
+from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.pipeline import Pipeline, first_delta, prepend
@@ -86,14 +88,41 @@ class Ingress:
         self._check_model(request.model)
         prompt_ids, params = self.prompts.build(request)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        model = self.source.served_model_name
+        if request.n > 1:
+            return await self._serve_choices(request, request_id, prompt_ids, params, chat)
         timings = Timings()
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
-        reply = HttpReply(request_id, self.source.served_model_name, chat, request, len(prompt_ids))
+        reply = HttpReply(request_id, model, chat, request, len(prompt_ids))
         if request.stream:
             first = await first_delta(deltas)
             events = reply.stream(prepend(first, deltas), timings)
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(await reply.whole(deltas, timings))
+
+    async def _serve_choices(self, request, request_id, prompt_ids, params, chat: bool):
+        """n > 1: one pipeline run per choice (deployments/choices.py). A stream starts once
+        every choice has its first token, so that overload still answers 503 up front."""
+        model, n = self.source.served_model_name, request.n
+        timings = [Timings() for _ in range(n)]
+        runs = [
+            self.pipeline.run(f"{request_id}-{i}", prompt_ids, choice, timings[i])
+            for i, choice in enumerate(choice_params(params, n))
+        ]
+        replies = [
+            HttpReply(request_id, model, chat, request, len(prompt_ids), i) for i in range(n)
+        ]
+        if not request.stream:
+            return JSONResponse(await whole_of_choices(replies, runs, timings))
+        firsts = await asyncio.gather(*(first_delta(run) for run in runs), return_exceptions=True)
+        failed = [first for first in firsts if isinstance(first, BaseException)]
+        if failed:
+            for run in runs:
+                await run.aclose()
+            raise failed[0]
+        started = [prepend(first, run) for first, run in zip(firsts, runs)]
+        events = stream_of_choices(replies, started, timings)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def _check_model(self, model: str | None) -> None:
         served = self.source.served_model_name

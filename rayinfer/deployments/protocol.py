@@ -1,10 +1,11 @@
 """OpenAI-compatible request and response bodies, and the OpenAI error body.
 
-Fields OpenAI defines but rayinfer does not implement (n > 1, best_of > 1, logit_bias, a JSON
-response_format, echo, suffix) are accepted at their neutral values and refused otherwise, naming
-the field. Unknown fields are ignored, as the OpenAI server does. Extensions (vLLM's `top_k`,
-`ignore_eos`) are marked. Log-probabilities: chat's `logprobs`/`top_logprobs` (up to 20) and
-completions' `logprobs` (up to 5), formatted by deployments/logprobs.py.
+Fields OpenAI defines but rayinfer does not implement (best_of > 1, logit_bias, a JSON
+response_format, echo, suffix; n > 1 through Python handles) are accepted at their neutral values
+and refused otherwise, naming the field. Unknown fields are ignored, as the OpenAI server does.
+Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
+`top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
+deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_CHOICES = 16  # `n`: choices per request over HTTP (deployments/choices.py)
 
 
 class OpenAIError(Exception):
@@ -134,6 +137,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -166,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, description="only false is supported")
     logprobs: int | None = Field(None, ge=0, le=5)

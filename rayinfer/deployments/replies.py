@@ -35,12 +35,23 @@ def validation_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
 class HttpReply:
     """Formats one request's deltas as an OpenAI response body or as SSE events."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, request, num_prompt_tokens: int):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        request,
+        num_prompt_tokens: int,
+        index: int = 0,
+    ):
+        """`index`: this reply's choice among the request's `n` (see deployments/choices.py)."""
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.request = request
         self.num_prompt_tokens = num_prompt_tokens
+        self.index = index
+        self.num_tokens = 0  # generated so far (stream)
         self._text_offset = 0  # completions' logprobs: where the next token's text starts
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
@@ -61,36 +72,53 @@ class HttpReply:
         build = protocol.chat_completion_body if self.chat else protocol.completion_body
         body = build(self.request_id, self.model, text, finish_reason, usage,
                      self._logprobs(entries))  # fmt: skip
+        body["choices"][0]["index"] = self.index
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
         return body
 
     async def stream(self, deltas: AsyncIterator[Delta], timings: Timings) -> AsyncIterator[str]:
-        num_tokens = 0
+        async for body in self.choice_events(deltas):
+            yield sse(body)
+        for event in self.trailer(self.num_tokens, timings):
+            yield event
+
+    async def choice_events(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[dict]:
+        """This choice's chunk bodies; an error once streaming has started is reported in-band
+        as the last one. Counts the generated tokens into `num_tokens`."""
         try:
             if self.chat:
-                yield sse(self._chunk({"role": "assistant", "content": ""}))
+                yield self._chunk({"role": "assistant", "content": ""})
             async for delta in deltas:
-                num_tokens += len(delta.token_ids)
+                self.num_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(delta.logprobs or [])
-                yield sse(self._chunk(delta.text, delta.finish_reason, logprobs))
+                yield self._chunk(delta.text, delta.finish_reason, logprobs)
         except OpenAIError as error:  # the stream already started: report in-band, then end
-            yield sse(error.body())
+            yield error.body()
         except Exception as error:
-            yield sse(OpenAIError(500, f"generation failed: {error}").body())
+            yield OpenAIError(500, f"generation failed: {error}").body()
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()
+
+    def trailer(self, num_tokens: int, timings: Timings) -> list[str]:
+        """The events after every choice's: the usage chunk when asked for, then [DONE]."""
+        events = []
         if self.request.include_usage or self.request.rayinfer_timings:
-            yield sse(self._usage_chunk(num_tokens, timings))
-        yield "data: [DONE]\n\n"
+            events.append(sse(self._usage_chunk(num_tokens, timings)))
+        return [*events, "data: [DONE]\n\n"]
 
     def _chunk(self, content, finish_reason=None, logprobs=None) -> dict:
         if not self.chat:
-            return protocol.completion_chunk_body(
+            body = protocol.completion_chunk_body(
                 self.request_id, self.model, content, finish_reason, logprobs
             )
-        delta = content if isinstance(content, dict) else {"content": content}
-        return protocol.chat_chunk_body(self.request_id, self.model, delta, finish_reason, logprobs)
+        else:
+            delta = content if isinstance(content, dict) else {"content": content}
+            body = protocol.chat_chunk_body(
+                self.request_id, self.model, delta, finish_reason, logprobs
+            )
+        body["choices"][0]["index"] = self.index
+        return body
 
     def _logprobs(self, entries: list) -> dict | None:
         """The OpenAI logprobs object of these tokens (None when the request did not ask).

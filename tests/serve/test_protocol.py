@@ -47,7 +47,6 @@ def error_for(model, body: dict) -> OpenAIError:
             "frequency_penalty",
         ),
         (CompletionRequest, {"prompt": "a", "top_k": 0}, "top_k"),
-        (CompletionRequest, {"prompt": "a", "n": 2}, "n"),
         (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
         (CompletionRequest, {"prompt": "a", "logprobs": 6}, "logprobs"),
@@ -268,3 +267,44 @@ def test_without_logprobs_the_fields_stay_null():
     assert body["choices"][0]["logprobs"] is None
     chat = ChatCompletionRequest(**CHAT, logprobs=False)
     assert chat.sampling_params(4).logprobs is None
+
+
+def test_n_choices_merge_whole_and_stream_with_their_indexes():
+    from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
+    from rayinfer.engine.sampling_params import SamplingParams
+
+    assert [p.seed for p in choice_params(SamplingParams(seed=7), 3)] == [7, 8, 9]
+    assert [p.seed for p in choice_params(SamplingParams(), 2)] == [None, None]
+    request = CompletionRequest(prompt="x", n=2, stream=True, stream_options={"include_usage": 1})
+
+    async def choice(texts):
+        for i, text in enumerate(texts):
+            yield Delta(text, [i], "length" if i == len(texts) - 1 else None)
+
+    def replies():
+        return [HttpReply("cmpl-7", "tiny", False, request, 3, i) for i in range(2)]
+
+    runs = [choice(["a", "b"]), choice(["c", "d", "e"])]
+    body = asyncio.run(whole_of_choices(replies(), runs, [Timings(), Timings()]))
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ab"), (1, "cde")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+    async def run_stream():
+        runs = [choice(["a", "b"]), choice(["c", "d", "e"])]
+        return [e async for e in stream_of_choices(replies(), runs, [Timings(), Timings()])]
+
+    events = asyncio.run(run_stream())
+    assert events[-1] == "data: [DONE]\n\n"
+    bodies = [json.loads(e[6:]) for e in events[:-1]]
+    texts = {0: "", 1: ""}
+    for b in bodies[:-1]:
+        texts[b["choices"][0]["index"]] += b["choices"][0]["text"]
+    assert texts == {0: "ab", 1: "cde"}
+    assert bodies[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_n_is_bounded_over_http():
+    assert error_for(CompletionRequest, {"prompt": "a", "n": 17}).param == "n"
+    assert ChatCompletionRequest(**CHAT, n=4).n == 4
+    with pytest.raises(ValidationError):  # Python handles: one choice
+        GenerateRequest(prompt="a", n=2)

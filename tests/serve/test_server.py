@@ -123,6 +123,38 @@ def test_logprobs_over_http_equal_the_offline_llm(client):
     assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
 
 
+def test_n_choices_each_equal_a_single_request_with_the_next_seed(client):
+    sampled = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.9)
+    reply = client.completions.create(**sampled, seed=11, n=3)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    singles = [client.completions.create(**sampled, seed=11 + i) for i in range(3)]
+    assert [c.text for c in reply.choices] == [s.choices[0].text for s in singles]
+    assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the river."}],
+        max_tokens=6,
+        temperature=0.9,
+        seed=5,
+        n=2,
+        stream=True,
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the river."}],
+        max_tokens=6,
+        temperature=0.9,
+        seed=5,
+        n=2,
+    )
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
 def test_serve_status_and_handoff_metric(server, client):
     deployments = server.serve_status()["applications"]["default"]["deployments"]
     assert {"Ingress", "Prefill", "Decode"} <= set(deployments)

@@ -1,0 +1,82 @@
+"""Requests with `n` > 1: one pipeline run per choice, merged into one OpenAI reply.
+
+Choice i samples with `seed + i` when the request gives a seed (reproducible, and different per
+choice), else with its own random generator; the prompt is the same, so prefill serves the later
+choices from its prefix cache where the first one's blocks are already computed. Whole: the
+choices in index order, usage counting the prompt once and every choice's tokens. Stream: one SSE
+stream whose chunks carry their choice's `index`, interleaved as they come, then one usage chunk
+and [DONE]. Closing the stream (a client disconnect) aborts every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from rayinfer.deployments import protocol
+from rayinfer.deployments.pipeline import Delta
+from rayinfer.deployments.replies import HttpReply, sse
+from rayinfer.deployments.types import Timings
+from rayinfer.engine.sampling_params import SamplingParams
+
+_CHOICE_DONE = object()
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each choice's sampling parameters: seed + i where a seed is given."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+async def whole_of_choices(
+    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings]
+) -> dict:
+    """Every choice run to its end, concurrently; the first failure cancels the others."""
+    tasks = [
+        asyncio.create_task(reply.whole(run, t)) for reply, run, t in zip(replies, runs, timings)
+    ]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    merged = bodies[0]
+    merged["choices"] = [body["choices"][0] for body in bodies]
+    completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+    merged["usage"] = protocol.usage_body(replies[0].num_prompt_tokens, completion_tokens)
+    return merged
+
+
+async def stream_of_choices(
+    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings]
+) -> AsyncIterator[str]:
+    """The choices' chunks as they come (each with its index), then the usage chunk (every
+    choice's tokens) and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(reply: HttpReply, run: AsyncIterator[Delta]) -> None:
+        try:
+            async for body in reply.choice_events(run):
+                await queue.put(body)
+        finally:
+            await queue.put(_CHOICE_DONE)
+
+    tasks = [asyncio.create_task(pump(reply, run)) for reply, run in zip(replies, runs)]
+    try:
+        running = len(tasks)
+        while running:
+            body = await queue.get()
+            if body is _CHOICE_DONE:
+                running -= 1
+                continue
+            yield sse(body)
+    finally:  # also when the client goes away: every choice's pipeline is closed (aborted)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    total = sum(reply.num_tokens for reply in replies)
+    for event in replies[0].trailer(total, timings[0]):
+        yield event

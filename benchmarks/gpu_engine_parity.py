@@ -7,7 +7,9 @@ Two checks per family:
   alone. bf16 tolerance: max |diff| <= 3% of the reference logits' max |value|.
 - generation: `rayinfer.LLM(device=DEVICE)` greedy (mixed prefill chunks and decodes, as the
   engine schedules them with max_num_batched_tokens=64); every generated token must be
-  transformers' argmax at that position, or within the logits tolerance of it (a bf16 near-tie).
+  transformers' argmax at that position, or within the logits tolerance of it (a bf16 near-tie),
+  and its log-probability (SamplingParams.logprobs) within twice that of transformers' float32
+  log-softmax (95% of the tokens: a bf16 routing flip moves a few further).
 
     python benchmarks/gpu_engine_parity.py [--out FILE]
 """
@@ -126,14 +128,24 @@ def judge_generation(reference, prompts, outputs, tolerance: float) -> dict:
     """Each generated token: the float32 reference's argmax (exact), within `tolerance` of it
     (a near-tie that bf16 may flip), or off."""
     counts = dict(tokens_exact=0, tokens_near_tie=0, tokens_off=0)
+    errors = []
     for prompt, output in zip(prompts, outputs, strict=True):
-        sequence = torch.tensor([prompt + output.token_ids], device=DEVICE)
+        sequence = torch.tensor([prompt + list(output.token_ids)], device=DEVICE)
         judged = reference(sequence).logits[0, len(prompt) - 1 : -1].float()  # [new, V]
-        chosen = judged.gather(1, torch.tensor(output.token_ids, device=DEVICE)[:, None])[:, 0]
+        ids = torch.tensor(list(output.token_ids), device=DEVICE)[:, None]
+        chosen = judged.gather(1, ids)[:, 0]
         gaps = judged.max(dim=1).values - chosen  # [new]: 0 where ours is the argmax
         counts["tokens_exact"] += int((gaps == 0).sum())
         counts["tokens_near_tie"] += int(((gaps > 0) & (gaps <= tolerance)).sum())
         counts["tokens_off"] += int((gaps > tolerance).sum())
+        # SamplingParams.logprobs: ours against the float32 reference's log-softmax
+        expected = torch.log_softmax(judged, dim=-1).gather(1, ids)[:, 0].cpu()
+        ours = torch.tensor([entry.chosen.logprob for entry in output.logprobs])
+        errors.append((ours - expected).abs())
+    errors = torch.cat(errors)
+    counts["max_logprob_error"] = errors.max().item()
+    # as tokens_off may hold 5% of the tokens (a bf16 routing flip), so may these
+    counts["p95_logprob_error"] = errors.quantile(0.95).item()
     return counts
 
 
@@ -157,7 +169,9 @@ def check_family(name: str, model_type: str, overrides: dict, folder: Path, dtyp
     llm = rayinfer.LLM(
         str(path), device=DEVICE, dtype=dtype, max_num_batched_tokens=64, max_model_len=1024
     )
-    params = rayinfer.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
+    params = rayinfer.SamplingParams(
+        max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5
+    )
     tokens = judge_generation(reference, prompts, llm.generate(prompts, params), tolerance)
     logits_ok = ours_error <= tolerance
     # bf16 MoE: a routing flip moves a logit by more than the p99 noise; the CPU reference path
@@ -172,7 +186,11 @@ def check_family(name: str, model_type: str, overrides: dict, folder: Path, dtyp
         tolerance=tolerance,
         logits_ok=logits_ok,
         **tokens,
-        ok=logits_ok and tokens["tokens_off"] <= allowed_off,
+        # a log-probability differs from its logit by the log-sum-exp: up to 2x a logit error
+        logprobs_ok=tokens["p95_logprob_error"] <= 2 * max(tolerance, ours_error),
+        ok=logits_ok
+        and tokens["tokens_off"] <= allowed_off
+        and tokens["p95_logprob_error"] <= 2 * max(tolerance, ours_error),
     )
 
 

@@ -41,6 +41,13 @@ def main() -> None:
     )
     reply = handle.generate.remote(chat).result()
     print(f"chat:     {reply.text!r}")
+
+    # Each generated token's log-probability and its 2 most likely alternatives.
+    scored = GenerateRequest(prompt=args.prompt, max_tokens=4, temperature=0, logprobs=2)
+    scores = handle.generate.remote(scored).result().logprobs
+    for entry in scores:
+        others = ", ".join(f"{t.token!r} {t.logprob:.2f}" for t in entry.top)
+        print(f"  {entry.chosen.token!r} {entry.chosen.logprob:.2f}  (top: {others})")
     print(
         json.dumps(
             {
@@ -48,6 +55,7 @@ def main() -> None:
                 "streamed": streamed,
                 "chat": reply.text,
                 "num_tokens": len(whole.token_ids),
+                "logprobs": [entry.chosen.logprob for entry in scores],
             }
         )
     )

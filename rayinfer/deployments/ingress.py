@@ -140,13 +140,17 @@ class Ingress:
         request_id = f"gen-{uuid.uuid4().hex}"
         prompt_ids, params, timings = self._handle_request(request)
         text, token_ids, finish_reason = "", [], None
+        logprobs = [] if params.logprobs is not None else None
         async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
             text += delta.text
             token_ids += delta.token_ids
             finish_reason = delta.finish_reason or finish_reason
+            if logprobs is not None:
+                logprobs += delta.logprobs or []
         return GenerateResponse(
-            request_id, text, token_ids, len(prompt_ids), finish_reason, timings.as_dict()
-        )
+            request_id, text, token_ids, len(prompt_ids), finish_reason, timings.as_dict(),
+            logprobs,
+        )  # fmt: skip
 
     async def generate_stream(
         self, request: GenerateRequest | dict
@@ -155,7 +159,9 @@ class Ingress:
         request_id = f"gen-{uuid.uuid4().hex}"
         prompt_ids, params, timings = self._handle_request(request)
         async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
-            yield GenerateChunk(request_id, delta.text, delta.token_ids, delta.finish_reason)
+            yield GenerateChunk(
+                request_id, delta.text, delta.token_ids, delta.finish_reason, delta.logprobs
+            )
 
     def _handle_request(self, request: GenerateRequest | dict):
         if isinstance(request, dict):

@@ -5,22 +5,25 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from rayinfer.deployments.protocol import SamplingFields
 from rayinfer.engine.kv_transfer import KVHandoff
-from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine.outputs import TokenLogprobs
+from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class GenerateRequest(SamplingFields):
     """A request through a Python handle: `prompt` (text or token ids) or chat `messages`.
 
     The sampling fields are those of the OpenAI API (max_tokens, temperature, top_p, top_k, stop,
-    seed, ignore_eos); `max_tokens=None` generates up to max_model_len.
+    seed, ignore_eos); `max_tokens=None` generates up to max_model_len. `logprobs=k` reports each
+    generated token's log-probability and its k most likely alternatives (engine TokenLogprobs).
     """
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> GenerateRequest:
@@ -36,6 +39,10 @@ class GenerateRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 @dataclass
 class GenerateChunk:
@@ -45,6 +52,7 @@ class GenerateChunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, with `logprobs` asked
 
 
 @dataclass
@@ -55,6 +63,7 @@ class GenerateResponse:
     num_prompt_tokens: int
     finish_reason: str | None
     timings: dict[str, float | int | bool] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, with `logprobs` asked
 
 
 @dataclass

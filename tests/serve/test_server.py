@@ -303,6 +303,7 @@ def test_python_handle_example(server):
     report = json.loads(output.strip().splitlines()[-1])
     assert report["whole"] and report["whole"] == report["streamed"]
     assert report["chat"]
+    assert len(report["logprobs"]) == 4 and all(lp <= 0 for lp in report["logprobs"])
 
 
 def test_decode_scales_up_under_load_and_back_down(server):

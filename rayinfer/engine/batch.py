@@ -18,6 +18,9 @@ class ScheduledRequest:
     params: SamplingParams
     kv_partition: int = 0  # the cache partition (data-parallel attention replica) holding it
     output_token_ids: list[int] | None = None  # generated so far; sent only when penalties apply
+    # With SamplingParams.prompt_logprobs: the prompt tokens this chunk's rows predict (row j:
+    # the prompt token at start_position + j + 1), while they are prompt tokens.
+    prompt_logprob_targets: list[int] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -62,6 +65,8 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[SampledLogprobs | None] | None = None
+    # request id -> (the chunk's start position, one entry per prompt_logprob_targets)
+    prompt_logprobs: dict[str, tuple[int, list[SampledLogprobs]]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -46,8 +46,8 @@ class BlockManager:
     def allocate_cached_prefix(self, seq: Sequence) -> None:
         """Give a newly admitted sequence the cached blocks of its longest cached prefix."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return  # (prompt log-probabilities need every prompt position computed)
         prev_hash = None
         # Keep at least one token to compute so the request gets logits for its next token.
         max_cached_blocks = (seq.num_tokens - 1) // self.block_size

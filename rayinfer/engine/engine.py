@@ -140,8 +140,14 @@ class LLMEngine:
             self.scheduler.manager_of(seq).mark_computed(seq)
             if samples:
                 state = self.states[seq.request_id]
+                if result.prompt_logprobs and seq.request_id in result.prompt_logprobs:
+                    state.add_prompt_logprobs(*result.prompt_logprobs[seq.request_id])
                 self._append_token(state, next(sampled), next(logprobs) if logprobs else None)
                 outputs.append(state.take_output())
+            elif result.prompt_logprobs and seq.request_id in result.prompt_logprobs:
+                self.states[seq.request_id].add_prompt_logprobs(
+                    *result.prompt_logprobs[seq.request_id]
+                )
         return outputs
 
     def take_handoff(self, request_id: str) -> KVHandoff:
@@ -232,6 +238,7 @@ class LLMEngine:
                         if item.samples and seq.params.has_penalties
                         else None
                     ),
+                    prompt_logprob_targets=_prompt_logprob_targets(seq, start, item.num_new_tokens),
                 )
             )
         return ModelBatch(requests)
@@ -266,3 +273,12 @@ class LLMEngine:
         self.scheduler.manager_of(seq).free(seq)
         self.num_kv_recomputes += 1
         self.scheduler.add(seq)
+
+
+def _prompt_logprob_targets(seq: Sequence, start: int, num_new: int) -> list[int] | None:
+    """The prompt tokens that rows start.. start + num_new - 1 predict, when the request wants
+    prompt log-probabilities (row j predicts position start + j + 1)."""
+    if seq.params.prompt_logprobs is None or start + 1 >= seq.num_prompt_tokens:
+        return None
+    end = min(start + num_new, seq.num_prompt_tokens - 1)
+    return seq.prompt_token_ids[start + 1 : end + 1]

@@ -220,8 +220,9 @@ class ModelRunner:
             self._idle_forward(batch.ep_tokens)
             return SampledTokens([])
         hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens)  # [T, H], rows
+        prompt_logprobs = self._prompt_logprobs(hidden, requests) if bucket is None else None
         if not last_rows:
-            return SampledTokens([])
+            return SampledTokens([], prompt_logprobs=prompt_logprobs)
         # Every row samples in a pure decode: no index tensor to build and copy to the device.
         last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
         logits = self.model.compute_logits(last)  # [B, V] float32
@@ -230,11 +231,37 @@ class ModelRunner:
         raw = log_probabilities(logits, wanted)  # before penalties change the logits
         tokens = self._sample(logits, sampling)
         if raw is None:
-            return SampledTokens(tokens)
+            return SampledTokens(tokens, prompt_logprobs=prompt_logprobs)
         logprobs = gather_logprobs(*raw, tokens, wanted)
         return SampledTokens(
-            tokens, [None if lp is None else SampledLogprobs(*lp) for lp in logprobs]
-        )
+            tokens, [None if lp is None else SampledLogprobs(*lp) for lp in logprobs],
+            prompt_logprobs,
+        )  # fmt: skip
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, requests: list[ScheduledRequest], rows_at_once: int = 256
+    ) -> dict[str, tuple[int, list[SampledLogprobs]]] | None:
+        """Log-probabilities of the prompt tokens that this step's prefill rows predict, for the
+        requests that asked (hidden [T, H] in batch order). Logits are made `rows_at_once` rows
+        at a time: a whole chunk's [T, V] float32 would be gigabytes at large vocabularies."""
+        if not any(r.prompt_logprob_targets for r in requests):
+            return None
+        found, first_row = {}, 0
+        for request in requests:
+            targets = request.prompt_logprob_targets
+            if targets:
+                k = request.params.prompt_logprobs
+                entries = []
+                for start in range(0, len(targets), rows_at_once):
+                    part = targets[start : start + rows_at_once]
+                    rows = hidden[first_row + start : first_row + start + len(part)]
+                    log_probs = torch.log_softmax(self.model.compute_logits(rows).float(), -1)
+                    picked = gather_logprobs(log_probs, list(range(len(part))), part,
+                                             [k] * len(part))  # fmt: skip
+                    entries += [SampledLogprobs(*entry) for entry in picked]
+                found[request.request_id] = (request.start_position, entries)
+            first_row += len(request.token_ids)
+        return found
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> list[int]:
         """[B, V] logits (penalized in place) -> the next token of each sampling request."""

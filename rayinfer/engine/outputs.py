@@ -44,7 +44,9 @@ class GeneratedTokens(Sequence):
 @dataclass
 class Logprob:
     token_id: int
-    logprob: float  # natural log of the model's probability (raw logits' log-softmax)
+    # natural log of the model's probability (raw logits' log-softmax); None for a prompt's
+    # first token, which has no context to be predicted from
+    logprob: float | None
     token: str | None = None  # the token's text on its own; None without a tokenizer
 
 
@@ -72,6 +74,9 @@ class RequestOutput:
     # finished, a view while running) and the last step's; None otherwise.
     logprobs: list[TokenLogprobs] | GeneratedTokens | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs, once the request ends (a prefill-only one included):
+    # one entry per prompt token, the first's logprob None.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

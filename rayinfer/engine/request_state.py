@@ -20,6 +20,12 @@ class RequestState:
         self.logprobs: list[TokenLogprobs] | None = None
         if seq.params.logprobs is not None:
             self.logprobs = []
+        # one entry per prompt token, filled as prefill chunks run (the first has no logprob)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if seq.params.prompt_logprobs is not None:
+            first = seq.prompt_token_ids[0]
+            self.prompt_logprobs = [TokenLogprobs(Logprob(first, None, self._text_of(first)))]
+            self.prompt_logprobs += [None] * (seq.num_prompt_tokens - 1)
         self.detokenizer = None
         if tokenizer is not None:
             from rayinfer.engine.detokenizer import IncrementalDetokenizer
@@ -73,6 +79,12 @@ class RequestState:
         ]
         return TokenLogprobs(Logprob(token_id, sampled.logprob, self._text_of(token_id)), top)
 
+    def add_prompt_logprobs(self, start: int, entries: list[SampledLogprobs]) -> None:
+        """Entries for prompt positions start + 1.. (a recomputed chunk writes the same again)."""
+        prompt = self.seq.prompt_token_ids
+        for offset, sampled in enumerate(entries, start + 1):
+            self.prompt_logprobs[offset] = self.token_logprobs(prompt[offset], sampled)
+
     def _text_of(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
@@ -101,6 +113,8 @@ class RequestState:
             finish_reason=self.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
         )
+        if self.prompt_logprobs is not None and self.finish_reason:
+            output.prompt_logprobs = list(self.prompt_logprobs)
         if self.logprobs is not None:
             count = len(self.logprobs)
             output.logprobs = (

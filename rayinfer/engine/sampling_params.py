@@ -32,6 +32,9 @@ class SamplingParams:
     # raw logits' log-softmax: before penalties, temperature, top-k/top-p) and the k most likely
     # tokens' (0 <= k <= MAX_LOGPROBS)
     logprobs: int | None = None
+    # None, or k: each prompt token's log-probability given the tokens before it (the first has
+    # none) and its k alternatives. The prompt is then computed whole: no prefix-cache hits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,15 +64,16 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequestError(name, f"must be a number in [-2, 2], got {value!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                "logprobs",
-                f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise InvalidRequestError(
+                    name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
 

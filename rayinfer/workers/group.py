@@ -161,18 +161,18 @@ class WorkerGroup(Executor):
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)
-        tokens_of, logprobs_of = {}, {}
+        tokens_of, logprobs_of, prompt_logprobs = {}, {}, {}
         for rank in leaders:
             sampling = [r.request_id for r in shares[self.placements[rank].dp_rank] if r.samples]
             result = results[rank]
             tokens_of.update(zip(sampling, result.token_ids))
             if result.logprobs is not None:
                 logprobs_of.update(zip(sampling, result.logprobs))
+            prompt_logprobs.update(result.prompt_logprobs or {})
         order = [r.request_id for r in batch.requests if r.samples]
         tokens = [tokens_of[request_id] for request_id in order]
-        if not logprobs_of:
-            return SampledTokens(tokens)
-        return SampledTokens(tokens, [logprobs_of.get(request_id) for request_id in order])
+        logprobs = [logprobs_of.get(request_id) for request_id in order] if logprobs_of else None
+        return SampledTokens(tokens, logprobs, prompt_logprobs or None)
 
     @property
     def num_kv_partitions(self) -> int:

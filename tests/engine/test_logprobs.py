@@ -102,3 +102,50 @@ def test_bad_logprobs_are_refused_naming_the_field(bad):
     with pytest.raises(InvalidRequestError) as error:
         rayinfer.SamplingParams(logprobs=bad)
     assert error.value.field == "logprobs"
+
+
+def assert_prompt_logprobs_match(output, model, prompt: list[int], k: int) -> None:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits[:-1], dim=-1)  # row j predicts prompt[j + 1]
+    entries = output.prompt_logprobs
+    assert len(entries) == len(prompt)
+    assert entries[0].chosen.token_id == prompt[0] and entries[0].chosen.logprob is None
+    for position, entry in enumerate(entries[1:], 1):
+        row = expected[position - 1]
+        assert entry.chosen.token_id == prompt[position]
+        assert math.isclose(entry.chosen.logprob, row[prompt[position]].item(), abs_tol=1e-4)
+        values, ids = row.topk(k)
+        assert [t.token_id for t in entry.top] == ids.tolist()
+        torch.testing.assert_close(
+            torch.tensor([t.logprob for t in entry.top]), values, atol=1e-4, rtol=0
+        )
+
+
+def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(checkpoint, transformers_model):
+    # 16-token chunks split the 40-token prompt; the second request's prompt is fully cached by
+    # the first, yet gets every position computed again
+    llm = rayinfer.LLM(str(checkpoint), device="cpu", max_num_batched_tokens=16, block_size=4)
+    prompt = make_prompts(TINY_DENSE["vocab_size"], lengths=(40,), seed=4)[0]
+    params = rayinfer.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                     prompt_logprobs=3)  # fmt: skip
+    plain = rayinfer.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    (warm,) = llm.generate([prompt], plain)
+    assert warm.prompt_logprobs is None
+    first, second = llm.generate([prompt, prompt], [params, params])
+    for output in (first, second):
+        assert output.num_cached_tokens == 0
+        assert_prompt_logprobs_match(output, transformers_model, prompt, k=3)
+
+
+def test_prompt_logprobs_come_with_a_prefill_hand_off(checkpoint, transformers_model):
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    prompt = make_prompts(TINY_DENSE["vocab_size"], lengths=(9,), seed=6)[0]
+    params = rayinfer.SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0)
+    engine = llm.engine
+    engine.add_request("p", prompt, params, prefill_only=True)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (done,) = [o for o in outputs if o.finished]
+    assert_prompt_logprobs_match(done, transformers_model, prompt, k=0)

@@ -93,7 +93,8 @@ class Ingress:
             return await self._serve_choices(request, request_id, prompt_ids, params, chat)
         timings = Timings()
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
-        reply = HttpReply(request_id, model, chat, request, len(prompt_ids))
+        reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0,
+                          self._echo_text(request, prompt_ids))  # fmt: skip
         if request.stream:
             first = await first_delta(deltas)
             events = reply.stream(prepend(first, deltas), timings)
@@ -109,8 +110,10 @@ class Ingress:
             self.pipeline.run(f"{request_id}-{i}", prompt_ids, choice, timings[i])
             for i, choice in enumerate(choice_params(params, n))
         ]
+        echo_text = self._echo_text(request, prompt_ids)
         replies = [
-            HttpReply(request_id, model, chat, request, len(prompt_ids), i) for i in range(n)
+            HttpReply(request_id, model, chat, request, len(prompt_ids), i, echo_text)
+            for i in range(n)
         ]
         if not request.stream:
             return JSONResponse(await whole_of_choices(replies, runs, timings))
@@ -123,6 +126,15 @@ class Ingress:
         started = [prepend(first, run) for first, run in zip(firsts, runs)]
         events = stream_of_choices(replies, started, timings)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    def _echo_text(self, request, prompt_ids: list[int]) -> str:
+        """The prompt as text for completions' `echo`: as sent, or its token ids decoded."""
+        if not getattr(request, "echo", False):
+            return ""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        tokenizer = self.prompts.tokenizer
+        return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
 
     def _check_model(self, model: str | None) -> None:
         served = self.source.served_model_name

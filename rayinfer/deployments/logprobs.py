@@ -5,7 +5,8 @@ Chat (`logprobs: true, top_logprobs: k`): {"content": [{"token", "logprob", "byt
 Completions (`logprobs: k`): {"tokens": [...], "token_logprobs": [...], "top_logprobs":
 [{token: logprob, ...}, ...], "text_offset": [...]}; each top_logprobs dict holds the k most likely
 tokens and the sampled one (so up to k + 1 entries, as OpenAI and vLLM answer).
-A token without text (a model served without a tokenizer) is written "token_id:<id>".
+A token without text (a model served without a tokenizer) is written "token_id:<id>". With
+`echo`, the prompt's tokens come first; the first of them has null logprob and top_logprobs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def completion_logprobs(entries: list[TokenLogprobs], text_offset: int = 0) -> d
     return {
         "tokens": tokens,
         "token_logprobs": [e.chosen.logprob for e in entries],
-        "top_logprobs": [{token_text(t): t.logprob for t in [*e.top, e.chosen]} for e in entries],
+        "top_logprobs": [
+            None
+            if e.chosen.logprob is None  # an echoed prompt's first token
+            else {token_text(t): t.logprob for t in [*e.top, e.chosen]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }

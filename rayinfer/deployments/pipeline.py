@@ -39,6 +39,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
+    prompt_logprobs: list | None = None  # the first delta's, with SamplingParams.prompt_logprobs
 
 
 class Pipeline:
@@ -105,10 +106,12 @@ class Pipeline:
         timings.kv_export_s = result.kv_export_s
         first_logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
         if result.finish_reason is not None:
-            yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs)
+            yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs,
+                        result.prompt_logprobs)  # fmt: skip
             return
         timings.kv_bytes = result.handoff.num_bytes
-        yield Delta(result.first_text, [result.first_token_id], None, first_logprobs)
+        yield Delta(result.first_text, [result.first_token_id], None, first_logprobs,
+                    result.prompt_logprobs)  # fmt: skip
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
         finished = False
         try:

@@ -54,5 +54,6 @@ class Prefill(PhaseReplica):
                 num_cached_tokens=output.num_cached_tokens,
                 kv_export_s=event.export_s,
                 first_logprobs=output.logprobs[0] if output.logprobs else None,
+                prompt_logprobs=output.prompt_logprobs,
             )
         raise RuntimeError(f"prefill of {request.request_id!r} ended without an output")

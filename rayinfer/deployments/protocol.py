@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies, and the OpenAI error body.
 
 Fields OpenAI defines but rayinfer does not implement (best_of > 1, logit_bias, a JSON
-response_format, echo, suffix; n > 1 through Python handles) are accepted at their neutral values
+response_format, suffix; n > 1 through Python handles) are accepted at their neutral values
 and refused otherwise, naming the field. Unknown fields are ignored, as the OpenAI server does.
 Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
 `top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
@@ -114,11 +114,17 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.requested_logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs,
         )
 
     @property
     def requested_logprobs(self) -> int | None:
         """Alternatives per generated token to report, or None for no log-probabilities."""
+        return None
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to report (completions' echo), or None."""
         return None
 
 
@@ -172,7 +178,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = Field(False, description="only false is supported")
+    echo: bool = Field(False, description="the prompt before the completion (and its logprobs)")
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1, le=1, description="only one candidate per request")
     suffix: str | None = Field(None, description="only none is supported")
@@ -188,6 +194,10 @@ class CompletionRequest(SamplingFields):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
@@ -198,12 +208,6 @@ class CompletionRequest(SamplingFields):
         if not value:
             raise ValueError("must not be empty")
         return value
-
-    @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo=true is not supported")
-        return self
 
     @property
     def requested_max_tokens(self) -> int | None:

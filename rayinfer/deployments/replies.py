@@ -43,25 +43,28 @@ class HttpReply:
         request,
         num_prompt_tokens: int,
         index: int = 0,
+        echo_text: str = "",
     ):
-        """`index`: this reply's choice among the request's `n` (see deployments/choices.py)."""
+        """`index`: this reply's choice among the request's `n` (see deployments/choices.py).
+        `echo_text`: the prompt's text, put before the completion with `echo` (completions)."""
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.request = request
         self.num_prompt_tokens = num_prompt_tokens
         self.index = index
+        self.echo_text = echo_text if getattr(request, "echo", False) else ""
         self.num_tokens = 0  # generated so far (stream)
         self._text_offset = 0  # completions' logprobs: where the next token's text starts
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
-        text, num_tokens, finish_reason, entries = "", 0, None, []
+        text, num_tokens, finish_reason, entries = self.echo_text, 0, None, []
         try:
             async for delta in deltas:
                 text += delta.text
                 num_tokens += len(delta.token_ids)
                 finish_reason = delta.finish_reason or finish_reason
-                entries += delta.logprobs or []
+                entries += self._echoed_logprobs(delta) + (delta.logprobs or [])
         except OpenAIError:
             raise
         except Exception as error:
@@ -89,10 +92,12 @@ class HttpReply:
         try:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""})
+            echo = self.echo_text
             async for delta in deltas:
                 self.num_tokens += len(delta.token_ids)
-                logprobs = self._logprobs(delta.logprobs or [])
-                yield self._chunk(delta.text, delta.finish_reason, logprobs)
+                logprobs = self._logprobs(self._echoed_logprobs(delta) + (delta.logprobs or []))
+                yield self._chunk(echo + delta.text, delta.finish_reason, logprobs)
+                echo = ""
         except OpenAIError as error:  # the stream already started: report in-band, then end
             yield error.body()
         except Exception as error:
@@ -119,6 +124,10 @@ class HttpReply:
             )
         body["choices"][0]["index"] = self.index
         return body
+
+    def _echoed_logprobs(self, delta: Delta) -> list:
+        """The prompt's entries (the first delta's) when the reply echoes the prompt."""
+        return (delta.prompt_logprobs or []) if self.echo_text else []
 
     def _logprobs(self, entries: list) -> dict | None:
         """The OpenAI logprobs object of these tokens (None when the request did not ask).

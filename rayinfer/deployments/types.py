@@ -90,6 +90,7 @@ class PrefillResult:
     num_cached_tokens: int = 0
     kv_export_s: float = 0.0
     first_logprobs: Any = None  # engine.outputs.TokenLogprobs when the request asked for them
+    prompt_logprobs: list | None = None  # per prompt token, with SamplingParams.prompt_logprobs
 
 
 @dataclass

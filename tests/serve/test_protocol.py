@@ -308,3 +308,31 @@ def test_n_is_bounded_over_http():
     assert ChatCompletionRequest(**CHAT, n=4).n == 4
     with pytest.raises(ValidationError):  # Python handles: one choice
         GenerateRequest(prompt="a", n=2)
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    request = CompletionRequest(prompt="Hi", logprobs=1, echo=True)
+    params = request.sampling_params(4)
+    assert params.prompt_logprobs == 1 and params.logprobs == 1
+    prompt_entries = [entry(5, "H", None), entry(6, "i", -2.0, [(7, "o", -1.0)])]
+
+    async def deltas():
+        yield Delta("!", [1], None, [entry(1, "!", -0.5, [(1, "!", -0.5)])], prompt_entries)
+        yield Delta("?", [2], "length", [entry(2, "?", -0.25, [(2, "?", -0.25)])])
+
+    body = asyncio.run(HttpReply("cmpl-8", "tiny", False, request, 2, 0, "Hi").whole(
+        deltas(), Timings()))  # fmt: skip
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi!?"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["H", "i", "!", "?"]
+    assert logprobs["token_logprobs"] == [None, -2.0, -0.5, -0.25]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {"o": -1.0, "i": -2.0}
+    assert logprobs["text_offset"] == [0, 1, 2, 3]
+    streamed = collect_events(HttpReply("cmpl-9", "tiny", False, request, 2, 0, "Hi"), deltas())
+    assert [b["choices"][0]["text"] for b in streamed] == ["Hi!", "?"]
+    assert streamed[0]["choices"][0]["logprobs"]["tokens"] == ["H", "i", "!"]
+    assert streamed[1]["choices"][0]["logprobs"]["text_offset"] == [3]
+    quiet = CompletionRequest(prompt="Hi", echo=True)  # echo without logprobs: text only
+    assert quiet.sampling_params(4).prompt_logprobs is None

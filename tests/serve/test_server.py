@@ -123,6 +123,28 @@ def test_logprobs_over_http_equal_the_offline_llm(client):
     assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
 
 
+def test_echo_scores_the_prompt_like_an_eval_harness(client):
+    """lm-eval's loglikelihood request: context + continuation as the prompt, echo, logprobs=1,
+    max_tokens=1; the prompt tokens' log-probabilities equal the offline engine's."""
+    import rayinfer
+
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = reply.choices[0]
+    assert choice.text.startswith(PROMPT)
+    params = rayinfer.SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    offline = rayinfer.LLM("tiny", max_model_len=256).generate(PROMPT, params)[0]
+    num_prompt = len(offline.prompt_logprobs)
+    assert reply.usage.prompt_tokens == num_prompt
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == num_prompt + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [entry.chosen.logprob for entry in offline.prompt_logprobs[1:]]
+    assert logprobs.token_logprobs[1:num_prompt] == pytest.approx(expected, abs=1e-4)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
 def test_n_choices_each_equal_a_single_request_with_the_next_seed(client):
     sampled = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.9)
     reply = client.completions.create(**sampled, seed=11, n=3)

@@ -153,27 +153,13 @@ def test_n_choices_each_equal_a_single_request_with_the_next_seed(client):
     assert [c.text for c in reply.choices] == [s.choices[0].text for s in singles]
     assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Tell me about the river."}],
-        max_tokens=6,
-        temperature=0.9,
-        seed=5,
-        n=2,
-        stream=True,
-    )
+    question = [{"role": "user", "content": "Tell me about the river."}]
+    chat_args = dict(model="tiny", messages=question, max_tokens=6, temperature=0.9, seed=5, n=2)
     texts = {0: "", 1: ""}
-    for chunk in stream:
+    for chunk in client.chat.completions.create(**chat_args, stream=True):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
-    whole = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Tell me about the river."}],
-        max_tokens=6,
-        temperature=0.9,
-        seed=5,
-        n=2,
-    )
+    whole = client.chat.completions.create(**chat_args)
     assert texts == {c.index: c.message.content for c in whole.choices}
 
 

@@ -189,14 +189,20 @@ def test_llm_with_graphs_generates_the_eager_tokens(family, tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS[family]))
     prompts = [[5, 9, 2, 7, 1], [3, 4, 8], [6, 6, 1, 2, 9, 10, 11]]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 3, 6)]
-    tokens = {}
+    params = [  # one request also reports log-probabilities, read from the graph's logits
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=k)
+        for n, k in ((9, None), (3, 2), (6, None))
+    ]
+    tokens, logprobs = {}, {}
     for cuda_graphs in (False, True):  # batches shrink 3 -> 2 -> 1: buckets 4, 2, 1
         llm = rayinfer.LLM(str(tmp_path), device="cpu", load_format="dummy", max_num_seqs=4,
                            cuda_graphs=cuda_graphs, block_size=BLOCK_SIZE)  # fmt: skip
-        tokens[cuda_graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs = llm.generate(prompts, params)
+        tokens[cuda_graphs] = [o.token_ids for o in outputs]
+        logprobs[cuda_graphs] = [e.chosen.logprob for e in outputs[1].logprobs]
         assert (llm.graph_capture_seconds is not None) == cuda_graphs
     assert tokens[True] == tokens[False]
+    assert logprobs[True] == pytest.approx(logprobs[False], abs=1e-5)
 
 
 def test_group_agrees_on_one_bucket_for_every_replica():

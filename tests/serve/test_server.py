@@ -164,9 +164,16 @@ def test_n_choices_each_equal_a_single_request_with_the_next_seed(client):
 
 
 def test_serve_status_and_handoff_metric(server, client):
-    deployments = server.serve_status()["applications"]["default"]["deployments"]
-    assert {"Ingress", "Prefill", "Decode"} <= set(deployments)
-    assert all(d["status"] == "HEALTHY" for d in deployments.values())
+    def deployments() -> dict:
+        return server.serve_status()["applications"]["default"]["deployments"]
+
+    assert {"Ingress", "Prefill", "Decode"} <= set(deployments())
+    # the tests before may have scaled decode up (n > 1 runs choices concurrently): wait for it
+    wait_for(
+        lambda: all(d["status"] == "HEALTHY" for d in deployments().values()),
+        timeout_s=90,
+        what="every deployment HEALTHY",
+    )
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
     wait_for(
         lambda: server.metric_sum("ray_rayinfer_kv_handoff_bytes_total") > 0,

@@ -248,3 +248,35 @@ def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, 
         assert all(m.num_free_blocks < 64 for m in engine.block_managers)
     finally:
         llm.shutdown()
+
+
+def test_a_worker_group_reports_the_single_worker_logprobs(ray_cluster, checkpoints, prompts):
+    """Generated and prompt log-probabilities come back from the replicas' leaders, merged into
+    batch order: equal to one in-process worker's."""
+    path = str(checkpoints["deepseek_v3"])
+    params = [  # every other request asks: the merge must keep the others' None
+        rayinfer.SamplingParams(
+            max_tokens=4,
+            temperature=0,
+            ignore_eos=True,
+            logprobs=2 if i % 2 == 0 else None,
+            prompt_logprobs=1 if i % 2 == 0 else None,
+        )  # fmt: skip
+        for i in range(len(prompts))
+    ]
+    single = rayinfer.LLM(path, device="cpu").generate(prompts, params)
+    llm = rayinfer.LLM(path, device="cpu", parallel=ParallelPlan(dp=2, ep=2))
+    try:
+        grouped = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    for ours, theirs in zip(grouped, single):
+        assert ours.token_ids == theirs.token_ids
+        if theirs.logprobs is None:
+            assert ours.logprobs is None and ours.prompt_logprobs is None
+            continue
+        for mine, expected in zip(ours.logprobs + ours.prompt_logprobs[1:],
+                                  theirs.logprobs + theirs.prompt_logprobs[1:]):  # fmt: skip
+            assert mine.chosen.token_id == expected.chosen.token_id
+            assert mine.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
+            assert [t.token_id for t in mine.top] == [t.token_id for t in expected.top]

@@ -136,16 +136,21 @@ def _cpu_description() -> dict:
     return dict(probe="cpu", **found)
 
 
+def _join(rank: int, port: int):
+    """(this rank's GPU, the shared store, a gloo group of the two ranks) in a worker."""
+    torch.cuda.set_device(rank)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, timeout)
+    return torch.device("cuda", rank), store, pg
+
+
 def _ring_exchange_worker(rank: int, port: int, out_path: str) -> None:
     """The transport's own 112 MiB and 8 MiB exchanges with the rings of ring_reuse."""
     from rayinfer.comm.host_staged import HostStagedTransport
     from rayinfer.comm.transport import Transfer
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, timeout)
+    device, store, pg = _join(rank, port)
     rows = []
     for chunk, slots in ((8 * MIB, 8), (2 * MIB, 4), (1 * MIB, 4), (MIB // 2, 8), (1 * MIB, 8)):
         prefix = dist.PrefixStore(f"ring{chunk}x{slots}", store)
@@ -205,11 +210,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     from rayinfer.comm.host_staged import HostStagedTransport
     from rayinfer.comm.transport import Transfer
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, timeout)
+    device, store, pg = _join(rank, port)
     rows = []
     transports = {
         p: HostStagedTransport(dist.PrefixStore(p, store), rank, 2, device, protocol=p)

@@ -132,22 +132,18 @@ class LLMEngine:
         result = self.executor.execute(self._model_batch(scheduled))
         sampled = iter(result.token_ids)
         logprobs = iter(result.logprobs) if result.logprobs is not None else None
+        prompt_logprobs = result.prompt_logprobs or {}
         outputs = ready
         for item in scheduled:
             seq = item.seq
-            samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
             self.scheduler.manager_of(seq).mark_computed(seq)
-            if samples:
+            if seq.request_id in prompt_logprobs:  # before a last chunk's token ends the request
+                self.states[seq.request_id].add_prompt_logprobs(*prompt_logprobs[seq.request_id])
+            if item.samples:
                 state = self.states[seq.request_id]
-                if result.prompt_logprobs and seq.request_id in result.prompt_logprobs:
-                    state.add_prompt_logprobs(*result.prompt_logprobs[seq.request_id])
                 self._append_token(state, next(sampled), next(logprobs) if logprobs else None)
                 outputs.append(state.take_output())
-            elif result.prompt_logprobs and seq.request_id in result.prompt_logprobs:
-                self.states[seq.request_id].add_prompt_logprobs(
-                    *result.prompt_logprobs[seq.request_id]
-                )
         return outputs
 
     def take_handoff(self, request_id: str) -> KVHandoff:

@@ -58,7 +58,10 @@ def gather_logprobs(
     ids = torch.tensor([token_ids[row] for row in rows], device=device)
     chosen = log_probs.gather(1, ids[:, None])[:, 0]  # [R]
     most = max(wanted[row] for row in rows)
-    top_values, top_ids = log_probs.topk(most, dim=-1) if most else (chosen[:, None][:, :0],) * 2
+    if most:
+        top_values, top_ids = log_probs.topk(most, dim=-1)  # [R, most]
+    else:
+        top_values = top_ids = log_probs.new_empty(len(rows), 0)
     host = torch.cat([chosen[:, None], top_values, top_ids.to(log_probs.dtype)], dim=1).tolist()
     out: list[tuple[float, list[int], list[float]] | None] = [None] * len(token_ids)
     for index, row in enumerate(rows):

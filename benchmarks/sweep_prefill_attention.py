@@ -7,8 +7,8 @@ Per variant (tiles + the kernel's launch options, see `prefill_attention.LAUNCH_
 correctness check against a float32 reference (varlen, 128 or MLA dims; NaN fails), then medians of
 `triton.testing.do_bench` at 4k/8k/16k tokens (16 heads x 128, causal, one sequence) and at 8k/16k
 for MLA's dims (16 heads, qk 192 / v 128); SDPA (default backend and forced flash) in the same run.
-Each list starts with the shipped H200 config (the same-run reference), then round 2's variants:
-the conditional rescale (cr) over tiles/stages, 64x64 one-warpgroup tiles. The best 128
+Each list starts with the shipped H200 config (the same-run reference), then round 3's variants:
+more programs per SM (one-warpgroup tiles, a register cap). The best 128
 variant is also timed on a paged prefill (a 4k chunk over a 12k cached prefix, block size 16),
 as is and with pointer tiles of its own (the bucket's "paged" override in the snippet).
 A time budget (--budget-s, 100 s; stages stop starting variants at 55/78/82/95% of it, the first
@@ -47,40 +47,43 @@ WS = dict(WARP_SPECIALIZE=True)
 CR = dict(CONDITIONAL_RESCALE=True)
 
 
-def config(block_m, block_n, warps, stages, **options) -> dict:
+def config(block_m, block_n, warps, stages, maxnreg=None, **options) -> dict:
     """A full config: tiles plus every launch option (absent ones off), so none leaks in from the
-    JSON entry the sweep overrides."""
+    JSON entry the sweep overrides; maxnreg caps the registers per thread (None: the compiler's
+    choice)."""
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                **{**prefill_attention.LAUNCH_OPTIONS, **options})  # fmt: skip
+                maxnreg=maxnreg, **{**prefill_attention.LAUNCH_OPTIONS, **options})  # fmt: skip
 
 
 # (name, config); the first of each list is the shipped H200 config (round 1's best), the same-run
-# reference; most promising first: the time budget cuts the tail. Round 2 adds the conditional
-# rescale (cr) and one-warpgroup 64x64 tiles (two CTAs per SM: the two softmaxes and MMAs of an SM
-# interleave across CTAs). Offline sm_90a compiles (triton 3.9, ptxas -v) found: no warp-specialized
-# partitions on Hopper (`warp_specialize` leaves the code as is: one ws variant checks 3.6 here),
-# and BLOCK_N 128 makes ptxas serialize the wgmmas (C7513): 128x128 only last.
+# reference; most promising first: the time budget cuts the tail.
+# Rounds 1-2 (benchmarks/RESULTS.md): TMA 128x64/8/3 heads-fastest best (0.79-0.81x SDPA); the
+# conditional rescale (cr) cost 128x64/8/3 13% (its block-wide max is a shared-memory reduction
+# and a barrier per tile), yet 64x64/4/3 *with* cr came second (466/479 TFLOP/s). Round 3 times
+# what that left open, sized by offline sm_90a compiles with Triton 3.6 (registers from the
+# cubin, spills counted in its SASS):
+# - 64x64/4/3 without cr: 170 registers, 96 KiB: two one-warpgroup CTAs per SM whose softmax
+#   and MMAs the warp schedulers interleave (a hardware ping-pong);
+# - 128x64/8/3 capped at 128 registers (`maxnreg`): two CTAs per SM, at the cost of ~100
+#   spill instructions;
+# - 64x32/4/4: 148 registers, 64 KiB: three CTAs per SM, four stages;
+# - 64x64/4/3 capped at 168 registers: room for the third CTA's registers (not its memory).
 SWEEP_128 = [
     ("tma 128x64/8/3 (shipped)", config(128, 64, 8, 3, **TMA)),
-    ("tma 128x64/8/3 cr", config(128, 64, 8, 3, **TMA, **CR)),
-    ("tma 128x64/8/4 cr", config(128, 64, 8, 4, **TMA, **CR)),
-    ("tma 64x64/4/2 cr", config(64, 64, 4, 2, **TMA, **CR)),
+    ("tma 64x64/4/3", config(64, 64, 4, 3, **TMA)),
+    ("tma 128x64/8/3 maxnreg128", config(128, 64, 8, 3, **TMA, maxnreg=128)),
+    ("tma 64x32/4/4", config(64, 32, 4, 4, **TMA)),
+    ("tma 64x64/4/4", config(64, 64, 4, 4, **TMA)),
+    ("tma 64x32/4/3", config(64, 32, 4, 3, **TMA)),
     ("tma 64x64/4/3 cr", config(64, 64, 4, 3, **TMA, **CR)),
-    ("tma 128x64/8/3 pipelined cr", config(128, 64, 8, 3, **TMA, **PIPE, **CR)),
-    ("tma 128x64/8/2 cr", config(128, 64, 8, 2, **TMA, **CR)),
-    ("tma 64x64/4/2", config(64, 64, 4, 2, **TMA)),
-    ("tma ws 128x64/8/3 cr", config(128, 64, 8, 3, **TMA, **WS, **CR)),
-    ("pointers 128x64/8/3 hf cr", config(128, 64, 8, 3, **HF, **CR)),
-    ("tma 128x64/8/4 pipelined cr", config(128, 64, 8, 4, **TMA, **PIPE, **CR)),
-    ("tma 128x128/8/2 cr", config(128, 128, 8, 2, **TMA, **CR)),
+    ("tma 128x64/8/3 maxnreg160", config(128, 64, 8, 3, **TMA, maxnreg=160)),
 ]
-SWEEP_192 = [
+SWEEP_192 = [  # MLA's 192/128 dims: 64x64/4/2 and 64x32/4/4 fit two CTAs per SM, 64x64/4/3 one
     ("mla tma 128x64/8/3 (shipped)", config(128, 64, 8, 3, **TMA)),
-    ("mla tma 128x64/8/3 cr", config(128, 64, 8, 3, **TMA, **CR)),
-    ("mla tma 64x64/4/2 cr", config(64, 64, 4, 2, **TMA, **CR)),
-    ("mla tma 128x64/8/2 cr", config(128, 64, 8, 2, **TMA, **CR)),
-    ("mla tma 64x64/4/3 cr", config(64, 64, 4, 3, **TMA, **CR)),
-    ("mla tma 128x64/8/4 cr", config(128, 64, 8, 4, **TMA, **CR)),
+    ("mla tma 64x64/4/2", config(64, 64, 4, 2, **TMA)),
+    ("mla tma 64x32/4/4", config(64, 32, 4, 4, **TMA)),
+    ("mla tma 64x64/4/3", config(64, 64, 4, 3, **TMA)),
+    ("mla tma 64x32/4/3", config(64, 32, 4, 3, **TMA)),
 ]
 
 
@@ -298,6 +301,7 @@ PAGED_TILES = [
     ("paged 128x32/8/3 cr", config(128, 32, 8, 3, **HF, **CR)),
     ("paged 128x64/8/3 cr", config(128, 64, 8, 3, **HF, **CR)),
     ("paged 64x32/4/3", config(64, 32, 4, 3, **HF)),
+    ("paged 64x64/4/3", config(64, 64, 4, 3, **HF)),
 ]
 
 

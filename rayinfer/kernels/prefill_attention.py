@@ -23,6 +23,8 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
   sm_90a compile (triton 3.9) gets no warp partitions from it on Hopper: same code as without;
 - "paged" (a dict of the above and tiles): overrides for paged_prefill_attention, whose K/V
   always load through pointers (an sm_90a compile of 128x64/8 pointer tiles spills registers);
+- maxnreg: a cap on registers per thread (Triton's launch option), so that two programs of a
+  big tile fit on an SM; spills are the price (an sm_90a compile shows them);
 - CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
   RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
   max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
@@ -101,6 +103,13 @@ def _launch_options(params: dict, tensors, column_offsets, is_paged: bool) -> di
     return options
 
 
+def _register_cap(params: dict, device: torch.device) -> dict:
+    """The config's "maxnreg" (registers per thread, so that more programs fit per SM) as a launch
+    option: CUDA only, absent or None for the compiler's own choice."""
+    cap = params.get("maxnreg")
+    return {"maxnreg": int(cap)} if cap and device.type == "cuda" else {}
+
+
 def _grid(num_tiles: int, num_seqs: int, num_heads: int, heads_fastest: bool) -> tuple:
     return (num_heads, num_tiles, num_seqs) if heads_fastest else (num_tiles, num_seqs, num_heads)
 
@@ -129,6 +138,7 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         IS_PAGED=is_paged, IS_CAUSAL=is_causal, DOT_PRECISION=dot_precision(query.dtype),
         **options, num_warps=params["num_warps"], num_stages=params["num_stages"],
+        **_register_cap(params, query.device),
     )  # fmt: skip
     return out
 

@@ -234,3 +234,20 @@ def test_paged_tiles_apply_to_paged_kv_only(monkeypatch):
     paged_prefill_attention(query, cache, table, lens, starts, 3, 32**-0.5)
     default_block_n = original("prefill_attention", torch.device("cpu"), 32)["BLOCK_N"]
     assert default_block_n != 32 and seen == [(False, default_block_n, False), (True, 32, True)]
+
+
+def test_register_cap_is_a_cuda_launch_option_only(monkeypatch):
+    """A config's "maxnreg" reaches the CUDA launch as Triton's option; the interpreter (CPU)
+    and configs without one (or with None, as the sweep writes) launch without it."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert prefill_module._register_cap({"maxnreg": 128}, cuda) == {"maxnreg": 128}
+    assert prefill_module._register_cap({"maxnreg": 128}, cpu) == {}
+    assert prefill_module._register_cap({"maxnreg": None}, cuda) == {}
+    assert prefill_module._register_cap({}, cuda) == {}
+    original = prefill_module.launch_params
+    monkeypatch.setattr(
+        prefill_module,
+        "launch_params",
+        lambda op, device, bucket=1: {**original(op, device, bucket), "maxnreg": 128},
+    )
+    run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)  # a capped config runs on the CPU

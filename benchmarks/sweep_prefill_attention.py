@@ -68,9 +68,11 @@ def config(block_m, block_n, warps, stages, maxnreg=None, **options) -> dict:
 #   spill instructions;
 # - 64x32/4/4: 148 registers, 64 KiB: three CTAs per SM, four stages;
 # - 64x64/4/3 capped at 168 registers: room for the third CTA's registers (not its memory).
+GLUON = dict(backend="gluon_ws")  # prefill_attention_hopper: warp-specialized, 128x128 tiles
 SWEEP_128 = [
-    ("tma 128x64/8/3 (shipped)", config(128, 64, 8, 3, **TMA)),
-    ("tma 64x64/4/3", config(64, 64, 4, 3, **TMA)),
+    ("tma 64x64/4/3 (shipped)", config(64, 64, 4, 3, **TMA)),
+    ("gluon warp-specialized 128x128", config(128, 128, 4, 2, **GLUON)),
+    ("tma 128x64/8/3", config(128, 64, 8, 3, **TMA)),
     ("tma 128x64/8/3 maxnreg128", config(128, 64, 8, 3, **TMA, maxnreg=128)),
     ("tma 64x32/4/4", config(64, 32, 4, 4, **TMA)),
     ("tma 64x64/4/4", config(64, 64, 4, 4, **TMA)),

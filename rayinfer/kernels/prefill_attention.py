@@ -25,6 +25,9 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
   always load through pointers (an sm_90a compile of 128x64/8 pointer tiles spills registers);
 - maxnreg: a cap on registers per thread (Triton's launch option), so that two programs of a
   big tile fit on an SM; spills are the price (an sm_90a compile shows them);
+- "backend": "gluon_ws": contiguous causal K/V go to the warp-specialized Gluon kernel of
+  prefill_attention_hopper where it applies (an H100/H200, bf16, head dim 128); the tiles and
+  options above serve everything else;
 - CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
   RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
   max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
@@ -38,6 +41,7 @@ from itertools import accumulate
 
 import torch
 
+from rayinfer.kernels import prefill_attention_hopper
 from rayinfer.kernels.paged_attention import (
     causal_attention,
     dot_precision,
@@ -122,6 +126,12 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
     params = launch_params("prefill_attention", query.device, query.shape[-1])
     if is_paged:  # K/V through block tables and pointers: the entry's "paged" tiles, if it has any
         params = {**params, **(params.get("paged") or {})}
+    elif params.get("backend") == "gluon_ws" and prefill_attention_hopper.supports(
+        query, key, value, is_causal
+    ):
+        return prefill_attention_hopper.prefill_attention_ws(
+            query, key, value, cu_seqlens_q, kv_lens, max_query_len, scale, out
+        )
     block_m, block_n = params["BLOCK_M"], params["BLOCK_N"]
     options = _launch_options(params, (query, key, value, out), (dim0,), is_paged)
     num_tiles = triton.cdiv(max(max_query_len, 1), block_m)

@@ -1,0 +1,280 @@
+"""Causal varlen prefill attention for Hopper (sm_90), warp-specialized in Gluon.
+
+The Triton kernel (prefill_attention_kernel) stops at ~0.8x of cuDNN on an H200: its loop waits
+for every wgmma, then a CTA-wide barrier, so the softmax of a tile never overlaps a matrix product
+(benchmarks/RESULTS.md, fifth session). Here the roles are split, as in FlashAttention-3:
+- a producer warp streams K and V tiles by TMA into a ring of STAGES slots (mbarriers: "ready"
+  when a slot's bytes landed, "empty" when both consumers are done with it);
+- two consumer warpgroups, each with 64 of the program's 128 query rows, take turns on the
+  tensor cores (two `turn` mbarriers): a consumer issues its QK^T for tile j and its PV for tile
+  j-1, hands the turn over, then runs the softmax of tile j while its own PV and the other
+  consumer's products run.
+
+One program per (head, 128-query tile, sequence), heads fastest and heaviest tiles first, as
+the Triton kernel. Q/K/V/out are [tokens, heads, 128] with rows 16-byte aligned; K/V are read
+through 2-D TMA descriptors over [tokens, heads * 128], so a tile that runs past its sequence
+reads the next one's rows (or TMA's zeros at the end), which the mask hides. Head dim 128 (qk and
+v), bf16 or fp16, contiguous K/V (no block tables): the case the 128 bucket of
+configs/prefill_attention.json sends here with "backend": "gluon_ws".
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.9 renamed the TMA load (3.6, on the GPU machine, has only the old name).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAS_GLUON = True
+except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves every case
+    HAS_GLUON = False
+
+from rayinfer.kernels.triton_compat import triton
+
+HEAD_DIM = 128
+BLOCK_M = 128  # query rows per program: two consumers of HALF_M rows
+HALF_M = 64
+BLOCK_N = 128  # keys per tile
+LOG2E = 1.4426950408889634
+# Registers per thread: launched at 168 x 12 warps (a full register file), the consumers grow to
+# 240 and the producer shrinks to 24 (`setmaxnreg`).
+LAUNCH_REGISTERS = 168
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
+
+if HAS_GLUON:
+    STAGES = gl.constexpr(2)  # K and V slots of the ring: 32 KiB + 2 x 2 x 32 KiB of shared memory
+    CONSUMER_REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+    PRODUCER_REGISTERS = gl.constexpr(PRODUCER_REGISTERS)
+
+    @gluon.jit
+    def _producer(ctx, WG: gl.constexpr):
+        """One warp: Q once (both halves), then K and V of every tile into the ring."""
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+         v_empty, turns, out_ptr, q_row0, k_row0, q_len, kv_len, first_row, q_col, kv_col,
+         n_tiles, qk_scale, stride_ot) = ctx  # fmt: skip
+        half: gl.constexpr = q_desc.block_type.shape[0]
+        block_n: gl.constexpr = k_desc.block_type.shape[0]
+        stages: gl.constexpr = k_smem.type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row0 + first_row, q_col], q_bar,
+                                        q_smem.index(0))  # fmt: skip
+        tma_load(q_desc, [q_row0 + first_row + half, q_col], q_bar,
+                                        q_smem.index(1))  # fmt: skip
+        for j in range(n_tiles):
+            slot = j % stages
+            phase = (j // stages) & 1
+            row = k_row0 + j * block_n
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)  # fresh barriers: phase 1 is done
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, [row, kv_col], k_ready.index(slot),
+                                            k_smem.index(slot))  # fmt: skip
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, [row, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))  # fmt: skip
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, start_n, positions, cols, kv_len, first_position, qk_scale,
+                        p_layout: gl.constexpr):  # fmt: skip
+        """One [64, BLOCK_N] score tile -> its probabilities (as the PV product's register
+        operand), the factor alpha [64] for what was accumulated before, the new running max
+        and sum [64]. Only tiles reaching past the consumer's first row or the context mask."""
+        block_n: gl.constexpr = s.type.shape[1]
+        if (start_n + block_n - 1 > first_position) | (start_n + block_n > kv_len):
+            keys = start_n + cols  # [BLOCK_N]
+            visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < kv_len)
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(gl.bfloat16), p_layout), alpha, m_new, l_i
+
+    @gluon.jit
+    def _consumer(ctx, WG: gl.constexpr):
+        """A warpgroup: rows WG*64.. of the program's query tile, over every key tile."""
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+         v_empty, turns, out_ptr, q_row0, k_row0, q_len, kv_len, first_row, q_col, kv_col,
+         n_tiles, qk_scale, stride_ot) = ctx  # fmt: skip
+        half: gl.constexpr = q_desc.block_type.shape[0]
+        block_n: gl.constexpr = k_desc.block_type.shape[0]
+        head_dim: gl.constexpr = k_desc.block_type.shape[1]
+        stages: gl.constexpr = k_smem.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        my_turn = turns.index(WG)
+        other_turn = turns.index(1 - WG)
+        turn_phase = 1 - WG  # the first consumer starts: a fresh barrier's phase 1 is done
+        first_position = kv_len - q_len + first_row + WG * half  # of this consumer's first row
+        positions = first_position + gl.arange(0, half, layout=row_layout)  # [64]
+        cols = gl.arange(0, block_n, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+        m_i = gl.full([half], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([half], gl.float32, layout=row_layout)
+        o = gl.zeros([half, head_dim], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([half, block_n], gl.float32, layout=s_layout)
+        q = q_smem.index(WG)
+        mbarrier.wait(q_bar, 0)
+
+        # Tile 0: its scores only (no PV product is pending yet).
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.wait(my_turn, turn_phase)
+        turn_phase ^= 1
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+        mbarrier.arrive(other_turn, count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, 0, positions, cols, kv_len,
+                                             first_position, qk_scale, p_layout)  # fmt: skip
+        for j in range(1, n_tiles):
+            slot = j % stages
+            prev = (j - 1) % stages
+            mbarrier.wait(k_ready.index(slot), (j // stages) & 1)
+            mbarrier.wait(my_turn, turn_phase)
+            turn_phase ^= 1
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            o = o * alpha[:, None]
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // stages) & 1)
+            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+            mbarrier.arrive(other_turn, count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            # p stays alive (a PV operand in registers) until its product is waited for below.
+            p_next, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, j * block_n, positions, cols,
+                                                      kv_len, first_position, qk_scale,
+                                                      p_layout)  # fmt: skip
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p = p_next
+
+        last = (n_tiles - 1) % stages
+        o = o * alpha[:, None]
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // stages) & 1)
+        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        rows = first_row + WG * half + gl.arange(0, half, layout=gl.SliceLayout(1, o_layout))
+        dims = gl.arange(0, head_dim, layout=gl.SliceLayout(0, o_layout))
+        offsets = (q_row0 + rows).to(gl.int64)[:, None] * stride_ot + q_col + dims[None, :]
+        gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+    @gluon.jit
+    def _prefill_attention_ws_kernel(q_desc, k_desc, v_desc, out_ptr, cu_seqlens_q_ptr,
+                                     cu_seqlens_k_ptr, qk_scale, num_queries_per_kv,
+                                     stride_ot):  # fmt: skip
+        half: gl.constexpr = q_desc.block_type.shape[0]
+        block_n: gl.constexpr = k_desc.block_type.shape[0]
+        head_dim: gl.constexpr = k_desc.block_type.shape[1]
+        head = gl.program_id(0)
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)  # heaviest (last) query tiles first
+        seq = gl.program_id(2)
+        q_row0 = gl.load(cu_seqlens_q_ptr + seq)
+        q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_row0
+        first_row = tile * (2 * half)
+        if first_row >= q_len:
+            return
+        k_row0 = gl.load(cu_seqlens_k_ptr + seq)
+        kv_len = gl.load(cu_seqlens_k_ptr + seq + 1) - k_row0
+        last_key = gl.minimum(kv_len, kv_len - q_len + first_row + 2 * half)  # exclusive
+        n_tiles = gl.cdiv(last_key, block_n)
+        q_col = head * head_dim
+        kv_col = (head // num_queries_per_kv) * head_dim
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, half, head_dim], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, block_n, head_dim], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, block_n, head_dim], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+
+        ctx = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+               v_empty, turns, out_ptr, q_row0, k_row0, q_len, kv_len, first_row, q_col, kv_col,
+               n_tiles, qk_scale, stride_ot)  # fmt: skip
+        gl.warp_specialize(
+            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
+            [4, 1],
+            [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+        )
+
+
+def _shared_layout(block_shape: list[int]):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16)
+
+
+def supports(query, key, value, is_causal: bool = True) -> bool:
+    """Whether this kernel serves these operands: Hopper (sm_90 exactly), bf16, causal, head dim
+    128 for q/k and v, [tokens, heads, 128] views with 16-byte aligned rows."""
+    if not HAS_GLUON or not query.is_cuda or not is_causal:
+        return False
+    if torch.cuda.get_device_capability(query.device) != (9, 0):
+        return False
+    for t in (query, key, value):
+        if t.dtype != torch.bfloat16 or t.shape[-1] != HEAD_DIM or t.stride(-1) != 1:
+            return False
+        if t.stride(1) != HEAD_DIM or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _rows_descriptor(t: torch.Tensor, block_rows: int):
+    """A 2-D TMA descriptor over [tokens, heads * 128] rows of t [tokens, heads, 128]."""
+    shape = [t.shape[0], t.shape[1] * HEAD_DIM]
+    block = [block_rows, HEAD_DIM]
+    return TensorDescriptor(t, shape, [t.stride(0), 1], block, _shared_layout(block))
+
+
+def prefill_attention_ws(
+    query: torch.Tensor,  # [T, Hq, 128] bf16
+    key: torch.Tensor,  # [S, Hkv, 128] bf16
+    value: torch.Tensor,  # [S, Hkv, 128] bf16
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    cu_seqlens_k: torch.Tensor,  # [B + 1] int32 (q_len <= kv_len per sequence)
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, 128], contiguous: written in place
+) -> torch.Tensor:  # [T, Hq, 128]
+    """Causal varlen attention (each sequence's queries are its context's last tokens), the
+    contract of prefill_attention.prefill_attention, on the warp-specialized kernel; the caller
+    checks `supports` first."""
+    num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, query.shape[1]
+    if out is None:
+        out = query.new_empty(query.shape[0], num_heads, HEAD_DIM)
+    grid = (num_heads, triton.cdiv(max(max_query_len, 1), BLOCK_M), num_seqs)
+    _prefill_attention_ws_kernel[grid](
+        _rows_descriptor(query, HALF_M), _rows_descriptor(key, BLOCK_N),
+        _rows_descriptor(value, BLOCK_N), out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
+        num_heads // key.shape[1], out.stride(0), num_warps=4, maxnreg=LAUNCH_REGISTERS,
+    )  # fmt: skip
+    return out

@@ -10,7 +10,12 @@ shared memory a program needs (two programs fit per SM up to ~113 KiB on an H200
     python benchmarks/ttgir_probe.py mla --block-n 32 --warps 4 --stages 3
     python benchmarks/ttgir_probe.py mla --layout heads_major --table-in-loop
     python benchmarks/ttgir_probe.py prefill --block-n 64 --warps 8 --stages 3 --tma
+    python benchmarks/ttgir_probe.py prefill-ws   # prefill_attention_hopper's Gluon kernel
     python benchmarks/ttgir_probe.py mla ... --dump /tmp/mla.ttgir   # the whole TTGIR
+
+Besides the loop's ops it reports registers per thread (the cubin's EIATTR_REGCOUNT, what
+ptxas -v prints) and the SASS's spill instructions (STL/LDL, through the nvdisasm Triton ships),
+which together with the shared memory say how many programs fit per SM.
 
 Integer arguments are compiled as multiples of 16, as Triton specializes them at launch when
 they are (strides of bf16 rows of 576 or 128 elements are). Without that hint the loads cannot
@@ -20,13 +25,22 @@ be vectorized to 16 bytes and none become asynchronous.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import struct
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+except ImportError:  # no Triton: nothing here can run
+    GPUTarget = None
 
 INDEX_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "kv_lens_ptr"}
 FLOAT_POINTERS = {"mid_out_ptr", "mid_lse_ptr"}
@@ -35,7 +49,6 @@ FLOAT_POINTERS = {"mid_out_ptr", "mid_lse_ptr"}
 def compile_for_sm90(kernel, constants: dict, warps: int, stages: int):
     """The compiled kernel: pointers bf16 (int32 index tensors, float32 partials), other
     non-constant arguments int32 multiples of 16, `scale` float32."""
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
@@ -103,7 +116,71 @@ def prefill_constants(args) -> tuple:
     return _prefill_attention_kernel, constants
 
 
-KERNELS = {"mla": mla_constants, "prefill": prefill_constants}
+def compile_prefill_ws_for_sm90():
+    """prefill_attention_hopper's warp-specialized Gluon kernel, as `prefill_attention_ws`
+    launches it (bf16 TMA descriptors of 64- and 128-row blocks, its register budget)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rayinfer.kernels import prefill_attention_hopper as ws
+
+    def descriptor(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, ws.HEAD_DIM], gl.bfloat16)
+        return f"tensordesc<bf16[{rows},{ws.HEAD_DIM}],{layout!r}>"
+
+    kernel = ws._prefill_attention_ws_kernel
+    signature = dict(q_desc=descriptor(ws.HALF_M), k_desc=descriptor(ws.BLOCK_N),
+                     v_desc=descriptor(ws.BLOCK_N), out_ptr="*bf16", cu_seqlens_q_ptr="*i32",
+                     cu_seqlens_k_ptr="*i32", qk_scale="fp32", num_queries_per_kv="i32",
+                     stride_ot="i32")  # fmt: skip
+    names = kernel.arg_names
+    aligned = ("out_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "stride_ot")
+    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = GluonASTSource(kernel, {name: signature[name] for name in names}, {}, hinted)
+    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def registers_per_thread(cubin: bytes) -> int | None:
+    """EIATTR_REGCOUNT (0x2f) of the cubin's .nv.info sections: what ptxas -v reports."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [
+        struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entry_size) for i in range(count)
+    ]
+    names_offset = headers[names_index][4]
+    for name_at, _, _, _, offset, size, *_ in headers:
+        name = cubin[names_offset + name_at : cubin.index(b"\0", names_offset + name_at)]
+        if not name.startswith(b".nv.info"):
+            continue
+        at = offset
+        while at + 4 <= offset + size:
+            fmt, attribute = cubin[at], cubin[at + 1]
+            if fmt == 4:  # a sized value
+                length = struct.unpack_from("<H", cubin, at + 2)[0]
+                if attribute == 0x2F:
+                    return struct.unpack_from("<II", cubin, at + 4)[1]
+                at += 4 + length
+            else:
+                at += 2 if fmt == 1 else 4
+    return None
+
+
+def spill_instructions(cubin: bytes) -> int | None:
+    """Local-memory loads and stores (STL/LDL) in the SASS, from the nvdisasm Triton ships."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as file:
+        file.write(cubin)
+    try:
+        sass = subprocess.run([str(nvdisasm), "-c", file.name], capture_output=True, text=True)
+    finally:
+        os.unlink(file.name)
+    return len(re.findall(r"\b(?:STL|LDL)\b", sass.stdout))
+
+
+KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,12 +196,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dump", help="write the whole TTGIR here")
     args = parser.parse_args(argv)
-    kernel, constants = KERNELS[args.kernel](args)
-    compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)
+    if args.kernel == "prefill-ws":  # Gluon: its tiles and warps are the module's own
+        compiled = compile_prefill_ws_for_sm90()
+    else:
+        kernel, constants = KERNELS[args.kernel](args)
+        compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)
     ttgir = compiled.asm["ttgir"]
     if args.dump:
         Path(args.dump).write_text(ttgir)
-    report = dict(shared_memory_bytes=compiled.metadata.shared, **loop_report(ttgir))
+    cubin = compiled.asm["cubin"]
+    report = dict(
+        shared_memory_bytes=compiled.metadata.shared,
+        registers=registers_per_thread(cubin),
+        spill_instructions=spill_instructions(cubin),
+        **loop_report(ttgir),
+    )
     for key, value in report.items():
         print(f"{key:22s} {value}")
     return report

@@ -251,3 +251,19 @@ def test_register_cap_is_a_cuda_launch_option_only(monkeypatch):
         lambda op, device, bucket=1: {**original(op, device, bucket), "maxnreg": 128},
     )
     run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)  # a capped config runs on the CPU
+
+
+def test_the_gluon_backend_falls_back_where_it_does_not_apply(monkeypatch):
+    """A config naming the warp-specialized Gluon kernel (the H200's 128 bucket) still serves
+    what that kernel cannot: CPU tensors here (it needs an sm_90 GPU, bf16, head dim 128)."""
+    from rayinfer.kernels import prefill_attention_hopper
+
+    query = torch.randn(5, 2, 128, dtype=torch.bfloat16)
+    assert not prefill_attention_hopper.supports(query, query, query)
+    original = prefill_module.launch_params
+    monkeypatch.setattr(
+        prefill_module,
+        "launch_params",
+        lambda op, device, bucket=1: {**original(op, device, bucket), "backend": "gluon_ws"},
+    )
+    run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)

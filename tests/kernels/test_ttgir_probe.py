@@ -43,3 +43,16 @@ def test_the_kernels_compile_for_sm90_with_asynchronous_loads(argv, tmp_path):
     assert report["cp_async"] + report["tma_copies"] > 0
     assert report["wgmma"] + report["mma_sync_dots"] >= 2  # scores and output
     assert "scf.for" in dump.read_text()
+
+
+def test_the_warp_specialized_prefill_compiles_for_sm90_without_spills(tmp_path):
+    """prefill_attention_hopper's Gluon kernel (the H200's 128 bucket): its partitions, TMA
+    loads and wgmma products survive this Triton's compiler, within an SM's shared memory and
+    with no spilled registers (the consumers' budget is 240 per thread)."""
+    dump = tmp_path / "kernel.ttgir"
+    report = probe(["prefill-ws"], dump)
+    assert 0 < report["shared_memory_bytes"] <= 227 * 1024
+    assert report["spill_instructions"] in (0, None)  # None: no nvdisasm to count with
+    assert report["tma_copies"] >= 4  # Q halves, K, V
+    assert report["wgmma"] >= 4  # QK^T and PV, in the first tile and the loop
+    assert "ttg.warp_specialize" in dump.read_text()

@@ -5,9 +5,10 @@ an H100/H200, against a float32 reference, SDPA and the Triton kernel in the sam
 
 Checks (bf16 against float32 per-sequence SDPA; relative Frobenius error < 2e-2, no NaN): one
 sequence of 1, 70, 128, 300 and 4,096 tokens; a varlen batch with a chunk over a cached prefix
-(queries the last tokens of longer contexts); GQA 4:1; 16 heads. Then do_bench medians of one
-causal sequence of 4k/8k/16k tokens, 16 heads x 128, for SDPA (torch's default backend), the
-Triton kernel (the 128 bucket's shipped tiles) and the Gluon kernel, with their TFLOP/s.
+(queries the last tokens of longer contexts); GQA 4:1; 16 heads; and MLA's dims (qk 192, v 128
+split off a wider projection, as its prefill passes them). Then do_bench medians of one causal
+sequence of 4k/8k/16k tokens (qk 128) and 8k/16k (qk 192), 16 heads, for SDPA (torch's default
+backend), the Triton kernel (its shipped tiles) and the Gluon kernel, with their TFLOP/s.
 """
 
 from __future__ import annotations
@@ -26,60 +27,78 @@ import triton  # noqa: E402
 from rayinfer.bench.attention_timings import causal_flops, launch_params_override  # noqa: E402
 from rayinfer.kernels import prefill_attention, prefill_attention_hopper  # noqa: E402
 
-CASES = [  # (query lens, context lens, query heads, kv heads)
-    ([1], [1], 16, 16),
-    ([70], [70], 16, 16),
-    ([128], [128], 16, 16),
-    ([300], [300], 16, 16),
-    ([4096], [4096], 16, 16),
-    ([100, 1000, 777, 5], [100, 1500, 777, 260], 16, 16),
-    ([513, 64], [2000, 64], 32, 8),
+CASES = [  # (query lens, context lens, query heads, kv heads, qk head dim)
+    ([1], [1], 16, 16, 128),
+    ([70], [70], 16, 16, 128),
+    ([128], [128], 16, 16, 128),
+    ([300], [300], 16, 16, 128),
+    ([4096], [4096], 16, 16, 128),
+    ([100, 1000, 777, 5], [100, 1500, 777, 260], 16, 16, 128),
+    ([513, 64], [2000, 64], 32, 8, 128),
+    ([1], [1], 16, 16, 192),  # MLA's expanded prefill: qk 192 = 128 + 64 rope, v 128
+    ([300], [300], 16, 16, 192),
+    ([2048], [2048], 16, 16, 192),
+    ([100, 1000, 5], [100, 1500, 260], 16, 16, 192),
 ]
 
 
-def packed(lens: list[int], heads: int) -> torch.Tensor:
-    return torch.randn(sum(lens), heads, 128, device="cuda")
+def packed(lens: list[int], heads: int, dim: int = 128) -> torch.Tensor:
+    return torch.randn(sum(lens), heads, dim, device="cuda")
 
 
-def check(q_lens, k_lens, heads, kv_heads) -> dict:
-    q, k, v = packed(q_lens, heads), packed(k_lens, kv_heads), packed(k_lens, kv_heads)
+def mla_value(lens: list[int], heads: int) -> torch.Tensor:
+    """[S, H, 128] bf16 split off a [S, H, 256] projection, as MLA's kv_b output: row and head
+    strides of the wider tensor."""
+    return packed(lens, heads, 256).to(torch.bfloat16)[..., 128:]
+
+
+def check(q_lens, k_lens, heads, kv_heads, dim) -> dict:
+    q = packed(q_lens, heads, dim).to(torch.bfloat16)
+    k = packed(k_lens, kv_heads, dim).to(torch.bfloat16)
+    v = mla_value(k_lens, kv_heads) if dim != 128 else packed(k_lens, kv_heads).to(q.dtype)
     cu_q = torch.tensor([0, *q_lens], device="cuda").cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *k_lens], device="cuda").cumsum(0).to(torch.int32)
-    args = (cu_q, cu_k, max(q_lens), 128**-0.5)
-    typed = [t.to(torch.bfloat16) for t in (q, k, v)]
+    args = (cu_q, cu_k, max(q_lens), dim**-0.5)
+    typed = (q, k, v)
     assert prefill_attention_hopper.supports(*typed), "the Gluon kernel does not apply"
     ours = prefill_attention_hopper.prefill_attention_ws(*typed, *args).float()
-    reference = prefill_attention.prefill_attention_reference(q, k, v, *args)
+    reference = prefill_attention.prefill_attention_reference(q.float(), k.float(), v.float(),
+                                                              *args)  # fmt: skip
     rel = ((ours - reference).norm() / reference.norm()).item()
     ok = math.isfinite(rel) and not torch.isnan(ours).any().item() and rel < 2e-2
-    return dict(q_lens=q_lens, k_lens=k_lens, heads=heads, kv_heads=kv_heads, rel_error=rel, ok=ok)
+    return dict(q_lens=q_lens, k_lens=k_lens, heads=heads, kv_heads=kv_heads, dim=dim,
+                rel_error=rel, ok=ok)  # fmt: skip
 
 
-TRITON_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True,
-                    HEADS_FASTEST=True, backend="triton")  # fmt: skip
+TRITON_TILES = {  # the Triton kernel's shipped tiles per qk head dim (round 3)
+    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    192: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+}
 
 
 def triton_kernel(q, k, v, cu, seq_len, scale):
-    """The Triton kernel with round 3's tiles, whatever the config file's backend says."""
-    with launch_params_override("prefill_attention", TRITON_TILES):
+    """The Triton kernel with its shipped tiles, whatever the config file's backend says."""
+    tiles = dict(TRITON_TILES[q.shape[-1]], USE_TMA=True, HEADS_FASTEST=True, backend="triton")
+    with launch_params_override("prefill_attention", tiles):
         return prefill_attention.prefill_attention(q, k, v, cu, cu, seq_len, scale)
 
 
-def time_case(seq_len: int) -> dict:
-    q, k, v = (packed([seq_len], 16).to(torch.bfloat16) for _ in range(3))
+def time_case(seq_len: int, dim: int = 128) -> dict:
+    q, k = (packed([seq_len], 16, dim).to(torch.bfloat16) for _ in range(2))
+    v = packed([seq_len], 16).to(torch.bfloat16)
     cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
-    scale = 128**-0.5
+    scale = dim**-0.5
     sdpa_args = [t.transpose(0, 1)[None] for t in (q, k, v)]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = {
         "sdpa default": lambda: sdpa(*sdpa_args, is_causal=True, scale=scale),
-        "triton (TMA 64x64/4/3)": lambda: triton_kernel(q, k, v, cu, seq_len, scale),
+        "triton (shipped tiles)": lambda: triton_kernel(q, k, v, cu, seq_len, scale),
         "gluon warp-specialized": lambda: prefill_attention_hopper.prefill_attention_ws(
             q, k, v, cu, cu, seq_len, scale
         ),
     }
-    flops = causal_flops(seq_len, seq_len, 16, 128, 128)
-    row = {"tokens": seq_len}
+    flops = causal_flops(seq_len, seq_len, 16, dim, 128)
+    row = {"tokens": seq_len, "dim": dim}
     for name, call in calls.items():
         call()
         torch.cuda.synchronize()
@@ -101,11 +120,11 @@ def main() -> None:
     results = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, checks=checks)
     if not args.check_only and all(c["ok"] for c in checks):
         results["timings"] = []
-        for seq_len in (4096, 8192, 16384):
-            row = time_case(seq_len)
+        for dim, seq_len in ((128, 4096), (128, 8192), (128, 16384), (192, 8192), (192, 16384)):
+            row = time_case(seq_len, dim)
             results["timings"].append(row)
-            cells = [f"{name} {row[name]['tflops']:.0f}" for name in row if name != "tokens"]
-            print(f"{seq_len:6d} tokens: " + " | ".join(cells) + " TFLOP/s", flush=True)
+            cells = [f"{k} {v['tflops']:.0f}" for k, v in row.items() if isinstance(v, dict)]
+            print(f"qk {dim} {seq_len:6d} tokens: " + " | ".join(cells) + " TFLOP/s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -11,6 +11,7 @@ shared memory a program needs (two programs fit per SM up to ~113 KiB on an H200
     python benchmarks/ttgir_probe.py mla --layout heads_major --table-in-loop
     python benchmarks/ttgir_probe.py prefill --block-n 64 --warps 8 --stages 3 --tma
     python benchmarks/ttgir_probe.py prefill-ws   # prefill_attention_hopper's Gluon kernel
+    python benchmarks/ttgir_probe.py prefill-ws-mla   # the same at MLA's 192/128 head dims
     python benchmarks/ttgir_probe.py mla ... --dump /tmp/mla.ttgir   # the whole TTGIR
 
 Besides the loop's ops it reports registers per thread (the cubin's EIATTR_REGCOUNT, what
@@ -116,27 +117,32 @@ def prefill_constants(args) -> tuple:
     return _prefill_attention_kernel, constants
 
 
-def compile_prefill_ws_for_sm90():
+def compile_prefill_ws_for_sm90(rope: bool = False):
     """prefill_attention_hopper's warp-specialized Gluon kernel, as `prefill_attention_ws`
-    launches it (bf16 TMA descriptors of 64- and 128-row blocks, its register budget)."""
+    launches it (bf16 TMA descriptors, its register budget); rope: MLA's 192/128 head dims."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from rayinfer.kernels import prefill_attention_hopper as ws
 
-    def descriptor(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, ws.HEAD_DIM], gl.bfloat16)
-        return f"tensordesc<bf16[{rows},{ws.HEAD_DIM}],{layout!r}>"
+    def descriptor(rows: int, cols: int = ws.HEAD_DIM) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
 
     kernel = ws._prefill_attention_ws_kernel
-    signature = dict(q_desc=descriptor(ws.HALF_M), k_desc=descriptor(ws.BLOCK_N),
-                     v_desc=descriptor(ws.BLOCK_N), out_ptr="*bf16", cu_seqlens_q_ptr="*i32",
-                     cu_seqlens_k_ptr="*i32", qk_scale="fp32", num_queries_per_kv="i32",
-                     stride_ot="i32")  # fmt: skip
+    extra = ws.ROPE_DIM if rope else ws.HEAD_DIM
+    signature = dict(
+        q_desc=descriptor(ws.HALF_M), q1_desc=descriptor(ws.HALF_M, extra),
+        k_desc=descriptor(ws.BLOCK_N), k1_desc=descriptor(ws.BLOCK_N, extra),
+        v_desc=descriptor(ws.BLOCK_N), out_ptr="*bf16", cu_seqlens_q_ptr="*i32",
+        cu_seqlens_k_ptr="*i32", qk_scale="fp32", HAS_ROPE="constexpr",
+    )  # fmt: skip
     names = kernel.arg_names
-    aligned = ("out_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "stride_ot")
+    signature = {name: signature.get(name, "i32") for name in names}
+    aligned = [name for name in names if signature[name] in ("*bf16", "*i32", "i32")]
     hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = GluonASTSource(kernel, {name: signature[name] for name in names}, {}, hinted)
+    hinted.pop((names.index("num_queries_per_kv"),))
+    source = GluonASTSource(kernel, signature, {(names.index("HAS_ROPE"),): rope}, hinted)
     options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -180,7 +186,8 @@ def spill_instructions(cubin: bytes) -> int | None:
     return len(re.findall(r"\b(?:STL|LDL)\b", sass.stdout))
 
 
-KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None}
+KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None,
+           "prefill-ws-mla": None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dump", help="write the whole TTGIR here")
     args = parser.parse_args(argv)
-    if args.kernel == "prefill-ws":  # Gluon: its tiles and warps are the module's own
-        compiled = compile_prefill_ws_for_sm90()
+    if args.kernel.startswith("prefill-ws"):  # Gluon: its tiles and warps are its own
+        compiled = compile_prefill_ws_for_sm90(rope=args.kernel.endswith("mla"))
     else:
         kernel, constants = KERNELS[args.kernel](args)
         compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)

@@ -26,8 +26,9 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 - maxnreg: a cap on registers per thread (Triton's launch option), so that two programs of a
   big tile fit on an SM; spills are the price (an sm_90a compile shows them);
 - "backend": "gluon_ws": contiguous causal K/V go to the warp-specialized Gluon kernel of
-  prefill_attention_hopper where it applies (an H100/H200, bf16, head dim 128); the tiles and
-  options above serve everything else;
+  prefill_attention_hopper where it applies (an H100/H200, bf16, value head dim 128, query/key
+  128 or MLA's 192); the tiles and options above serve everything else.
+  RAYINFER_PREFILL_ATTENTION=triton pins the Triton kernel whatever the config says;
 - CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
   RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
   max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
@@ -37,6 +38,7 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 
 from __future__ import annotations
 
+import os
 from itertools import accumulate
 
 import torch
@@ -52,6 +54,7 @@ from rayinfer.kernels.prefill_attention_kernel import _prefill_attention_kernel
 from rayinfer.kernels.prefill_attention_tiles import RESCALE_THRESHOLD  # noqa: F401 (re-export)
 from rayinfer.kernels.triton_compat import triton
 
+BACKEND_ENV = "RAYINFER_PREFILL_ATTENTION"  # auto (the config's backend) | triton
 LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False,
                       CONDITIONAL_RESCALE=False)  # fmt: skip
 
@@ -107,6 +110,14 @@ def _launch_options(params: dict, tensors, column_offsets, is_paged: bool) -> di
     return options
 
 
+def _backend(params: dict) -> str:
+    """The config's "backend" ("triton" when absent), unless RAYINFER_PREFILL_ATTENTION=triton
+    pins the Triton kernel (to compare, or to step around the Gluon one)."""
+    if os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+        return "triton"
+    return params.get("backend", "triton")
+
+
 def _register_cap(params: dict, device: torch.device) -> dict:
     """The config's "maxnreg" (registers per thread, so that more programs fit per SM) as a launch
     option: CUDA only, absent or None for the compiler's own choice."""
@@ -126,7 +137,7 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
     params = launch_params("prefill_attention", query.device, query.shape[-1])
     if is_paged:  # K/V through block tables and pointers: the entry's "paged" tiles, if it has any
         params = {**params, **(params.get("paged") or {})}
-    elif params.get("backend") == "gluon_ws" and prefill_attention_hopper.supports(
+    elif _backend(params) == "gluon_ws" and prefill_attention_hopper.supports(
         query, key, value, is_causal
     ):
         return prefill_attention_hopper.prefill_attention_ws(

@@ -267,3 +267,11 @@ def test_the_gluon_backend_falls_back_where_it_does_not_apply(monkeypatch):
         lambda op, device, bucket=1: {**original(op, device, bucket), "backend": "gluon_ws"},
     )
     run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)
+
+
+def test_the_environment_pins_the_triton_kernel(monkeypatch):
+    """RAYINFER_PREFILL_ATTENTION=triton overrides a config's Gluon backend; auto keeps it."""
+    assert prefill_module._backend({"backend": "gluon_ws"}) == "gluon_ws"
+    assert prefill_module._backend({}) == "triton"
+    monkeypatch.setenv(prefill_module.BACKEND_ENV, "triton")
+    assert prefill_module._backend({"backend": "gluon_ws"}) == "triton"

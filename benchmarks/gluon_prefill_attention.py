@@ -8,7 +8,9 @@ sequence of 1, 70, 128, 300 and 4,096 tokens; a varlen batch with a chunk over a
 (queries the last tokens of longer contexts); GQA 4:1; 16 heads; and MLA's dims (qk 192, v 128
 split off a wider projection, as its prefill passes them). Then do_bench medians of one causal
 sequence of 4k/8k/16k tokens (qk 128 and 192), 16 heads, for SDPA (torch's default
-backend), the Triton kernel (its shipped tiles) and the Gluon kernel, with their TFLOP/s.
+backend), the Triton kernel (its shipped tiles) and the Gluon kernel, with their TFLOP/s:
+plain launches, and in parentheses replayed from a CUDA graph (no host time per launch; at 4k
+tokens a launch's host work is a large share of the kernel's ~0.15 ms).
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def time_case(seq_len: int, dim: int = 128) -> dict:
         call()
         torch.cuda.synchronize()
         ms = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
-        row[name] = dict(ms=ms, tflops=flops / ms / 1e9)
+        graph_ms = triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
+        row[name] = dict(ms=ms, tflops=flops / ms / 1e9, graph_ms=graph_ms,
+                         graph_tflops=flops / graph_ms / 1e9)  # fmt: skip
     return row
 
 
@@ -124,7 +128,8 @@ def main() -> None:
         for dim, seq_len in TIMED:
             row = time_case(seq_len, dim)
             results["timings"].append(row)
-            cells = [f"{k} {v['tflops']:.0f}" for k, v in row.items() if isinstance(v, dict)]
+            cells = [f"{k} {v['tflops']:.0f} ({v['graph_tflops']:.0f})"
+                     for k, v in row.items() if isinstance(v, dict)]  # fmt: skip
             print(f"qk {dim} {seq_len:6d} tokens: " + " | ".join(cells) + " TFLOP/s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

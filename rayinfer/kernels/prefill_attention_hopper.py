@@ -22,6 +22,8 @@ tables): what the config's `"backend": "gluon_ws"` sends here (prefill_attention
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -288,10 +290,15 @@ def supports(query, key, value, is_causal: bool = True) -> bool:
     return True
 
 
+@functools.cache
+def _shared_layout(block_rows: int, block_cols: int):
+    return gl.NVMMASharedLayout.get_default_for([block_rows, block_cols], gl.bfloat16)
+
+
 def _rows_descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     """A 2-D TMA descriptor over the rows of t [tokens, heads, dim]: [tokens, row stride]."""
     block = [block_rows, block_cols]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = _shared_layout(block_rows, block_cols)
     return TensorDescriptor(t, [t.shape[0], t.stride(0)], [t.stride(0), 1], block, layout)
 
 

@@ -1,0 +1,215 @@
+"""W8A8 FP8 GEMM with DeepSeek-V3 block scales for Hopper (sm_90), warp-specialized in Gluon.
+
+out [M, N] = (a * a_scale) @ (b * b_scale).T, the contract of fp8_gemm.fp8_gemm: a [M, K] e4m3
+with a_scale [M, K/128] (per token, per 128 channels), b [N, K] e4m3 with b_scale [N/128, K/128].
+
+The Triton kernels stop at 0.65-0.75x of per-tensor `_scaled_mm` and cuBLAS's block-scaled
+kernel at 0.82-0.91x (benchmarks/RESULTS.md). Here, as in DeepGEMM, each K block's product runs
+on the tensor cores into a scratch accumulator that the consumer then scales into its own
+(`acc += product * a_scale[row] * b_scale`), and the roles are split:
+- a producer warp streams A and B tiles of one 128-wide K block by TMA into a ring of STAGES
+  slots (mbarriers "ready" and "empty");
+- two consumer warpgroups own 64 rows each of the program's 128 x BLOCK_N output tile. Each
+  issues the product of K block i+1 before it scales block i's into its accumulator, so the
+  tensor cores are busy during the scaling, and the two warpgroups interleave on the SM.
+The epilogue goes through shared memory and a TMA store (rows and columns past M and N are
+dropped by TMA). One program per output tile, grouped along M for L2 reuse of B.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.9 renamed the TMA copies (3.6, on the GPU machine, has only the old names).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAS_GLUON = True
+except ImportError:  # no Triton, or one without Gluon
+    HAS_GLUON = False
+
+from rayinfer.kernels.triton_compat import triton
+
+SCALE_BLOCK = 128  # = BLOCK_K: one scale per 128 channels of a, per 128x128 block of b
+BLOCK_M = 128  # two consumers of HALF_M rows
+HALF_M = 64
+BLOCK_N = 128  # inside one 128-row weight-scale block: b's scale is one number per K block
+GROUP_M = 8
+LAUNCH_REGISTERS = 168
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
+
+if HAS_GLUON:
+    STAGES = gl.constexpr(4)  # 4 x (2 x 8 + 16) KiB of A/B slots, plus 32 KiB for the epilogue
+    CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
+    PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
+
+    @gluon.jit
+    def _producer(ctx, WG: gl.constexpr):
+        """One warp: A's two 64-row halves and B of every K block into the ring."""
+        descs, smem, bars, scales, offs, k_blocks = ctx
+        a_desc, b_desc, c_desc = descs
+        a_smem, b_smem, c_smem = smem
+        ready, empty = bars
+        off_m, off_n = offs
+        half: gl.constexpr = a_desc.block_type.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        for i in range(k_blocks):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh: phase 1 done
+            mbarrier.expect(ready.index(slot), nbytes)
+            k = i * block_k
+            tma_load(a_desc, [off_m, k], ready.index(slot), a_smem.index(2 * slot))
+            tma_load(a_desc, [off_m + half, k], ready.index(slot), a_smem.index(2 * slot + 1))
+            tma_load(b_desc, [off_n, k], ready.index(slot), b_smem.index(slot))
+
+    @gluon.jit
+    def _consumer(ctx, WG: gl.constexpr):
+        """A warpgroup: rows WG*64.. of the output tile, over every K block."""
+        descs, smem, bars, scales, offs, k_blocks = ctx
+        a_desc, b_desc, c_desc = descs
+        a_smem, b_smem, c_smem = smem
+        ready, empty = bars
+        a_scale_ptr, stride_am, stride_ak, b_scale_ptr, stride_bn, m = scales
+        off_m, off_n = offs
+        half: gl.constexpr = a_desc.block_type.shape[0]
+        block_n: gl.constexpr = b_desc.block_type.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 32]
+        )
+        rows = off_m + WG * half + gl.arange(0, half, layout=gl.SliceLayout(1, layout))  # [64]
+        a_scale_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_am
+        in_m = rows < m
+        b_scale_ptr = b_scale_ptr + (off_n // block_n) * stride_bn
+        zero = gl.zeros([half, block_n], gl.float32, layout=layout)
+        acc = gl.zeros([half, block_n], gl.float32, layout=layout)
+
+        mbarrier.wait(ready.index(0), 0)
+        pending = warpgroup_mma(a_smem.index(WG), b_smem.index(0).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)  # fmt: skip
+        for i in range(k_blocks - 1):
+            scale = gl.load(a_scale_ptrs + i * stride_ak, mask=in_m, other=0.0)  # [64]
+            scale = scale * gl.load(b_scale_ptr + i)
+            slot = (i + 1) % STAGES  # the next block's product runs while this one is scaled
+            mbarrier.wait(ready.index(slot), ((i + 1) // STAGES) & 1)
+            following = warpgroup_mma(a_smem.index(2 * slot + WG),
+                                      b_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                                      is_async=True)  # fmt: skip
+            product = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
+            acc += product * scale[:, None]
+            pending = following
+        last = k_blocks - 1
+        scale = gl.load(a_scale_ptrs + last * stride_ak, mask=in_m, other=0.0)
+        scale = scale * gl.load(b_scale_ptr + last)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+        mbarrier.arrive(empty.index(last % STAGES), count=1)
+        acc += product * scale[:, None]
+
+        out = c_smem.index(WG)
+        out.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma_store(c_desc, [off_m + WG * half, off_n], out)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fp8_gemm_ws_kernel(a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr, m, n, k,
+                            stride_am, stride_ak, stride_bn, GROUP: gl.constexpr):  # fmt: skip
+        half: gl.constexpr = a_desc.block_type.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        block_n: gl.constexpr = b_desc.block_type.shape[0]
+        # Tiles grouped along M: GROUP row tiles share each column tile's B while it is in L2.
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(m, 2 * half)
+        tiles_n = gl.cdiv(n, block_n)
+        in_group = GROUP * tiles_n
+        first_m = (pid // in_group) * GROUP
+        group_rows = gl.minimum(tiles_m - first_m, GROUP)
+        tile_m = first_m + (pid % in_group) % group_rows
+        tile_n = (pid % in_group) // group_rows
+        offs = (tile_m * 2 * half, tile_n * block_n)
+
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, half, block_k],
+                                           a_desc.layout)  # fmt: skip
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, block_n, block_k],
+                                           b_desc.layout)  # fmt: skip
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, half, block_n], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+
+        ctx = (
+            (a_desc, b_desc, c_desc),
+            (a_smem, b_smem, c_smem),
+            (ready, empty),
+            (a_scale_ptr, stride_am, stride_ak, b_scale_ptr, stride_bn, m),
+            offs,
+            gl.cdiv(k, block_k),
+        )
+        gl.warp_specialize(
+            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
+            [4, 1],
+            [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
+        )
+
+
+def supports(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16) -> bool:
+    """Whether this kernel serves these operands: Hopper (sm_90 exactly), e4m3 a [M, K] and
+    b [N, K] with 16-byte aligned rows, K a multiple of 128, bf16 output with N a multiple of 8."""
+    if not HAS_GLUON or not a.is_cuda or out_dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    (m, k), n = a.shape, b.shape[0]
+    if m == 0 or k % SCALE_BLOCK or n % 8:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (a, b))  # fmt: skip
+
+
+@functools.cache
+def _shared_layout(rows: int, cols: int, bits: int):
+    dtype = gl.float8e4nv if bits == 8 else gl.bfloat16
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    layout = _shared_layout(rows, cols, t.element_size() * 8)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], layout)
+
+
+def fp8_gemm_ws(
+    a: torch.Tensor,  # [M, K] float8_e4m3fn
+    a_scale: torch.Tensor,  # [M, K/128] float32, any strides (column-major is the engine's)
+    b: torch.Tensor,  # [N, K] float8_e4m3fn
+    b_scale: torch.Tensor,  # [N/128, K/128] float32
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # [M, N] bf16
+    """The block-scaled product on the warp-specialized kernel; the caller checks `supports`
+    (and fp8_gemm._check_operands) first."""
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _fp8_gemm_ws_kernel[grid](
+        _descriptor(a, HALF_M, SCALE_BLOCK), _descriptor(b, BLOCK_N, SCALE_BLOCK),
+        _descriptor(out, HALF_M, BLOCK_N), a_scale, b_scale, m, n, k,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), GROUP=GROUP_M,
+        num_warps=4, maxnreg=LAUNCH_REGISTERS,
+    )  # fmt: skip
+    return out

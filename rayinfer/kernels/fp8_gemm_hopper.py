@@ -9,8 +9,8 @@ on the tensor cores into a scratch accumulator that the consumer then scales int
 (`acc += product * a_scale[row] * b_scale`), and the roles are split:
 - a producer warp streams A and B tiles of one 128-wide K block by TMA into a ring of STAGES
   slots (mbarriers "ready" and "empty");
-- two consumer warpgroups own 64 rows each of the program's 128 x BLOCK_N output tile; while
-  one scales a finished product into its accumulator, the other's product runs.
+- three consumer warpgroups own 64 rows each of the program's 192 x BLOCK_N output tile; while
+  one scales a finished product into its accumulator, the others' products run.
 The epilogue goes through shared memory and a TMA store (rows and columns past M and N are
 dropped by TMA). One program per output tile, grouped along M for L2 reuse of B.
 """
@@ -43,22 +43,25 @@ except ImportError:  # no Triton, or one without Gluon
 from rayinfer.kernels.triton_compat import triton
 
 SCALE_BLOCK = 128  # = BLOCK_K: one scale per 128 channels of a, per 128x128 block of b
-BLOCK_M = 128  # two consumers of HALF_M rows
+CONSUMERS = 3  # warpgroups, HALF_M rows each: three chains of product-then-scale per SM
 HALF_M = 64
+BLOCK_M = CONSUMERS * HALF_M
 BLOCK_N = 128  # inside one 128-row weight-scale block: b's scale is one number per K block
 GROUP_M = 8
-LAUNCH_REGISTERS = 168
-CONSUMER_REGISTERS = 240
+# Launched at 120 registers x 16 warps; the consumers grow to 152 and the producer shrinks to 24.
+LAUNCH_REGISTERS = 120
+CONSUMER_REGISTERS = 152
 PRODUCER_REGISTERS = 24
 
 if HAS_GLUON:
-    STAGES = gl.constexpr(4)  # 4 x (2 x 8 + 16) KiB of A/B slots, plus 32 KiB for the epilogue
+    STAGES = gl.constexpr(4)  # 4 x (3 x 8 + 16) KiB of A/B slots, plus 48 KiB for the epilogue
+    CONSUMERS_C = gl.constexpr(CONSUMERS)
     CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
     PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
 
     @gluon.jit
     def _producer(ctx, WG: gl.constexpr):
-        """One warp: A's two 64-row halves and B of every K block into the ring."""
+        """One warp: A's 64-row parts and B of every K block into the ring."""
         descs, smem, bars, scales, offs, k_blocks = ctx
         a_desc, b_desc, c_desc = descs
         a_smem, b_smem, c_smem = smem
@@ -66,14 +69,15 @@ if HAS_GLUON:
         off_m, off_n = offs
         half: gl.constexpr = a_desc.block_type.shape[0]
         block_k: gl.constexpr = a_desc.block_type.shape[1]
-        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        nbytes: gl.constexpr = CONSUMERS_C * a_desc.block_type.nbytes + b_desc.block_type.nbytes
         for i in range(k_blocks):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh: phase 1 done
             mbarrier.expect(ready.index(slot), nbytes)
             k = i * block_k
-            tma_load(a_desc, [off_m, k], ready.index(slot), a_smem.index(2 * slot))
-            tma_load(a_desc, [off_m + half, k], ready.index(slot), a_smem.index(2 * slot + 1))
+            for part in gl.static_range(CONSUMERS_C):
+                tma_load(a_desc, [off_m + part * half, k], ready.index(slot),
+                         a_smem.index(CONSUMERS_C * slot + part))  # fmt: skip
             tma_load(b_desc, [off_n, k], ready.index(slot), b_smem.index(slot))
 
     @gluon.jit
@@ -114,7 +118,7 @@ if HAS_GLUON:
                                        k_blocks)  # fmt: skip
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            product = warpgroup_mma(a_smem.index(2 * slot + WG),
+            product = warpgroup_mma(a_smem.index(CONSUMERS_C * slot + WG),
                                     b_smem.index(slot).permute((1, 0)), zero, use_acc=False,
                                     is_async=True)  # fmt: skip
             # Waited at once: the other consumer's product keeps the tensor cores busy while
@@ -140,25 +144,26 @@ if HAS_GLUON:
         block_n: gl.constexpr = b_desc.block_type.shape[0]
         # Tiles grouped along M: GROUP row tiles share each column tile's B while it is in L2.
         pid = gl.program_id(0)
-        tiles_m = gl.cdiv(m, 2 * half)
+        tiles_m = gl.cdiv(m, CONSUMERS_C * half)
         tiles_n = gl.cdiv(n, block_n)
         in_group = GROUP * tiles_n
         first_m = (pid // in_group) * GROUP
         group_rows = gl.minimum(tiles_m - first_m, GROUP)
         tile_m = first_m + (pid % in_group) % group_rows
         tile_n = (pid % in_group) // group_rows
-        offs = (tile_m * 2 * half, tile_n * block_n)
+        offs = (tile_m * CONSUMERS_C * half, tile_n * block_n)
 
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, half, block_k],
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS_C * STAGES, half, block_k],
                                            a_desc.layout)  # fmt: skip
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, block_n, block_k],
                                            b_desc.layout)  # fmt: skip
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, half, block_n], c_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS_C, half, block_n],
+                                           c_desc.layout)  # fmt: skip
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(empty.index(i), count=CONSUMERS_C)  # every consumer releases a slot
 
         ctx = (
             (a_desc, b_desc, c_desc),
@@ -169,10 +174,11 @@ if HAS_GLUON:
             gl.cdiv(k, block_k),
         )
         gl.warp_specialize(
-            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
-            [4, 1],
-            [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
-        )
+            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_consumer, (ctx, 2)),
+             (_producer, (ctx, 3))],
+            [4, 4, 1],
+            [CONSUMER_REGISTERS_C, CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
+        )  # fmt: skip
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16) -> bool:

@@ -12,6 +12,7 @@ shared memory a program needs (two programs fit per SM up to ~113 KiB on an H200
     python benchmarks/ttgir_probe.py prefill --block-n 64 --warps 8 --stages 3 --tma
     python benchmarks/ttgir_probe.py prefill-ws   # prefill_attention_hopper's Gluon kernel
     python benchmarks/ttgir_probe.py prefill-ws-mla   # the same at MLA's 192/128 head dims
+    python benchmarks/ttgir_probe.py fp8-ws   # fp8_gemm_hopper's Gluon GEMM
     python benchmarks/ttgir_probe.py mla ... --dump /tmp/mla.ttgir   # the whole TTGIR
 
 Besides the loop's ops it reports registers per thread (the cubin's EIATTR_REGCOUNT, what
@@ -147,6 +148,33 @@ def compile_prefill_ws_for_sm90(rope: bool = False):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_fp8_ws_for_sm90():
+    """fp8_gemm_hopper's warp-specialized Gluon GEMM, as `fp8_gemm_ws` launches it."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rayinfer.kernels import fp8_gemm_hopper as ws
+
+    def descriptor(rows: int, cols: int, dtype, name: str) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+        return f"tensordesc<{name}[{rows},{cols}],{layout!r}>"
+
+    kernel = ws._fp8_gemm_ws_kernel
+    signature = dict(
+        a_desc=descriptor(ws.HALF_M, ws.SCALE_BLOCK, gl.float8e4nv, "fp8e4nv"),
+        b_desc=descriptor(ws.BLOCK_N, ws.SCALE_BLOCK, gl.float8e4nv, "fp8e4nv"),
+        c_desc=descriptor(ws.HALF_M, ws.BLOCK_N, gl.bfloat16, "bf16"),
+        a_scale_ptr="*fp32", b_scale_ptr="*fp32", GROUP="constexpr",
+    )  # fmt: skip
+    names = kernel.arg_names
+    signature = {name: signature.get(name, "i32") for name in names}
+    aligned = ("a_scale_ptr", "b_scale_ptr", "n", "k", "stride_ak")
+    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = GluonASTSource(kernel, signature, {(names.index("GROUP"),): ws.GROUP_M}, hinted)
+    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def registers_per_thread(cubin: bytes) -> int | None:
     """EIATTR_REGCOUNT (0x2f) of the cubin's .nv.info sections: what ptxas -v reports."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
@@ -187,7 +215,7 @@ def spill_instructions(cubin: bytes) -> int | None:
 
 
 KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None,
-           "prefill-ws-mla": None}  # fmt: skip
+           "prefill-ws-mla": None, "fp8-ws": None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -205,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.kernel.startswith("prefill-ws"):  # Gluon: its tiles and warps are its own
         compiled = compile_prefill_ws_for_sm90(rope=args.kernel.endswith("mla"))
+    elif args.kernel == "fp8-ws":
+        compiled = compile_fp8_ws_for_sm90()
     else:
         kernel, constants = KERNELS[args.kernel](args)
         compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)

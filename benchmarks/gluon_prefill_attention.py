@@ -112,10 +112,42 @@ def time_case(seq_len: int, dim: int = 128) -> dict:
     return row
 
 
+def time_engine_paths(seq_len: int = 16384, heads: int = 32, kv_heads: int = 8) -> dict:
+    """A prompt's first chunk as the engine's GQA layer attends it (block size 16): through the
+    block tables (paged kernel), and with the step's own K/V (the contiguous, Gluon kernel)."""
+    from rayinfer.kernels.prefill_attention import paged_mixed_attention
+    from rayinfer.kernels.reshape_and_cache import reshape_and_cache
+
+    blocks = seq_len // 16
+    q = packed([seq_len], heads).to(torch.bfloat16)
+    k, v = (packed([seq_len], kv_heads).to(torch.bfloat16) for _ in range(2))
+    cache = torch.zeros(blocks, 16, 2, kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.randperm(blocks, device="cuda").to(torch.int32)[None]
+    slots = (table[0].long()[:, None] * 16 + torch.arange(16, device="cuda")).flatten()
+    reshape_and_cache(k, v, cache, slots)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
+
+    def run(new_kv):
+        return paged_mixed_attention(q, cache, table, lens, starts, [seq_len], 128**-0.5,
+                                     [seq_len], new_kv)  # fmt: skip
+
+    paged, direct = run(None), run((k, v))
+    rel = ((paged.float() - direct.float()).norm() / paged.float().norm()).item()
+    flops = causal_flops(seq_len, seq_len, heads, 128, 128)
+    row = dict(tokens=seq_len, heads=heads, kv_heads=kv_heads, paged_vs_direct_rel=rel)
+    for name, new_kv in (("paged (block tables)", None), ("the step's own K/V", (k, v))):
+        ms = triton.testing.do_bench(lambda: run(new_kv), warmup=10, rep=50,  # noqa: B023
+                                     return_mode="median")  # fmt: skip
+        row[name] = dict(ms=ms, tflops=flops / ms / 1e9)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--engine-paths", action="store_true", help="also time time_engine_paths")
     args = parser.parse_args()
     torch.manual_seed(0)
     checks = []
@@ -131,6 +163,9 @@ def main() -> None:
             cells = [f"{k} {v['tflops']:.0f} ({v['graph_tflops']:.0f})"
                      for k, v in row.items() if isinstance(v, dict)]  # fmt: skip
             print(f"qk {dim} {seq_len:6d} tokens: " + " | ".join(cells) + " TFLOP/s", flush=True)
+    if args.engine_paths:
+        results["engine_paths"] = row = time_engine_paths()
+        print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

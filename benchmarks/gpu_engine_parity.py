@@ -79,6 +79,9 @@ CASES["deepseek_v3_dims192"] = (
     dict(CASES["deepseek_v3"][1], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
          kv_lora_rank=128),
 )  # fmt: skip
+# And Llama at head dim 128: its prompts' first chunks attend to the step's own K/V through the
+# contiguous kernel (the Gluon one on an H200), the later chunks through the paged one.
+CASES["llama_dims128"] = ("llama", dict(COMMON, hidden_size=512, num_key_value_heads=2))
 PROMPT_LENGTHS = (5, 37, 130, 300)
 MAX_NEW_TOKENS = 24
 FLOOR = 5e-3  # float32 on GPU: Triton's dots use tf32 (10-bit mantissa)

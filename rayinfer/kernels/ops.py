@@ -157,10 +157,12 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
 
 
 def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                    query_lens_cpu=None):  # fmt: skip
+                    query_lens_cpu=None, seq_lens_cpu=None, new_kv=None):  # fmt: skip
     """query [T, Hq, D] of a mixed batch over the paged cache -> [T, Hq, D]. On CUDA the decodes
     take the split-K decode kernel and the prefill chunks the varlen kernel; `query_lens_cpu`
-    ([B] host ints) tells them apart without a device sync (absent: T == B means all decodes)."""
+    ([B] host ints) tells them apart without a device sync (absent: T == B means all decodes).
+    new_kv: the step's own (key, value) [T, Hkv, D] with seq_lens_cpu, so that chunks with no
+    cached prefix attend to them directly (see paged_mixed_attention)."""
     if not _on_cuda(query):
         return paged_attention_reference(
             query, kv_cache, block_tables, seq_lens, query_start_loc, scale
@@ -169,8 +171,9 @@ def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, sc
         is_decode = query.shape[0] == seq_lens.shape[0]
         query_lens_cpu = [1] * query.shape[0] if is_decode else query_start_loc.diff().tolist()
     return paged_mixed_attention(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, query_lens_cpu, scale
-    )
+        query, kv_cache, block_tables, seq_lens, query_start_loc, query_lens_cpu, scale,
+        seq_lens_cpu, new_kv,
+    )  # fmt: skip
 
 
 def mla_write_cache(kv_cache, slot_mapping, kv_c, k_pe):

@@ -50,10 +50,12 @@ class PagedAttention(nn.Module):
         if rotary is None:
             ops.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
         else:
-            q, _ = ops.rotary_embedding_and_cache(
+            q, k = ops.rotary_embedding_and_cache(
                 positions, q, k, rotary.inv_freq, kv_cache, attn.slot_mapping, v,
                 False, rotary.attention_factor,
             )  # fmt: skip
+        # The step's own (rotated) K/V go along: chunks without a cached prefix attend to them
+        # directly rather than through the block tables.
         return ops.paged_attention(
             q,
             kv_cache,
@@ -62,4 +64,6 @@ class PagedAttention(nn.Module):
             attn.query_start_loc,
             self.scale,
             query_lens_cpu=attn.query_lens_cpu,
+            seq_lens_cpu=attn.seq_lens_cpu,
+            new_kv=(k, v),
         )

@@ -131,16 +131,17 @@ def test_reshape_and_cache_writes_exactly_its_slots():
 TRITON_TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def triton_paged_attention(query, kv_cache, attn, scale):
+def triton_paged_attention(query, kv_cache, attn, scale, new_kv=None):
     """What ops.paged_attention runs on CUDA: decodes through the split-K decode kernel, prefill
     chunks through the varlen kernel (a mixed batch uses both)."""
     return paged_mixed_attention(
         query, kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-        attn.query_lens_cpu, scale,
+        attn.query_lens_cpu, scale, attn.seq_lens_cpu, new_kv,
     )  # fmt: skip
 
 
-def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype):
+def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                     pass_new_kv=False):  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     seqs = make_sequences(batch, num_heads, num_kv_heads, head_dim, dtype, generator)
     tables, num_blocks = shuffled_block_tables([s for s, _ in batch], block_size, generator)
@@ -153,7 +154,8 @@ def run_triton_batch(batch, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
     reshape_and_cache(new_keys, new_values, kv_cache, attn.slot_mapping)
     query = torch.cat([s.query[s.num_cached :] for s in seqs])  # [T, Hq, D]
-    ours = triton_paged_attention(query, kv_cache, attn, head_dim**-0.5)
+    new_kv = (new_keys, new_values) if pass_new_kv else None
+    ours = triton_paged_attention(query, kv_cache, attn, head_dim**-0.5, new_kv)
     reference = torch.cat([plain_causal_attention(s, head_dim**-0.5) for s in seqs])
     return ours, reference
 
@@ -185,6 +187,31 @@ def test_triton_matches_causal_sdpa(batch, dtype, num_heads, num_kv_heads, block
 def test_triton_edge_batches(batch):
     ours, reference = run_triton_batch(batch, 4, 2, 16, 4, torch.float32)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "batch,prefix_free",
+    [
+        ([(9, 9), (30, 30)], True),
+        ([(7, 1), (9, 9), (1, 1), (13, 13), (40, 1)], True),
+        ([(9, 9), (30, 4)], False),
+        ([(7, 1), (13, 5), (20, 20)], False),
+    ],
+    ids=["prefill-only", "prefills-among-decodes", "one-chunk-over-a-prefix", "mixed-prefix"],
+)
+def test_prefix_free_chunks_attend_to_the_steps_own_kv(monkeypatch, batch, prefix_free):
+    """Given the step's K/V, a batch whose chunks all start their sequences takes the contiguous
+    kernel over them (never the block tables); one chunk over a cached prefix sends the chunks
+    through the paged kernel. Both match SDPA."""
+    from rayinfer.kernels import prefill_attention as prefill_module
+
+    calls = []
+    paged = prefill_module.paged_prefill_attention
+    monkeypatch.setattr(prefill_module, "paged_prefill_attention",
+                        lambda *a, **k: calls.append("paged") or paged(*a, **k))  # fmt: skip
+    ours, reference = run_triton_batch(batch, 4, 2, 16, 4, torch.float32, pass_new_kv=True)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert calls == ([] if prefix_free else ["paged"])
 
 
 def test_triton_decode_with_a_graph_wide_table_and_a_padding_row():

@@ -220,6 +220,15 @@ def prefill_attention_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, m
     return out
 
 
+def _rows_of(seqs: list[int], query_lens: list[int], starts: list[int], device):
+    """The batch rows of these sequences' queries [n] (on the device), their cu_seqlens [k + 1]
+    int32 and the longest one's length."""
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    lens = [query_lens[i] for i in seqs]
+    cu_seqlens = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+    return rows.to(device, non_blocking=True), cu_seqlens, max(lens)
+
+
 def paged_mixed_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, Hkv, D]: new tokens already written
@@ -235,41 +244,43 @@ def paged_mixed_attention(
     each kv head once for its whole query group and splits long contexts over programs; its
     prefill chunks through the varlen kernel. Either kernel alone when the batch is pure.
 
-    With new_kv, when every chunk starts its sequence (no cached prefix: a prompt's first chunk,
-    the usual prefill), the chunks attend to the step's own key/value rows through the
-    contiguous kernel instead of reading them back through the block tables: the same values,
-    and on an H200 the warp-specialized Gluon kernel (580 TFLOP/s against the paged kernel's
-    ~315 at head dim 128)."""
+    With new_kv, the chunks that start their sequence (no cached prefix: a prompt's first chunk,
+    the usual prefill) attend to the step's own key/value rows through the contiguous kernel
+    instead of reading them back through the block tables: the same values, and on an H200 the
+    warp-specialized Gluon kernel (594 TFLOP/s against the paged kernel's 323 at 16k tokens, head
+    dim 128). Chunks over a cached prefix take the paged kernel."""
     chunk_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     if not chunk_seqs:
         return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
-    prefix_free = new_kv is not None and all(seq_lens_cpu[i] == query_lens[i] for i in chunk_seqs)
-    if len(chunk_seqs) == len(query_lens):
-        if prefix_free:
+    direct = [i for i in chunk_seqs if new_kv is not None and seq_lens_cpu[i] == query_lens[i]]
+    if len(chunk_seqs) == len(query_lens):  # no decodes: one kernel when the chunks agree
+        if len(direct) == len(chunk_seqs):
             return prefill_attention(query, *new_kv, query_start_loc, query_start_loc,
                                      max(query_lens), scale)  # fmt: skip
-        return paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                       max(query_lens), scale)  # fmt: skip
+        if not direct:
+            return paged_prefill_attention(query, kv_cache, block_tables, seq_lens,
+                                           query_start_loc, max(query_lens), scale)  # fmt: skip
     starts = list(accumulate(query_lens, initial=0))
-    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
-    chunk_lens = [query_lens[i] for i in chunk_seqs]
-    chunk_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunk_seqs])
     device = query.device
-    decode_idx, chunk_idx = (torch.tensor(s, device=device) for s in (decode_seqs, chunk_seqs))
-    decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
-    chunk_rows = chunk_rows.to(device, non_blocking=True)
-    cu_seqlens = torch.tensor([0, *accumulate(chunk_lens)], dtype=torch.int32, device=device)
     out = torch.empty_like(query)
-    out[decode_rows] = paged_decode_attention(
-        query[decode_rows], kv_cache, block_tables[decode_idx], seq_lens[decode_idx], scale
-    )
-    if prefix_free:
-        key, value = (t[chunk_rows] for t in new_kv)
-        out[chunk_rows] = prefill_attention(query[chunk_rows], key, value, cu_seqlens, cu_seqlens,
-                                            max(chunk_lens), scale)  # fmt: skip
-        return out
-    out[chunk_rows] = paged_prefill_attention(
-        query[chunk_rows], kv_cache, block_tables[chunk_idx], seq_lens[chunk_idx], cu_seqlens,
-        max(chunk_lens), scale,
-    )  # fmt: skip
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_seqs:
+        decode_idx = torch.tensor(decode_seqs, device=device)
+        decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+        out[decode_rows] = paged_decode_attention(
+            query[decode_rows], kv_cache, block_tables[decode_idx], seq_lens[decode_idx], scale
+        )
+    if direct:
+        rows, cu_seqlens, longest = _rows_of(direct, query_lens, starts, device)
+        key, value = (t[rows] for t in new_kv)
+        out[rows] = prefill_attention(query[rows], key, value, cu_seqlens, cu_seqlens, longest,
+                                      scale)  # fmt: skip
+    paged = [i for i in chunk_seqs if i not in set(direct)]
+    if paged:
+        rows, cu_seqlens, longest = _rows_of(paged, query_lens, starts, device)
+        paged_idx = torch.tensor(paged, device=device)
+        out[rows] = paged_prefill_attention(
+            query[rows], kv_cache, block_tables[paged_idx], seq_lens[paged_idx], cu_seqlens,
+            longest, scale,
+        )  # fmt: skip
     return out

@@ -190,28 +190,33 @@ def test_triton_edge_batches(batch):
 
 
 @pytest.mark.parametrize(
-    "batch,prefix_free",
+    "batch,direct_calls,paged_calls",
     [
-        ([(9, 9), (30, 30)], True),
-        ([(7, 1), (9, 9), (1, 1), (13, 13), (40, 1)], True),
-        ([(9, 9), (30, 4)], False),
-        ([(7, 1), (13, 5), (20, 20)], False),
+        ([(9, 9), (30, 30)], 1, 0),
+        ([(7, 1), (9, 9), (1, 1), (13, 13), (40, 1)], 1, 0),
+        ([(9, 9), (30, 4)], 1, 1),
+        ([(7, 1), (13, 5), (20, 20)], 1, 1),
+        ([(13, 5), (30, 4)], 0, 1),
     ],
-    ids=["prefill-only", "prefills-among-decodes", "one-chunk-over-a-prefix", "mixed-prefix"],
-)
-def test_prefix_free_chunks_attend_to_the_steps_own_kv(monkeypatch, batch, prefix_free):
-    """Given the step's K/V, a batch whose chunks all start their sequences takes the contiguous
-    kernel over them (never the block tables); one chunk over a cached prefix sends the chunks
-    through the paged kernel. Both match SDPA."""
+    ids=["prefill-only", "prefills-among-decodes", "beside-a-chunk-over-a-prefix",
+         "mixed-prefix-and-decodes", "prefixed-chunks-only"],
+)  # fmt: skip
+def test_prefix_free_chunks_attend_to_the_steps_own_kv(monkeypatch, batch, direct_calls,
+                                                       paged_calls):  # fmt: skip
+    """Given the step's K/V, the chunks that start their sequences take the contiguous kernel
+    over them (never the block tables), the chunks over a cached prefix the paged kernel, in one
+    call each; the batch's results match SDPA."""
     from rayinfer.kernels import prefill_attention as prefill_module
 
     calls = []
-    paged = prefill_module.paged_prefill_attention
-    monkeypatch.setattr(prefill_module, "paged_prefill_attention",
-                        lambda *a, **k: calls.append("paged") or paged(*a, **k))  # fmt: skip
+    for name in ("prefill_attention", "paged_prefill_attention"):
+        kernel = getattr(prefill_module, name)
+        spy = lambda *a, _name=name, _kernel=kernel, **k: calls.append(_name) or _kernel(*a, **k)  # noqa: E731
+        monkeypatch.setattr(prefill_module, name, spy)
     ours, reference = run_triton_batch(batch, 4, 2, 16, 4, torch.float32, pass_new_kv=True)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
-    assert calls == ([] if prefix_free else ["paged"])
+    assert calls.count("prefill_attention") == direct_calls
+    assert calls.count("paged_prefill_attention") == paged_calls
 
 
 def test_triton_decode_with_a_graph_wide_table_and_a_padding_row():

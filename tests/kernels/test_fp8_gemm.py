@@ -222,3 +222,13 @@ def test_ops_fp8_quant_gives_column_major_scales_and_gemm_takes_them():
     _, _, b, b_scale = _operands(6, 128, 384, seed=6)
     out = ops.fp8_gemm(q, scale, b, b_scale, torch.float32)
     torch.testing.assert_close(out, fp8_gemm_reference(q, scale_row, b, b_scale, torch.float32))
+
+
+def test_the_gluon_gemm_claims_no_operands_off_hopper():
+    """fp8_gemm_hopper (measured, not routed) serves only sm_90 GPUs with K a multiple of 128:
+    CPU tensors here."""
+    from rayinfer.kernels import fp8_gemm_hopper
+
+    a = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    assert not fp8_gemm_hopper.supports(a, b)

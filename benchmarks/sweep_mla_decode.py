@@ -94,16 +94,24 @@ SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30): the same-run ref
 # run yet: the session's device time was spent).
 TIL = dict(TABLE_IN_LOOP=True)
 EVICT32 = dict(min_tokens_per_split=32, EVICT_FIRST=True)
+
+
+# Round 8 (fifth session, RESULTS.md): nothing beat the shipped configs. Round 9: the
+# warp-specialized Gluon split kernel (mla_decode_hopper, layout "gluon_ws": a TMA producer warp,
+# 64-token tiles of four cache blocks, two consumers each with half the latent columns), not yet
+# run on a GPU when written; off Hopper it falls back to these heads-major tiles.
+def gluon_ws(block_h, **splits) -> dict:
+    return {**heads_major(block_h, 64, 4, 2, min_tokens_per_split=64, **splits),
+            "layout": "gluon_ws"}  # fmt: skip
+
+
 CONFIGS = [
     (16, SHIPPED[16]),
-    (16, heads_major(16, 32, 4, 4, min_tokens_per_split=32)),
-    (16, heads_major(16, 64, 4, 2, min_tokens_per_split=32)),
-    (16, heads_major(16, 32, 4, 3, min_tokens_per_split=32, target_programs=264)),
-    (16, heads_major(16, 32, 4, 3, min_tokens_per_split=32, target_programs=1056)),
-    (16, heads_major(16, 32, 4, 3, **EVICT32)),
-    (16, heads_major(16, 16, 4, 4, min_tokens_per_split=32)),
-    (16, heads_major(16, 32, 8, 3, min_tokens_per_split=32)),
-    (16, heads_major(16, 64, 8, 2, min_tokens_per_split=32)),
+    (16, gluon_ws(16)),
+    (128, SHIPPED[128]),
+    (128, gluon_ws(64)),
+    (16, gluon_ws(16, target_programs=264)),
+    (16, gluon_ws(16, target_programs=1056)),
     (16, SHIPPED[16]),
 ]
 

@@ -13,6 +13,7 @@ shared memory a program needs (two programs fit per SM up to ~113 KiB on an H200
     python benchmarks/ttgir_probe.py prefill-ws   # prefill_attention_hopper's Gluon kernel
     python benchmarks/ttgir_probe.py prefill-ws-mla   # the same at MLA's 192/128 head dims
     python benchmarks/ttgir_probe.py fp8-ws   # fp8_gemm_hopper's Gluon GEMM
+    python benchmarks/ttgir_probe.py mla-ws   # mla_decode_hopper's Gluon split kernel
     python benchmarks/ttgir_probe.py mla ... --dump /tmp/mla.ttgir   # the whole TTGIR
 
 Besides the loop's ops it reports registers per thread (the cubin's EIATTR_REGCOUNT, what
@@ -175,6 +176,37 @@ def compile_fp8_ws_for_sm90():
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_mla_ws_for_sm90():
+    """mla_decode_hopper's warp-specialized Gluon split kernel, as `mla_decode_ws_launch`
+    launches it (partial outputs in float32)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rayinfer.kernels import mla_decode_hopper as ws
+
+    def descriptor(rows: int, cols: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
+
+    kernel = ws._mla_decode_ws_kernel
+    signature = dict(
+        ql_desc=descriptor(ws.HEAD_ROWS, ws.HALF_L),
+        qp_desc=descriptor(ws.HEAD_ROWS, ws.ROPE_DIM),
+        kc_desc=descriptor(ws.BLOCK_SIZE, ws.HALF_L),
+        kp_desc=descriptor(ws.BLOCK_SIZE, ws.ROPE_DIM),
+        out_ptr="*fp32", lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+        qk_scale="fp32", IS_ONLY_SPLIT="constexpr",
+    )  # fmt: skip
+    names = kernel.arg_names
+    signature = {name: signature.get(name, "i32") for name in names}
+    aligned = ("out_ptr", "lse_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_table",
+               "stride_ob", "stride_oh", "stride_os")  # fmt: skip
+    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = GluonASTSource(kernel, signature, {(names.index("IS_ONLY_SPLIT"),): False}, hinted)
+    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def registers_per_thread(cubin: bytes) -> int | None:
     """EIATTR_REGCOUNT (0x2f) of the cubin's .nv.info sections: what ptxas -v reports."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
@@ -215,7 +247,7 @@ def spill_instructions(cubin: bytes) -> int | None:
 
 
 KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None,
-           "prefill-ws-mla": None, "fp8-ws": None}  # fmt: skip
+           "prefill-ws-mla": None, "fp8-ws": None, "mla-ws": None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -235,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
         compiled = compile_prefill_ws_for_sm90(rope=args.kernel.endswith("mla"))
     elif args.kernel == "fp8-ws":
         compiled = compile_fp8_ws_for_sm90()
+    elif args.kernel == "mla-ws":
+        compiled = compile_mla_ws_for_sm90()
     else:
         kernel, constants = KERNELS[args.kernel](args)
         compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)

@@ -191,3 +191,16 @@ def test_write_cache_is_exact_and_skips_padding(dtype):
     mla.mla_write_cache_reference(reference, slots, kv_c, k_pe)
     assert torch.equal(ours, reference)
     assert torch.count_nonzero(ours.view(12, 32)[[1, 2, 4, 5, 6, 8, 9, 10]]) == 0
+
+
+def test_the_gluon_layout_falls_back_to_heads_major_tiles_where_it_does_not_apply():
+    """layout "gluon_ws" (mla_decode_hopper: sm_90 only) runs the Triton heads-major kernel with
+    the same tiles elsewhere: here, on the CPU."""
+    from rayinfer.kernels import mla_decode_hopper
+
+    query = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    assert not mla_decode_hopper.supports(query, query[..., :64], query.view(-1, 512), 16, 64)
+    params = dict(layout="gluon_ws", BLOCK_N=16, BLOCK_H=16, max_splits=4,
+                  min_tokens_per_split=16, target_programs=64)  # fmt: skip
+    ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

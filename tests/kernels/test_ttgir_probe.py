@@ -58,13 +58,15 @@ def test_the_warp_specialized_prefill_compiles_for_sm90_without_spills(tmp_path)
     assert "ttg.warp_specialize" in dump.read_text()
 
 
-@pytest.mark.parametrize("kernel", ["prefill-ws-mla", "fp8-ws"])
-def test_the_other_gluon_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
-    """MLA's 192/128 prefill and the FP8 block-scaled GEMM (measured, not routed: see
-    fp8_gemm_hopper) stay compilable by this Triton, within an SM and without spills."""
+@pytest.mark.parametrize("kernel,spills", [("prefill-ws-mla", 0), ("fp8-ws", 0), ("mla-ws", 40)])
+def test_the_other_gluon_kernels_compile_for_sm90(kernel, spills, tmp_path):
+    """MLA's 192/128 prefill, the FP8 block-scaled GEMM (measured, not routed: see
+    fp8_gemm_hopper) and the MLA decode split kernel (not yet run on a GPU) stay compilable by
+    this Triton, within an SM; the decode kernel's producer warp spills a few scalars (14 spill
+    instructions with Triton 3.6, outside the consumers' loop)."""
     dump = tmp_path / "kernel.ttgir"
     report = probe([kernel], dump)
     assert 0 < report["shared_memory_bytes"] <= 227 * 1024
-    assert report["spill_instructions"] in (0, None)
+    assert report["spill_instructions"] is None or report["spill_instructions"] <= spills
     assert report["wgmma"] >= 1 and report["tma_copies"] >= 2
     assert "ttg.warp_specialize" in dump.read_text()

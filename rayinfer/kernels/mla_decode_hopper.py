@@ -1,0 +1,277 @@
+"""Absorbed-MLA split-K decode for Hopper (sm_90), warp-specialized in Gluon: the split kernel
+of mla_decode's split + combine, writing the same partial outputs [B, N, S, L] (float32) and
+log2-sum-exp [B, N, S] that `_combine_splits` reduces (or `out` itself when one split covers
+the context).
+
+The Triton split kernel reads the cache at 69-72% of HBM at 16 heads (benchmarks/RESULTS.md): 16
+heads are below wgmma's 64 rows, so its products run on mma.sync from registers that every tile
+refills from shared memory twice. Here:
+- a producer warp streams the split's cache blocks by TMA (four 16-token blocks per 64-token
+  tile, each as its latent halves [16, 256] and rope part [16, 64]) into a ring of STAGES slots,
+  with the next tile's block ids loaded while a tile is issued;
+- two consumer warpgroups hold the 64-row query tile (a program's heads; rows past the model's
+  heads are computed and dropped). Each computes the tile's scores (cheap: 64 x 16) and the
+  softmax, and takes half of the 512 latent columns for the PV product (64 x 256 float32
+  accumulators), so every cached byte is read once into shared memory and twice by wgmma, and
+  the queries once per 64 tokens.
+
+Layout contract: kv_cache [blocks, 16, 512 + 64] bf16 contiguous; q_latent [B, N, 512] and q_pe
+[B, N, 64] with rows of 16-byte aligned strides that step uniformly over (sequence, head).
+
+Status: compiled for sm_90a (Triton 3.6 and 3.9, no spills) but NOT YET RUN ON A GPU; no config
+routes to it. `benchmarks/sweep_mla_decode.py` has its variant (layout "gluon_ws"): its float32
+check and graph timings decide.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAS_GLUON = True
+except ImportError:  # no Triton, or one without Gluon
+    HAS_GLUON = False
+
+LATENT_RANK = 512
+HALF_L = 256  # latent columns per consumer
+ROPE_DIM = 64
+BLOCK_SIZE = 16  # tokens per cache block
+TILE_BLOCKS = 4  # cache blocks per tile: 64 tokens, so the queries are re-read once per 64
+HEAD_ROWS = 64  # query rows per program: wgmma's M
+LAUNCH_REGISTERS = 168
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+LOG2E = 1.4426950408889634
+
+if HAS_GLUON:
+    STAGES = gl.constexpr(2)  # 2 x 72 KiB of cache rows + 72 KiB of queries
+    TILE_BLOCKS_C = gl.constexpr(TILE_BLOCKS)
+    CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
+    PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
+
+    @gluon.jit
+    def _producer(ctx, WG: gl.constexpr):
+        """One warp: the queries once, then every cache block of the split into the ring."""
+        descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
+        ql_desc, qp_desc, kc_desc, kp_desc = descs
+        ql_smem, qp_smem, kc_smem, kp_smem = smem
+        q_bar, ready, empty = bars
+        q_row, _ = rows
+        table_ptr, first_block, last_block = table
+        half: gl.constexpr = kc_desc.block_type.shape[1]
+        block: gl.constexpr = kc_desc.block_type.shape[0]
+        nbytes: gl.constexpr = 2 * kc_desc.block_type.nbytes + kp_desc.block_type.nbytes
+        mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qp_desc.block_type.nbytes)
+        tma_load(ql_desc, [q_row, 0], q_bar, ql_smem.index(0))
+        tma_load(ql_desc, [q_row, half], q_bar, ql_smem.index(1))
+        tma_load(qp_desc, [q_row, 0], q_bar, qp_smem)
+        # Each tile's four block ids are loaded while the tile before it is issued.
+        ids = _tile_block_ids(table_ptr, first_block, last_block)
+        for j in range(n_tiles):
+            tile_ids = ids
+            ids = _tile_block_ids(table_ptr, first_block + (j + 1) * TILE_BLOCKS_C, last_block)
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # fresh: phase 1 done
+            mbarrier.expect(ready.index(slot), TILE_BLOCKS_C * nbytes)
+            for part in gl.static_range(TILE_BLOCKS_C):
+                row = tile_ids[part] * block
+                tma_load(kc_desc, [row, 0], ready.index(slot),
+                         kc_smem.index(2 * slot).slice(part * block, block))  # fmt: skip
+                tma_load(kc_desc, [row, half], ready.index(slot),
+                         kc_smem.index(2 * slot + 1).slice(part * block, block))  # fmt: skip
+                tma_load(kp_desc, [row, 2 * half], ready.index(slot),
+                         kp_smem.index(slot).slice(part * block, block))  # fmt: skip
+
+    @gluon.jit
+    def _tile_block_ids(table_ptr, first, last):
+        """The cache block ids of one tile (TILE_BLOCKS = 4 entries from `first`); entries at or
+        past `last` (the split's end) read as block 0, whose rows the consumers mask."""
+        return (
+            gl.load(table_ptr + first, mask=first < last, other=0),
+            gl.load(table_ptr + first + 1, mask=first + 1 < last, other=0),
+            gl.load(table_ptr + first + 2, mask=first + 2 < last, other=0),
+            gl.load(table_ptr + first + 3, mask=first + 3 < last, other=0),
+        )
+
+    @gluon.jit
+    def _consumer(ctx, WG: gl.constexpr):
+        """A warpgroup: every tile's scores and softmax, and PV on latent columns WG*256.."""
+        descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
+        ql_desc, qp_desc, kc_desc, kp_desc = descs
+        ql_smem, qp_smem, kc_smem, kp_smem = smem
+        q_bar, ready, empty = bars
+        _, head_start = rows
+        out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
+        seq, split, num_heads, first_token, split_end, qk_scale = scalars
+        head_rows: gl.constexpr = ql_desc.block_type.shape[0]
+        half: gl.constexpr = kc_desc.block_type.shape[1]
+        tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols = gl.arange(0, tile, layout=gl.SliceLayout(0, s_layout))  # [64]
+        m_i = gl.full([head_rows], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([head_rows], gl.float32, layout=row_layout)
+        o = gl.zeros([head_rows, half], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([head_rows, tile], gl.float32, layout=s_layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            latent0 = kc_smem.index(2 * slot)
+            latent1 = kc_smem.index(2 * slot + 1)
+            s = warpgroup_mma(ql_smem.index(0), latent0.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(ql_smem.index(1), latent1.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qp_smem, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            tokens = first_token + j * tile + cols  # [64] positions in the sequence
+            s = gl.where((tokens < split_end)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            value = latent0 if WG == 0 else latent1  # c_kv is the value: this consumer's half
+            o = warpgroup_mma(p, value, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(empty.index(slot), count=1)
+
+        # Rows of real heads only; an empty split (no tokens) stores zeros and lse -inf.
+        l_safe = gl.where(l_i > 0, l_i, 1.0)
+        o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, o_layout))
+        dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, o_layout))
+        offsets = (seq * stride_ob + split * stride_os + heads.to(gl.int64)[:, None] * stride_oh
+                   + dims[None, :])  # fmt: skip
+        is_head = (heads < num_heads)[:, None]
+        gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=is_head)
+        if WG == 0:
+            lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))  # [64] log2
+            lse_heads = head_start + gl.arange(0, head_rows, layout=row_layout)
+            gl.store(lse_ptr + (seq * num_heads + lse_heads) * stride_lse + split, lse,
+                     mask=lse_heads < num_heads)  # fmt: skip
+
+    @gluon.jit
+    def _mla_decode_ws_kernel(ql_desc, qp_desc, kc_desc, kp_desc, out_ptr, lse_ptr,
+                              block_tables_ptr, seq_lens_ptr, qk_scale, num_heads,
+                              tokens_per_split, stride_table, stride_ob, stride_oh, stride_os,
+                              IS_ONLY_SPLIT: gl.constexpr):  # fmt: skip
+        head_rows: gl.constexpr = ql_desc.block_type.shape[0]
+        half: gl.constexpr = kc_desc.block_type.shape[1]
+        block: gl.constexpr = kc_desc.block_type.shape[0]
+        head_start = gl.program_id(0) * head_rows
+        seq = gl.program_id(1)
+        split = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        first_token = split * tokens_per_split
+        if not IS_ONLY_SPLIT and split > 0 and first_token >= seq_len:
+            return  # past the context: the combine reads only the splits that hold tokens
+        split_end = gl.minimum(first_token + tokens_per_split, seq_len)
+        tile: gl.constexpr = TILE_BLOCKS_C * block
+        n_tiles = gl.cdiv(gl.maximum(split_end - first_token, 0), tile)
+
+        dtype: gl.constexpr = kc_desc.dtype
+        rope: gl.constexpr = kp_desc.block_type.shape[1]
+        ql_smem = gl.allocate_shared_memory(dtype, [2, head_rows, half], ql_desc.layout)
+        qp_smem = gl.allocate_shared_memory(dtype, qp_desc.block_type.shape, qp_desc.layout)
+        kc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, half], dtype)
+        kp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, rope], dtype)
+        kc_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, tile, half], kc_layout)
+        kp_smem = gl.allocate_shared_memory(dtype, [STAGES, tile, rope], kp_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+
+        num_splits = gl.num_programs(2)
+        ctx = (
+            (ql_desc, qp_desc, kc_desc, kp_desc),
+            (ql_smem, qp_smem, kc_smem, kp_smem),
+            (q_bar, ready, empty),
+            (seq * num_heads + head_start, head_start),
+            (
+                block_tables_ptr + seq * stride_table,
+                first_token // block,
+                gl.cdiv(split_end, block),
+            ),
+            n_tiles,
+            (out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, num_splits),
+            (seq, split, num_heads, first_token, split_end, qk_scale),
+        )
+        gl.warp_specialize(
+            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
+            [4, 1],
+            [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
+        )
+
+
+def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> bool:
+    """Whether this kernel serves these operands: sm_90 exactly, bf16, latent 512 + rope 64,
+    16-token cache blocks, splits of whole 64-token tiles, query rows that step uniformly over
+    (sequence, head)."""
+    if not HAS_GLUON or not q_latent.is_cuda or block_size != BLOCK_SIZE:
+        return False
+    if torch.cuda.get_device_capability(q_latent.device) != (9, 0):
+        return False
+    if tokens_per_split % (BLOCK_SIZE * TILE_BLOCKS):
+        return False
+    if q_latent.shape[-1] != LATENT_RANK or q_pe.shape[-1] != ROPE_DIM:
+        return False
+    for t in (q_latent, q_pe):
+        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if t.stride(0) != t.shape[1] * t.stride(1) or (t.stride(1) * 2) % 16:
+            return False
+    return slots.dtype == torch.bfloat16 and slots.is_contiguous() and slots.data_ptr() % 16 == 0
+
+
+@functools.cache
+def _shared_layout(rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A 2-D TMA descriptor over the rows of t (its first two dims flattened when 3-D)."""
+    row_stride = t.stride(-2)
+    shape = [t.numel() // t.shape[-1] if t.dim() == 2 else t.shape[0] * t.shape[1],
+             t.shape[-1]]  # fmt: skip
+    return TensorDescriptor(t, shape, [row_stride, 1], [rows, cols], _shared_layout(rows, cols))
+
+
+def mla_decode_ws_launch(q_latent, q_pe, slots, block_tables, seq_lens, scale, mid_out, mid_lse,
+                         tokens_per_split: int, num_splits: int, is_only_split: bool):  # fmt: skip
+    """The split kernel's launch on mla_decode's buffers: mid_out [B, N, S, L] float32 (or the
+    output [B, N, 1, L]) and mid_lse [B, N, S]; the caller checks `supports` first."""
+    num_seqs, num_heads = q_latent.shape[:2]
+    grid = (-(-num_heads // HEAD_ROWS), num_seqs, num_splits)
+    _mla_decode_ws_kernel[grid](
+        _descriptor(q_latent, HEAD_ROWS, HALF_L), _descriptor(q_pe, HEAD_ROWS, ROPE_DIM),
+        _descriptor(slots, BLOCK_SIZE, HALF_L), _descriptor(slots, BLOCK_SIZE, ROPE_DIM),
+        mid_out, mid_lse, block_tables, seq_lens, scale * LOG2E, num_heads, tokens_per_split,
+        block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        IS_ONLY_SPLIT=is_only_split, num_warps=4, maxnreg=LAUNCH_REGISTERS,
+    )  # fmt: skip

@@ -26,25 +26,19 @@ import functools
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # Triton 3.9 renamed the TMA copies (3.6, on the GPU machine, has only the old names).
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    HAS_GLUON = True
-except ImportError:  # no Triton, or one without Gluon
-    HAS_GLUON = False
-
+from rayinfer.kernels.gluon_compat import (
+    HAS_GLUON,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from rayinfer.kernels.triton_compat import triton
 
 SCALE_BLOCK = 128  # = BLOCK_K: one scale per 128 channels of a, per 128x128 block of b

@@ -29,21 +29,16 @@ import functools
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    HAS_GLUON = True
-except ImportError:  # no Triton, or one without Gluon
-    HAS_GLUON = False
+from rayinfer.kernels.gluon_compat import (
+    HAS_GLUON,
+    TensorDescriptor,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 LATENT_RANK = 512
 HALF_L = 256  # latent columns per consumer

@@ -26,23 +26,16 @@ import functools
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # Triton 3.9 renamed the TMA load (3.6, on the GPU machine, has only the old name).
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    HAS_GLUON = True
-except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves every case
-    HAS_GLUON = False
-
+from rayinfer.kernels.gluon_compat import (
+    HAS_GLUON,
+    TensorDescriptor,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from rayinfer.kernels.triton_compat import triton
 
 HEAD_DIM = 128  # the value's head dim, and the first (or only) block of the query/key's

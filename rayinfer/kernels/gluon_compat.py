@@ -23,8 +23,10 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     HAS_GLUON = True
-except ImportError:
+except ImportError:  # placeholders: the Hopper modules touch them only when HAS_GLUON
     HAS_GLUON = False
+    gluon = gl = mbarrier = tma = TensorDescriptor = None
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = tma_load = tma_store = None
 
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",

@@ -119,92 +119,90 @@ def prefill_constants(args) -> tuple:
     return _prefill_attention_kernel, constants
 
 
+def _descriptor_type(rows: int, cols: int, dtype: str = "bf16") -> str:
+    """The signature type of a Gluon TMA descriptor of [rows, cols] boxes (default layout)."""
+    from triton.experimental.gluon import language as gl
+
+    element = {"bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], element)
+    return f"tensordesc<{dtype}[{rows},{cols}],{layout!r}>"
+
+
+def _compile_gluon_for_sm90(kernel, types: dict, constants: dict, aligned, launch_registers):
+    """A Gluon kernel compiled for sm_90a as its launcher runs it: `types` the signature of its
+    non-integer arguments (the rest are i32), `aligned` those hinted multiples of 16, 4 warps
+    by default and the module's launch register budget."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    signature = {name: types.get(name, "constexpr" if name in constants else "i32")
+                 for name in names}  # fmt: skip
+    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    fixed = {(names.index(name),): value for name, value in constants.items()}
+    source = GluonASTSource(kernel, signature, fixed, hinted)
+    options = dict(num_warps=4, maxnreg=launch_registers)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_prefill_ws_for_sm90(rope: bool = False):
     """prefill_attention_hopper's warp-specialized Gluon kernel, as `prefill_attention_ws`
     launches it (bf16 TMA descriptors, its register budget); rope: MLA's 192/128 head dims."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from rayinfer.kernels import prefill_attention_hopper as ws
 
-    def descriptor(rows: int, cols: int = ws.HEAD_DIM) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
-
-    kernel = ws._prefill_attention_ws_kernel
     extra = ws.ROPE_DIM if rope else ws.HEAD_DIM
-    signature = dict(
-        q_desc=descriptor(ws.HALF_M), q1_desc=descriptor(ws.HALF_M, extra),
-        k_desc=descriptor(ws.BLOCK_N), k1_desc=descriptor(ws.BLOCK_N, extra),
-        v_desc=descriptor(ws.BLOCK_N), out_ptr="*bf16", cu_seqlens_q_ptr="*i32",
-        cu_seqlens_k_ptr="*i32", qk_scale="fp32", HAS_ROPE="constexpr",
+    types = dict(
+        q_desc=_descriptor_type(ws.HALF_M, ws.HEAD_DIM),
+        q1_desc=_descriptor_type(ws.HALF_M, extra),
+        k_desc=_descriptor_type(ws.BLOCK_N, ws.HEAD_DIM),
+        k1_desc=_descriptor_type(ws.BLOCK_N, extra),
+        v_desc=_descriptor_type(ws.BLOCK_N, ws.HEAD_DIM), out_ptr="*bf16",
+        cu_seqlens_q_ptr="*i32", cu_seqlens_k_ptr="*i32", qk_scale="fp32",
     )  # fmt: skip
-    names = kernel.arg_names
-    signature = {name: signature.get(name, "i32") for name in names}
-    aligned = [name for name in names if signature[name] in ("*bf16", "*i32", "i32")]
-    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    hinted.pop((names.index("num_queries_per_kv"),))
-    source = GluonASTSource(kernel, signature, {(names.index("HAS_ROPE"),): rope}, hinted)
-    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    aligned = ("out_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "q_head_stride",
+               "k_head_stride", "v_head_stride", "stride_ot", "stride_oh")  # fmt: skip
+    return _compile_gluon_for_sm90(ws._prefill_attention_ws_kernel, types, dict(HAS_ROPE=rope),
+                                   aligned, ws.LAUNCH_REGISTERS)  # fmt: skip
 
 
 def compile_fp8_ws_for_sm90():
     """fp8_gemm_hopper's warp-specialized Gluon GEMM, as `fp8_gemm_ws` launches it."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from rayinfer.kernels import fp8_gemm_hopper as ws
 
-    def descriptor(rows: int, cols: int, dtype, name: str) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-        return f"tensordesc<{name}[{rows},{cols}],{layout!r}>"
-
-    kernel = ws._fp8_gemm_ws_kernel
-    signature = dict(
-        a_desc=descriptor(ws.HALF_M, ws.SCALE_BLOCK, gl.float8e4nv, "fp8e4nv"),
-        b_desc=descriptor(ws.BLOCK_N, ws.SCALE_BLOCK, gl.float8e4nv, "fp8e4nv"),
-        c_desc=descriptor(ws.HALF_M, ws.BLOCK_N, gl.bfloat16, "bf16"),
-        a_scale_ptr="*fp32", b_scale_ptr="*fp32", GROUP="constexpr",
+    types = dict(
+        a_desc=_descriptor_type(ws.HALF_M, ws.SCALE_BLOCK, "fp8e4nv"),
+        b_desc=_descriptor_type(ws.BLOCK_N, ws.SCALE_BLOCK, "fp8e4nv"),
+        c_desc=_descriptor_type(ws.HALF_M, ws.BLOCK_N), a_scale_ptr="*fp32", b_scale_ptr="*fp32",
     )  # fmt: skip
-    names = kernel.arg_names
-    signature = {name: signature.get(name, "i32") for name in names}
     aligned = ("a_scale_ptr", "b_scale_ptr", "n", "k", "stride_ak")
-    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = GluonASTSource(kernel, signature, {(names.index("GROUP"),): ws.GROUP_M}, hinted)
-    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return _compile_gluon_for_sm90(ws._fp8_gemm_ws_kernel, types, dict(GROUP=ws.GROUP_M),
+                                   aligned, ws.LAUNCH_REGISTERS)  # fmt: skip
 
 
 def compile_mla_ws_for_sm90():
     """mla_decode_hopper's warp-specialized Gluon split kernel, as `mla_decode_ws_launch`
     launches it (partial outputs in float32)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from rayinfer.kernels import mla_decode_hopper as ws
 
-    def descriptor(rows: int, cols: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
-
-    kernel = ws._mla_decode_ws_kernel
-    signature = dict(
-        ql_desc=descriptor(ws.HEAD_ROWS, ws.HALF_L),
-        qp_desc=descriptor(ws.HEAD_ROWS, ws.ROPE_DIM),
-        kc_desc=descriptor(ws.BLOCK_SIZE, ws.HALF_L),
-        kp_desc=descriptor(ws.BLOCK_SIZE, ws.ROPE_DIM),
+    types = dict(
+        ql_desc=_descriptor_type(ws.HEAD_ROWS, ws.HALF_L),
+        qp_desc=_descriptor_type(ws.HEAD_ROWS, ws.ROPE_DIM),
+        kc_desc=_descriptor_type(ws.BLOCK_SIZE, ws.HALF_L),
+        kp_desc=_descriptor_type(ws.BLOCK_SIZE, ws.ROPE_DIM),
         out_ptr="*fp32", lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
-        qk_scale="fp32", IS_ONLY_SPLIT="constexpr",
+        qk_scale="fp32",
     )  # fmt: skip
-    names = kernel.arg_names
-    signature = {name: signature.get(name, "i32") for name in names}
     aligned = ("out_ptr", "lse_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_table",
                "stride_ob", "stride_oh", "stride_os")  # fmt: skip
-    hinted = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = GluonASTSource(kernel, signature, {(names.index("IS_ONLY_SPLIT"),): False}, hinted)
-    options = dict(num_warps=4, maxnreg=ws.LAUNCH_REGISTERS)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return _compile_gluon_for_sm90(ws._mla_decode_ws_kernel, types, dict(IS_ONLY_SPLIT=False),
+                                   aligned, ws.LAUNCH_REGISTERS)  # fmt: skip
+
+
+GLUON_KERNELS = {
+    "prefill-ws": compile_prefill_ws_for_sm90,
+    "prefill-ws-mla": lambda: compile_prefill_ws_for_sm90(rope=True),
+    "fp8-ws": compile_fp8_ws_for_sm90,
+    "mla-ws": compile_mla_ws_for_sm90,
+}
 
 
 def registers_per_thread(cubin: bytes) -> int | None:
@@ -246,13 +244,12 @@ def spill_instructions(cubin: bytes) -> int | None:
     return len(re.findall(r"\b(?:STL|LDL)\b", sass.stdout))
 
 
-KERNELS = {"mla": mla_constants, "prefill": prefill_constants, "prefill-ws": None,
-           "prefill-ws-mla": None, "fp8-ws": None, "mla-ws": None}  # fmt: skip
+KERNELS = {"mla": mla_constants, "prefill": prefill_constants}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=list(KERNELS))
+    parser.add_argument("kernel", choices=[*KERNELS, *GLUON_KERNELS])
     parser.add_argument("--block-n", type=int, default=32)
     parser.add_argument("--block-h", type=int, default=16, help="mla: heads per program")
     parser.add_argument("--block-m", type=int, default=128, help="prefill: query rows")
@@ -263,12 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dump", help="write the whole TTGIR here")
     args = parser.parse_args(argv)
-    if args.kernel.startswith("prefill-ws"):  # Gluon: its tiles and warps are its own
-        compiled = compile_prefill_ws_for_sm90(rope=args.kernel.endswith("mla"))
-    elif args.kernel == "fp8-ws":
-        compiled = compile_fp8_ws_for_sm90()
-    elif args.kernel == "mla-ws":
-        compiled = compile_mla_ws_for_sm90()
+    if args.kernel in GLUON_KERNELS:  # Gluon: tiles, warps and registers are its module's
+        compiled = GLUON_KERNELS[args.kernel]()
     else:
         kernel, constants = KERNELS[args.kernel](args)
         compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)

@@ -22,17 +22,15 @@ compile-tested in CI (`benchmarks/ttgir_probe.py fp8-ws`), as the base for that 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from rayinfer.kernels.gluon_compat import (
     HAS_GLUON,
-    TensorDescriptor,
     fence_async_shared,
     gl,
     gluon,
     mbarrier,
+    rows_descriptor,
     tma,
     tma_load,
     tma_store,
@@ -194,15 +192,9 @@ def supports(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16) -> bool
                for t in (a, b))  # fmt: skip
 
 
-@functools.cache
-def _shared_layout(rows: int, cols: int, bits: int):
-    dtype = gl.float8e4nv if bits == 8 else gl.bfloat16
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    layout = _shared_layout(rows, cols, t.element_size() * 8)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], layout)
+def _matrix(t: torch.Tensor, block_rows: int, block_cols: int):
+    """t [rows, cols] (contiguous rows) in [block_rows, block_cols] boxes."""
+    return rows_descriptor(t, t.shape[0], t.shape[1], t.stride(0), block_rows, block_cols)
 
 
 def fp8_gemm_ws(
@@ -218,8 +210,8 @@ def fp8_gemm_ws(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
     _fp8_gemm_ws_kernel[grid](
-        _descriptor(a, HALF_M, SCALE_BLOCK), _descriptor(b, BLOCK_N, SCALE_BLOCK),
-        _descriptor(out, HALF_M, BLOCK_N), a_scale, b_scale, m, n, k,
+        _matrix(a, HALF_M, SCALE_BLOCK), _matrix(b, BLOCK_N, SCALE_BLOCK),
+        _matrix(out, HALF_M, BLOCK_N), a_scale, b_scale, m, n, k,
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), GROUP=GROUP_M,
         num_warps=4, maxnreg=LAUNCH_REGISTERS,
     )  # fmt: skip

@@ -3,10 +3,15 @@ the Hopper kernels (`*_hopper.py`), when the installed Triton ships it; HAS_GLUO
 (no Triton, or an older one): those modules then define no kernels and their `supports` says no.
 
 The TMA copies were renamed between Triton 3.6 (the GPU machine's) and 3.9 (CI's);
-`tma_load` / `tma_store` are whichever this Triton has.
+`tma_load` / `tma_store` are whichever this Triton has. `rows_descriptor` builds the host TMA
+descriptors the kernels take.
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
 
 try:
     from triton.experimental import gluon
@@ -29,6 +34,22 @@ except ImportError:  # placeholders: the Hopper modules touch them only when HAS
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = tma_load = tma_store = None
 
 __all__ = [
-    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
-    "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait",
+    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier",
+    "rows_descriptor", "tma", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
+
+
+@functools.cache
+def _shared_layout(block_rows: int, block_cols: int, dtype: torch.dtype):
+    element = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([block_rows, block_cols], element)
+
+
+def rows_descriptor(t: torch.Tensor, num_rows: int, row_len: int, row_stride: int,
+                    block_rows: int, block_cols: int):  # fmt: skip
+    """A 2-D TMA descriptor over num_rows rows of row_len elements, row_stride apart, from t's
+    first element (a [tokens, heads, dim] view read at column head * head stride, a flat cache,
+    a matrix), in [block_rows, block_cols] boxes with the default swizzled layout."""
+    layout = _shared_layout(block_rows, block_cols, t.dtype)
+    return TensorDescriptor(t, [num_rows, row_len], [row_stride, 1], [block_rows, block_cols],
+                            layout)  # fmt: skip

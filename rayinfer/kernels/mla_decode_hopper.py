@@ -25,16 +25,14 @@ check and graph timings decide.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from rayinfer.kernels.gluon_compat import (
     HAS_GLUON,
-    TensorDescriptor,
     gl,
     gluon,
     mbarrier,
+    rows_descriptor,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -244,17 +242,16 @@ def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> b
     return slots.dtype == torch.bfloat16 and slots.is_contiguous() and slots.data_ptr() % 16 == 0
 
 
-@functools.cache
-def _shared_layout(rows: int, cols: int):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+def _head_rows(t: torch.Tensor, block_rows: int, block_cols: int):
+    """q [B, N, D] as B * N rows of D (supports checks they step uniformly)."""
+    return rows_descriptor(t, t.shape[0] * t.shape[1], t.shape[-1], t.stride(1), block_rows,
+                           block_cols)  # fmt: skip
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    """A 2-D TMA descriptor over the rows of t (its first two dims flattened when 3-D)."""
-    row_stride = t.stride(-2)
-    shape = [t.numel() // t.shape[-1] if t.dim() == 2 else t.shape[0] * t.shape[1],
-             t.shape[-1]]  # fmt: skip
-    return TensorDescriptor(t, shape, [row_stride, 1], [rows, cols], _shared_layout(rows, cols))
+def _cache_rows(slots: torch.Tensor, block_cols: int):
+    """The flat cache [num_slots, L + R] in 16-row (one cache block) boxes."""
+    return rows_descriptor(slots, slots.shape[0], slots.shape[1], slots.stride(0), BLOCK_SIZE,
+                           block_cols)  # fmt: skip
 
 
 def mla_decode_ws_launch(q_latent, q_pe, slots, block_tables, seq_lens, scale, mid_out, mid_lse,
@@ -264,8 +261,8 @@ def mla_decode_ws_launch(q_latent, q_pe, slots, block_tables, seq_lens, scale, m
     num_seqs, num_heads = q_latent.shape[:2]
     grid = (-(-num_heads // HEAD_ROWS), num_seqs, num_splits)
     _mla_decode_ws_kernel[grid](
-        _descriptor(q_latent, HEAD_ROWS, HALF_L), _descriptor(q_pe, HEAD_ROWS, ROPE_DIM),
-        _descriptor(slots, BLOCK_SIZE, HALF_L), _descriptor(slots, BLOCK_SIZE, ROPE_DIM),
+        _head_rows(q_latent, HEAD_ROWS, HALF_L), _head_rows(q_pe, HEAD_ROWS, ROPE_DIM),
+        _cache_rows(slots, HALF_L), _cache_rows(slots, ROPE_DIM),
         mid_out, mid_lse, block_tables, seq_lens, scale * LOG2E, num_heads, tokens_per_split,
         block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         IS_ONLY_SPLIT=is_only_split, num_warps=4, maxnreg=LAUNCH_REGISTERS,

@@ -253,8 +253,9 @@ def paged_mixed_attention(
     if not chunk_seqs:
         return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
     direct = [i for i in chunk_seqs if new_kv is not None and seq_lens_cpu[i] == query_lens[i]]
+    paged = [i for i in chunk_seqs if new_kv is None or seq_lens_cpu[i] != query_lens[i]]
     if len(chunk_seqs) == len(query_lens):  # no decodes: one kernel when the chunks agree
-        if len(direct) == len(chunk_seqs):
+        if not paged:
             return prefill_attention(query, *new_kv, query_start_loc, query_start_loc,
                                      max(query_lens), scale)  # fmt: skip
         if not direct:
@@ -275,7 +276,6 @@ def paged_mixed_attention(
         key, value = (t[rows] for t in new_kv)
         out[rows] = prefill_attention(query[rows], key, value, cu_seqlens, cu_seqlens, longest,
                                       scale)  # fmt: skip
-    paged = [i for i in chunk_seqs if i not in set(direct)]
     if paged:
         rows, cu_seqlens, longest = _rows_of(paged, query_lens, starts, device)
         paged_idx = torch.tensor(paged, device=device)

@@ -22,16 +22,14 @@ tables): what the config's `"backend": "gluon_ws"` sends here (prefill_attention
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from rayinfer.kernels.gluon_compat import (
     HAS_GLUON,
-    TensorDescriptor,
     gl,
     gluon,
     mbarrier,
+    rows_descriptor,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -283,16 +281,9 @@ def supports(query, key, value, is_causal: bool = True) -> bool:
     return True
 
 
-@functools.cache
-def _shared_layout(block_rows: int, block_cols: int):
-    return gl.NVMMASharedLayout.get_default_for([block_rows, block_cols], gl.bfloat16)
-
-
 def _rows_descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
-    """A 2-D TMA descriptor over the rows of t [tokens, heads, dim]: [tokens, row stride]."""
-    block = [block_rows, block_cols]
-    layout = _shared_layout(block_rows, block_cols)
-    return TensorDescriptor(t, [t.shape[0], t.stride(0)], [t.stride(0), 1], block, layout)
+    """t [tokens, heads, dim] as [tokens, row stride] rows (a head at column head * stride(1))."""
+    return rows_descriptor(t, t.shape[0], t.stride(0), t.stride(0), block_rows, block_cols)
 
 
 def prefill_attention_ws(

@@ -107,7 +107,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
     if params["layout"] == "gluon_ws" and mla_decode_hopper.supports(
         q_latent, q_pe, slots, block_size, split.tokens_per_split
-    ):  # the warp-specialized split kernel (not yet run on a GPU: no config routes here)
+    ):  # the warp-specialized Gluon split kernel (the H200's 128-head bucket)
         launch_split = functools.partial(
             mla_decode_hopper.mla_decode_ws_launch, q_latent, q_pe, slots, block_tables,
             seq_lens, scale, mid_out, mid_lse, split.tokens_per_split, split.num_splits,

@@ -178,14 +178,16 @@ def compile_fp8_ws_for_sm90():
                                    aligned, ws.LAUNCH_REGISTERS)  # fmt: skip
 
 
-def compile_mla_ws_for_sm90():
+def compile_mla_ws_for_sm90(tokens_major: bool = False, block_h: int = 16):
     """mla_decode_hopper's warp-specialized Gluon split kernel, as `mla_decode_ws_launch`
-    launches it (partial outputs in float32)."""
+    launches it (partial outputs in float32); tokens_major: its one-consumer form over block_h
+    heads, else the heads-major form over 64-row query tiles."""
     from rayinfer.kernels import mla_decode_hopper as ws
 
+    head_rows = block_h if tokens_major else ws.HEAD_ROWS
     types = dict(
-        ql_desc=_descriptor_type(ws.HEAD_ROWS, ws.HALF_L),
-        qp_desc=_descriptor_type(ws.HEAD_ROWS, ws.ROPE_DIM),
+        ql_desc=_descriptor_type(head_rows, ws.HALF_L),
+        qp_desc=_descriptor_type(head_rows, ws.ROPE_DIM),
         kc_desc=_descriptor_type(ws.BLOCK_SIZE, ws.HALF_L),
         kp_desc=_descriptor_type(ws.BLOCK_SIZE, ws.ROPE_DIM),
         out_ptr="*fp32", lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
@@ -193,8 +195,9 @@ def compile_mla_ws_for_sm90():
     )  # fmt: skip
     aligned = ("out_ptr", "lse_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_table",
                "stride_ob", "stride_oh", "stride_os")  # fmt: skip
-    return _compile_gluon_for_sm90(ws._mla_decode_ws_kernel, types, dict(IS_ONLY_SPLIT=False),
-                                   aligned, ws.LAUNCH_REGISTERS)  # fmt: skip
+    constants = dict(IS_ONLY_SPLIT=False, TOKENS_MAJOR=tokens_major)
+    return _compile_gluon_for_sm90(ws._mla_decode_ws_kernel, types, constants, aligned,
+                                   ws.LAUNCH_REGISTERS)  # fmt: skip
 
 
 GLUON_KERNELS = {
@@ -202,6 +205,7 @@ GLUON_KERNELS = {
     "prefill-ws-mla": lambda: compile_prefill_ws_for_sm90(rope=True),
     "fp8-ws": compile_fp8_ws_for_sm90,
     "mla-ws": compile_mla_ws_for_sm90,
+    "mla-ws-tokens": lambda: compile_mla_ws_for_sm90(tokens_major=True),
 }
 
 

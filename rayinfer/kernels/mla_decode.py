@@ -14,6 +14,10 @@ from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel, _mla_decode
 from rayinfer.kernels.paged_attention import choose_split, dot_precision, split_k_decode
 from rayinfer.kernels.triton_compat import triton
 
+# The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many
+# heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
+GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
+
 
 def mla_decode_attention(
     q_latent: torch.Tensor,  # [B, N, L]
@@ -43,7 +47,7 @@ def mla_decode_attention(
     slots = kv_cache.view(-1, latent_rank + rope_dim)  # [num_slots, L + R]
     found = paged_attention.launch_params("mla_attention", q_latent.device, q_latent.shape[1])
     params = {**found, **(params or {})}
-    if params.get("layout", "shared") != "shared":  # tokens_major, heads_major or gluon_ws
+    if params.get("layout", "shared") != "shared":  # tokens_major, heads_major or gluon_ws*
         return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
                                    kv_cache.shape[1])  # fmt: skip
     layout = dict(
@@ -105,13 +109,13 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     mid_shape = (num_seqs, num_heads, split.num_splits, latent_rank)  # [B, N, S, L]
     mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
     mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
-    if params["layout"] == "gluon_ws" and mla_decode_hopper.supports(
+    if params["layout"] in GLUON_LAYOUTS and mla_decode_hopper.supports(
         q_latent, q_pe, slots, block_size, split.tokens_per_split
-    ):  # the warp-specialized Gluon split kernel (the H200's 128-head bucket)
+    ):  # the warp-specialized Gluon split kernel, heads- or tokens-major
         launch_split = functools.partial(
             mla_decode_hopper.mla_decode_ws_launch, q_latent, q_pe, slots, block_tables,
             seq_lens, scale, mid_out, mid_lse, split.tokens_per_split, split.num_splits,
-            is_only_split,
+            is_only_split, tokens_major=params["layout"] == "gluon_ws_tokens", block_h=block_h,
         )  # fmt: skip
         combine = functools.partial(_combine_splits, mid_out, mid_lse, out, params, seq_lens,
                                     split.tokens_per_split)  # fmt: skip

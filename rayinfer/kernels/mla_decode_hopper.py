@@ -31,6 +31,7 @@ import torch
 
 from rayinfer.kernels.gluon_compat import (
     HAS_GLUON,
+    fence_async_shared,
     gl,
     gluon,
     mbarrier,
@@ -62,7 +63,7 @@ if HAS_GLUON:
         """One warp: the queries once, then every cache block of the split into the ring."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
-        ql_smem, qp_smem, kc_smem, kp_smem = smem
+        ql_smem, qp_smem, kc_smem, kp_smem, _ = smem
         q_bar, ready, empty = bars
         q_row, _ = rows
         table_ptr, first_block, last_block = table
@@ -106,7 +107,7 @@ if HAS_GLUON:
         """A warpgroup: every tile's scores and softmax, and PV on latent columns WG*256.."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
-        ql_smem, qp_smem, kc_smem, kp_smem = smem
+        ql_smem, qp_smem, kc_smem, kp_smem, _ = smem
         q_bar, ready, empty = bars
         _, head_start = rows
         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
@@ -168,10 +169,81 @@ if HAS_GLUON:
                      mask=lse_heads < num_heads)  # fmt: skip
 
     @gluon.jit
+    def _tokens_major_consumer(ctx, WG: gl.constexpr):
+        """The one consumer warpgroup of the tokens-major form (few heads): a tile's 64 tokens
+        are wgmma's rows, the heads its columns, so no row is padding.
+
+        scores^T [64, H] = c_kv [64, 512] @ q_latent^T + k_pe [64, 64] @ q_pe^T, the softmax over
+        the tokens (axis 0), p^T [64, H] stored to shared memory, then out^T [512, H] +=
+        c_kv^T @ p^T in two 256-row halves: both products read the cached tile straight from
+        shared memory (the Triton kernel reloads it into registers for mma.sync)."""
+        descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
+        ql_desc, qp_desc, kc_desc, kp_desc = descs
+        ql_smem, qp_smem, kc_smem, kp_smem, p_smem = smem
+        q_bar, ready, empty = bars
+        _, head_start = rows
+        out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
+        seq, split, num_heads, first_token, split_end, qk_scale = scalars
+        heads_n: gl.constexpr = ql_desc.block_type.shape[0]
+        half: gl.constexpr = kc_desc.block_type.shape[1]
+        tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads_n, 16]
+        )
+        head_layout: gl.constexpr = gl.SliceLayout(0, layout)
+        rows_in_tile = gl.arange(0, tile, layout=gl.SliceLayout(1, layout))  # [64]
+        m_i = gl.full([heads_n], float("-inf"), gl.float32, layout=head_layout)
+        l_i = gl.zeros([heads_n], gl.float32, layout=head_layout)
+        o0 = gl.zeros([half, heads_n], gl.float32, layout=layout)  # out^T, latent 0..255
+        o1 = gl.zeros([half, heads_n], gl.float32, layout=layout)  # out^T, latent 256..511
+        s_zero = gl.zeros([tile, heads_n], gl.float32, layout=layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            latent0 = kc_smem.index(2 * slot)
+            latent1 = kc_smem.index(2 * slot + 1)
+            s = warpgroup_mma(latent0, ql_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(latent1, ql_smem.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(kp_smem.index(slot), qp_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            tokens = first_token + j * tile + rows_in_tile  # [64] positions in the sequence
+            s = gl.where((tokens < split_end)[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            p = gl.exp2(s - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(p_smem.dtype))
+            fence_async_shared()
+            o0 = warpgroup_mma(latent0.permute((1, 0)), p_smem, o0 * alpha[None, :],
+                               is_async=True)  # fmt: skip
+            o1 = warpgroup_mma(latent1.permute((1, 0)), p_smem, o1 * alpha[None, :],
+                               is_async=True)  # fmt: skip
+            o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
+            mbarrier.arrive(empty.index(slot), count=1)
+
+        # Columns of real heads only; an empty split (no tokens) stores zeros and lse -inf.
+        l_safe = gl.where(l_i > 0, l_i, 1.0)
+        heads = head_start + gl.arange(0, heads_n, layout=head_layout)
+        is_head = (heads < num_heads)[None, :]
+        dims = gl.arange(0, half, layout=gl.SliceLayout(1, layout))
+        base = seq * stride_ob + split * stride_os + heads.to(gl.int64)[None, :] * stride_oh
+        out_ty: gl.constexpr = out_ptr.dtype.element_ty
+        gl.store(out_ptr + base + dims[:, None], (o0 / l_safe[None, :]).to(out_ty), mask=is_head)
+        gl.store(out_ptr + base + half + dims[:, None], (o1 / l_safe[None, :]).to(out_ty),
+                 mask=is_head)  # fmt: skip
+        lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))  # [H] log2
+        gl.store(lse_ptr + (seq * num_heads + heads) * stride_lse + split, lse,
+                 mask=heads < num_heads)  # fmt: skip
+
+    @gluon.jit
     def _mla_decode_ws_kernel(ql_desc, qp_desc, kc_desc, kp_desc, out_ptr, lse_ptr,
                               block_tables_ptr, seq_lens_ptr, qk_scale, num_heads,
                               tokens_per_split, stride_table, stride_ob, stride_oh, stride_os,
-                              IS_ONLY_SPLIT: gl.constexpr):  # fmt: skip
+                              IS_ONLY_SPLIT: gl.constexpr,
+                              TOKENS_MAJOR: gl.constexpr):  # fmt: skip
         head_rows: gl.constexpr = ql_desc.block_type.shape[0]
         half: gl.constexpr = kc_desc.block_type.shape[1]
         block: gl.constexpr = kc_desc.block_type.shape[0]
@@ -198,14 +270,22 @@ if HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        if TOKENS_MAJOR:  # one consumer; p^T [64, H] through shared memory
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, head_rows],
+                                                                           dtype)  # fmt: skip
+            p_smem = gl.allocate_shared_memory(dtype, [tile, head_rows], p_layout)
+            consumers: gl.constexpr = 1
+        else:  # two consumers, each releasing every slot
+            p_smem = qp_smem  # unused
+            consumers: gl.constexpr = 2
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(empty.index(i), count=consumers)
 
         num_splits = gl.num_programs(2)
         ctx = (
             (ql_desc, qp_desc, kc_desc, kp_desc),
-            (ql_smem, qp_smem, kc_smem, kp_smem),
+            (ql_smem, qp_smem, kc_smem, kp_smem, p_smem),
             (q_bar, ready, empty),
             (seq * num_heads + head_start, head_start),
             (
@@ -217,11 +297,18 @@ if HAS_GLUON:
             (out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, num_splits),
             (seq, split, num_heads, first_token, split_end, qk_scale),
         )
-        gl.warp_specialize(
-            [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
-            [4, 1],
-            [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
-        )
+        if TOKENS_MAJOR:
+            gl.warp_specialize(
+                [(_tokens_major_consumer, (ctx, 0)), (_producer, (ctx, 1))],
+                [1],
+                [PRODUCER_REGISTERS_C],
+            )
+        else:
+            gl.warp_specialize(
+                [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
+                [4, 1],
+                [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
+            )
 
 
 def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> bool:
@@ -257,15 +344,20 @@ def _cache_rows(slots: torch.Tensor, block_cols: int):
 
 
 def mla_decode_ws_launch(q_latent, q_pe, slots, block_tables, seq_lens, scale, mid_out, mid_lse,
-                         tokens_per_split: int, num_splits: int, is_only_split: bool):  # fmt: skip
+                         tokens_per_split: int, num_splits: int, is_only_split: bool,
+                         tokens_major: bool = False, block_h: int = HEAD_ROWS):  # fmt: skip
     """The split kernel's launch on mla_decode's buffers: mid_out [B, N, S, L] float32 (or the
-    output [B, N, 1, L]) and mid_lse [B, N, S]; the caller checks `supports` first."""
+    output [B, N, 1, L]) and mid_lse [B, N, S]; the caller checks `supports` first.
+    tokens_major: the one-consumer form over block_h heads a program (16, 32 or 64), else the
+    heads-major form over 64-row query tiles."""
     num_seqs, num_heads = q_latent.shape[:2]
-    grid = (-(-num_heads // HEAD_ROWS), num_seqs, num_splits)
+    head_rows = block_h if tokens_major else HEAD_ROWS
+    grid = (-(-num_heads // head_rows), num_seqs, num_splits)
     _mla_decode_ws_kernel[grid](
-        _head_rows(q_latent, HEAD_ROWS, HALF_L), _head_rows(q_pe, HEAD_ROWS, ROPE_DIM),
+        _head_rows(q_latent, head_rows, HALF_L), _head_rows(q_pe, head_rows, ROPE_DIM),
         _cache_rows(slots, HALF_L), _cache_rows(slots, ROPE_DIM),
         mid_out, mid_lse, block_tables, seq_lens, scale * LOG2E, num_heads, tokens_per_split,
         block_tables.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        IS_ONLY_SPLIT=is_only_split, num_warps=4, maxnreg=LAUNCH_REGISTERS,
+        IS_ONLY_SPLIT=is_only_split, TOKENS_MAJOR=tokens_major, num_warps=4,
+        maxnreg=LAUNCH_REGISTERS,
     )  # fmt: skip

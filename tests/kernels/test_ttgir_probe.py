@@ -58,12 +58,15 @@ def test_the_warp_specialized_prefill_compiles_for_sm90_without_spills(tmp_path)
     assert "ttg.warp_specialize" in dump.read_text()
 
 
-@pytest.mark.parametrize("kernel,spills", [("prefill-ws-mla", 0), ("fp8-ws", 0), ("mla-ws", 40)])
+@pytest.mark.parametrize(
+    "kernel,spills",
+    [("prefill-ws-mla", 0), ("fp8-ws", 0), ("mla-ws", 40), ("mla-ws-tokens", 0)],
+)
 def test_the_other_gluon_kernels_compile_for_sm90(kernel, spills, tmp_path):
     """MLA's 192/128 prefill, the FP8 block-scaled GEMM (measured, not routed: see
-    fp8_gemm_hopper) and the MLA decode split kernel (not yet run on a GPU) stay compilable by
-    this Triton, within an SM; the decode kernel's producer warp spills a few scalars (14 spill
-    instructions with Triton 3.6, outside the consumers' loop)."""
+    fp8_gemm_hopper) and both forms of the MLA decode split kernel stay compilable by this
+    Triton, within an SM; the heads-major decode kernel's producer warp spills a few scalars (14
+    spill instructions with Triton 3.6, outside the consumers' loop)."""
     dump = tmp_path / "kernel.ttgir"
     report = probe([kernel], dump)
     assert 0 < report["shared_memory_bytes"] <= 227 * 1024

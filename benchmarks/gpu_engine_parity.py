@@ -82,6 +82,14 @@ CASES["deepseek_v3_dims192"] = (
 # And Llama at head dim 128: its prompts' first chunks attend to the step's own K/V through the
 # contiguous kernel (the Gluon one on an H200), the later chunks through the paged one.
 CASES["llama_dims128"] = ("llama", dict(COMMON, hidden_size=512, num_key_value_heads=2))
+# And DeepSeek's decode shapes (latent 512 + rope 64) at 16 and 128 heads: the decode steps take
+# the Gluon MLA split kernel on an H200 (tokens-major at 16 heads, heads-major at 128).
+for heads in (16, 128):
+    CASES[f"deepseek_v3_latent512_h{heads}"] = (
+        "deepseek_v3",
+        dict(CASES["deepseek_v3_dims192"][1], kv_lora_rank=512, num_attention_heads=heads,
+             num_key_value_heads=heads),
+    )  # fmt: skip
 PROMPT_LENGTHS = (5, 37, 130, 300)
 MAX_NEW_TOKENS = 24
 FLOOR = 5e-3  # float32 on GPU: Triton's dots use tf32 (10-bit mantissa)

@@ -17,6 +17,10 @@ from rayinfer.kernels.triton_compat import triton
 # The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many
 # heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
 GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
+# float32 on a GPU (parity checks, not a speed path): tiles whose pipeline fits shared memory at
+# four bytes an element, whatever the entry's bf16 tiles are.
+FLOAT32_TILES = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, USE_TMA=False,
+                     WARP_SPECIALIZE=False)  # fmt: skip
 
 
 def mla_decode_attention(
@@ -100,26 +104,25 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
-    block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
+    if params["layout"] in GLUON_LAYOUTS:
+        block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
+        if mla_decode_hopper.supports(q_latent, q_pe, slots, block_size, split.tokens_per_split):
+            out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
+            launch_split = functools.partial(
+                mla_decode_hopper.mla_decode_ws_launch, q_latent, q_pe, slots, block_tables,
+                seq_lens, scale, mid_out, mid_lse, split.tokens_per_split, split.num_splits,
+                split.num_splits == 1, tokens_major=params["layout"] == "gluon_ws_tokens",
+                block_h=block_h,
+            )  # fmt: skip
+            return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
+        # Not served (another dtype or GPU, other shapes): the entry's Triton tiles.
+        params = {**params, "layout": "heads_major", **params.get("fallback", {})}
+    if q_latent.dtype == torch.float32 and q_latent.is_cuda:
+        params = {**params, **FLOAT32_TILES}
+    block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
     num_groups = triton.cdiv(num_heads, block_h)
-    max_context = block_tables.shape[1] * block_size
-    split = choose_split(num_seqs, num_groups, max_context, params)
-    out = q_latent.new_empty(num_seqs, num_heads, latent_rank)  # [B, N, L]
+    out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
     is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
-    mid_shape = (num_seqs, num_heads, split.num_splits, latent_rank)  # [B, N, S, L]
-    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
-    mid_lse = out.new_empty(num_seqs, num_heads, split.num_splits, dtype=torch.float32)
-    if params["layout"] in GLUON_LAYOUTS and mla_decode_hopper.supports(
-        q_latent, q_pe, slots, block_size, split.tokens_per_split
-    ):  # the warp-specialized Gluon split kernel, heads- or tokens-major
-        launch_split = functools.partial(
-            mla_decode_hopper.mla_decode_ws_launch, q_latent, q_pe, slots, block_tables,
-            seq_lens, scale, mid_out, mid_lse, split.tokens_per_split, split.num_splits,
-            is_only_split, tokens_major=params["layout"] == "gluon_ws_tokens", block_h=block_h,
-        )  # fmt: skip
-        combine = functools.partial(_combine_splits, mid_out, mid_lse, out, params, seq_lens,
-                                    split.tokens_per_split)  # fmt: skip
-        return out, launch_split, None if is_only_split else combine
     use_tma = bool(params.get("USE_TMA")) and mla_tma_fits(slots, latent_rank, rope_dim,
                                                            block_size, params)  # fmt: skip
     if use_tma and slots.device.type == "cuda":
@@ -141,11 +144,32 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         TABLE_IN_LOOP=bool(params.get("TABLE_IN_LOOP")),
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
-    if is_only_split:
-        return out, launch_split, None
-    combine = functools.partial(_combine_splits, mid_out, mid_lse, out, params, seq_lens,
-                                split.tokens_per_split)  # fmt: skip
-    return out, launch_split, combine
+    return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
+
+
+def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):
+    """(heads per program, the context's split) of a launch with these tiles."""
+    block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
+    return block_h, choose_split(num_seqs, triton.cdiv(num_heads, block_h), max_context, params)
+
+
+def _buffers(q_latent: torch.Tensor, num_splits: int):
+    """(out [B, N, L], partial outputs [B, N, S, L] float32, their lse [B, N, S]); one split
+    writes `out` itself, so its partial outputs are `out` [B, N, 1, L]."""
+    num_seqs, num_heads, latent_rank = q_latent.shape
+    out = q_latent.new_empty(num_seqs, num_heads, latent_rank)
+    mid_shape = (num_seqs, num_heads, num_splits, latent_rank)
+    mid_out = out[:, :, None] if num_splits == 1 else out.new_empty(mid_shape, dtype=torch.float32)
+    mid_lse = out.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+    return out, mid_out, mid_lse
+
+
+def _combine(mid_out, mid_lse, out, params, seq_lens, split):
+    """The combine's launch, None where one split wrote the output."""
+    if split.num_splits == 1:
+        return None
+    return functools.partial(_combine_splits, mid_out, mid_lse, out, params, seq_lens,
+                             split.tokens_per_split)  # fmt: skip
 
 
 def _combine_splits(mid_out, mid_lse, out, params, seq_lens, tokens_per_split) -> None:

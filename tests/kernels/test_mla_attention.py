@@ -193,14 +193,19 @@ def test_write_cache_is_exact_and_skips_padding(dtype):
     assert torch.count_nonzero(ours.view(12, 32)[[1, 2, 4, 5, 6, 8, 9, 10]]) == 0
 
 
-def test_the_gluon_layout_falls_back_to_heads_major_tiles_where_it_does_not_apply():
-    """layout "gluon_ws" (mla_decode_hopper: sm_90 only) runs the Triton heads-major kernel with
-    the same tiles elsewhere: here, on the CPU."""
+@pytest.mark.parametrize("layout", ["gluon_ws", "gluon_ws_tokens"])
+@pytest.mark.parametrize("fallback", [None, dict(BLOCK_N=32, min_tokens_per_split=32)])
+def test_the_gluon_layouts_fall_back_to_triton_tiles_off_hopper(layout, fallback):
+    """Both forms of mla_decode_hopper (sm_90 and bf16 only) run the Triton heads-major kernel
+    elsewhere: here, on the CPU; with the entry's "fallback" tiles where it has them, else its
+    own."""
     from rayinfer.kernels import mla_decode_hopper
 
     query = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
     assert not mla_decode_hopper.supports(query, query[..., :64], query.view(-1, 512), 16, 64)
-    params = dict(layout="gluon_ws", BLOCK_N=16, BLOCK_H=16, max_splits=4,
+    params = dict(layout=layout, BLOCK_N=16, BLOCK_H=16, max_splits=4,
                   min_tokens_per_split=16, target_programs=64)  # fmt: skip
+    if fallback:
+        params["fallback"] = fallback
     ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

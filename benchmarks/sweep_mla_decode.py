@@ -118,16 +118,21 @@ def gluon_tokens(block_h, **splits) -> dict:
 
 
 # Round 10 on an H200: the tokens-major form at target_programs 264 won (0.047 ms geomean
-# against 0.052; 76-91% of HBM at full contexts) but lost at 1 x 128k (0.078 against 0.068 ms):
-# one program per SM (168 KiB of shared memory), so 256 splits run in two waves. Round 11:
-# fewer, longer splits for a single long context (max_splits), to one wave.
+# against 0.052; 76-91% of HBM at full contexts) but lost at 1 x 128k (0.078 against 0.068 ms).
+# Round 11: target_programs 132 (one per SM: 168 KiB of shared memory each) 0.044 ms geomean,
+# 86% at 8 x 32k and 93% at 128 x 4k, but 69% at 32 x 8k, whose 5 splits made 160 programs:
+# a second wave of 28. Round 12: "whole_waves" (at most target_programs programs: 32 x 8k in
+# 4 splits, 128 programs; 128 x 4k in one split, without the combine).
+WAVES = dict(target_programs=132, whole_waves=True)
 CONFIGS = [
     (16, SHIPPED[16]),
-    (16, TRITON_16),
-    (16, gluon_tokens(16, target_programs=264, max_splits=128)),
-    (16, gluon_tokens(16, target_programs=264, max_splits=132)),
+    (16, gluon_tokens(16, **WAVES)),
     (16, gluon_tokens(16, target_programs=132)),
-    (16, gluon_tokens(16, target_programs=264, min_tokens_per_split=128)),
+    (16, gluon_tokens(16, **WAVES, min_tokens_per_split=128)),
+    (16, TRITON_16),
+    (128, SHIPPED[128]),
+    (128, gluon_ws(64, **WAVES)),
+    (16, gluon_tokens(16, **WAVES)),
     (16, SHIPPED[16]),
 ]
 
@@ -316,7 +321,7 @@ def config_name(params: dict) -> str:
                      *options])  # fmt: skip
 
 
-OPTION_NAMES = dict(USE_TMA="tma", WARP_SPECIALIZE="ws", EVICT_FIRST="evict")
+OPTION_NAMES = dict(USE_TMA="tma", WARP_SPECIALIZE="ws", EVICT_FIRST="evict", whole_waves="waves")
 
 
 def config_status(result: dict) -> str:

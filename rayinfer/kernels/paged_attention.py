@@ -224,9 +224,15 @@ class DecodeSplit(NamedTuple):
 def choose_split(num_seqs: int, num_head_groups: int, max_context: int, params: dict):
     """Enough (sequence, head group, split) programs to fill the GPU, never splits that are tiny.
 
-    `max_context` bounds every sequence (block table width x block size), so no device sync."""
+    `max_context` bounds every sequence (block table width x block size), so no device sync.
+    "whole_waves": at most target_programs programs (a kernel that runs one program per SM
+    takes target_programs = the SM count: a program past it would start a second wave), else
+    at least that many."""
     programs = max(num_seqs * num_head_groups, 1)
-    wanted = triton.cdiv(params["target_programs"], programs)
+    if params.get("whole_waves"):
+        wanted = max(1, params["target_programs"] // programs)
+    else:
+        wanted = triton.cdiv(params["target_programs"], programs)
     most = triton.cdiv(max(max_context, 1), params["min_tokens_per_split"])
     num_splits = max(1, min(wanted, most, params["max_splits"]))
     per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), params["BLOCK_N"])

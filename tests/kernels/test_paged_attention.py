@@ -258,3 +258,15 @@ def test_choose_split_covers_the_context(num_seqs, num_groups, max_context, num_
     assert split.tokens_per_split % H200_DECODE["BLOCK_N"] == 0
     assert split.num_splits * split.tokens_per_split >= max_context
     assert (split.num_splits - 1) * split.tokens_per_split < max_context  # no empty split
+
+
+def test_whole_waves_keep_the_programs_within_one_wave():
+    """32 sequences of 8k on 132 one-program-per-SM slots: 4 splits (128 programs), where
+    rounding up would make 5 (160: a second wave of 28); a batch past the slots gets one."""
+    tiles = dict(target_programs=132, min_tokens_per_split=64, max_splits=256, BLOCK_N=64)
+    assert choose_split(32, 1, 8192, tiles).num_splits == 5
+    waves = dict(tiles, whole_waves=True)
+    assert choose_split(32, 1, 8192, waves) == (4, 2048)
+    assert choose_split(8, 1, 32768, waves) == (16, 2048)
+    assert choose_split(200, 1, 4096, waves).num_splits == 1
+    assert choose_split(1, 1, 4096, waves) == (64, 64)  # min_tokens_per_split still bounds

@@ -5,24 +5,27 @@ the context).
 
 The Triton split kernel reads the cache at 69-72% of HBM at 16 heads (benchmarks/RESULTS.md): 16
 heads are below wgmma's 64 rows, so its products run on mma.sync from registers that every tile
-refills from shared memory twice. Here:
-- a producer warp streams the split's cache blocks by TMA (four 16-token blocks per 64-token
-  tile, each as its latent halves [16, 256] and rope part [16, 64]) into a ring of STAGES slots,
-  with the next tile's block ids loaded while a tile is issued;
-- two consumer warpgroups hold the 64-row query tile (a program's heads; rows past the model's
-  heads are computed and dropped). Each computes the tile's scores (cheap: 64 x 16) and the
-  softmax, and takes half of the 512 latent columns for the PV product (64 x 256 float32
-  accumulators), so every cached byte is read once into shared memory and twice by wgmma, and
-  the queries once per 64 tokens.
+refills from shared memory twice. Here a producer warp streams the split's cache blocks by TMA
+(four 16-token blocks per 64-token tile, each as its latent halves [16, 256] and rope part
+[16, 64]) into a ring of STAGES slots, with the next tile's block ids loaded while a tile is
+issued, and the products read the tile from shared memory by wgmma. Two forms:
+- heads-major (layout "gluon_ws", many heads): two consumer warpgroups hold a 64-row query tile
+  (a program's heads; rows past the model's heads are computed and dropped). Each computes the
+  tile's scores and softmax and takes half of the 512 latent columns for the PV product (64 x 256
+  float32 accumulators).
+- tokens-major (layout "gluon_ws_tokens", 16 or 32 heads): one consumer warpgroup computes the
+  transposed problem, the tile's 64 tokens as wgmma's rows and the heads as its columns, so no
+  row is padding: scores^T [64, H], the softmax down the tokens, p^T through shared memory, and
+  out^T [512, H] in two 256-row halves.
 
 Layout contract: kv_cache [blocks, 16, 512 + 64] bf16 contiguous; q_latent [B, N, 512] and q_pe
 [B, N, 64] with rows of 16-byte aligned strides that step uniformly over (sequence, head).
 
-Status: checked on an H200 against the float32 reference (relative error 0.7e-3 to 3.0e-3: one
-split and many, a padding row, 16 and 128 heads) and timed from CUDA graphs: at 128 heads 1.41-1.47x
-the Triton heads-major kernel, so `configs/mla_attention.json` routes the H200's 128-head bucket
-here; at 16 heads (64-row tiles three quarters padding) it is 0.80x and the bucket stays on Triton
-(benchmarks/RESULTS.md, round 9).
+Status (benchmarks/RESULTS.md, MLA rounds 9-12): both forms pass the float32 checks on an H200
+and the engine's parity with transformers. Timed from CUDA graphs with one program per SM in
+whole waves (168 / 216 KiB of shared memory): tokens-major at 16 heads reads the cache at
+90-100% of HBM at full contexts (the Triton kernel 69-72%), heads-major at 128 heads is 1.8x the
+Triton kernel (compute-bound there). `configs/mla_attention.json` routes the H200's buckets here.
 """
 
 from __future__ import annotations

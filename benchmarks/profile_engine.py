@@ -4,6 +4,7 @@ time and the kernel launches per decode step, the numbers that say whether decod
 launches and Python (the case for CUDA graphs) or by kernels.
 
     python benchmarks/profile_engine.py --config benchmarks/configs/deepseek-v2-lite
+    python benchmarks/profile_engine.py --config ... --skip-prefill --batches 32 --context 8192
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rayinfer import LLM, SamplingParams  # noqa: E402
 
 
-def decode_steps(llm: LLM, batch: int, steps: int) -> None:
+def decode_steps(llm: LLM, batch: int, steps: int, context: int) -> None:
+    """Decode steps of `batch` sequences over prompts of `context` tokens (prefilled first)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 96, temperature=0, ignore_eos=True)
+    prompt = [100 + i % 1000 for i in range(context)]
     for index in range(batch):
-        engine.add_request(f"p{batch}-{index}", list(range(100, 164)), params)
+        engine.add_request(f"p{batch}-{index}", prompt, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
@@ -38,14 +41,15 @@ def decode_steps(llm: LLM, batch: int, steps: int) -> None:
         start = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - start)
-    print(f"\n=== decode batch {batch}: wall {1e3 * sorted(walls)[8]:.2f} ms/step (median of 16)")
+    wall_ms = 1e3 * sorted(walls)[8]
+    print(f"\n=== decode batch {batch}, context {context}: wall {wall_ms:.2f} ms/step (median)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     for request_id in [f"p{batch}-{index}" for index in range(batch)]:
         engine.abort(request_id)
-    report(prof, f"decode batch {batch}, {steps} steps", steps)
+    report(prof, f"decode batch {batch}, context {context}, {steps} steps", steps)
 
 
 def report(prof, title: str, steps: int) -> None:
@@ -63,12 +67,14 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     args = parser.parse_args()
     largest = max(args.batches)
-    llm = LLM(args.config, device="cuda", load_format="dummy", max_model_len=8192,
-              max_num_batched_tokens=4096, enable_prefix_caching=False,
-              max_num_seqs=max(64, largest),
-              num_kv_blocks=max(8192 * 4, largest * 256) // 16)  # fmt: skip
+    per_seq = args.context + 256  # the prompt, the steps and the block table's slack
+    llm = LLM(args.config, device="cuda", load_format="dummy",
+              max_model_len=max(8192, per_seq), max_num_batched_tokens=4096,
+              enable_prefix_caching=False, max_num_seqs=max(64, largest),
+              num_kv_blocks=max(8192 * 4, largest * per_seq) // 16)  # fmt: skip
     if not args.skip_prefill:
         first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         llm.generate([list(range(4096))], first)  # warm-up at the measured shape
@@ -78,7 +84,7 @@ def main() -> None:
             torch.cuda.synchronize()
         report(prof, "prefill 4096 tokens", 1)
     for batch in args.batches:
-        decode_steps(llm, batch, 8)
+        decode_steps(llm, batch, 8, args.context)
 
 
 if __name__ == "__main__":

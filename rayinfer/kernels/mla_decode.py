@@ -6,6 +6,7 @@ shared with GQA (paged_attention.split_k_decode) or the dedicated MLA kernel, wh
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -17,6 +18,9 @@ from rayinfer.kernels.triton_compat import triton
 # The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many
 # heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
 GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
+# RAYINFER_MLA_DECODE=triton pins the Triton kernel (the entries' "fallback" tiles) whatever the
+# config says: to compare, or to step around the Gluon kernel.
+BACKEND_ENV = "RAYINFER_MLA_DECODE"  # auto | triton
 # float32 on a GPU (parity checks, not a speed path): tiles whose pipeline fits shared memory at
 # four bytes an element, whatever the entry's bf16 tiles are.
 FLOAT32_TILES = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, USE_TMA=False,
@@ -104,7 +108,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
-    if params["layout"] in GLUON_LAYOUTS:
+    if params["layout"] in GLUON_LAYOUTS and not _pinned_to_triton():
         block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
         if mla_decode_hopper.supports(q_latent, q_pe, slots, block_size, split.tokens_per_split):
             out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
@@ -115,7 +119,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
                 block_h=block_h,
             )  # fmt: skip
             return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
-        # Not served (another dtype or GPU, other shapes): the entry's Triton tiles.
+    if params["layout"] in GLUON_LAYOUTS:  # not served (dtype, GPU, shapes) or pinned away
         params = {**params, "layout": "heads_major", **params.get("fallback", {})}
     if q_latent.dtype == torch.float32 and q_latent.is_cuda:
         params = {**params, **FLOAT32_TILES}
@@ -145,6 +149,10 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
+
+
+def _pinned_to_triton() -> bool:
+    return os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton"
 
 
 def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):

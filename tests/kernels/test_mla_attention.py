@@ -209,3 +209,20 @@ def test_the_gluon_layouts_fall_back_to_triton_tiles_off_hopper(layout, fallback
         params["fallback"] = fallback
     ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_environment_pins_the_triton_kernel(monkeypatch):
+    """RAYINFER_MLA_DECODE=triton: a Gluon layout runs the entry's fallback Triton tiles without
+    asking the Gluon kernel whether it could run."""
+    from rayinfer.kernels import mla_decode, mla_decode_hopper
+
+    def must_not_be_asked(*args):
+        raise AssertionError("the Gluon kernel was considered")
+
+    monkeypatch.setenv(mla_decode.BACKEND_ENV, "triton")
+    monkeypatch.setattr(mla_decode_hopper, "supports", must_not_be_asked)
+    params = dict(layout="gluon_ws_tokens", BLOCK_N=64, BLOCK_H=16, max_splits=4,
+                  min_tokens_per_split=64, target_programs=64,
+                  fallback=dict(BLOCK_N=16, min_tokens_per_split=16))  # fmt: skip
+    ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

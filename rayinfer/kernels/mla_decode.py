@@ -109,6 +109,8 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     if params["layout"] in GLUON_LAYOUTS and not _pinned_to_triton():
+        q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # the engine's is [N, B, L]
+        q_pe = mla_decode_hopper.with_uniform_rows(q_pe)
         block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
         if mla_decode_hopper.supports(q_latent, q_pe, slots, block_size, split.tokens_per_split):
             out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)

@@ -329,9 +329,21 @@ def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> b
     for t in (q_latent, q_pe):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16:
             return False
-        if t.stride(0) != t.shape[1] * t.stride(1) or (t.stride(1) * 2) % 16:
+        if not rows_step_uniformly(t) or (t.stride(1) * 2) % 16:
             return False
     return slots.dtype == torch.bfloat16 and slots.is_contiguous() and slots.data_ptr() % 16 == 0
+
+
+def rows_step_uniformly(t: torch.Tensor) -> bool:
+    """Whether q [B, N, D]'s (sequence, head) rows are B * N rows one stride apart (a TMA
+    descriptor's 2-D view); the engine's q_latent, a batched matmul's [N, B, L] output seen as
+    [B, N, L], is not, and the caller copies it (`with_uniform_rows`)."""
+    return t.shape[0] <= 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+def with_uniform_rows(t: torch.Tensor) -> torch.Tensor:
+    """q itself where its rows step uniformly, else a contiguous copy (B x N x 1 KiB: ~1 us)."""
+    return t if rows_step_uniformly(t) else t.contiguous()
 
 
 def _head_rows(t: torch.Tensor, block_rows: int, block_cols: int):

@@ -226,3 +226,19 @@ def test_the_environment_pins_the_triton_kernel(monkeypatch):
                   fallback=dict(BLOCK_N=16, min_tokens_per_split=16))  # fmt: skip
     ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_queries_from_a_batched_matmul_get_uniform_rows_for_the_gluon_kernel():
+    """The engine's q_latent is a batched matmul's [N, B, L] output seen as [B, N, L]: its
+    (sequence, head) rows are not one stride apart, which the Gluon kernel's 2-D TMA view needs;
+    it gets a contiguous copy, queries that already step uniformly (q_pe: a slice of the
+    projection's rows) go as they are."""
+    from rayinfer.kernels.mla_decode_hopper import rows_step_uniformly, with_uniform_rows
+
+    q_latent = torch.randn(16, 3, 512).transpose(0, 1)  # [B=3, N=16, L]
+    assert not rows_step_uniformly(q_latent)
+    copied = with_uniform_rows(q_latent)
+    assert rows_step_uniformly(copied) and torch.equal(copied, q_latent)
+    q_pe = torch.randn(3, 16, 192)[..., 128:]  # [B, N, 64] inside wider rows
+    assert rows_step_uniformly(q_pe) and with_uniform_rows(q_pe) is q_pe
+    assert rows_step_uniformly(q_latent[:1])  # one sequence: its heads' rows

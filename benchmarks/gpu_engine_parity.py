@@ -17,6 +17,7 @@ Two checks per family:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -211,6 +212,26 @@ def check_family(name: str, model_type: str, overrides: dict, folder: Path, dtyp
     )
 
 
+@contextlib.contextmanager
+def counting_gluon_mla_launches():
+    """[launches of the Gluon MLA decode split kernel] while the block runs: whether the engine's
+    decode steps reached it (the latent-512 families on an H200 should)."""
+    from rayinfer.kernels import mla_decode_hopper
+
+    launches = [0]
+    launch = mla_decode_hopper.mla_decode_ws_launch
+
+    def counted(*args, **kwargs):
+        launches[0] += 1
+        return launch(*args, **kwargs)
+
+    mla_decode_hopper.mla_decode_ws_launch = counted
+    try:
+        yield launches
+    finally:
+        mla_decode_hopper.mla_decode_ws_launch = launch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write the JSON results here")
@@ -229,9 +250,9 @@ def main() -> int:
             model_type, overrides = CASES[name]
             for dtype in args.dtypes.split(","):
                 try:
-                    rows.append(
-                        check_family(name, model_type, overrides, Path(folder), DTYPES[dtype])
-                    )
+                    with counting_gluon_mla_launches() as launches:
+                        row = check_family(name, model_type, overrides, Path(folder), DTYPES[dtype])
+                    rows.append({**row, "gluon_mla_decode_launches": launches[0]})
                 except Exception as error:  # report every family, then fail
                     error = f"{type(error).__name__}: {error}"
                     rows.append(dict(family=name, dtype=dtype, ok=False, error=error))

@@ -2,9 +2,9 @@
 the Hopper kernels (`*_hopper.py`), when the installed Triton ships it; HAS_GLUON False otherwise
 (no Triton, or an older one): those modules then define no kernels and their `supports` says no.
 
-The TMA copies were renamed between Triton 3.6 (the GPU machine's) and 3.9 (CI's);
-`tma_load` / `tma_store` are whichever this Triton has. `rows_descriptor` builds the host TMA
-descriptors the kernels take.
+The TMA copies and the thread barrier were renamed between Triton 3.6 (the GPU machine's) and
+3.9 (CI's); `tma_load` / `tma_store` / `thread_barrier` are whichever this Triton has.
+`rows_descriptor` builds the host TMA descriptors the kernels take.
 """
 
 from __future__ import annotations
@@ -26,16 +26,19 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6 | 3.9 name
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     HAS_GLUON = True
 except ImportError:  # placeholders: the Hopper modules touch them only when HAS_GLUON
     HAS_GLUON = False
     gluon = gl = mbarrier = tma = TensorDescriptor = None
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = tma_load = tma_store = None
+    thread_barrier = None
 
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier",
-    "rows_descriptor", "tma", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait",
+    "rows_descriptor", "thread_barrier", "tma", "tma_load", "tma_store", "warpgroup_mma",
+    "warpgroup_mma_wait",
 ]  # fmt: skip
 
 

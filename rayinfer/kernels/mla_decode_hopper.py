@@ -39,6 +39,7 @@ from rayinfer.kernels.gluon_compat import (
     gluon,
     mbarrier,
     rows_descriptor,
+    thread_barrier,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -60,14 +61,24 @@ if HAS_GLUON:
     TILE_BLOCKS_C = gl.constexpr(TILE_BLOCKS)
     CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
     PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
+    # The heads-major consumers' register layouts: scores [64 heads, 64 tokens], a half of the
+    # output [64, 256], p as the PV product's register operand.
+    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_BLOCKS * BLOCK_SIZE, 16]
+    ))  # fmt: skip
+    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_L, 16]
+    ))  # fmt: skip
+    P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value,
+                                                k_width=2))  # fmt: skip
 
     @gluon.jit
     def _producer(ctx, WG: gl.constexpr):
         """One warp: the queries once, then every cache block of the split into the ring."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
-        ql_smem, qp_smem, kc_smem, kp_smem, _ = smem
-        q_bar, ready, empty = bars
+        ql_smem, qp_smem, kc_smem, kp_smem, _, _ = smem
+        q_bar, ready, empty, _, _ = bars
         q_row, _ = rows
         table_ptr, first_block, last_block = table
         half: gl.constexpr = kc_desc.block_type.shape[1]
@@ -106,40 +117,55 @@ if HAS_GLUON:
         )
 
     @gluon.jit
-    def _consumer(ctx, WG: gl.constexpr):
-        """A warpgroup: every tile's scores and softmax, and PV on latent columns WG*256.."""
+    def _store_half(o, l_i, ctx, WG: gl.constexpr):
+        """A consumer's 256 latent columns of the output, divided by the softmax sums; rows of
+        real heads only (an empty split stores zeros)."""
+        descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
+        _, head_start = rows
+        out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
+        seq, split, num_heads, first_token, split_end, qk_scale = scalars
+        head_rows: gl.constexpr = o.type.shape[0]
+        half: gl.constexpr = o.type.shape[1]
+        l_safe = gl.where(l_i > 0, l_i, 1.0)
+        o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, O_LAYOUT))
+        dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, O_LAYOUT))
+        offsets = (seq * stride_ob + split * stride_os + heads.to(gl.int64)[:, None] * stride_oh
+                   + dims[None, :])  # fmt: skip
+        gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty),
+                 mask=(heads < num_heads)[:, None])  # fmt: skip
+
+    @gluon.jit
+    def _scores_consumer(ctx, WG: gl.constexpr):
+        """Warpgroup 0 of the heads-major form: every tile's scores and softmax, p handed to
+        warpgroup 1 through shared memory, then PV on latent columns 0..255 (p from registers).
+        The scores are computed once (not by both consumers): the 128-head case is
+        compute-bound."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
-        ql_smem, qp_smem, kc_smem, kp_smem, _ = smem
-        q_bar, ready, empty = bars
+        ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem = smem
+        q_bar, ready, empty, p_ready, p_free = bars
         _, head_start = rows
         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
         seq, split, num_heads, first_token, split_end, qk_scale = scalars
         head_rows: gl.constexpr = ql_desc.block_type.shape[0]
         half: gl.constexpr = kc_desc.block_type.shape[1]
         tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        cols = gl.arange(0, tile, layout=gl.SliceLayout(0, s_layout))  # [64]
+        row_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        cols = gl.arange(0, tile, layout=gl.SliceLayout(0, S_LAYOUT))  # [64]
         m_i = gl.full([head_rows], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([head_rows], gl.float32, layout=row_layout)
-        o = gl.zeros([head_rows, half], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([head_rows, tile], gl.float32, layout=s_layout)
+        o = gl.zeros([head_rows, half], gl.float32, layout=O_LAYOUT)
+        s_zero = gl.zeros([head_rows, tile], gl.float32, layout=S_LAYOUT)
         mbarrier.wait(q_bar, 0)
         for j in range(n_tiles):
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
             latent0 = kc_smem.index(2 * slot)
-            latent1 = kc_smem.index(2 * slot + 1)
             s = warpgroup_mma(ql_smem.index(0), latent0.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)  # fmt: skip
-            s = warpgroup_mma(ql_smem.index(1), latent1.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(ql_smem.index(1), kc_smem.index(2 * slot + 1).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
             s = warpgroup_mma(qp_smem, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             tokens = first_token + j * tile + cols  # [64] positions in the sequence
@@ -149,27 +175,55 @@ if HAS_GLUON:
             alpha = gl.exp2(m_i - m_new)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            value = latent0 if WG == 0 else latent1  # c_kv is the value: this consumer's half
-            o = warpgroup_mma(p, value, o, is_async=True)
+            p = p.to(gl.bfloat16)
+            # Hand p and alpha over once warpgroup 1 is done with the previous tile's.
+            mbarrier.wait(p_free, (j & 1) ^ 1)  # a fresh barrier's phase 1 counts as done
+            p_smem.store(p)
+            row_smem.store(alpha)
+            fence_async_shared()
+            thread_barrier()  # the whole warpgroup's stores before the one arrival
+            mbarrier.arrive(p_ready, count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            o = warpgroup_mma(gl.convert_layout(p, P_LAYOUT), latent0, o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             mbarrier.arrive(empty.index(slot), count=1)
 
-        # Rows of real heads only; an empty split (no tokens) stores zeros and lse -inf.
-        l_safe = gl.where(l_i > 0, l_i, 1.0)
-        o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, o_layout))
-        dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, o_layout))
-        offsets = (seq * stride_ob + split * stride_os + heads.to(gl.int64)[:, None] * stride_oh
-                   + dims[None, :])  # fmt: skip
-        is_head = (heads < num_heads)[:, None]
-        gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=is_head)
-        if WG == 0:
-            lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))  # [64] log2
-            lse_heads = head_start + gl.arange(0, head_rows, layout=row_layout)
-            gl.store(lse_ptr + (seq * num_heads + lse_heads) * stride_lse + split, lse,
-                     mask=lse_heads < num_heads)  # fmt: skip
+        # The softmax sums for warpgroup 1's normalization, after its last tile.
+        mbarrier.wait(p_free, (n_tiles & 1) ^ 1)
+        row_smem.store(l_i)
+        thread_barrier()
+        mbarrier.arrive(p_ready, count=1)
+        _store_half(o, l_i, ctx, 0)
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        lse_heads = head_start + gl.arange(0, head_rows, layout=row_layout)  # [64] log2
+        gl.store(lse_ptr + (seq * num_heads + lse_heads) * stride_lse + split, lse,
+                 mask=lse_heads < num_heads)  # fmt: skip
+
+    @gluon.jit
+    def _values_consumer(ctx, WG: gl.constexpr):
+        """Warpgroup 1 of the heads-major form: PV on latent columns 256..511 with the p and
+        alpha warpgroup 0 hands over each tile."""
+        descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
+        ql_desc, qp_desc, kc_desc, kp_desc = descs
+        ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem = smem
+        q_bar, ready, empty, p_ready, p_free = bars
+        head_rows: gl.constexpr = ql_desc.block_type.shape[0]
+        half: gl.constexpr = kc_desc.block_type.shape[1]
+        o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        o = gl.zeros([head_rows, half], gl.float32, layout=O_LAYOUT)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(p_ready, j & 1)
+            o = o * row_smem.load(o_rows)[:, None]
+            o = warpgroup_mma(p_smem, kc_smem.index(2 * slot + 1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            thread_barrier()  # every thread's reads of p and alpha before the one arrival
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.wait(p_ready, n_tiles & 1)
+        l_i = row_smem.load(o_rows)
+        _store_half(o, l_i, ctx, 1)
 
     @gluon.jit
     def _tokens_major_consumer(ctx, WG: gl.constexpr):
@@ -182,8 +236,8 @@ if HAS_GLUON:
         shared memory (the Triton kernel reloads it into registers for mma.sync)."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
-        ql_smem, qp_smem, kc_smem, kp_smem, p_smem = smem
-        q_bar, ready, empty = bars
+        ql_smem, qp_smem, kc_smem, kp_smem, p_smem, _ = smem
+        q_bar, ready, empty, _, _ = bars
         _, head_start = rows
         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
         seq, split, num_heads, first_token, split_end, qk_scale = scalars
@@ -277,9 +331,21 @@ if HAS_GLUON:
             p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, head_rows],
                                                                            dtype)  # fmt: skip
             p_smem = gl.allocate_shared_memory(dtype, [tile, head_rows], p_layout)
+            row_smem = p_smem  # unused
+            p_ready = q_bar  # unused
+            p_free = q_bar  # unused
             consumers: gl.constexpr = 1
-        else:  # two consumers, each releasing every slot
-            p_smem = qp_smem  # unused
+        else:  # two consumers, each releasing every slot; p [64, 64] and a row vector handed
+            # from the first to the second
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([head_rows, tile],
+                                                                           dtype)  # fmt: skip
+            p_smem = gl.allocate_shared_memory(dtype, [head_rows, tile], p_layout)
+            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            row_smem = gl.allocate_shared_memory(gl.float32, [head_rows], row_layout)
+            p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(p_ready, count=1)
+            mbarrier.init(p_free, count=1)
             consumers: gl.constexpr = 2
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -288,8 +354,8 @@ if HAS_GLUON:
         num_splits = gl.num_programs(2)
         ctx = (
             (ql_desc, qp_desc, kc_desc, kp_desc),
-            (ql_smem, qp_smem, kc_smem, kp_smem, p_smem),
-            (q_bar, ready, empty),
+            (ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem),
+            (q_bar, ready, empty, p_ready, p_free),
             (seq * num_heads + head_start, head_start),
             (
                 block_tables_ptr + seq * stride_table,
@@ -308,7 +374,7 @@ if HAS_GLUON:
             )
         else:
             gl.warp_specialize(
-                [(_consumer, (ctx, 0)), (_consumer, (ctx, 1)), (_producer, (ctx, 2))],
+                [(_scores_consumer, (ctx, 0)), (_values_consumer, (ctx, 1)), (_producer, (ctx, 2))],
                 [4, 1],
                 [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
             )

@@ -9,10 +9,12 @@ refills from shared memory twice. Here a producer warp streams the split's cache
 (four 16-token blocks per 64-token tile, each as its latent halves [16, 256] and rope part
 [16, 64]) into a ring of STAGES slots, with the next tile's block ids loaded while a tile is
 issued, and the products read the tile from shared memory by wgmma. Two forms:
-- heads-major (layout "gluon_ws", many heads): two consumer warpgroups hold a 64-row query tile
-  (a program's heads; rows past the model's heads are computed and dropped). Each computes the
-  tile's scores and softmax and takes half of the 512 latent columns for the PV product (64 x 256
-  float32 accumulators).
+- heads-major (layout "gluon_ws", many heads): two consumer warpgroups share a 64-row query tile
+  (a program's heads; rows past the model's heads are computed and dropped) and each takes half
+  of the 512 latent columns for the PV product (64 x 256 float32 accumulators). Warpgroup 0
+  computes the tile's scores and softmax once and hands p [64, 64] and the rescale factors to
+  warpgroup 1 through shared memory (p_ready / p_free mbarriers): at 128 heads decode is
+  compute-bound, and scores computed in both warpgroups cost 1.37x the time.
 - tokens-major (layout "gluon_ws_tokens", 16 or 32 heads): one consumer warpgroup computes the
   transposed problem, the tile's 64 tokens as wgmma's rows and the heads as its columns, so no
   row is padding: scores^T [64, H], the softmax down the tokens, p^T through shared memory, and
@@ -23,9 +25,9 @@ Layout contract: kv_cache [blocks, 16, 512 + 64] bf16 contiguous; q_latent [B, N
 
 Status (benchmarks/RESULTS.md, MLA rounds 9-12): both forms pass the float32 checks on an H200
 and the engine's parity with transformers. Timed from CUDA graphs with one program per SM in
-whole waves (168 / 216 KiB of shared memory): tokens-major at 16 heads reads the cache at
-90-100% of HBM at full contexts (the Triton kernel 69-72%), heads-major at 128 heads is 1.8x the
-Triton kernel (compute-bound there). `configs/mla_attention.json` routes the H200's buckets here.
+whole waves (168 / 225 KiB of shared memory): tokens-major at 16 heads reads the cache at
+90-100% of HBM at full contexts (the Triton kernel 69-72%), heads-major at 128 heads is 2.1-2.9x
+the Triton kernel (43-50% of HBM: compute-bound there). `configs/mla_attention.json` routes the H200's buckets here.
 """
 
 from __future__ import annotations

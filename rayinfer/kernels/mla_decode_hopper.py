@@ -27,7 +27,8 @@ Status (benchmarks/RESULTS.md, MLA rounds 9-12): both forms pass the float32 che
 and the engine's parity with transformers. Timed from CUDA graphs with one program per SM in
 whole waves (168 / 225 KiB of shared memory): tokens-major at 16 heads reads the cache at
 90-100% of HBM at full contexts (the Triton kernel 69-72%), heads-major at 128 heads is 2.1-2.9x
-the Triton kernel (43-50% of HBM: compute-bound there). `configs/mla_attention.json` routes the H200's buckets here.
+the Triton kernel (43-50% of HBM: compute-bound there). `configs/mla_attention.json` routes the
+H200's buckets here.
 """
 
 from __future__ import annotations

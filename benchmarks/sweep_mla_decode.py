@@ -131,12 +131,15 @@ WAVES = dict(target_programs=132, whole_waves=True)
 # compute-bound. On an H200: correct, 0.080 / 0.148 / 0.300 ms against round 12's 0.108 / 0.200
 # / 0.398 (1.33-1.35x); at 16 heads still behind the tokens-major form (0.084 / 0.084 / 0.166
 # against 0.079 / 0.079 / 0.143 at 8 x 32k / 32 x 8k / 128 x 4k).
+# Round 14: the combine over more programs ("COMBINE_BLOCK_L": latent columns a program), for
+# a single long context, where 16 (sequence, head) programs each reduce 128 splits.
 CONFIGS = [
-    (128, SHIPPED[128]),
-    (128, TRITON_128),
     (16, SHIPPED[16]),
-    (16, gluon_ws(16, **WAVES)),
+    (16, {**SHIPPED[16], "COMBINE_BLOCK_L": 128}),
+    (16, {**SHIPPED[16], "COMBINE_BLOCK_L": 64}),
     (128, SHIPPED[128]),
+    (128, {**SHIPPED[128], "COMBINE_BLOCK_L": 128}),
+    (16, SHIPPED[16]),
 ]
 
 SMOKE_CASES = {4: [(1, 40), (3, 17)], 20: [(2, 33)]}
@@ -320,6 +323,8 @@ def config_name(params: dict) -> str:
     options = [name for key, name in OPTION_NAMES.items() if params.get(key)]
     if params["max_splits"] != SPLITS["max_splits"]:
         options.insert(0, f"max{params['max_splits']}")
+    if "COMBINE_BLOCK_L" in params:
+        options.append(f"cL{params['COMBINE_BLOCK_L']}")
     return " ".join([params["layout"], tiles, splits, f"m{params['min_tokens_per_split']}",
                      *options])  # fmt: skip
 

@@ -242,3 +242,17 @@ def test_queries_from_a_batched_matmul_get_uniform_rows_for_the_gluon_kernel():
     q_pe = torch.randn(3, 16, 192)[..., 128:]  # [B, N, 64] inside wider rows
     assert rows_step_uniformly(q_pe) and with_uniform_rows(q_pe) is q_pe
     assert rows_step_uniformly(q_latent[:1])  # one sequence: its heads' rows
+
+
+def test_the_combine_narrows_its_columns_only_for_few_rows():
+    """COMBINE_MIN_PROGRAMS 132: one sequence's 16 heads reduce 64 latent columns a program (128
+    programs), 32 sequences' whole rows (512 programs); COMBINE_BLOCK_L caps either."""
+    from rayinfer.kernels.mla_decode import combine_columns
+
+    params = dict(COMBINE_MIN_PROGRAMS=132)
+    assert combine_columns(16, 512, params) == 64
+    assert combine_columns(8 * 16, 512, params) == 256
+    assert combine_columns(32 * 16, 512, params) == 512
+    assert combine_columns(32 * 16, 512, {}) == 512
+    assert combine_columns(16, 512, dict(COMBINE_BLOCK_L=128)) == 128
+    assert combine_columns(1, 512, dict(COMBINE_MIN_PROGRAMS=10_000)) == 64  # the floor

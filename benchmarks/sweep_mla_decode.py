@@ -39,6 +39,7 @@ SPLITS = dict(target_programs=528, min_tokens_per_split=256, max_splits=256)
 # (batch, context) per head bucket: DeepSeek-V2-Lite / V3 at TP8 have 16 heads, V3 at TP1 128.
 CASES = {
     16: [(1, 512), (1, 4096), (1, 131072), (8, 32768), (32, 8192), (128, 4096)],
+    32: [(1, 131072), (8, 32768), (32, 8192)],  # DeepSeek-V3 at TP=4: the 128-head entry today
     128: [(1, 131072), (8, 32768), (128, 4096)],
 }
 
@@ -136,7 +137,15 @@ WAVES = dict(target_programs=132, whole_waves=True)
 # took 1 x 128k from 0.052 to 0.047 ms (76% of HBM) and 1 x 4k from 0.012 to 0.010, but 32 x 8k
 # from 0.078 to 0.080 (16k combine programs). Shipped as "COMBINE_MIN_PROGRAMS" 132 (narrower
 # only where fewer rows run). Round 15: the shipped configs, as a check.
-CONFIGS = [(16, SHIPPED[16]), (128, SHIPPED[128]), (16, SHIPPED[16])]
+# Round 16: 32 heads (DeepSeek-V3 at TP=4), which the "smallest bucket >= heads" rule sends to
+# the 128-head entry (heads-major, 64-row tiles: half padding), against the tokens-major form
+# over 32 heads (N = 32) and over 16 (two programs a sequence).
+CONFIGS = [
+    (32, SHIPPED[128]),
+    (32, {**gluon_tokens(32, **WAVES), "COMBINE_MIN_PROGRAMS": 132}),
+    (32, {**gluon_tokens(16, **WAVES), "COMBINE_MIN_PROGRAMS": 132}),
+    (32, SHIPPED[128]),
+]
 
 SMOKE_CASES = {4: [(1, 40), (3, 17)], 20: [(2, 33)]}
 SMOKE_SPLITS = dict(target_programs=8, min_tokens_per_split=16)

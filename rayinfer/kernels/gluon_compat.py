@@ -5,13 +5,21 @@ the Hopper kernels (`*_hopper.py`), when the installed Triton ships it; HAS_GLUO
 The TMA copies and the thread barrier were renamed between Triton 3.6 (the GPU machine's) and
 3.9 (CI's); `tma_load` / `tma_store` / `thread_barrier` are whichever this Triton has.
 `rows_descriptor` builds the host TMA descriptors the kernels take.
+
+Gluon is experimental and its API moves between Triton releases, so a kernel that builds with
+the Triton the GPU machine has may not build with a user's. The callers run a Gluon kernel only
+while `gluon_enabled(name)`, and report a build failure (`GLUON_BUILD_ERRORS`) with
+`gluon_failed(name, error)`: a warning, once, and the Triton kernel from then on.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     from triton.experimental import gluon
@@ -29,17 +37,42 @@ try:
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6 | 3.9 name
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     HAS_GLUON = True
-except ImportError:  # placeholders: the Hopper modules touch them only when HAS_GLUON
-    HAS_GLUON = False
+except (ImportError, AttributeError):  # placeholders: the Hopper modules use them only when
+    HAS_GLUON = False  # HAS_GLUON
     gluon = gl = mbarrier = tma = TensorDescriptor = None
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = tma_load = tma_store = None
     thread_barrier = None
 
+try:  # what a kernel that does not build (or fit) with this Triton raises
+    from triton.errors import TritonError
+
+    GLUON_BUILD_ERRORS: tuple = (TritonError,)
+except ImportError:
+    GLUON_BUILD_ERRORS = ()
+
 __all__ = [
-    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier",
-    "rows_descriptor", "thread_barrier", "tma", "tma_load", "tma_store", "warpgroup_mma",
-    "warpgroup_mma_wait",
+    "GLUON_BUILD_ERRORS", "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl",
+    "gluon", "gluon_enabled", "gluon_failed", "mbarrier", "rows_descriptor", "thread_barrier",
+    "tma", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
+
+_FAILED: set[str] = set()  # kernels whose Gluon form failed to build in this process
+
+
+def gluon_enabled(kernel: str) -> bool:
+    """Whether `kernel`'s Gluon form may run: this Triton has Gluon and it has not failed here."""
+    return HAS_GLUON and kernel not in _FAILED
+
+
+def gluon_failed(kernel: str, error: Exception) -> None:
+    """`kernel`'s Gluon form failed to build: a warning naming the error, and its Triton form
+    from now on (in this process)."""
+    _FAILED.add(kernel)
+    import triton
+
+    logger.warning("%s: the Gluon kernel did not build with Triton %s (%s: %s); the Triton "
+                   "kernel runs instead", kernel, triton.__version__, type(error).__name__,
+                   str(error).splitlines()[0] if str(error) else "")  # fmt: skip
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import os
 import torch
 
 from rayinfer.kernels import mla_decode_hopper, paged_attention
+from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
 from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel, _mla_decode_split_kernel
 from rayinfer.kernels.paged_attention import choose_split, dot_precision, split_k_decode
 from rayinfer.kernels.triton_compat import triton
@@ -21,6 +22,7 @@ GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
 # RAYINFER_MLA_DECODE=triton pins the Triton kernel (the entries' "fallback" tiles) whatever the
 # config says: to compare, or to step around the Gluon kernel.
 BACKEND_ENV = "RAYINFER_MLA_DECODE"  # auto | triton
+GLUON_KERNEL = "mla_decode"  # its name for gluon_compat's failure record
 # float32 on a GPU (parity checks, not a speed path): tiles whose pipeline fits shared memory at
 # four bytes an element, whatever the entry's bf16 tiles are.
 FLOAT32_TILES = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, USE_TMA=False,
@@ -67,11 +69,20 @@ def mla_decode_attention(
 
 
 def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
-    """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R]."""
+    """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R].
+    A Gluon split kernel that does not build with this Triton is reported once, and the Triton
+    kernel answers this call and the later ones."""
     out, launch_split, launch_combine = mla_decode_launches(
         q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size
     )
-    launch_split()
+    try:
+        launch_split()
+    except GLUON_BUILD_ERRORS as error:
+        if getattr(launch_split, "func", None) is not mla_decode_hopper.mla_decode_ws_launch:
+            raise  # the Triton kernel's own failure
+        gluon_failed(GLUON_KERNEL, error)
+        return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
+                                   block_size)  # fmt: skip
     if launch_combine is not None:
         launch_combine()
     return out
@@ -108,7 +119,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
-    if params["layout"] in GLUON_LAYOUTS and not _pinned_to_triton():
+    if params["layout"] in GLUON_LAYOUTS and _gluon_allowed():
         q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # the engine's is [N, B, L]
         q_pe = mla_decode_hopper.with_uniform_rows(q_pe)
         block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
@@ -153,8 +164,10 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
 
 
-def _pinned_to_triton() -> bool:
-    return os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton"
+def _gluon_allowed() -> bool:
+    """Not pinned to Triton (RAYINFER_MLA_DECODE), and the Gluon kernel has not failed to build."""
+    pinned = os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton"
+    return not pinned and gluon_enabled(GLUON_KERNEL)
 
 
 def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):

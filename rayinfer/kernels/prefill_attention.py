@@ -44,6 +44,7 @@ from itertools import accumulate
 import torch
 
 from rayinfer.kernels import prefill_attention_hopper
+from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
 from rayinfer.kernels.paged_attention import (
     causal_attention,
     dot_precision,
@@ -55,6 +56,7 @@ from rayinfer.kernels.prefill_attention_tiles import RESCALE_THRESHOLD  # noqa: 
 from rayinfer.kernels.triton_compat import triton
 
 BACKEND_ENV = "RAYINFER_PREFILL_ATTENTION"  # auto (the config's backend) | triton
+GLUON_KERNEL = "prefill_attention"  # its name for gluon_compat's failure record
 LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False,
                       CONDITIONAL_RESCALE=False)  # fmt: skip
 
@@ -137,12 +139,17 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
     params = launch_params("prefill_attention", query.device, query.shape[-1])
     if is_paged:  # K/V through block tables and pointers: the entry's "paged" tiles, if it has any
         params = {**params, **(params.get("paged") or {})}
-    elif _backend(params) == "gluon_ws" and prefill_attention_hopper.supports(
-        query, key, value, is_causal
+    elif (
+        _backend(params) == "gluon_ws"
+        and gluon_enabled(GLUON_KERNEL)
+        and prefill_attention_hopper.supports(query, key, value, is_causal)
     ):
-        return prefill_attention_hopper.prefill_attention_ws(
-            query, key, value, cu_seqlens_q, kv_lens, max_query_len, scale, out
-        )
+        try:
+            return prefill_attention_hopper.prefill_attention_ws(
+                query, key, value, cu_seqlens_q, kv_lens, max_query_len, scale, out
+            )
+        except GLUON_BUILD_ERRORS as error:  # another Triton's Gluon: the Triton kernel below
+            gluon_failed(GLUON_KERNEL, error)
     block_m, block_n = params["BLOCK_M"], params["BLOCK_N"]
     options = _launch_options(params, (query, key, value, out), (dim0,), is_paged)
     num_tiles = triton.cdiv(max(max_query_len, 1), block_m)

@@ -256,3 +256,31 @@ def test_the_combine_narrows_its_columns_only_for_few_rows():
     assert combine_columns(32 * 16, 512, {}) == 512
     assert combine_columns(16, 512, dict(COMBINE_BLOCK_L=128)) == 128
     assert combine_columns(1, 512, dict(COMBINE_MIN_PROGRAMS=10_000)) == 64  # the floor
+
+
+def test_a_gluon_split_kernel_that_does_not_build_hands_over_to_triton(monkeypatch, caplog):
+    """The Gluon split kernel failing to build (another Triton's Gluon) is logged once; the
+    entry's fallback Triton tiles answer that call and the later ones."""
+    from triton.runtime.errors import OutOfResources
+
+    from rayinfer.kernels import gluon_compat, mla_decode_hopper
+
+    monkeypatch.setattr(gluon_compat, "HAS_GLUON", True)
+    monkeypatch.setattr(gluon_compat, "_FAILED", set())
+    monkeypatch.setattr(mla_decode_hopper, "supports", lambda *args: True)
+    attempts = []
+
+    def does_not_build(*args, **kwargs):
+        attempts.append(1)
+        raise OutOfResources(240_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(mla_decode_hopper, "mla_decode_ws_launch", does_not_build)
+    params = dict(layout="gluon_ws_tokens", BLOCK_N=64, BLOCK_H=16, max_splits=4,
+                  min_tokens_per_split=64, target_programs=64,
+                  fallback=dict(BLOCK_N=16, min_tokens_per_split=16))  # fmt: skip
+    with caplog.at_level("WARNING", logger=gluon_compat.__name__):
+        for _ in range(2):
+            ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
+            torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert attempts == [1]
+    assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]

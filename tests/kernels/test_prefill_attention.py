@@ -275,3 +275,34 @@ def test_the_environment_pins_the_triton_kernel(monkeypatch):
     assert prefill_module._backend({}) == "triton"
     monkeypatch.setenv(prefill_module.BACKEND_ENV, "triton")
     assert prefill_module._backend({"backend": "gluon_ws"}) == "triton"
+
+
+def test_a_gluon_kernel_that_does_not_build_hands_over_to_triton(monkeypatch, caplog):
+    """Another Triton's Gluon may not build the warp-specialized kernel: the failure is logged
+    once and the Triton kernel answers this call and the later ones."""
+    from triton.runtime.errors import OutOfResources
+
+    from rayinfer.kernels import gluon_compat, prefill_attention_hopper
+
+    monkeypatch.setattr(gluon_compat, "HAS_GLUON", True)
+    monkeypatch.setattr(gluon_compat, "_FAILED", set())
+    original = prefill_module.launch_params
+    monkeypatch.setattr(
+        prefill_module,
+        "launch_params",
+        lambda op, device, bucket=1: {**original(op, device, bucket), "backend": "gluon_ws"},
+    )
+    monkeypatch.setattr(prefill_attention_hopper, "supports", lambda *args: True)
+    attempts = []
+
+    def does_not_build(*args):
+        attempts.append(1)
+        raise OutOfResources(240_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(prefill_attention_hopper, "prefill_attention_ws", does_not_build)
+    with caplog.at_level("WARNING", logger=gluon_compat.__name__):
+        for _ in range(2):
+            ours, reference = run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)
+            torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert attempts == [1]
+    assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]

@@ -1,4 +1,5 @@
-"""Tuned tile files: bucket choice, and every shipped fused_moe/fp8_gemm entry is launchable."""
+"""Tuned tile files: bucket choice, and every shipped fused_moe / fp8_gemm / MLA decode entry is
+launchable."""
 
 import json
 
@@ -13,6 +14,8 @@ OPTIONAL_KEYS = {"USE_TMA", "TAIL_M", "GATE_UP_ONE_DOT", "K_UNROLL"}
 def _entries(op):
     path = CONFIG_DIR / f"{op}.json"
     for device, shapes in json.loads(path.read_text()).items():
+        if device.startswith("_"):  # notes ("_measured")
+            continue
         for shape, buckets in shapes.items():
             for bucket, config in buckets.items():
                 yield device, shape, bucket, config
@@ -39,6 +42,29 @@ def test_fused_moe_entries_share_block_m(entry):
 @pytest.mark.parametrize("entry", list(_entries("fp8_gemm")), ids=lambda e: "/".join(e[:3]))
 def test_fp8_gemm_entries(entry):
     _check_tile(entry[3], fp8=True)
+
+
+MLA_KEYS = {"layout", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "target_programs",
+            "min_tokens_per_split", "max_splits"}  # fmt: skip
+MLA_OPTIONS = {"USE_TMA", "WARP_SPECIALIZE", "EVICT_FIRST", "TABLE_IN_LOOP", "whole_waves",
+               "COMBINE_BLOCK_L", "COMBINE_MIN_PROGRAMS", "fallback"}  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", list(_entries("mla_attention")), ids=lambda e: "/".join(e[:3]))
+def test_mla_decode_entries(entry):
+    """Known keys and layouts; a Gluon entry's tiles are the kernel's 64-token tiles, and its
+    "fallback" (the Triton tiles where the Gluon kernel cannot run) holds tile keys only."""
+    from rayinfer.kernels import mla_decode, mla_decode_hopper
+
+    config = entry[3]
+    assert MLA_KEYS <= set(config) <= MLA_KEYS | MLA_OPTIONS, config
+    assert config["layout"] in {"tokens_major", "heads_major", *mla_decode.GLUON_LAYOUTS}
+    if config["layout"] in mla_decode.GLUON_LAYOUTS:
+        assert config["BLOCK_N"] == mla_decode_hopper.BLOCK_SIZE * mla_decode_hopper.TILE_BLOCKS
+        assert config["BLOCK_H"] in (16, 32, 64)
+        assert set(config.get("fallback", {})) <= (MLA_KEYS | MLA_OPTIONS) - {"layout", "fallback"}
+    else:
+        assert "fallback" not in config, "only a Gluon entry falls back"
 
 
 def test_buckets_pick_the_smallest_at_least_m_then_the_largest():

@@ -146,7 +146,12 @@ class MLAAttention(nn.Module):
             tables = attn.block_tables[seqs]
             seq_lens = [attn.seq_lens_cpu[i] for i in seqs]
         w_uk, w_uv = self._kv_b_weights()
-        q_latent = torch.einsum("bnd,ndl->bnl", q_nope[rows], w_uk)  # [B, N, L]
+        # [B, N, L] with each sequence's heads one row apart, what the Gluon decode kernel's
+        # TMA view needs: bmm writes its [N, B, L] result through the transposed view (an
+        # einsum returns [N, B, L] storage, which the kernel's launcher would copy).
+        q_nope_rows = q_nope[rows]
+        q_latent = q_nope_rows.new_empty(q_nope_rows.shape[0], w_uk.shape[0], w_uk.shape[2])
+        torch.bmm(q_nope_rows.transpose(0, 1), w_uk, out=q_latent.transpose(0, 1))
         latent_out = ops.mla_decode_attention(
             q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale
         )  # [B, N, L]

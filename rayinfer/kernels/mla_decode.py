@@ -19,6 +19,7 @@ from rayinfer.kernels.triton_compat import triton
 # The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many
 # heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
 GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
+GLUON_SPLIT_KEYS = ("whole_waves", "programs_per_sm")  # a Gluon entry's split policy only
 # RAYINFER_MLA_DECODE=triton pins the Triton kernel (the entries' "fallback" tiles) whatever the
 # config says: to compare, or to step around the Gluon kernel.
 BACKEND_ENV = "RAYINFER_MLA_DECODE"  # auto | triton
@@ -116,12 +117,17 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     entries in its own iteration (pipelined asynchronously) instead of one tile ahead,
     "WARP_SPECIALIZE" runs that TMA loop with
     `tl.range(..., warp_specialize=True)`, "EVICT_FIRST" marks the pointer loads of the cache
-    evict-first (the stream is read once; the partial outputs stay in L2 for the combine)."""
+    evict-first (the stream is read once; the partial outputs stay in L2 for the combine).
+
+    A Gluon entry (layout in GLUON_LAYOUTS) also has "whole_waves" and "programs_per_sm" (its
+    split policy: one program per SM, see choose_split) and "fallback", the Triton tiles that
+    run where the Gluon kernel cannot (`triton_fallback`)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     if params["layout"] in GLUON_LAYOUTS and _gluon_allowed():
-        q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # the engine's is [N, B, L]
+        q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # heads one row apart
         q_pe = mla_decode_hopper.with_uniform_rows(q_pe)
+        params = _per_sm(params, q_latent.device)
         block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
         if mla_decode_hopper.supports(q_latent, q_pe, slots, block_size, split.tokens_per_split):
             out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
@@ -133,7 +139,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
             )  # fmt: skip
             return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
     if params["layout"] in GLUON_LAYOUTS:  # not served (dtype, GPU, shapes) or pinned away
-        params = {**params, "layout": "heads_major", **params.get("fallback", {})}
+        params = triton_fallback(params)
     if q_latent.dtype == torch.float32 and q_latent.is_cuda:
         params = {**params, **FLOAT32_TILES}
     block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
@@ -168,6 +174,23 @@ def _gluon_allowed() -> bool:
     """Not pinned to Triton (RAYINFER_MLA_DECODE), and the Gluon kernel has not failed to build."""
     pinned = os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton"
     return not pinned and gluon_enabled(GLUON_KERNEL)
+
+
+def triton_fallback(params: dict) -> dict:
+    """A Gluon entry's Triton tiles: its "fallback" keys over the entry, heads-major, without
+    the split policy of a kernel that runs one program per SM ("whole_waves",
+    "programs_per_sm")."""
+    kept = {k: v for k, v in params.items() if k not in GLUON_SPLIT_KEYS}
+    return {**kept, "layout": "heads_major", **params.get("fallback", {})}
+
+
+def _per_sm(params: dict, device: torch.device) -> dict:
+    """Turns "programs_per_sm" (an entry for GPUs of any SM count) into target_programs here."""
+    per_sm = params.get("programs_per_sm")
+    if not per_sm or device.type != "cuda":
+        return params
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return {**params, "target_programs": per_sm * sms}
 
 
 def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):

@@ -284,3 +284,20 @@ def test_a_gluon_split_kernel_that_does_not_build_hands_over_to_triton(monkeypat
             torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     assert attempts == [1]
     assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]
+
+
+def test_the_triton_fallback_of_a_gluon_entry_is_the_tiles_it_had():
+    """Where the Gluon kernel cannot run (another GPU, float32), the H200's 16-head entry runs
+    the Triton tiles it shipped before, without the one-program-per-SM split policy."""
+    from rayinfer.kernels.mla_decode import triton_fallback
+    from rayinfer.kernels.tile_configs import pick_tile_config
+
+    shipped_before = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3,
+                          target_programs=528, min_tokens_per_split=32, max_splits=256)  # fmt: skip
+    for device in ("NVIDIA H200", "default"):
+        entry = pick_tile_config("mla_attention", device, "default", 16)
+        assert entry["layout"] == "gluon_ws_tokens" and entry["whole_waves"]
+        tiles = triton_fallback(entry)
+        assert tiles["layout"] == "heads_major" and "whole_waves" not in tiles
+        assert "programs_per_sm" not in tiles
+        assert {key: tiles[key] for key in shipped_before} == shipped_before

@@ -47,7 +47,8 @@ def test_fp8_gemm_entries(entry):
 MLA_KEYS = {"layout", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "target_programs",
             "min_tokens_per_split", "max_splits"}  # fmt: skip
 MLA_OPTIONS = {"USE_TMA", "WARP_SPECIALIZE", "EVICT_FIRST", "TABLE_IN_LOOP", "whole_waves",
-               "COMBINE_BLOCK_L", "COMBINE_MIN_PROGRAMS", "fallback"}  # fmt: skip
+               "programs_per_sm", "COMBINE_BLOCK_L", "COMBINE_MIN_PROGRAMS",
+               "fallback"}  # fmt: skip
 
 
 @pytest.mark.parametrize("entry", list(_entries("mla_attention")), ids=lambda e: "/".join(e[:3]))

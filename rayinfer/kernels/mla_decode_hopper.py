@@ -64,16 +64,6 @@ if HAS_GLUON:
     TILE_BLOCKS_C = gl.constexpr(TILE_BLOCKS)
     CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
     PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
-    # The heads-major consumers' register layouts: scores [64 heads, 64 tokens], a half of the
-    # output [64, 256], p as the PV product's register operand.
-    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_BLOCKS * BLOCK_SIZE, 16]
-    ))  # fmt: skip
-    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_L, 16]
-    ))  # fmt: skip
-    P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value,
-                                                k_width=2))  # fmt: skip
 
     @gluon.jit
     def _producer(ctx, WG: gl.constexpr):
@@ -129,10 +119,11 @@ if HAS_GLUON:
         seq, split, num_heads, first_token, split_end, qk_scale = scalars
         head_rows: gl.constexpr = o.type.shape[0]
         half: gl.constexpr = o.type.shape[1]
+        o_layout: gl.constexpr = o.type.layout
         l_safe = gl.where(l_i > 0, l_i, 1.0)
-        o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, O_LAYOUT))
-        dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, O_LAYOUT))
+        o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, o_layout))
+        dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, o_layout))
         offsets = (seq * stride_ob + split * stride_os + heads.to(gl.int64)[:, None] * stride_oh
                    + dims[None, :])  # fmt: skip
         gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty),
@@ -154,12 +145,19 @@ if HAS_GLUON:
         head_rows: gl.constexpr = ql_desc.block_type.shape[0]
         half: gl.constexpr = kc_desc.block_type.shape[1]
         tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
-        row_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-        cols = gl.arange(0, tile, layout=gl.SliceLayout(0, S_LAYOUT))  # [64]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols = gl.arange(0, tile, layout=gl.SliceLayout(0, s_layout))  # [64]
         m_i = gl.full([head_rows], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([head_rows], gl.float32, layout=row_layout)
-        o = gl.zeros([head_rows, half], gl.float32, layout=O_LAYOUT)
-        s_zero = gl.zeros([head_rows, tile], gl.float32, layout=S_LAYOUT)
+        o = gl.zeros([head_rows, half], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([head_rows, tile], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
         for j in range(n_tiles):
             slot = j % STAGES
@@ -186,8 +184,8 @@ if HAS_GLUON:
             fence_async_shared()
             thread_barrier()  # the whole warpgroup's stores before the one arrival
             mbarrier.arrive(p_ready, count=1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            o = warpgroup_mma(gl.convert_layout(p, P_LAYOUT), latent0, o, is_async=True)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            o = warpgroup_mma(gl.convert_layout(p, p_layout), latent0, o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             mbarrier.arrive(empty.index(slot), count=1)
 
@@ -212,8 +210,11 @@ if HAS_GLUON:
         q_bar, ready, empty, p_ready, p_free = bars
         head_rows: gl.constexpr = ql_desc.block_type.shape[0]
         half: gl.constexpr = kc_desc.block_type.shape[1]
-        o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        o = gl.zeros([head_rows, half], gl.float32, layout=O_LAYOUT)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
+        )
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        o = gl.zeros([head_rows, half], gl.float32, layout=o_layout)
         for j in range(n_tiles):
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)

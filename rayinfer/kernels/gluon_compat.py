@@ -22,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 try:
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -68,8 +69,6 @@ def gluon_failed(kernel: str, error: Exception) -> None:
     """`kernel`'s Gluon form failed to build: a warning naming the error, and its Triton form
     from now on (in this process)."""
     _FAILED.add(kernel)
-    import triton
-
     logger.warning("%s: the Gluon kernel did not build with Triton %s (%s: %s); the Triton "
                    "kernel runs instead", kernel, triton.__version__, type(error).__name__,
                    str(error).splitlines()[0] if str(error) else "")  # fmt: skip

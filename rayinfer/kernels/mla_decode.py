@@ -189,8 +189,14 @@ def _per_sm(params: dict, device: torch.device) -> dict:
     per_sm = params.get("programs_per_sm")
     if not per_sm or device.type != "cuda":
         return params
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return {**params, "target_programs": per_sm * sms}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return {**params, "target_programs": per_sm * _sm_count(index)}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    """SMs of a CUDA device (asked once: this runs on every decode call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):

@@ -31,6 +31,8 @@ import torch  # noqa: E402
 from rayinfer.bench.attention_cases import gather_paged, paged_mla_case  # noqa: E402
 from rayinfer.bench.attention_timings import launch_params_override  # noqa: E402
 from rayinfer.kernels import mla_attention  # noqa: E402
+from rayinfer.kernels.mla_decode import triton_fallback  # noqa: E402
+from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.23e12  # H200 HBM copy
 LATENT_RANK, ROPE_DIM, BLOCK_SIZE = 512, 64, 16
@@ -58,16 +60,12 @@ def heads_major(block_h, block_n, warps, stages, **options) -> dict:
 TMA = dict(USE_TMA=True)
 WS = dict(USE_TMA=True, WARP_SPECIALIZE=True)
 EVICT = dict(EVICT_FIRST=True)
-SHIPPED = {  # configs/mla_attention.json on H200 (2026-11-30, round 12): the same-run reference
-    16: {**heads_major(16, 64, 4, 2, target_programs=132, min_tokens_per_split=64,
-                       whole_waves=True), "layout": "gluon_ws_tokens", "COMBINE_MIN_PROGRAMS": 132},
-    32: {**heads_major(32, 64, 4, 2, target_programs=132, min_tokens_per_split=64,
-                       whole_waves=True), "layout": "gluon_ws_tokens", "COMBINE_MIN_PROGRAMS": 132},
-    128: {**heads_major(64, 64, 4, 2, target_programs=132, min_tokens_per_split=64,
-                        whole_waves=True), "layout": "gluon_ws"},
-}  # fmt: skip
-TRITON_16 = heads_major(16, 32, 4, 3, min_tokens_per_split=32)  # shipped before round 10
-TRITON_128 = heads_major(64, 64, 8, 3, TABLE_IN_LOOP=True)  # shipped before round 9
+SHIPPED = {  # configs/mla_attention.json's H200 entries: the same-run reference
+    heads: pick_tile_config("mla_attention", "NVIDIA H200", "default", heads)
+    for heads in (16, 32, 128)
+}
+TRITON_16 = triton_fallback(SHIPPED[16])  # their Triton tiles: shipped before rounds 10 and 9
+TRITON_128 = triton_fallback(SHIPPED[128])
 
 # In priority order (the time budget may cut the tail); the shipped configs first.
 # Rounds 1-2 (2026-11-30, benchmarks/RESULTS.md): 32-token tokens-major tiles at 3 stages won;

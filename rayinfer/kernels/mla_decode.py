@@ -180,7 +180,7 @@ def triton_fallback(params: dict) -> dict:
     """A Gluon entry's Triton tiles: its "fallback" keys over the entry, heads-major, without
     the split policy of a kernel that runs one program per SM ("whole_waves",
     "programs_per_sm")."""
-    kept = {k: v for k, v in params.items() if k not in GLUON_SPLIT_KEYS}
+    kept = {k: v for k, v in params.items() if k not in (*GLUON_SPLIT_KEYS, "fallback")}
     return {**kept, "layout": "heads_major", **params.get("fallback", {})}
 
 

@@ -129,7 +129,7 @@ GRAPH_PLANS = [
 ]
 
 
-def check_decode_graphs(paths: dict[str, Path], device: str) -> list[dict]:
+def check_decode_graphs(paths: dict[str, Path], device: str, transport: str = "auto") -> list[dict]:
     import ray
 
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -140,12 +140,14 @@ def check_decode_graphs(paths: dict[str, Path], device: str) -> list[dict]:
         common = dict(device=device, dtype="float32", max_model_len=512, max_num_seqs=8)
         if family not in expected:
             expected[family] = tokens_of(rayinfer.LLM(path, **common), prompts)
-        llm = rayinfer.LLM(path, parallel=plan, cuda_graphs=True, **common)
+        exchange = {"transport": transport}
+        llm = rayinfer.LLM(path, parallel=plan, cuda_graphs=True, all_to_all=exchange, **common)
         steps = llm.engine.executor.step_counts
         capture_s = llm.graph_capture_seconds
         got = tokens_of(llm, prompts)
         row = dict(
             check="decode_graphs", family=family, plan=str(plan), prompts=len(prompts),
+            transport=transport,
             exact=got == expected[family][chosen], graph_steps=steps["graph"],
             eager_steps=steps["eager"], capture_s=capture_s,
         )  # fmt: skip
@@ -322,6 +324,11 @@ def main() -> int:
         action="store_true",
         help="only decode CUDA graphs across workers (dp=2 ep=2, tp=2 ep=2, an idle replica)",
     )
+    parser.add_argument(
+        "--graph-transport",
+        default="auto",
+        help="all_to_all.transport of the decode-graph checks (auto, dist, host)",
+    )
     parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
     parser.add_argument(
         "--decode-kernels-only",
@@ -334,7 +341,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = checkpoints(Path(tmp))
         if args.decode_graphs_only:
-            rows += check_decode_graphs(paths, device)
+            rows += check_decode_graphs(paths, device, args.graph_transport)
         elif args.moe_pack_only:
             rows.append(check_moe_pack(device))
         elif args.decode_kernels_only:  # on CPU tests/kernels/test_{moe_routing_kernel,

@@ -359,9 +359,10 @@ def graph_blocker(
 ) -> str | None:
     """Why decode steps of this plan cannot run from CUDA graphs, or None when they can.
 
-    Collectives inside the forward are captured as NCCL kernels: tensor-parallel all-reduces,
-    and the experts' token exchange when every token goes to every rank (static sizes: every
-    rank pads its decode batch to the bucket the group agreed on)."""
+    Collectives inside the forward are captured: tensor-parallel all-reduces as NCCL kernels,
+    and the experts' token exchange (NCCL, or the host-staged transport's replayable protocol)
+    when every token goes to every rank (static sizes: every rank pads its decode batch to the
+    bucket the group agreed on)."""
     if not plan.experts_exchange_tokens:
         return None
     return exchange_graph_blocker(all_to_all, prefix)
@@ -369,14 +370,9 @@ def graph_blocker(
 
 def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
     """Why a token exchange with these options cannot be replayed from a graph, or None: the
-    host-staged transport queues flag values that change every call, and the deduplicated
-    exchange sizes itself from the routing on the host."""
+    deduplicated exchange sizes itself from the routing on the host. (The host-staged transport
+    replays: captured, it hands chunks over with two-state flags, comm/flag_pipeline.py.)"""
     options = all_to_all or {}
-    if options.get("transport") == "host":
-        return (
-            f"{prefix}all_to_all.transport=host exchanges through host flags that a graph "
-            "cannot replay (use auto or dist)"
-        )
     if options.get("dedup") is True:
         return f"{prefix}all_to_all.dedup=true sizes the exchange from the routing on the host"
     return None

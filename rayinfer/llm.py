@@ -45,9 +45,10 @@ class LLM:
     rank anyway, see rayinfer.comm.moe).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
-    captured; with several workers their collectives are captured as NCCL kernels and every
-    data-parallel replica pads its decodes to the bucket of the largest, which rules out the
-    host-staged or deduplicated token exchange, see config.graph_blocker; the capture time is
+    captured; with several workers their collectives are captured (NCCL kernels, or the
+    host-staged exchange's replayable copies) and every data-parallel replica pads its decodes
+    to the bucket of the largest, which rules out the deduplicated token exchange, see
+    config.graph_blocker; the capture time is
     `LLM.graph_capture_seconds`).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a

@@ -31,6 +31,7 @@ A2A_VARIANTS = [
     "pairwise/dist",
     "nccl/host",
     "nccl/host-cpu",
+    "nccl/host-mbox",
     "pairwise/host",
     "auto",
     "fp8 rows host",
@@ -108,7 +109,7 @@ def _worker(rank: int, args, port: int, path: str) -> None:
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, args.world_size + 1, False, timeout=timeout)
     group = RayinferGroup(args.world_size, rank, "bench", store=store)
-    _add_cpu_driven_host_transport(group)
+    _add_baseline_host_transports(group)
     phase = Path(path).stem
     checks = check_correctness(group, args.hidden)
     group.topology = probe(group, use_cache=False)
@@ -123,15 +124,21 @@ def _worker(rank: int, args, port: int, path: str) -> None:
     group.destroy_group()
 
 
-def _add_cpu_driven_host_transport(group) -> None:
-    """ "host-cpu": the host-staged transport with the CPU driving every chunk (the protocol
-    before the GPU-driven one), as a baseline in the same run."""
+def _add_baseline_host_transports(group) -> None:
+    """The host-staged transport as it runs by default ("host": the GPU-driven copy-engine
+    pipeline), and in the same run two other forms of it: "host-cpu" (the CPU drives every
+    chunk, the protocol before the GPU-driven one) and "host-mbox" (the mailbox kernel, which
+    is opt-in, for every size timed, up to 128 MiB blocks)."""
     from rayinfer.comm.host_staged import HostStagedTransport
 
-    store = dist.PrefixStore(group.next_key("host-cpu"), group.store)
-    group._transports["host-cpu"] = HostStagedTransport(
-        store, group.rank, group.world_size, group.device, protocol="cpu"
-    )
+    for name, options in (
+        ("host-cpu", dict(protocol="cpu", direct_max_bytes=0)),
+        ("host-mbox", dict(direct_max_bytes=128 << 20)),
+    ):
+        store = dist.PrefixStore(group.next_key(name), group.store)
+        group._transports[name] = HostStagedTransport(
+            store, group.rank, group.world_size, group.device, **options
+        )
     protocol = group.transport("host").protocol  # made on every rank: making it is collective
     if group.rank == 0:
         print(f"host transport protocol: {protocol}", flush=True)

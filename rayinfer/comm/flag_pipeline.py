@@ -15,6 +15,14 @@ Flags hold (chunk sequence number + 1) mod 2**32 per slot, and every wait is for
 the value the chunk before it in that slot left: a slot's flag can only be one step behind, so
 the comparison stays right when the counter wraps.
 
+A replayable pipeline (for CUDA graphs) cannot use sequence numbers: a graph replays the values
+it was captured with. It uses one flag per slot as a two-state handshake instead: the sender
+waits for 0 (empty), fills the slot and writes 1; the receiver waits for 1, empties the slot and
+writes 0. Every replay leaves each slot it used empty, so any captured exchange may replay after
+any other, as often as needed, as long as every rank replays the same graphs in the same order.
+It queues every wait (the CPU cannot tell a slot's old 1 from its new one), which costs nothing
+in a replay.
+
 If a peer never arrives, the streams wait forever (as NCCL's kernels would); every rank of a
 group must make the same calls in the same order.
 """
@@ -39,13 +47,18 @@ from rayinfer.comm.transport import Transfer
 # So blocks up to ~1 MiB (128 tokens of 7168 bf16) go whole. RAYINFER_HOST_CHUNK_OVERHEAD_BYTES
 # overrides it.
 _OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 1 << 20))
+# In a graph replay the host queues nothing, and a chunk's fixed cost is the GPU's alone (the
+# flag write and wait, a few microseconds): about 128 KiB of link time.
+REPLAY_OVERHEAD_BYTES = 128 << 10
 _MIN_CHUNK_BYTES = 64 << 10
 
 
-def chunk_bytes_for(num_bytes: int, max_chunk_bytes: int) -> int:
+def chunk_bytes_for(
+    num_bytes: int, max_chunk_bytes: int, overhead_bytes: int = _OVERHEAD_BYTES
+) -> int:
     """Both ends derive the same chunking from the block size alone; chunks of one block have
     (nearly) equal sizes."""
-    target = min(max_chunk_bytes, max(_MIN_CHUNK_BYTES, math.isqrt(num_bytes * _OVERHEAD_BYTES)))
+    target = min(max_chunk_bytes, max(_MIN_CHUNK_BYTES, math.isqrt(num_bytes * overhead_bytes)))
     pieces = max(1, -(-num_bytes // target))
     return max(1, -(-num_bytes // pieces))
 
@@ -77,9 +90,20 @@ class CudaQueues:
 
 
 class FlagPipeline:
-    def __init__(self, shm: SharedSegments, queues: CudaQueues):
+    def __init__(
+        self,
+        shm: SharedSegments,
+        queues: CudaQueues,
+        replayable: bool = False,
+        overhead_bytes: int | None = None,
+    ):
+        """overhead_bytes: a chunk's fixed cost in bytes of link time, which sets the chunking
+        (see chunk_bytes_for); default by mode."""
         self.shm = shm
         self.gpu = queues
+        self.replayable = replayable
+        default = REPLAY_OVERHEAD_BYTES if replayable else _OVERHEAD_BYTES
+        self._overhead_bytes = overhead_bytes or default
         n = shm.world_size
         self.sent = [0] * n  # chunks queued to each peer, over all calls
         self.received = [0] * n  # chunks queued from each peer, over all calls
@@ -112,9 +136,16 @@ class FlagPipeline:
 
     def _queue_send(self, t: Transfer, stream) -> None:
         shm, me, peer = self.shm, self.shm.rank, t.peer
-        for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
+        for chunk in _chunks(t.buf, self._chunk_bytes(t.buf.numel())):
             seq = self.sent[peer]
             slot = seq % shm.num_slots
+            if self.replayable:
+                filled = self._device_address(shm.published_flag(me, peer, slot))
+                self.gpu.wait_equal(stream, filled, 0)
+                self.gpu.copy_async(shm.slot(me, peer, seq, chunk.numel()), chunk, stream)
+                self.gpu.write(stream, filled, 1)
+                self.sent[peer] = seq + 1
+                continue
             if seq >= shm.num_slots:  # the slot's last chunk must have been taken out
                 emptied = shm.consumed_flag(me, peer, slot)
                 self._wait_unless_seen(stream, emptied, seq - shm.num_slots + 1)
@@ -125,14 +156,24 @@ class FlagPipeline:
 
     def _queue_recv(self, t: Transfer, stream) -> None:
         shm, me, peer = self.shm, self.shm.rank, t.peer
-        for chunk in _chunks(t.buf, chunk_bytes_for(t.buf.numel(), shm.slot_bytes)):
+        for chunk in _chunks(t.buf, self._chunk_bytes(t.buf.numel())):
             seq = self.received[peer]
             slot = seq % shm.num_slots
+            if self.replayable:
+                filled = self._device_address(shm.published_flag(peer, me, slot))
+                self.gpu.wait_equal(stream, filled, 1)
+                self.gpu.copy_async(chunk, shm.slot(peer, me, seq, chunk.numel()), stream)
+                self.gpu.write(stream, filled, 0)
+                self.received[peer] = seq + 1
+                continue
             self._wait_unless_seen(stream, shm.published_flag(peer, me, slot), seq + 1)
             self.gpu.copy_async(chunk, shm.slot(peer, me, seq, chunk.numel()), stream)
             emptied = self._device_address(shm.consumed_flag(peer, me, slot))
             self.gpu.write(stream, emptied, seq + 1)
             self.received[peer] = seq + 1
+
+    def _chunk_bytes(self, num_bytes: int) -> int:
+        return chunk_bytes_for(num_bytes, self.shm.slot_bytes, self._overhead_bytes)
 
     def _wait_unless_seen(self, stream, host_address: int, value: int) -> None:
         """Queue a GPU wait for the flag, unless this CPU already reads the value: then the copy

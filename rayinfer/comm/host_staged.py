@@ -20,10 +20,14 @@ import torch.distributed as dist
 
 from rayinfer.comm.cudart import CudaRuntime
 from rayinfer.comm.flag_pipeline import CudaQueues, FlagPipeline
+from rayinfer.comm.mailbox import HostMailboxes, direct_max_bytes_from_env
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer, Transport
 
 _MIN_CHUNK_BYTES = 256 << 10
+# The mailbox kernel (mailbox.py) is off unless asked for: on the 2x H200 VM it was slower than
+# the copy-engine pipeline at every size (RESULTS.md, "host mailbox").
+_DIRECT_MAX_BYTES_CUDA = 0
 
 
 class _Job:
@@ -108,6 +112,21 @@ def _gpu_pipeline_or_none(
         return None
 
 
+def _replay_pipeline_or_none(
+    store: dist.Store, pipeline: FlagPipeline | None, overhead_bytes: int | None
+) -> FlagPipeline | None:
+    """Where the GPU-driven protocol runs, a second one with its own ring for exchanges captured
+    in CUDA graphs (its two-state flags replay; the live pipeline's sequence numbers would not).
+    Its ring is small: graphs hold decode steps, whose blocks are a few MB at most."""
+    if pipeline is None:
+        return None
+    shm = pipeline.shm
+    ring = SharedSegments(
+        dist.PrefixStore("replay", store), shm.rank, shm.world_size, 1 << 20, 8, pin=True
+    )
+    return FlagPipeline(ring, pipeline.gpu, replayable=True, overhead_bytes=overhead_bytes)
+
+
 def _runtime_or_none():
     try:
         return CudaRuntime()
@@ -129,9 +148,15 @@ class HostStagedTransport(Transport):
         num_slots: int | None = None,
         timeout_s: float = 120.0,
         protocol: str | None = None,
+        direct_max_bytes: int | None = None,
+        replay_overhead_bytes: int | None = None,
     ):
         """protocol: "auto" (GPU-driven on CUDA where the driver allows, else CPU-driven),
-        "gpu" or "cpu"; default from RAYINFER_HOST_PROTOCOL, else "auto"."""
+        "gpu" or "cpu"; default from RAYINFER_HOST_PROTOCOL, else "auto".
+        direct_max_bytes: blocks up to this size go through the one-launch mailbox kernel
+        (0: never); default from RAYINFER_HOST_DIRECT_MAX_BYTES, else 0 (off).
+        replay_overhead_bytes: the chunking of exchanges captured in graphs (see
+        flag_pipeline.chunk_bytes_for); default flag_pipeline.REPLAY_OVERHEAD_BYTES."""
         super().__init__(rank, world_size)
         is_cuda = device.type == "cuda"
         # GPU: up to 8 MiB chunks for 2 ranks (a 117 MB exchange wants ~8 MiB, see
@@ -144,7 +169,16 @@ class HostStagedTransport(Transport):
         self.shm = SharedSegments(store, rank, world_size, chunk_bytes, num_slots, pin=is_cuda)
         protocol = protocol or os.environ.get("RAYINFER_HOST_PROTOCOL", "auto")
         self.pipeline = _gpu_pipeline_or_none(self.shm, device, protocol)
+        self.replay_pipeline = _replay_pipeline_or_none(store, self.pipeline, replay_overhead_bytes)
         self.copier = _Copier(device)
+        if direct_max_bytes is None:
+            direct_max_bytes = direct_max_bytes_from_env(is_cuda, _DIRECT_MAX_BYTES_CUDA)
+        self.mailboxes = None
+        if direct_max_bytes > 0:
+            box_bytes = -(-direct_max_bytes // 16) * 16
+            self.mailboxes = HostMailboxes(
+                dist.PrefixStore("mailbox", store), rank, world_size, device, box_bytes
+            )
         self.sent = [0] * world_size  # chunks issued to each peer, over all calls
         self.received = [0] * world_size  # chunks issued from each peer, over all calls
 
@@ -159,6 +193,18 @@ class HostStagedTransport(Transport):
         return "gpu" if self.pipeline is not None else "cpu"
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        if self.copier.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._exchange_in_graph(sends, recvs)
+            return
+        if self.mailboxes is not None:
+            fits = self.mailboxes.fits
+            if all(map(fits, sends)) and all(map(fits, recvs)):
+                self.mailboxes.exchange(sends, recvs)
+                return
+            # both ends split alike: each block's size decides, and both ends know it
+            self.mailboxes.exchange([t for t in sends if fits(t)], [t for t in recvs if fits(t)])
+            sends = [t for t in sends if not fits(t)]
+            recvs = [t for t in recvs if not fits(t)]
         if self.pipeline is not None:
             self.pipeline.exchange(sends, recvs)
             return
@@ -176,6 +222,23 @@ class HostStagedTransport(Transport):
             if idle > 64:
                 self._back_off(deadline, idle)
         self.copier.end()
+
+    def _exchange_in_graph(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        """Being captured: only what replays (the mailbox kernel, the two-state pipeline)."""
+        if self.mailboxes is not None:
+            fits = self.mailboxes.fits
+            self.mailboxes.exchange([t for t in sends if fits(t)], [t for t in recvs if fits(t)])
+            sends = [t for t in sends if not fits(t)]
+            recvs = [t for t in recvs if not fits(t)]
+        if not sends and not recvs:
+            return
+        if self.replay_pipeline is None:
+            raise RuntimeError(
+                "the host-staged transport cannot be captured in a CUDA graph here: the driver "
+                "lacks stream memory operations (RAYINFER_HOST_PROTOCOL=cpu?); use "
+                "all_to_all.transport=dist for graphs"
+            )
+        self.replay_pipeline.exchange(sends, recvs)
 
     def _job(self, t: Transfer) -> _Job:
         return _Job(t.peer, t.buf, self.chunk_bytes_for(t.buf.numel()))
@@ -245,3 +308,7 @@ class HostStagedTransport(Transport):
 
     def close(self) -> None:
         self.shm.close()
+        if self.replay_pipeline is not None:
+            self.replay_pipeline.shm.close()
+        if self.mailboxes is not None:
+            self.mailboxes.close()

@@ -60,6 +60,11 @@ class SharedSegments:
         start = self._header_bytes + (dst * self.num_slots + seq % self.num_slots) * self.slot_bytes
         return self.segments[src][start : start + (num_bytes or self.slot_bytes)]
 
+    def ring(self, src: int, dst: int) -> torch.Tensor:
+        """[num_slots * slot_bytes] uint8: every slot of src -> dst, back to back."""
+        start = self._header_bytes + dst * self.num_slots * self.slot_bytes
+        return self.segments[src][start : start + self.num_slots * self.slot_bytes]
+
     def published(self, src: int, dst: int) -> int:
         return int(self.headers[src][dst])
 

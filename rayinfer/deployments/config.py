@@ -119,7 +119,7 @@ class PhaseConfig(_Strict):
         "auto",
         description="replay pure-decode steps from CUDA graphs captured at start: true, false or "
         "auto (on for the decode phase on GPUs where the forward can be captured: not with "
-        "all_to_all.transport=host or dedup=true when experts exchange tokens; off for prefill)",
+        "all_to_all.dedup=true when experts exchange tokens; off for prefill)",
     )
     max_graph_batch_size: int = Field(
         256, ge=1, description="largest decode batch captured (capped by max_num_seqs)"

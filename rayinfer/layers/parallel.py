@@ -56,8 +56,9 @@ class LayerGroup:
     def static_exchange(self, num_tokens: int) -> Iterator[None]:
         """One forward captured in a CUDA graph (or run as one would be): every rank holds
         num_tokens tokens, and the token exchange takes only what a graph can replay: every token
-        to every rank (dedup=False: sizes from the counts alone) and, for `auto`, NCCL (the host
-        transport queues flag values that change with every call)."""
+        to every rank (dedup=False: sizes from the counts alone) and, for `auto`, NCCL's one-shot
+        exchange (the size-based plan is made on the host; an explicit transport=host stays: it
+        replays through its two-state flags)."""
         configured = self.all_to_all
         static = {**configured, "dedup": False}
         for key, replayable in (("transport", "dist"), ("schedule", "nccl")):

@@ -104,7 +104,7 @@ def run_all(gpus: list[SimulatedGpu], rng: random.Random) -> None:
         assert progress, "deadlock: every stream with work waits"
 
 
-def make_pipelines(world_size: int, slot_bytes: int, num_slots: int):
+def make_pipelines(world_size: int, slot_bytes: int, num_slots: int, replayable: bool = False):
     store = dist.HashStore()
     segments: list[SharedSegments | None] = [None] * world_size
 
@@ -117,7 +117,8 @@ def make_pipelines(world_size: int, slot_bytes: int, num_slots: int):
     for t in threads:
         t.join()
     gpus = [SimulatedGpu() for _ in range(world_size)]
-    return [FlagPipeline(shm, gpu) for shm, gpu in zip(segments, gpus)], gpus
+    pipes = [FlagPipeline(shm, gpu, replayable) for shm, gpu in zip(segments, gpus)]
+    return pipes, gpus
 
 
 def exchange_all(pipes, gpus, inputs, matrix, rng) -> list[torch.Tensor]:
@@ -198,3 +199,31 @@ def test_chunking_balances_chunks_and_grows_with_the_block():
     assert chunk_bytes_for(117_440_512, 8 << 20) == 8 << 20
     assert chunk_bytes_for(100, 8 << 20) == 100
     assert chunk_bytes_for(10 << 20, 1024) == 1024
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replayable_pipeline_repeats_the_same_slots_and_values(world_size):
+    """The two-state protocol of CUDA graphs, as a replay runs it: every "replay" queues the same
+    operations (the same slots, the same flag values: the counters are put back to where the
+    capture found them) on new data. 1 KiB slots, 2 per ring: blocks reuse slots within one
+    replay. Every replay arrives exactly, and leaves every flag at 0 (empty) for the next."""
+    pipes, gpus = make_pipelines(world_size, slot_bytes=1024, num_slots=2, replayable=True)
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    for pipe in pipes:  # the capture happened after some earlier exchanges
+        pipe.sent = [5] * world_size
+        pipe.received = [5] * world_size
+    captured = [(list(p.sent), list(p.received)) for p in pipes]
+    matrix = random_split_matrix(world_size, 40, gen)
+    for replay in range(5):
+        for pipe, (sent, received) in zip(pipes, captured):
+            pipe.sent, pipe.received = list(sent), list(received)
+        inputs = [torch.randn(sum(matrix[r]), 24, generator=gen) for r in range(world_size)]
+        outs = exchange_all(pipes, gpus, inputs, matrix, rng)
+        expected = all_to_all_ref(inputs, matrix)
+        for me in range(world_size):
+            assert torch.equal(outs[me], expected[me]), f"replay {replay}, rank {me}"
+        for pipe in pipes:
+            for peer in range(world_size):
+                for slot in range(2):
+                    flag = pipe.shm.published_flag(pipe.shm.rank, peer, slot)
+                    assert ctypes.c_uint32.from_address(flag).value == 0

@@ -200,6 +200,44 @@ def test_host_channels_are_independent_pipelines_with_the_same_result(members):
     assert all(run(members, 2, _two_channels))
 
 
+def _mailbox_exchanges(group, channel: int):
+    """The host transport with its mailbox path on (the kernel in Triton's interpreter): blocks
+    up to 100 bytes go through host mailboxes, larger ones through the copy pipeline, in the
+    same exchange; every schedule, bf16 (30-byte rows) and int64 (120-byte rows)."""
+    import os
+
+    n, me = group.world_size, group.rank
+    os.environ["RAYINFER_HOST_DIRECT_MAX_BYTES"] = "100"
+    try:
+        transport = group.transport("host", channel)  # made now, with the setting above
+    finally:
+        del os.environ["RAYINFER_HOST_DIRECT_MAX_BYTES"]
+    group.topology = two_islands(n)
+    gen = torch.Generator().manual_seed(11)
+    failures = []
+    for trial in range(4):
+        matrix = random_split_matrix(n, 6, gen)
+        dtype = (torch.bfloat16, torch.int64)[trial % 2]
+        inputs = [(torch.randn(sum(row), 3, 5, generator=gen) * 100).to(dtype) for row in matrix]
+        expected = all_to_all_ref(inputs, matrix)[me]
+        for schedule in SCHEDULES:
+            out = torch.full_like(expected, 7)
+            group.all_to_all(
+                out, inputs[me], [r[me] for r in matrix], matrix[me], schedule, "host",
+                matrix, channel,
+            )  # fmt: skip
+            if not torch.equal(out, expected):
+                failures.append(f"rank {me} {schedule} {dtype} {matrix}")
+    return failures, transport.mailboxes.launches
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_host_mailbox_path_equals_reference_beside_the_pipeline(members, world_size):
+    results = run(members, world_size, _mailbox_exchanges, 3)
+    assert sum((failures for failures, _ in results), []) == []
+    assert all(launches > 0 for _, launches in results)  # the mailbox path did run
+
+
 def _bad_token_counts(group):
     x, ids, weights = _routing(3, 8, 2, seed=0)
     errors = []

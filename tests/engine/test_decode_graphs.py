@@ -234,17 +234,16 @@ def test_graphs_default_on_for_cuda_where_the_forward_can_be_captured():
     # All-reduces and the all-tokens exchange are captured as NCCL kernels.
     assert resolve(None, plan=ParallelPlan(tp=2)) is not None
     assert resolve(None, plan=ParallelPlan(dp=2, ep=2)) is not None
-    # The host-staged or deduplicated exchange cannot be replayed: auto turns graphs off...
+    # The host-staged exchange replays (two-state flags); the deduplicated one cannot (sized
+    # from the routing on the host): auto turns graphs off for it...
     ep = ParallelPlan(dp=2, ep=2)
-    assert resolve(None, plan=ep, all_to_all={"transport": "host"}) is None
+    assert resolve(None, plan=ep, all_to_all={"transport": "host"}) is not None
+    assert resolve(True, plan=ep, all_to_all={"transport": "host"}) is not None
     assert resolve(None, plan=ep, all_to_all={"dedup": True}) is None
     # ...but only where experts exchange tokens (tp=2, ep=2 sums shares with an all-reduce).
-    assert resolve(None, plan=ParallelPlan(tp=2, ep=2), all_to_all={"transport": "host"})
+    assert resolve(None, plan=ParallelPlan(tp=2, ep=2), all_to_all={"dedup": True})
     assert resolve(False) is None
     assert resolve(True, is_cuda=False) is not None  # the CPU runs the padded path eagerly
-    expected = "cuda_graphs=true cannot capture this forward: all_to_all.transport=host"
-    with pytest.raises(ConfigError, match=expected):
-        resolve(True, plan=ep, all_to_all={"transport": "host"})
     with pytest.raises(ConfigError, match="all_to_all.dedup=true sizes the exchange"):
         resolve(True, plan=ep, all_to_all={"dedup": True})
 
@@ -258,12 +257,17 @@ def test_serve_config_takes_cuda_graphs_per_phase():
     assert AppConfig.from_args({"prefill.cuda_graphs": "on"}).prefill.cuda_graphs is True
     with pytest.raises(ConfigError, match=r"decode.cuda_graphs='maybe': use true, false or auto"):
         AppConfig.from_args({"decode.cuda_graphs": "maybe"})
-    expected = r"decode.cuda_graphs=true cannot capture .* decode.all_to_all.transport=host"
+    expected = r"decode.cuda_graphs=true cannot capture .* decode.all_to_all.dedup=true"
     with pytest.raises(ConfigError, match=expected):
         AppConfig.from_args(
             {"decode.cuda_graphs": True, "decode.dp": 2, "decode.ep": 2,
-             "decode.all_to_all.transport": "host"}
+             "decode.all_to_all.dedup": "true"}
         )  # fmt: skip
+    host = AppConfig.from_args(
+        {"decode.cuda_graphs": True, "decode.dp": 2, "decode.ep": 2,
+         "decode.all_to_all.transport": "host"}
+    )  # fmt: skip
+    assert phase_graphs(host.decode, "decode", use_gpus=True, max_model_len=4096) is not None
     # The all-tokens exchange over NCCL is captured: auto keeps decode graphs for dp=2 ep=2.
     ep = AppConfig.from_args({"decode.dp": 2, "decode.ep": 2})
     ep_graphs = phase_graphs(ep.decode, "decode", use_gpus=True, max_model_len=4096)

@@ -265,7 +265,12 @@ def test_ranks_whose_exchange_cannot_be_replayed_take_no_graph_reserve(checkpoin
     host = LayerGroup(None, rank=0, size=2, all_to_all={"transport": "host"})
     runner.parallel = ParallelContext(
         ep_rank=0, ep_size=2, ep_group=host, tokens_differ_across_ep=True
-    )  # host-staged token exchange: eager
+    )  # host-staged token exchange: replayed (two-state flags)
+    assert runner.captures_decode_graphs
+    dedup = LayerGroup(None, rank=0, size=2, all_to_all={"dedup": True})
+    runner.parallel = ParallelContext(
+        ep_rank=0, ep_size=2, ep_group=dedup, tokens_differ_across_ep=True
+    )  # sized from the routing on the host: eager
     assert not runner.captures_decode_graphs
 
 

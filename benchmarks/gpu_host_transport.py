@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN = 7168
 # chunk fixed costs (bytes of link time) swept for the replayed copy pipeline: chunk ~
-# sqrt(block x this), so a 0.9 MB block goes in 12, 6, 3 (the default, 128 KiB) or 2 chunks
-REPLAY_CHUNKINGS = (8 << 10, 32 << 10, 512 << 10)
+# sqrt(block x this), so a 0.9 MB block goes in 11, 6 or 3 chunks (the default, 512 KiB: 2)
+REPLAY_CHUNKINGS = (8 << 10, 32 << 10, 128 << 10)
 
 
 def _group(rank: int, port: int):

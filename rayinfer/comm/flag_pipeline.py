@@ -47,9 +47,12 @@ from rayinfer.comm.transport import Transfer
 # So blocks up to ~1 MiB (128 tokens of 7168 bf16) go whole. RAYINFER_HOST_CHUNK_OVERHEAD_BYTES
 # overrides it.
 _OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 1 << 20))
-# In a graph replay the host queues nothing, and a chunk's fixed cost is the GPU's alone (the
-# flag write and wait, a few microseconds): about 128 KiB of link time.
-REPLAY_OVERHEAD_BYTES = 128 << 10
+# In a graph replay the host queues nothing, and a chunk's fixed cost is the GPU's alone: the
+# flag write, the peer's wait that polls for it and a copy's start, ~10 us on 2x H200, about
+# 512 KiB of link time. Swept there (RESULTS.md, seventh session): 512 KiB beat 8, 32 and 128
+# KiB at 0.9 and 3.7 MB blocks (2 chunks of a 0.9 MB block: 64.9 us, against 76.4 for 3 and
+# 146.5 for 11) and tied at 15 MB.
+REPLAY_OVERHEAD_BYTES = 512 << 10
 _MIN_CHUNK_BYTES = 64 << 10
 
 

@@ -8,6 +8,11 @@ stream) and publishes a counter once the copy is done; the receiver sees the cou
 slot into its output (host-to-device on another stream) and, once done, tells the sender the
 slot is free. Both directions of every GPU's host link run at once, and chunk i+1 leaves while
 chunk i arrives. On CPU the copies are memcpy and the same protocol runs, so CI exercises it.
+
+Exchanges captured in a CUDA graph go through a second GPU-driven pipeline with its own ring,
+whose flags replay (two-state handshakes, flag_pipeline.py). Opt-in, blocks up to
+RAYINFER_HOST_DIRECT_MAX_BYTES go through the mailbox kernel instead (mailbox.py), eager or
+captured.
 """
 
 import os

@@ -227,3 +227,17 @@ def test_replayable_pipeline_repeats_the_same_slots_and_values(world_size):
                 for slot in range(2):
                     flag = pipe.shm.published_flag(pipe.shm.rank, peer, slot)
                     assert ctypes.c_uint32.from_address(flag).value == 0
+
+
+def test_a_capture_without_a_replayable_path_fails_naming_the_fix():
+    """A host transport that cannot replay (no GPU-driven protocol, no mailbox for the block)
+    refuses to be captured, rather than baking flag values into a graph."""
+    from rayinfer.comm.host_staged import HostStagedTransport
+
+    transport = HostStagedTransport(dist.HashStore(), 0, 1, torch.device("cpu"))
+    assert transport.replay_pipeline is None and transport.mailboxes is None
+    block = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="all_to_all.transport=dist for graphs"):
+        transport._exchange_in_graph([Transfer(0, block)], [])
+    transport._exchange_in_graph([], [])  # nothing to move: nothing to refuse
+    transport.close()

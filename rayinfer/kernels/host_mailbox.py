@@ -8,19 +8,20 @@ Each ordered pair of ranks (src -> dst) owns a mailbox in host memory: two buffe
 A block is cut into `num_slices` byte ranges (multiples of 16 bytes), one per program, and both
 ends cut it alike from its byte count. Exchange e of a pair uses buffer e % 2:
   sender program i   waits acks[i] >= e - 2 (the buffer is free), stores slice i into it,
-                     fences, then sets flags[i] = e;
-  receiver program i waits flags[i] >= e, fences, loads slice i, then sets acks[i] = e.
+                     then releases flags[i] = e;
+  receiver program i waits flags[i] >= e (acquire), loads slice i, then releases acks[i] = e.
 So the receiver of slice i starts as soon as that slice has landed, while other slices are
 still on their way, and the whole exchange costs one launch. The exchange numbers live in device
 memory ([num_slices] int32 per pair and direction, each program touching only its own), so a
 CUDA graph that replays the launch stays in step with the peer. Comparisons are on the int32
 difference, so counters may wrap.
 
-Host-memory reads, data and flags alike, are volatile loads: fetched again every time, never
-served from a line cached by an earlier exchange. The fences
-(`fence.sc.sys`) are inline PTX; the Triton interpreter, which runs the same kernel on CPU
-processes over shared memory in CI, has no PTX and needs none (its stores are plain memory
-writes, in program order).
+One thread per program polls a flag (`ld.acquire.sys`) and, after a barrier, raises one
+(`st.release.sys`): with every thread polling and fencing, a 0.9 MB exchange took 2.5-3x as long
+(benchmarks/host_mapped_probe.py). Slice data from host memory is read with volatile loads,
+never from a line cached by an earlier exchange. The polls and releases are inline PTX; Triton's
+interpreter, which runs the same kernel in CPU processes over shared memory in CI, has no PTX and
+needs none (its loads and stores are plain memory accesses, in program order).
 
 `exchange_reference` is the plain copy the kernel must equal.
 """
@@ -37,14 +38,6 @@ SLICE_ALIGN_BYTES = 16  # slices start on 16-byte boundaries: 128-bit accesses w
 def is_wide(block: torch.Tensor) -> bool:
     """A block the kernel moves 16 bytes at a time: aligned, and a multiple of 16 bytes."""
     return block.data_ptr() % SLICE_ALIGN_BYTES == 0 and block.numel() % SLICE_ALIGN_BYTES == 0
-
-
-@triton.jit
-def _system_fence(FENCE: tl.constexpr):
-    if FENCE:
-        tl.inline_asm_elementwise(
-            "fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
 
 
 @triton.jit
@@ -141,8 +134,7 @@ def host_mailbox_kernel(
     SEND_WIDE: tl.constexpr,
     RECV_WIDE: tl.constexpr,
     BLOCK: tl.constexpr,
-    FENCE: tl.constexpr,  # all-thread protocol: fence.sc.sys around flags (GPU only)
-    LEADER: tl.constexpr,  # one thread per program polls and releases (GPU only: inline PTX)
+    ON_GPU: tl.constexpr,  # False: Triton's interpreter (no PTX; plain polls and stores)
     BACKOFF_NS: tl.constexpr,
     VOLATILE_DATA: tl.constexpr,
 ):
@@ -153,36 +145,31 @@ def host_mailbox_kernel(
     if tl.program_id(1) == 0:
         if send_bytes > 0:
             epoch = tl.load(send_epochs + i) + 1
-            if LEADER:
+            if ON_GPU:
                 _leader_waits_until_reaches(send_acks + i, epoch - 2, BACKOFF_NS)
             else:
                 _wait_until_reaches(send_acks + i, epoch - 2)
             start, end = _slice_of(send_bytes, i, num_slices)
             box = send_box + (epoch & 1).to(tl.int64) * box_bytes
             _copy_bytes(box, send_src, start, end, BLOCK, SEND_WIDE, False)
-            if LEADER:
+            if ON_GPU:
                 _leader_releases(send_flags + i, epoch)
             else:
-                _system_fence(FENCE)
-                tl.debug_barrier()
                 tl.store(send_flags + i, epoch)
             tl.store(send_epochs + i, epoch)
     else:
         if recv_bytes > 0:
             epoch = tl.load(recv_epochs + i) + 1
-            if LEADER:
+            if ON_GPU:
                 _leader_waits_until_reaches(recv_flags + i, epoch, BACKOFF_NS)
             else:
                 _wait_until_reaches(recv_flags + i, epoch)
-                _system_fence(FENCE)
             start, end = _slice_of(recv_bytes, i, num_slices)
             box = recv_box + (epoch & 1).to(tl.int64) * box_bytes
             _copy_bytes(recv_dst, box, start, end, BLOCK, RECV_WIDE, VOLATILE_DATA)
-            if LEADER:
+            if ON_GPU:
                 _leader_releases(recv_acks + i, epoch)
             else:
-                tl.debug_barrier()
-                _system_fence(FENCE)
                 tl.store(recv_acks + i, epoch)
             tl.store(recv_epochs + i, epoch)
 
@@ -205,7 +192,6 @@ def host_mailbox_exchange(
     num_slices: int,
     block_words: int = 1024,
     num_warps: int = 4,
-    leader: bool = True,
     backoff_ns: int = 0,
     volatile_data: bool = True,
 ) -> None:
@@ -219,7 +205,6 @@ def host_mailbox_exchange(
             raise ValueError(f"a {side.block.numel()}-byte block exceeds the {box_bytes}-byte box")
     send = send or _idle_side(anchor)
     recv = recv or _idle_side(anchor)
-    fence = anchor.epochs.is_cuda
     host_mailbox_kernel[(num_slices, 2)](
         send.block,
         send.box,
@@ -237,8 +222,7 @@ def host_mailbox_exchange(
         SEND_WIDE=is_wide(send.block),
         RECV_WIDE=is_wide(recv.block),
         BLOCK=block_words,
-        FENCE=fence,
-        LEADER=leader and fence,
+        ON_GPU=anchor.epochs.is_cuda,
         BACKOFF_NS=backoff_ns,
         VOLATILE_DATA=volatile_data,
         num_warps=num_warps,

@@ -114,12 +114,13 @@ def graphs(group, transport: str, tokens: int, replays: int = 30) -> dict:
 
 
 def latency(group, tokens: int = 128, iters: int = 50) -> dict:
+    """Eager: the host copy pipeline, the mailbox, NCCL."""
     from rayinfer.comm.probe import median_time
 
     share = [tokens // 2] * 2
     inp = torch.randn(tokens, HIDDEN, device=group.device, dtype=torch.bfloat16)
     out = torch.empty_like(inp)
-    result = {}
+    result = dict(tokens=tokens)
     for transport in ("host", "host-mbox", "dist"):
 
         def call(transport=transport):
@@ -170,7 +171,7 @@ def worker(rank: int, port: int, path: str) -> None:
             graphs(group, "host", 2048),
             graphs(group, "host-mbox", 256),
         ],
-        latency=latency(group),
+        latency=[latency(group, tokens) for tokens in (2, 16, 128, 512)],
         replayed=[replayed_latency(group, tokens) for tokens in (2, 16, 128, 512, 2048)],
     )
     if rank == 0:

@@ -117,6 +117,33 @@ def _copy_bytes(dst, src, start, end, BLOCK: tl.constexpr, WIDE: tl.constexpr, F
 
 
 @triton.jit
+def _take_turn(
+    epochs, i, num_slices, num_bytes, wait_on, lag, raise_on, box, block, box_bytes,
+    INTO_BOX: tl.constexpr, WIDE: tl.constexpr, FROM_HOST: tl.constexpr, BLOCK: tl.constexpr,
+    ON_GPU: tl.constexpr, BACKOFF_NS: tl.constexpr,
+):  # fmt: skip
+    """Program i's part of one direction of exchange e (its next exchange number): wait until
+    wait_on[i] >= e - lag, copy slice i between the block and buffer e % 2 of the box (into the
+    box when sending), then raise_on[i] = e."""
+    epoch = tl.load(epochs + i) + 1
+    if ON_GPU:
+        _leader_waits_until_reaches(wait_on + i, epoch - lag, BACKOFF_NS)
+    else:
+        _wait_until_reaches(wait_on + i, epoch - lag)
+    start, end = _slice_of(num_bytes, i, num_slices)
+    buffer = box + (epoch & 1).to(tl.int64) * box_bytes
+    if INTO_BOX:
+        _copy_bytes(buffer, block, start, end, BLOCK, WIDE, FROM_HOST)
+    else:
+        _copy_bytes(block, buffer, start, end, BLOCK, WIDE, FROM_HOST)
+    if ON_GPU:
+        _leader_releases(raise_on + i, epoch)
+    else:
+        tl.store(raise_on + i, epoch)
+    tl.store(epochs + i, epoch)
+
+
+@triton.jit
 def host_mailbox_kernel(
     send_src,  # [send_bytes] uint8, device: the block for the peer (unused when send_bytes == 0)
     send_box,  # [2 * box_bytes] uint8, host: this pair's two buffers
@@ -143,35 +170,17 @@ def host_mailbox_kernel(
     i = tl.program_id(0)
     num_slices = tl.num_programs(0)
     if tl.program_id(1) == 0:
-        if send_bytes > 0:
-            epoch = tl.load(send_epochs + i) + 1
-            if ON_GPU:
-                _leader_waits_until_reaches(send_acks + i, epoch - 2, BACKOFF_NS)
-            else:
-                _wait_until_reaches(send_acks + i, epoch - 2)
-            start, end = _slice_of(send_bytes, i, num_slices)
-            box = send_box + (epoch & 1).to(tl.int64) * box_bytes
-            _copy_bytes(box, send_src, start, end, BLOCK, SEND_WIDE, False)
-            if ON_GPU:
-                _leader_releases(send_flags + i, epoch)
-            else:
-                tl.store(send_flags + i, epoch)
-            tl.store(send_epochs + i, epoch)
+        if send_bytes > 0:  # wait for the buffer's last reader, fill it, raise the flag
+            _take_turn(
+                send_epochs, i, num_slices, send_bytes, send_acks, 2, send_flags, send_box,
+                send_src, box_bytes, True, SEND_WIDE, False, BLOCK, ON_GPU, BACKOFF_NS,
+            )  # fmt: skip
     else:
-        if recv_bytes > 0:
-            epoch = tl.load(recv_epochs + i) + 1
-            if ON_GPU:
-                _leader_waits_until_reaches(recv_flags + i, epoch, BACKOFF_NS)
-            else:
-                _wait_until_reaches(recv_flags + i, epoch)
-            start, end = _slice_of(recv_bytes, i, num_slices)
-            box = recv_box + (epoch & 1).to(tl.int64) * box_bytes
-            _copy_bytes(recv_dst, box, start, end, BLOCK, RECV_WIDE, VOLATILE_DATA)
-            if ON_GPU:
-                _leader_releases(recv_acks + i, epoch)
-            else:
-                tl.store(recv_acks + i, epoch)
-            tl.store(recv_epochs + i, epoch)
+        if recv_bytes > 0:  # wait for the flag, empty the buffer, raise the ack
+            _take_turn(
+                recv_epochs, i, num_slices, recv_bytes, recv_flags, 0, recv_acks, recv_box,
+                recv_dst, box_bytes, False, RECV_WIDE, VOLATILE_DATA, BLOCK, ON_GPU, BACKOFF_NS,
+            )  # fmt: skip
 
 
 class MailboxSide:

@@ -131,10 +131,10 @@ def _add_baseline_host_transports(group) -> None:
     is opt-in, for every size timed, up to 128 MiB blocks)."""
     from rayinfer.comm.host_staged import HostStagedTransport
 
-    for name, options in (
-        ("host-cpu", dict(protocol="cpu", direct_max_bytes=0)),
-        ("host-mbox", dict(direct_max_bytes=128 << 20)),
-    ):
+    forms = [("host-cpu", dict(protocol="cpu", direct_max_bytes=0))]
+    if group.device.type == "cuda":  # on CPU the kernel would need Triton's interpreter
+        forms.append(("host-mbox", dict(direct_max_bytes=128 << 20)))
+    for name, options in forms:
         store = dist.PrefixStore(group.next_key(name), group.store)
         group._transports[name] = HostStagedTransport(
             store, group.rank, group.world_size, group.device, **options
@@ -163,7 +163,7 @@ def check_correctness(group, hidden: int) -> dict:
     ]
     expected = all_to_all_ref(inputs, matrix)[me]
     exact = True
-    for variant in A2A_VARIANTS[1:-2]:
+    for variant in _variants(group)[1:-2]:
         schedule, transport = variant.split("/")
         out = torch.empty_like(expected)
         group.all_to_all(out, inputs[me], [r[me] for r in matrix], matrix[me], schedule, transport)
@@ -203,7 +203,7 @@ def time_all_to_all(group, tokens: int, args, phase: str) -> list[dict]:
     out = torch.empty_like(inp)
     predicted = predict(group.topology, matrix, args.hidden * 2)
     rows = []
-    for variant in A2A_VARIANTS:
+    for variant in _variants(group):
         schedule, transport = variant.split("/") if "/" in variant else ("auto", "auto")
         call = functools.partial(
             group.all_to_all, out, inp, share, share, schedule, transport, matrix
@@ -233,6 +233,11 @@ def time_all_to_all(group, tokens: int, args, phase: str) -> list[dict]:
             )
         )
     return rows if group.rank == 0 else []
+
+
+def _variants(group) -> list[str]:
+    """A2A_VARIANTS this group runs: the mailbox ("host-mbox") only on GPUs."""
+    return [v for v in A2A_VARIANTS if v != "nccl/host-mbox" or group.device.type == "cuda"]
 
 
 def _raw_all_to_all(pg, out, inp, splits) -> None:
@@ -285,16 +290,18 @@ def format_table(rows: list[dict]) -> str:
     lines = []
     for phase in ("nvlink", "p2p-off"):
         a2a = [r for r in rows if r["phase"] == phase and r["kind"] == "all_to_all"]
+        timed = {r["variant"] for r in a2a}
+        variants = [v for v in A2A_VARIANTS if v in timed]
         lines += [
             f"\n### all_to_all, {phase} (GB/s leaving each rank for peers; us; x NCCL"
             " (time ratio = tokens/s ratio); model = predicted / measured time)",
-            "| tokens/rank | " + " | ".join(A2A_VARIANTS) + " |",
-            "|---" * (len(A2A_VARIANTS) + 1) + "|",
+            "| tokens/rank | " + " | ".join(variants) + " |",
+            "|---" * (len(variants) + 1) + "|",
         ]
         for tokens in sorted({r["tokens"] for r in a2a}):
             by = {r["variant"]: r for r in a2a if r["tokens"] == tokens}
             base = by["nccl-raw"]["seconds"]
-            cells = [_cell(by[v], base) for v in A2A_VARIANTS]
+            cells = [_cell(by[v], base) for v in variants]
             lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
         disp = [r for r in rows if r["phase"] == phase and r["kind"] == "dispatch"]
         lines += [
@@ -339,7 +346,8 @@ def plot(rows: list[dict], path: Path) -> None:
                 for r in rows
                 if r.get("variant") == variant and r["phase"] == phase and r["kind"] == "all_to_all"
             )
-            ax.plot(*zip(*pts, strict=True), marker="o", label=variant)
+            if pts:  # (the mailbox is timed on GPUs only)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=variant)
         ax.set(
             xscale="log",
             yscale="log",

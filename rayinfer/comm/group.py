@@ -309,7 +309,8 @@ class RayinferGroup(BaseGroup):
         out_rows, in_rows = as_byte_rows(out), as_byte_rows(inp)
         start = time.perf_counter()
         chosen.run(ctx, out_rows, in_rows, out_splits, in_splits)
-        if self._metrics.enabled:
+        # (a graph's capture only records the exchange: it takes no time worth a sample)
+        if self._metrics.enabled and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
             seconds = time.perf_counter() - start
             self._metrics.record(choice.schedule, choice.transport, num_bytes, seconds)
         return choice

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -375,6 +376,11 @@ def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | N
     options = all_to_all or {}
     if options.get("dedup") is True:
         return f"{prefix}all_to_all.dedup=true sizes the exchange from the routing on the host"
+    if options.get("transport") == "host" and os.environ.get("RAYINFER_HOST_PROTOCOL") == "cpu":
+        return (
+            f"{prefix}all_to_all.transport=host with RAYINFER_HOST_PROTOCOL=cpu: the CPU drives "
+            "those copies, and a graph cannot replay them"
+        )
     return None
 
 

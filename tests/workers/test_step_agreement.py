@@ -69,9 +69,12 @@ def test_a_graph_forward_exchanges_every_token_over_replayable_options(configure
     assert layers.all_to_all == configured and layers.tokens_per_rank is None
 
 
-def test_graph_blocker_names_the_options_that_cannot_be_replayed():
+def test_graph_blocker_names_the_options_that_cannot_be_replayed(monkeypatch):
     ep = ParallelPlan(dp=2, ep=2)
     assert graph_blocker(ep) is None
     assert graph_blocker(ep, {"transport": "host"}) is None  # replays with two-state flags
     assert "decode.all_to_all.dedup=true" in graph_blocker(ep, {"dedup": True}, prefix="decode.")
     assert graph_blocker(ParallelPlan(tp=2, ep=2), {"dedup": True}) is None  # all-reduce
+    monkeypatch.setenv("RAYINFER_HOST_PROTOCOL", "cpu")  # the CPU drives the copies
+    assert "RAYINFER_HOST_PROTOCOL=cpu" in graph_blocker(ep, {"transport": "host"})
+    assert graph_blocker(ep, {"transport": "dist"}) is None

@@ -30,9 +30,6 @@ from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer, Transport
 
 _MIN_CHUNK_BYTES = 256 << 10
-# The mailbox kernel (mailbox.py) is off unless asked for: on the 2x H200 VM it was slower than
-# the copy-engine pipeline at every size (RESULTS.md, "host mailbox").
-_DIRECT_MAX_BYTES_CUDA = 0
 
 
 class _Job:
@@ -177,7 +174,7 @@ class HostStagedTransport(Transport):
         self.replay_pipeline = _replay_pipeline_or_none(store, self.pipeline, replay_overhead_bytes)
         self.copier = _Copier(device)
         if direct_max_bytes is None:
-            direct_max_bytes = direct_max_bytes_from_env(is_cuda, _DIRECT_MAX_BYTES_CUDA)
+            direct_max_bytes = direct_max_bytes_from_env()
         self.mailboxes = None
         if direct_max_bytes > 0:
             box_bytes = -(-direct_max_bytes // 16) * 16
@@ -202,14 +199,9 @@ class HostStagedTransport(Transport):
             self._exchange_in_graph(sends, recvs)
             return
         if self.mailboxes is not None:
-            fits = self.mailboxes.fits
-            if all(map(fits, sends)) and all(map(fits, recvs)):
-                self.mailboxes.exchange(sends, recvs)
+            sends, recvs = self._small_blocks_through_mailboxes(sends, recvs)
+            if not sends and not recvs:
                 return
-            # both ends split alike: each block's size decides, and both ends know it
-            self.mailboxes.exchange([t for t in sends if fits(t)], [t for t in recvs if fits(t)])
-            sends = [t for t in sends if not fits(t)]
-            recvs = [t for t in recvs if not fits(t)]
         if self.pipeline is not None:
             self.pipeline.exchange(sends, recvs)
             return
@@ -231,10 +223,7 @@ class HostStagedTransport(Transport):
     def _exchange_in_graph(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
         """Being captured: only what replays (the mailbox kernel, the two-state pipeline)."""
         if self.mailboxes is not None:
-            fits = self.mailboxes.fits
-            self.mailboxes.exchange([t for t in sends if fits(t)], [t for t in recvs if fits(t)])
-            sends = [t for t in sends if not fits(t)]
-            recvs = [t for t in recvs if not fits(t)]
+            sends, recvs = self._small_blocks_through_mailboxes(sends, recvs)
         if not sends and not recvs:
             return
         if self.replay_pipeline is None:
@@ -244,6 +233,13 @@ class HostStagedTransport(Transport):
                 "all_to_all.transport=dist for graphs"
             )
         self.replay_pipeline.exchange(sends, recvs)
+
+    def _small_blocks_through_mailboxes(self, sends, recvs):
+        """Queue the blocks that fit a mailbox; returns (sends, recvs) left for the copies.
+        Both ends split alike: each block's size decides, and both ends know it."""
+        fits = self.mailboxes.fits
+        self.mailboxes.exchange([t for t in sends if fits(t)], [t for t in recvs if fits(t)])
+        return [t for t in sends if not fits(t)], [t for t in recvs if not fits(t)]
 
     def _job(self, t: Transfer) -> _Job:
         return _Job(t.peer, t.buf, self.chunk_bytes_for(t.buf.numel()))

@@ -9,9 +9,9 @@ lands: one launch, no driver calls, and it replays in CUDA graphs.
 
 Measured on 2x H200 (VM, RESULTS.md "host mailbox"): the programs move ~23 GB/s each way through
 host memory where the copy engines move ~52, and Triton's launcher costs ~35 us of host time, so
-eagerly it loses to the copy pipeline at every size; replayed in a graph it is at par with it
-(58 us against NCCL's 63 at a 0.9 MB block; 165 against 172 at 3.7 MB). Hence opt-in
-(RAYINFER_HOST_DIRECT_MAX_BYTES).
+eagerly it loses to the copy pipeline at every size. Replayed in a graph it is at par with the
+pipeline (3.7 MB blocks: 165 us against 172) and with NCCL (0.9 MB: 58 us against 63). Hence
+opt-in (RAYINFER_HOST_DIRECT_MAX_BYTES).
 
 Every rank maps every rank's mailboxes (SharedSegments). A round pairs one send with one
 receive, shifted as in the pairwise schedule (send to me + k, receive from me - k): a launch's
@@ -40,13 +40,13 @@ DEFAULT_SLICES = 32
 BLOCK_WORDS = 4096
 
 
-def direct_max_bytes_from_env(is_cuda: bool, default_cuda: int) -> int:
-    """Largest block sent through the mailbox: RAYINFER_HOST_DIRECT_MAX_BYTES, else
-    `default_cuda` on GPUs and 0 (off) on CPU, where the kernel runs in Triton's interpreter
-    (tests turn it on)."""
+def direct_max_bytes_from_env() -> int:
+    """Largest block sent through the mailbox: RAYINFER_HOST_DIRECT_MAX_BYTES, else 0 (off: on
+    the 2x H200 VM the mailbox was slower than the copy pipeline eagerly and at par in graphs;
+    on CPU the kernel runs in Triton's interpreter, which tests turn on)."""
     value = os.environ.get("RAYINFER_HOST_DIRECT_MAX_BYTES")
     if value is None:
-        return default_cuda if is_cuda else 0
+        return 0
     try:
         parsed = int(value)
     except ValueError:
@@ -68,7 +68,7 @@ class HostMailboxes:
     ):
         if box_bytes % 16:
             raise ValueError(f"box_bytes={box_bytes} must be a multiple of 16")
-        self.rank, self.world_size, self.device = rank, world_size, device
+        self.rank, self.world_size = rank, world_size
         self.box_bytes, self.num_slices = box_bytes, num_slices
         pin = device.type == "cuda"
         self.boxes = SharedSegments(

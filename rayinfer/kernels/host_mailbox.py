@@ -28,6 +28,8 @@ needs none (its loads and stores are plain memory accesses, in program order).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rayinfer.kernels.triton_compat import tl, triton
@@ -183,15 +185,15 @@ def host_mailbox_kernel(
             )  # fmt: skip
 
 
-class MailboxSide:
+class MailboxSide(NamedTuple):
     """One direction of one pair, as the kernel sees it: the block (device), the pair's two
     host buffers, its host flags and acks, and this rank's exchange numbers (device)."""
 
-    __slots__ = ("block", "box", "flags", "acks", "epochs")
-
-    def __init__(self, block, box, flags, acks, epochs):
-        self.block, self.box, self.flags, self.acks = block, box, flags, acks
-        self.epochs = epochs
+    block: torch.Tensor  # [num_bytes] uint8
+    box: torch.Tensor  # [2 * box_bytes] uint8, host
+    flags: torch.Tensor  # [num_slices] int32, host
+    acks: torch.Tensor  # [num_slices] int32, host
+    epochs: torch.Tensor  # [num_slices] int32, device
 
 
 def host_mailbox_exchange(
@@ -240,8 +242,7 @@ def host_mailbox_exchange(
 
 def _idle_side(like: MailboxSide) -> MailboxSide:
     """Arguments for the direction that moves nothing this launch (its programs return)."""
-    empty = like.block[:0]
-    return MailboxSide(empty, like.box, like.flags, like.acks, like.epochs)
+    return like._replace(block=like.block[:0])
 
 
 def exchange_reference(send_block: torch.Tensor, recv_block: torch.Tensor) -> None:

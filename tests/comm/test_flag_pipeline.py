@@ -247,10 +247,10 @@ def test_mailbox_size_setting_is_checked(monkeypatch):
     from rayinfer.comm.mailbox import direct_max_bytes_from_env
 
     monkeypatch.delenv("RAYINFER_HOST_DIRECT_MAX_BYTES", raising=False)
-    assert direct_max_bytes_from_env(is_cuda=True, default_cuda=0) == 0  # opt-in
+    assert direct_max_bytes_from_env() == 0  # opt-in
     monkeypatch.setenv("RAYINFER_HOST_DIRECT_MAX_BYTES", "4194304")
-    assert direct_max_bytes_from_env(is_cuda=False, default_cuda=0) == 4 << 20
+    assert direct_max_bytes_from_env() == 4 << 20
     for bad in ("4MB", "-1"):
         monkeypatch.setenv("RAYINFER_HOST_DIRECT_MAX_BYTES", bad)
         with pytest.raises(ValueError, match="RAYINFER_HOST_DIRECT_MAX_BYTES=.*byte count >= 0"):
-            direct_max_bytes_from_env(is_cuda=True, default_cuda=0)
+            direct_max_bytes_from_env()

@@ -8,7 +8,9 @@ parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
   two or more streams at once (the two-batch-overlap lanes running together);
 - copies: time at least one memcpy/memset runs, and how much of it no kernel hides;
 - idle: time with nothing at all on the GPU;
-- host syncs: host time blocked in stream/device/event synchronize calls;
+- host syncs: host time blocked in stream/device/event synchronize calls, and where: the
+  innermost host operator (and, in a trace taken with RAYINFER_PROFILE_CPU=stack, the innermost
+  Python frame) around each;
 - busiest streams by kernel and copy time.
 
     python benchmarks/trace_overlap.py DIR/*.json [--json out.json]
@@ -48,21 +50,47 @@ def covered_by_at_least(intervals: list[tuple[float, float]], depth: int) -> flo
     return total
 
 
+def innermost(enclosing: list[tuple[float, float, str]], start: float, end: float) -> str | None:
+    """The name of the shortest interval of `enclosing` that holds [start, end]."""
+    holding = [(e - s, name) for s, e, name in enclosing if s <= start and end <= e]
+    return min(holding)[1] if holding else None
+
+
+def where_syncs_wait(syncs, host_events) -> dict[str, dict]:
+    """{kind: {innermost enclosing name: [calls, ms]}} for kind "operator" and "python"."""
+    places: dict[str, dict] = {"operator": {}, "python": {}}
+    for start, end, thread in syncs:
+        for kind, by_thread in host_events.items():
+            name = innermost(by_thread.get(thread, []), start, end) or "(none)"
+            calls_ms = places[kind].setdefault(name, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += (end - start) * 1e-3
+    return {kind: dict(sorted(v.items(), key=lambda kv: -kv[1][1])[:8]) for kind, v in
+            places.items() if v and set(v) != {"(none)"}}  # fmt: skip
+
+
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
-    kernels, copies, syncs = [], [], 0.0
+    kernels, copies, syncs, sync_calls = [], [], 0.0, []
+    host_events = {"operator": defaultdict(list), "python": defaultdict(list)}
     per_stream: dict[str, float] = defaultdict(float)
     for event in events:
         if event.get("ph") != "X" or "dur" not in event:
             continue
         start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
         category = event.get("cat", "")
+        thread = (event.get("pid"), event.get("tid"))
         if category == "kernel":
             kernels.append((start, end))
         elif category in COPY_CATEGORIES:
             copies.append((start, end))
         elif category == "cuda_runtime" and event.get("name", "").startswith(SYNC_CALLS):
             syncs += end - start
+            sync_calls.append((start, end, thread))
+            continue
+        elif category in ("cpu_op", "python_function"):
+            kind = "operator" if category == "cpu_op" else "python"
+            host_events[kind][thread].append((start, end, event.get("name", "?")))
             continue
         else:
             continue
@@ -85,6 +113,7 @@ def summarize(trace_path: Path) -> dict:
         "idle_ms": (span - busy) * ms,
         "host_sync_ms": syncs * ms,
         "streams_ms": {k: v * ms for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])[:6]},
+        "host_syncs_in": where_syncs_wait(sync_calls, host_events),
     }
 
 
@@ -106,6 +135,9 @@ def main(argv=None) -> int:
         )
         for stream, busy_ms in row["streams_ms"].items():
             print(f"    {stream}: {busy_ms:.1f} ms")
+        for kind, places in row["host_syncs_in"].items():
+            for name, (calls, waited_ms) in places.items():
+                print(f"    host sync in {kind} {name}: {calls} calls, {waited_ms:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -20,6 +20,7 @@ Two ways to pick the rows, chosen per call:
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,6 +100,7 @@ def dispatch(
     use_fp8: bool = False,
     tokens_per_rank: list[int] | None = None,
     dedup: bool | None = None,
+    on_packed: Callable[[], None] | None = None,
     **a2a_options,
 ) -> DispatchResult:
     """x: [T, H] bf16/fp32: tokens. topk_ids: [T, K] int: global expert ids.
@@ -107,7 +109,10 @@ def dispatch(
     tokens_per_rank: [world] every rank's T for this call, if the caller knows it (then the
     all-tokens exchange needs no device sync). dedup: True sends each token only to the ranks
     holding its experts, False sends all tokens (needs tokens_per_rank), None picks (see the
-    module docstring). Every rank must pass the same tokens_per_rank and dedup."""
+    module docstring). Every rank must pass the same tokens_per_rank and dedup. on_packed: called
+    once the rows to send are queued and before the exchange is, so that work it queues on
+    another stream (forked from the caller's) runs while the tokens travel and never delays the
+    packing."""
     n = comm.world_size
     if num_experts % n:
         raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={n}")
@@ -125,8 +130,9 @@ def dispatch(
         if tokens_per_rank is None:
             raise ValueError("dedup=False sends every token to every rank: pass tokens_per_rank")
         return _dispatch_all_tokens(
-            comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, a2a_options
-        )
+            comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, on_packed,
+            a2a_options,
+        )  # fmt: skip
     per_rank = num_experts // n
     dest = topk_ids // per_rank  # [T, K]
     goes_to = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
@@ -147,6 +153,8 @@ def dispatch(
     local_ids = torch.where(on_dest, ids - dest_ids.unsqueeze(1) * per_rank, -1)
     weights = torch.where(on_dest, topk_weights[token_ids].float(), 0.0)
     rows = _pack(x, token_ids, local_ids, weights, use_fp8)  # [S, row_bytes] uint8
+    if on_packed is not None:
+        on_packed()
     recv = rows.new_empty((sum(out_splits), rows.shape[1]))
     comm.all_to_all(recv, rows, out_splits, in_splits, split_matrix=matrix, **a2a_options)
     recv_x, recv_ids, recv_weights = _unpack(recv, x.shape[1], topk_ids.shape[1], x.dtype, use_fp8)
@@ -155,7 +163,7 @@ def dispatch(
 
 
 def _dispatch_all_tokens(
-    comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, a2a_options
+    comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, on_packed, a2a_options
 ) -> DispatchResult:
     """Every token to every rank, global expert ids in the rows; each rank keeps its experts'
     slots. No device sync: every size is a token count the host already has."""
@@ -171,6 +179,8 @@ def _dispatch_all_tokens(
         send = ops.pack_for_every_rank(
             x, topk_ids, topk_weights, n, layout.ids_at, layout.row_bytes
         )
+    if on_packed is not None:
+        on_packed()
     recv = send.new_empty((sum(tokens_per_rank), layout.row_bytes))
     comm.all_to_all(
         recv, send, list(tokens_per_rank), [num_tokens] * n, split_matrix=matrix, **a2a_options

@@ -1,19 +1,36 @@
 """torch.profiler around the steps a caller chooses: `start(path)`, run steps, `stop()` writes the
 busiest operators (device time first) to `<path>.txt` and a Chrome trace to `<path>.json`
-(open it in chrome://tracing or Perfetto). The same switch as vLLM's `LLM.start_profile`."""
+(open it in chrome://tracing or Perfetto). The same switch as vLLM's `LLM.start_profile`.
+
+RAYINFER_PROFILE_CPU says what of the host is recorded besides the GPU's activity: 1 (default) its
+operators; 0 nothing (tracing every operator slows the host enough to open gaps between kernels
+that a host-bound step, such as the two-batch overlap's, does not have unprofiled); stack its
+operators and Python frames (slower still: to find which line waits for the GPU, see
+benchmarks/trace_overlap.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+PROFILE_CPU_ENV = "RAYINFER_PROFILE_CPU"
+
 
 class StepProfiler:
     def __init__(self, device: torch.device):
-        self.activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
+        host = os.environ.get(PROFILE_CPU_ENV, "1")
+        if host not in ("0", "1", "stack"):
+            raise ValueError(
+                f"{PROFILE_CPU_ENV}={host!r}: use 1 (host operators), 0 (GPU only) or stack "
+                "(host operators and Python frames)"
+            )
+        on_gpu = device.type == "cuda"
+        self.activities = [ProfilerActivity.CPU] if host != "0" or not on_gpu else []
+        self.with_stack = host == "stack"
+        if on_gpu:
             self.activities.append(ProfilerActivity.CUDA)
         self._profile = None
         self._path: Path | None = None
@@ -23,7 +40,9 @@ class StepProfiler:
             raise RuntimeError("the profiler is already running; call stop_profile() first")
         self._path = Path(path)
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._profile = profile(activities=self.activities, record_shapes=False)
+        self._profile = profile(
+            activities=self.activities, record_shapes=False, with_stack=self.with_stack
+        )
         self._profile.__enter__()
 
     def stop(self) -> str:
@@ -34,7 +53,8 @@ class StepProfiler:
             torch.cuda.synchronize()
         prof, self._profile = self._profile, None
         prof.__exit__(None, None, None)
-        sort_by = "cuda_time_total" if len(self.activities) > 1 else "cpu_time_total"
+        on_gpu = ProfilerActivity.CUDA in self.activities
+        sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=50)
         text_path = self._path.with_suffix(".txt")
         text_path.write_text(table)

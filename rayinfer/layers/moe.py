@@ -38,7 +38,8 @@ Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E =
 When every EP rank holds the same tokens, each computes its experts' share and the shares are
 summed over the EP group; when ranks hold different tokens (`tokens_differ_across_ep`), tokens are
 sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
-replicated, are added afterwards. Tensor parallelism splits the shared experts' intermediate
+replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
+afterwards. Tensor parallelism splits the shared experts' intermediate
 dimension; routed experts are not split by TP.
 """
 
@@ -54,6 +55,7 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
+from rayinfer.layers import side_stream
 from rayinfer.layers.linear import FP8_BLOCK, ColumnParallelLinear, RowParallelLinear
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
@@ -249,6 +251,24 @@ class FusedExperts(nn.Module):
         return self.run(x, topk_weights, local_ids)
 
 
+class SharedExpertsStart:
+    """Called by dispatch once the rows to send are queued (`on_packed`): starts the shared
+    experts then, so that their kernels, queued after the packing, never hold it up (queued
+    before it, on a side stream, they filled the GPU and the packing, and so the whole exchange,
+    waited for them: no overlap, 2x H200). `handle()` is their handle for MoE.finish."""
+
+    def __init__(self, moe: MoE, x: torch.Tensor):
+        self._moe, self._x, self._handle = moe, x, None
+
+    def __call__(self) -> None:
+        self._handle = self._moe.start_shared_experts(self._x)
+
+    def handle(self):
+        if self._handle is None:  # dispatch did not call back: computed in finish
+            self._handle = self._moe.start_shared_experts(self._x)
+        return self._handle
+
+
 class MoE(nn.Module):
     """Router + routed experts + optional shared experts; see the module docstring."""
 
@@ -287,29 +307,32 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         routing = self.route(x)
         if self.exchanges_tokens:
-            out = self._exchange_with_experts(x, routing)
-        else:
-            out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
-            if self.parallel.ep_size > 1:  # every EP rank saw the same tokens: sum the shares
-                self.parallel.ep_group.all_reduce(out)
+            return self._exchange_with_experts(x, routing)
+        out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]
+        if self.parallel.ep_size > 1:  # every EP rank saw the same tokens: sum the shares
+            self.parallel.ep_group.all_reduce(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
     def _exchange_with_experts(self, x: torch.Tensor, routing: ops.MoeRouting) -> torch.Tensor:
-        """Send each token once to every EP rank holding one of its experts; sum the results."""
+        """Send each token once to every EP rank holding one of its experts; sum the results
+        and add the shared experts', run while the tokens travel."""
         group = self.parallel.ep_group
+        shared = SharedExpertsStart(self, x)
         received = group.dispatch(
             x,
             routing.topk_ids,
             routing.topk_weights,
             num_experts=self.experts.num_experts,
             tokens_per_rank=group.tokens_per_rank,
+            on_packed=shared,
         )  # received.x [R, H]; topk_ids [R, K] local to this rank, -1 elsewhere
         expert_out = self.experts.run(
             received.x, received.topk_weights, received.topk_ids
         )  # [R, H]
-        return group.combine(expert_out, received.handle)  # [T, H] in the original order
+        combined = group.combine(expert_out, received.handle)  # [T, H] in the original order
+        return self.finish(shared.handle(), combined)
 
     # --- stages for overlapping the exchange with other work (two-batch overlap) ---------------
     # Each stage queues its work on the caller's current stream and returns. The exchanges are
@@ -323,18 +346,23 @@ class MoE(nn.Module):
     def dispatch_tokens(
         self, x: torch.Tensor, tokens_per_rank: list[int] | None = None, channel: int = 0
     ):
-        """Route [T, H] tokens and send each to the EP ranks holding its experts;
-        tokens_per_rank: every EP rank's T for this call, when known (no device sync then);
-        channel: the exchange pipeline to queue on (see RayinferGroup.all_to_all)."""
+        """Route [T, H] tokens and send each to the EP ranks holding its experts, starting the
+        shared experts once the rows are packed; returns (what arrived, the shared experts'
+        handle for `finish`). tokens_per_rank: every EP rank's T for this call, when known (no
+        device sync then); channel: the exchange pipeline to queue on (see
+        RayinferGroup.all_to_all)."""
         routing = self.route(x)
-        return self.parallel.ep_group.dispatch(
+        shared = SharedExpertsStart(self, x)
+        received = self.parallel.ep_group.dispatch(
             x,
             routing.topk_ids,
             routing.topk_weights,
             num_experts=self.experts.num_experts,
             tokens_per_rank=tokens_per_rank,
             channel=channel,
+            on_packed=shared,
         )
+        return received, shared.handle()
 
     def experts_and_combine(self, received, channel: int = 0) -> torch.Tensor:
         """Run this rank's experts on what arrived and send the results back: [T, H]."""
@@ -343,8 +371,17 @@ class MoE(nn.Module):
         )  # [R, H]
         return self.parallel.ep_group.combine(expert_out, received.handle, channel=channel)
 
-    def finish(self, x: torch.Tensor, combined: torch.Tensor) -> torch.Tensor:
-        """[T, H] input and the combined routed-expert output -> the block's output [T, H]."""
+    def start_shared_experts(self, x: torch.Tensor):
+        """The shared experts' output on [T, H] tokens, as a handle for `finish`: queued now on a
+        side stream where they can run while tokens travel (where this layer exchanges tokens
+        and no collective runs inside them, tp_size 1; see side_stream.later for the rest), else
+        computed in `finish`. None without shared experts."""
         if self.shared_experts is None:
-            return combined
-        return combined + self.shared_experts(x)
+            return None
+        may_run_beside = self.exchanges_tokens and self.parallel.tp_size == 1
+        return side_stream.later(self.shared_experts, x, may_run_beside)
+
+    def finish(self, shared, combined: torch.Tensor) -> torch.Tensor:
+        """`start_shared_experts`'s handle and the combined routed-expert output [T, H] -> the
+        block's output [T, H]."""
+        return combined if shared is None else combined + shared.result()

@@ -4,8 +4,11 @@ layer so that one micro-batch's all-to-all (MoE dispatch or combine) runs while 
 the exchanges run on the transport's streams and hold up only the lane that waits for them. Per
 MoE layer that exchanges tokens, the host queues
 
-    lane A: attention(A)  dispatch(A)                experts(A) combine(A)   shared(A) + add
-    lane B:               attention(B)  dispatch(B)             experts(B) combine(B) shared(B)
+    lane A: attention(A)  dispatch(A)                experts(A) combine(A)   + shared(A)
+    lane B:               attention(B)  dispatch(B)             experts(B) combine(B) + shared(B)
+
+(each lane's shared experts start on a side stream of the lane once its dispatch has packed the
+rows to send).
 
 Each lane exchanges on its own channel of the transport (host-staged: its own copy streams,
 slots and flags), and both lanes' dispatches are queued before either combine (NCCL runs all
@@ -169,15 +172,17 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
     # first out: on one pipeline B's dispatch waited behind A's combine, which waits for A's
     # experts), and both dispatches are queued before either combine (NCCL has one stream).
     step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
-    received = []
+    received, shared = [], []
     for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's under B's attention
         tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
-        with lane.active():
-            received.append(moe.dispatch_tokens(moe_input, tokens, channel=i))
+        with lane.active():  # the shared experts start beside the lane's exchange
+            arrived, shared_out = moe.dispatch_tokens(moe_input, tokens, channel=i)
+        received.append(arrived)
+        shared.append(shared_out)
     combined = []
     for i, (arrived, lane) in enumerate(zip(received, lanes)):  # A's combine under B's experts
         with lane.active():
             combined.append(moe.experts_and_combine(arrived, channel=i))
-    for batch, moe_input, routed, lane in zip(batches, moe_inputs, combined, lanes):
+    for batch, shared_out, routed, lane in zip(batches, shared, combined, lanes):
         with lane.active():
-            batch.hidden = moe.finish(moe_input, routed)
+            batch.hidden = moe.finish(shared_out, routed)

@@ -1,5 +1,5 @@
 """benchmarks/trace_overlap.py on a hand-made Chrome trace: what it reports is what the events
-say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync)."""
+say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync and the operator and Python frame it waited in)."""
 
 import json
 
@@ -19,7 +19,10 @@ def test_summary_of_a_small_trace(tmp_path):
         event("gpu_memcpy", 120, 60, stream=11),  # 120-180: 30 us with no kernel beside it
         event("kernel", 200, 50),  # 180-200 idle
         event("cuda_runtime", 10, 40, name="cudaStreamSynchronize"),
-        event("cpu_op", 0, 500, name="aten::mm"),  # host events other than syncs are ignored
+        event("cpu_op", 0, 500, name="aten::mm"),  # encloses the sync, not innermost
+        event("cpu_op", 5, 60, name="aten::_local_scalar_dense"),  # innermost around the sync
+        event("cpu_op", 60, 10, name="aten::add"),  # after it
+        event("python_function", 0, 80, name="moe.py(12): route"),
     ]
     trace.write_text(json.dumps({"traceEvents": events}))
     row = load_benchmark("trace_overlap").summarize(trace)
@@ -29,3 +32,21 @@ def test_summary_of_a_small_trace(tmp_path):
     assert round(row["copies_ms"] * 1e3) == 60 and round(row["copies_not_hidden_ms"] * 1e3) == 30
     assert round(row["idle_ms"] * 1e3) == 20
     assert round(row["host_sync_ms"] * 1e3) == 40
+    assert row["host_syncs_in"] == {
+        "operator": {"aten::_local_scalar_dense": [1, 0.04]},
+        "python": {"moe.py(12): route": [1, 0.04]},
+    }
+
+
+def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):
+    import pytest
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from rayinfer.engine.step_profiler import PROFILE_CPU_ENV, StepProfiler
+
+    monkeypatch.setenv(PROFILE_CPU_ENV, "0")  # on CPU the host's activity is all there is
+    assert StepProfiler(torch.device("cpu")).activities == [ProfilerActivity.CPU]
+    monkeypatch.setenv(PROFILE_CPU_ENV, "no")
+    with pytest.raises(ValueError, match="RAYINFER_PROFILE_CPU='no'.*1.*0"):
+        StepProfiler(torch.device("cpu"))

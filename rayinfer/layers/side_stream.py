@@ -1,0 +1,87 @@
+"""Work queued beside the caller's CUDA stream, joined when its result is needed.
+
+An expert-parallel MoE layer sends its tokens away (dispatch) and waits for them to come back
+(combine); the shared experts need neither, so they can run on a side stream while tokens travel
+(as DeepSeek's and SGLang's schedules do). `later(fn, x, beside=...)` returns a handle whose
+`result()` is fn(x): computed on a side stream from the call on, or at the `result()` call on
+the caller's stream (the plain order: on CPU, inside CUDA-graph capture, for few tokens, or where
+the caller says no).
+
+The side stream waits for what the caller queued before the call, and `result()` makes the
+caller's stream wait for the side stream's work, so values are the same either way. One side
+stream per caller stream (the two-batch overlap's lanes each get their own, so one lane's shared
+experts never queue behind the other's).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+# From how many tokens a call runs beside (default DEFAULT_BESIDE_FROM_TOKENS), or "off": the
+# plain order everywhere, for A/B measurements.
+BESIDE_ENV = "RAYINFER_SHARED_EXPERTS_BESIDE_FROM"
+# Below this many tokens (decode) the side stream's events cost about what the overlap saves.
+DEFAULT_BESIDE_FROM_TOKENS = 256
+
+_side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+
+def beside_from_tokens() -> int | None:
+    """The fewest tokens a call runs beside with (RAYINFER_SHARED_EXPERTS_BESIDE_FROM), or None
+    when switched off."""
+    value = os.environ.get(BESIDE_ENV, str(DEFAULT_BESIDE_FROM_TOKENS))
+    if value == "off":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{BESIDE_ENV}={value!r}: use a token count (e.g. 256) or off")
+    return int(value)
+
+
+def _side_stream_of(caller: torch.cuda.Stream) -> torch.cuda.Stream:
+    key = (caller.device, caller.stream_id)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(caller.device)
+    return _side_streams[key]
+
+
+class Later:
+    """fn(x), computed when `result()` is called, on the caller's stream."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+        self._fn, self._x = fn, x
+
+    def result(self) -> torch.Tensor:
+        return self._fn(self._x)
+
+
+class Beside:
+    """fn(x), queued now on a side stream; `result()` makes the current stream wait for it."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+        caller = torch.cuda.current_stream(x.device)
+        side = _side_stream_of(caller)
+        side.wait_stream(caller)  # x and everything before it
+        with torch.cuda.stream(side):
+            self._out = fn(x)
+            self._done = side.record_event()
+        x.record_stream(side)  # x's memory is not reused until the side stream is past it
+
+    def result(self) -> torch.Tensor:
+        current = torch.cuda.current_stream(self._out.device)
+        current.wait_event(self._done)
+        self._out.record_stream(current)  # allocated on the side stream, read on this one
+        return self._out
+
+
+def later(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, may_run_beside: bool):
+    """A handle on fn(x) [T, ...]: on a side stream from now on where `may_run_beside`, x is on
+    a GPU outside CUDA-graph capture and T reaches beside_from_tokens(); else computed at
+    `result()`."""
+    if may_run_beside and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        threshold = beside_from_tokens()
+        if threshold is not None and x.shape[0] >= threshold:
+            return Beside(fn, x)
+    return Later(fn, x)

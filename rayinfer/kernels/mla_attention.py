@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels.host_lists import device_ints
 from rayinfer.kernels.mla_cache import (  # noqa: F401 (re-exported)
     mla_write_cache,
     mla_write_cache_reference,
@@ -84,7 +85,7 @@ def mla_causal_attention(
 ) -> torch.Tensor:  # [q, N, Dv]
     """Expanded-form prefill of one sequence (Dqk = 128 nope + 64 rope runs as two dots)."""
     device = query.device
-    cu_seqlens_q = torch.tensor([0, query.shape[0]], dtype=torch.int32, device=device)
-    cu_seqlens_k = torch.tensor([0, key.shape[0]], dtype=torch.int32, device=device)
+    cu_seqlens_q = device_ints([0, query.shape[0]], torch.int32, device)  # no host sync
+    cu_seqlens_k = device_ints([0, key.shape[0]], torch.int32, device)
     return prefill_attention(query, key.to(query.dtype), value.to(query.dtype), cu_seqlens_q,
                              cu_seqlens_k, query.shape[0], scale)  # fmt: skip

@@ -45,6 +45,7 @@ import torch
 
 from rayinfer.kernels import prefill_attention_hopper
 from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
+from rayinfer.kernels.host_lists import device_ints
 from rayinfer.kernels.paged_attention import (
     causal_attention,
     dot_precision,
@@ -230,10 +231,10 @@ def prefill_attention_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, m
 def _rows_of(seqs: list[int], query_lens: list[int], starts: list[int], device):
     """The batch rows of these sequences' queries [n] (on the device), their cu_seqlens [k + 1]
     int32 and the longest one's length."""
-    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])  # host
     lens = [query_lens[i] for i in seqs]
-    cu_seqlens = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
-    return rows.to(device, non_blocking=True), cu_seqlens, max(lens)
+    cu_seqlens = device_ints([0, *accumulate(lens)], torch.int32, device)
+    return device_ints(rows, torch.int64, device), cu_seqlens, max(lens)
 
 
 def paged_mixed_attention(
@@ -273,8 +274,8 @@ def paged_mixed_attention(
     out = torch.empty_like(query)
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
     if decode_seqs:
-        decode_idx = torch.tensor(decode_seqs, device=device)
-        decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+        decode_idx = device_ints(decode_seqs, torch.int64, device)
+        decode_rows = device_ints([starts[i] for i in decode_seqs], torch.int64, device)
         out[decode_rows] = paged_decode_attention(
             query[decode_rows], kv_cache, block_tables[decode_idx], seq_lens[decode_idx], scale
         )
@@ -285,7 +286,7 @@ def paged_mixed_attention(
                                       scale)  # fmt: skip
     if paged:
         rows, cu_seqlens, longest = _rows_of(paged, query_lens, starts, device)
-        paged_idx = torch.tensor(paged, device=device)
+        paged_idx = device_ints(paged, torch.int64, device)
         out[rows] = paged_prefill_attention(
             query[rows], kv_cache, block_tables[paged_idx], seq_lens[paged_idx], cu_seqlens,
             longest, scale,

@@ -30,6 +30,7 @@ post_attention_layernorm, mlp) and `norm`: the DeepSeek and Llama-derived famili
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,34 @@ class MicroBatch:
     residual: torch.Tensor | None = None
 
 
+# The first micro-batch's share of a step's tokens (RAYINFER_OVERLAP_FIRST_SHARE, default one
+# half). Causal attention makes halves unequal: the second half of a long prompt attends to
+# the whole prompt (3/4 of the attention work), the first to its own half.
+FIRST_SHARE_ENV = "RAYINFER_OVERLAP_FIRST_SHARE"
+
+
+def first_share() -> float:
+    value = os.environ.get(FIRST_SHARE_ENV, "0.5")
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"{FIRST_SHARE_ENV}={value!r}: use a fraction between 0 and 1")
+    return share
+
+
+def first_micro_batch_tokens(num_tokens: int) -> int:
+    """How many of a T-token step's tokens (in order) the first micro-batch takes."""
+    return int(num_tokens * first_share())
+
+
 def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
-    """Tokens each micro-batch of a T-token step computes (an empty half computes one
-    placeholder token): every rank derives its peers' micro-batch sizes from their step sizes."""
-    return max(num_tokens // 2, 1), num_tokens - num_tokens // 2
+    """Tokens each micro-batch of a T-token step computes (an empty one computes one
+    placeholder token): every rank derives its peers' micro-batch sizes from their step sizes
+    (so every rank must run with the same first_share)."""
+    first = first_micro_batch_tokens(num_tokens)
+    return max(first, 1), max(num_tokens - first, 1)
 
 
 # On CUDA two lanes cost the host about twice the launches of one: with fewer tokens per rank
@@ -106,7 +131,7 @@ def lanes_for(device: torch.device) -> tuple[Lane, Lane]:
 def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
     """input_ids [T], positions [T] -> hidden [T, H], the same as `model(input_ids, ...)`."""
     body = model.model
-    num_first = input_ids.shape[0] // 2  # a long prefill is cut in two chunks, see the split
+    num_first = first_micro_batch_tokens(input_ids.shape[0])  # may cut a prompt, see the split
     first_ctx, second_ctx = split_forward_context(ctx, num_first)
     parts = [
         (input_ids[:num_first], positions[:num_first], first_ctx),

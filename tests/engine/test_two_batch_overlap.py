@@ -49,3 +49,17 @@ def test_micro_batch_sizes_and_when_to_overlap():
     assert not worth_overlapping([small, 5], cuda)
     assert worth_overlapping([5, large], cuda)  # one rank's long step decides for all
     assert worth_overlapping([1], cpu)  # CPU lanes check the logic at any size
+
+
+def test_the_first_micro_batch_share_is_a_setting(monkeypatch):
+    import pytest
+
+    from rayinfer.layers import two_batch_overlap as tbo
+
+    monkeypatch.setenv(tbo.FIRST_SHARE_ENV, "0.6")
+    assert tbo.micro_batch_sizes(10) == (6, 4) and tbo.first_micro_batch_tokens(10) == 6
+    assert tbo.micro_batch_sizes(1) == (1, 1)  # the empty first one computes a placeholder
+    for bad in ("1", "0", "half"):
+        monkeypatch.setenv(tbo.FIRST_SHARE_ENV, bad)
+        with pytest.raises(ValueError, match="RAYINFER_OVERLAP_FIRST_SHARE.*between 0 and 1"):
+            tbo.micro_batch_sizes(10)

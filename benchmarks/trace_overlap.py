@@ -11,7 +11,8 @@ parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
 - host syncs: host time blocked in stream/device/event synchronize calls, and where: the
   innermost host operator (and, in a trace taken with RAYINFER_PROFILE_CPU=stack, the innermost
   Python frame) around each;
-- busiest streams by kernel and copy time.
+- busiest streams by kernel and copy time;
+- device memory calls (cudaMalloc / cudaFree ...): calls and host time, by name.
 
     python benchmarks/trace_overlap.py DIR/*.json [--json out.json]
 """
@@ -25,6 +26,9 @@ from pathlib import Path
 
 COPY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# Device memory calls: cudaFree (and cudaMalloc when memory is short) wait for the whole device;
+# PyTorch's caching allocator makes them only when its cache cannot serve a request.
+MEMORY_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaFreeHost")
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -72,6 +76,7 @@ def where_syncs_wait(syncs, host_events) -> dict[str, dict]:
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     kernels, copies, syncs, sync_calls = [], [], 0.0, []
+    memory_calls: dict[str, list] = {}
     host_events = {"operator": defaultdict(list), "python": defaultdict(list)}
     per_stream: dict[str, float] = defaultdict(float)
     for event in events:
@@ -87,6 +92,11 @@ def summarize(trace_path: Path) -> dict:
         elif category == "cuda_runtime" and event.get("name", "").startswith(SYNC_CALLS):
             syncs += end - start
             sync_calls.append((start, end, thread))
+            continue
+        elif category == "cuda_runtime" and event.get("name", "").startswith(MEMORY_CALLS):
+            calls_ms = memory_calls.setdefault(event["name"], [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += (end - start) * 1e-3
             continue
         elif category in ("cpu_op", "python_function"):
             kind = "operator" if category == "cpu_op" else "python"
@@ -114,6 +124,7 @@ def summarize(trace_path: Path) -> dict:
         "host_sync_ms": syncs * ms,
         "streams_ms": {k: v * ms for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])[:6]},
         "host_syncs_in": where_syncs_wait(sync_calls, host_events),
+        "memory_calls": memory_calls,
     }
 
 
@@ -138,6 +149,8 @@ def main(argv=None) -> int:
         for kind, places in row["host_syncs_in"].items():
             for name, (calls, waited_ms) in places.items():
                 print(f"    host sync in {kind} {name}: {calls} calls, {waited_ms:.1f} ms")
+        for name, (calls, spent_ms) in row["memory_calls"].items():
+            print(f"    {name}: {calls} calls, {spent_ms:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -1,5 +1,6 @@
 """benchmarks/trace_overlap.py on a hand-made Chrome trace: what it reports is what the events
-say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync and the operator and Python frame it waited in)."""
+say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a host sync with
+the operator and Python frame it waited in, a device memory call)."""
 
 import json
 
@@ -23,6 +24,7 @@ def test_summary_of_a_small_trace(tmp_path):
         event("cpu_op", 5, 60, name="aten::_local_scalar_dense"),  # innermost around the sync
         event("cpu_op", 60, 10, name="aten::add"),  # after it
         event("python_function", 0, 80, name="moe.py(12): route"),
+        event("cuda_runtime", 90, 30, name="cudaFree"),
     ]
     trace.write_text(json.dumps({"traceEvents": events}))
     row = load_benchmark("trace_overlap").summarize(trace)
@@ -36,6 +38,7 @@ def test_summary_of_a_small_trace(tmp_path):
         "operator": {"aten::_local_scalar_dense": [1, 0.04]},
         "python": {"moe.py(12): route": [1, 0.04]},
     }
+    assert row["memory_calls"] == {"cudaFree": [1, 0.03]}
 
 
 def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):

@@ -12,7 +12,11 @@ parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
   innermost host operator (and, in a trace taken with RAYINFER_PROFILE_CPU=stack, the innermost
   Python frame) around each;
 - busiest streams by kernel and copy time;
-- device memory calls (cudaMalloc / cudaFree ...): calls and host time, by name.
+- device memory calls (cudaMalloc / cudaFree ...): calls and host time, by name;
+- idle by cause: each gap with nothing on the GPU is charged to the host when the work that
+  ends it was launched (its runtime call, matched by correlation id) after the gap began: the GPU
+  waited for the host to queue it (a host-bound step); else to a dependency (the work was queued
+  but waited, e.g. for another stream, a peer's flag or an event).
 
     python benchmarks/trace_overlap.py DIR/*.json [--json out.json]
 """
@@ -73,10 +77,30 @@ def where_syncs_wait(syncs, host_events) -> dict[str, dict]:
             places.items() if v and set(v) != {"(none)"}}  # fmt: skip
 
 
+def idle_by_cause(device_work, launched_at: dict) -> dict[str, float]:
+    """Gaps with nothing on the GPU (ms), by what ended them: "host" when the work after the
+    gap was launched after the gap began, "dependency" when it was queued already, "unknown"
+    when its launch is not in the trace."""
+    causes = {"host": 0.0, "dependency": 0.0, "unknown": 0.0}
+    busy_until = float("-inf")
+    for start, end, correlation in sorted(device_work):
+        if start > busy_until > float("-inf"):
+            launch_end = launched_at.get(correlation)
+            if launch_end is None:
+                cause = "unknown"
+            else:
+                cause = "host" if launch_end > busy_until else "dependency"
+            causes[cause] += (start - busy_until) * 1e-3
+        busy_until = max(busy_until, end)
+    return causes
+
+
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     kernels, copies, syncs, sync_calls = [], [], 0.0, []
     memory_calls: dict[str, list] = {}
+    device_work: list[tuple[float, float, int | None]] = []  # kernels and copies
+    launched_at: dict[int, float] = {}  # correlation id -> end of its runtime call
     host_events = {"operator": defaultdict(list), "python": defaultdict(list)}
     per_stream: dict[str, float] = defaultdict(float)
     for event in events:
@@ -85,10 +109,20 @@ def summarize(trace_path: Path) -> dict:
         start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
         category = event.get("cat", "")
         thread = (event.get("pid"), event.get("tid"))
+        correlation = event.get("args", {}).get("correlation")
         if category == "kernel":
             kernels.append((start, end))
+            device_work.append((start, end, correlation))
         elif category in COPY_CATEGORIES:
             copies.append((start, end))
+            device_work.append((start, end, correlation))
+        elif (
+            category == "cuda_runtime"
+            and correlation is not None
+            and ("aunch" in event["name"] or "Memcpy" in event["name"])
+        ):
+            launched_at[correlation] = end  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync
+            continue
         elif category == "cuda_runtime" and event.get("name", "").startswith(SYNC_CALLS):
             syncs += end - start
             sync_calls.append((start, end, thread))
@@ -125,6 +159,7 @@ def summarize(trace_path: Path) -> dict:
         "streams_ms": {k: v * ms for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])[:6]},
         "host_syncs_in": where_syncs_wait(sync_calls, host_events),
         "memory_calls": memory_calls,
+        "idle_by_cause_ms": idle_by_cause(device_work, launched_at),
     }
 
 
@@ -149,6 +184,8 @@ def main(argv=None) -> int:
         for kind, places in row["host_syncs_in"].items():
             for name, (calls, waited_ms) in places.items():
                 print(f"    host sync in {kind} {name}: {calls} calls, {waited_ms:.1f} ms")
+        causes = row["idle_by_cause_ms"]
+        print("    idle waiting for: " + ", ".join(f"{k} {v:.1f} ms" for k, v in causes.items()))
         for name, (calls, spent_ms) in row["memory_calls"].items():
             print(f"    {name}: {calls} calls, {spent_ms:.1f} ms")
     if args.json:

@@ -7,8 +7,8 @@ import json
 from tests.benchmark_scripts import load_benchmark
 
 
-def event(cat, start, dur, stream=7, name="k"):
-    args = {"stream": stream}
+def event(cat, start, dur, stream=7, name="k", correlation=None):
+    args = {"stream": stream, "correlation": correlation}
     return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": args}
 
 
@@ -18,7 +18,8 @@ def test_summary_of_a_small_trace(tmp_path):
         event("kernel", 0, 100),  # 0-100 stream 7
         event("kernel", 50, 100, stream=9),  # 50-150 stream 9: 50 us on two streams
         event("gpu_memcpy", 120, 60, stream=11),  # 120-180: 30 us with no kernel beside it
-        event("kernel", 200, 50),  # 180-200 idle
+        event("kernel", 200, 50, correlation=5),  # 180-200 idle: launched at 190, the host's
+        event("cuda_runtime", 185, 5, name="cudaLaunchKernel", correlation=5),
         event("cuda_runtime", 10, 40, name="cudaStreamSynchronize"),
         event("cpu_op", 0, 500, name="aten::mm"),  # encloses the sync, not innermost
         event("cpu_op", 5, 60, name="aten::_local_scalar_dense"),  # innermost around the sync
@@ -39,6 +40,20 @@ def test_summary_of_a_small_trace(tmp_path):
         "python": {"moe.py(12): route": [1, 0.04]},
     }
     assert row["memory_calls"] == {"cudaFree": [1, 0.03]}
+    assert row["idle_by_cause_ms"] == {"host": 0.02, "dependency": 0.0, "unknown": 0.0}
+
+
+def test_a_gap_before_work_queued_earlier_is_a_dependency(tmp_path):
+    trace = tmp_path / "step.json"
+    events = [
+        event("kernel", 0, 100, correlation=1),
+        event("cuda_runtime", 0, 5, name="cudaLaunchKernel", correlation=1),
+        event("gpu_memcpy", 130, 20, stream=11, correlation=2),  # queued at 10, waited 100-130
+        event("cuda_runtime", 6, 4, name="cudaMemcpyAsync", correlation=2),
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    row = load_benchmark("trace_overlap").summarize(trace)
+    assert row["idle_by_cause_ms"] == {"host": 0.0, "dependency": 0.03, "unknown": 0.0}
 
 
 def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):

@@ -1,0 +1,33 @@
+"""Python's cyclic garbage collector in a GPU serving process.
+
+A full collection walks every object the process tracks; after loading a model and capturing
+graphs that is a great many, and the pause stops the host from queueing kernels. A rank of an
+expert-parallel group that pauses holds up its peers at their next exchange. As vLLM does after
+its graph capture, the objects alive once the engine is built are collected once and then
+frozen (`gc.freeze`): later collections skip them, so they stay short. Objects made later are
+collected as usual.
+
+RAYINFER_GC_FREEZE=0 leaves the collector as Python sets it. Only on CUDA devices: on CPU the
+host's pauses do not starve a device, and tests build many engines in one process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+GC_FREEZE_ENV = "RAYINFER_GC_FREEZE"
+
+
+def freeze_after_startup(device: torch.device) -> bool:
+    """Collect, then freeze what is alive (see the module docstring); whether it did."""
+    value = os.environ.get(GC_FREEZE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{GC_FREEZE_ENV}={value!r}: use 1 (freeze after startup) or 0")
+    if value == "0" or device.type != "cuda":
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

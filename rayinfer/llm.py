@@ -15,13 +15,13 @@ from rayinfer.config import (
     SchedulerConfig,
     check_all_to_all,
     check_gpu_memory_utilization,
-    cuda_graph_config,
 )
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.graph_config import cuda_graph_config
 from rayinfer.models.dummy import LOAD_FORMATS
 from rayinfer.models.fp8 import check_fp8_weights
 from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
@@ -48,7 +48,7 @@ class LLM:
     captured; with several workers their collectives are captured (NCCL kernels, or the
     host-staged exchange's replayable copies) and every data-parallel replica pads its decodes
     to the bucket of the largest, which rules out the deduplicated token exchange, see
-    config.graph_blocker; the capture time is
+    graph_config.graph_blocker; the capture time is
     `LLM.graph_capture_seconds`).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a

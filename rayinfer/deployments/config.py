@@ -16,8 +16,8 @@ from rayinfer.config import (
     ConfigError,
     ParallelPlan,
     check_gpu_memory_utilization,
-    graph_blocker,
 )
+from rayinfer.graph_config import graph_blocker
 
 
 class _Strict(BaseModel):

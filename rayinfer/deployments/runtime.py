@@ -5,19 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayinfer.config import (
-    CacheConfig,
-    ConfigError,
-    CudaGraphConfig,
-    KVMemoryConfig,
-    ModelConfig,
-    SchedulerConfig,
-    cuda_graph_config,
-)
+from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig, SchedulerConfig
 from rayinfer.deployments.config import AppConfig, PhaseConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.model_source import DTYPES, resolve_model_path
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
+from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.workers.group import WorkerGroup
 from rayinfer.workers.worker import WorkerSpec
 
@@ -147,7 +140,7 @@ def phase_graphs(
 ) -> CudaGraphConfig | None:
     """The phase's decode graphs; `auto` captures them only where decode steps run (the decode
     phase; prefill replicas stop after the first token) on GPUs, where the forward can be
-    captured (config.graph_blocker)."""
+    captured (graph_config.graph_blocker)."""
     requested = phase_config.cuda_graphs
     if requested == "auto":
         requested = None if phase == "decode" else False

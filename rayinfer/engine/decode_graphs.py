@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 import torch
 
-from rayinfer.config import CudaGraphConfig
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.engine.decode_inputs import DecodeStep, StaticDecodeInputs, fits_static_decode
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
+from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)

@@ -19,14 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from rayinfer.config import (
-    CacheConfig,
-    ConfigError,
-    CudaGraphConfig,
-    KVMemoryConfig,
-    ModelConfig,
-    exchange_graph_blocker,
-)
+from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
 from rayinfer.engine.gc_freeze import freeze_after_startup
@@ -45,6 +38,7 @@ from rayinfer.engine.kv_transfer import (
     token_slots,
     unpack_kv,
 )
+from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.layers.forward_context import (
     ForwardContext,
     build_attention_metadata,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config import CacheConfig, CudaGraphConfig, KVMemoryConfig, ModelConfig
+from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.step_profiler import StepProfiler
+from rayinfer.graph_config import CudaGraphConfig
 
 
 class InProcessExecutor(Executor):

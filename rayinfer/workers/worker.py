@@ -13,16 +13,11 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rayinfer.config import (
-    CacheConfig,
-    CudaGraphConfig,
-    KVMemoryConfig,
-    ModelConfig,
-    ParallelPlan,
-)
+from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.step_profiler import StepProfiler
+from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.placement import WorkerPlacement
 
@@ -59,7 +54,7 @@ class WorkerSpec:
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
     all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
     collective_backend: str = "rayinfer"
-    cuda_graphs: CudaGraphConfig | None = None  # decode graphs (see config.graph_blocker)
+    cuda_graphs: CudaGraphConfig | None = None  # decode graphs (see graph_config.graph_blocker)
     kv_memory: KVMemoryConfig | None = None  # size the cache from GPU memory (CUDA only)
     fp8_weights: bool = False  # keep FP8 block-scaled checkpoint weights in FP8 (DeepSeek)
 

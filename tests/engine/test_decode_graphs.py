@@ -7,13 +7,7 @@ import pytest
 import torch
 
 import rayinfer
-from rayinfer.config import (
-    ConfigError,
-    CudaGraphConfig,
-    ModelConfig,
-    ParallelPlan,
-    cuda_graph_config,
-)
+from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import phase_graphs
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
@@ -22,6 +16,7 @@ from rayinfer.engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
 from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.models.dummy import build_dummy_model
 from tests.models.harness import TINY_DENSE, TINY_MLA

@@ -12,7 +12,6 @@ import rayinfer
 from rayinfer.config import (
     CacheConfig,
     ConfigError,
-    CudaGraphConfig,
     KVMemoryConfig,
     ModelConfig,
     check_gpu_memory_utilization,
@@ -29,6 +28,7 @@ from rayinfer.engine.kv_memory import (
     num_kv_blocks_for_memory,
 )
 from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import LayerGroup, ParallelContext
 from rayinfer.workers.in_process import InProcessExecutor
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts

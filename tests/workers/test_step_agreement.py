@@ -5,7 +5,8 @@ the options under which a decode graph's token exchange can be replayed."""
 import pytest
 import torch
 
-from rayinfer.config import ParallelPlan, graph_blocker
+from rayinfer.config import ParallelPlan
+from rayinfer.graph_config import graph_blocker
 from rayinfer.layers.parallel import LayerGroup
 from rayinfer.workers.placement import WorkerPlacement, valid_plans
 

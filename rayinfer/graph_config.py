@@ -1,0 +1,85 @@
+"""When decode steps run from CUDA graphs, and what is captured: `CudaGraphConfig` (the batch
+buckets and the static block-table width) and the checks that say why a plan's forward cannot be
+captured (`graph_blocker`), which `cuda_graph_config` turns into a config or a ConfigError that
+names the key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rayinfer.config import ConfigError, ParallelPlan
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Pure-decode steps replayed from CUDA graphs captured at start, one per batch-size bucket
+    up to `max_batch_size`; block tables are padded to `max_model_len` (engine/decode_graphs)."""
+
+    max_batch_size: int = 64
+    max_model_len: int = 4096
+
+    def table_width(self, block_size: int) -> int:
+        """Blocks in the static block tables: enough for max_model_len tokens."""
+        return -(-self.max_model_len // block_size)
+
+    def __post_init__(self):
+        for key in ("max_batch_size", "max_model_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
+def graph_blocker(
+    plan: ParallelPlan, all_to_all: dict | None = None, prefix: str = ""
+) -> str | None:
+    """Why decode steps of this plan cannot run from CUDA graphs, or None when they can.
+
+    Collectives inside the forward are captured: tensor-parallel all-reduces as NCCL kernels,
+    and the experts' token exchange (NCCL, or the host-staged transport's replayable protocol)
+    when every token goes to every rank (static sizes: every rank pads its decode batch to the
+    bucket the group agreed on)."""
+    if not plan.experts_exchange_tokens:
+        return None
+    return exchange_graph_blocker(all_to_all, prefix)
+
+
+def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
+    """Why a token exchange with these options cannot be replayed from a graph, or None: the
+    deduplicated exchange sizes itself from the routing on the host. (The host-staged transport
+    replays: captured, it hands chunks over with two-state flags, comm/flag_pipeline.py.)"""
+    options = all_to_all or {}
+    if options.get("dedup") is True:
+        return f"{prefix}all_to_all.dedup=true sizes the exchange from the routing on the host"
+    if options.get("transport") == "host" and os.environ.get("RAYINFER_HOST_PROTOCOL") == "cpu":
+        return (
+            f"{prefix}all_to_all.transport=host with RAYINFER_HOST_PROTOCOL=cpu: the CPU drives "
+            "those copies, and a graph cannot replay them"
+        )
+    return None
+
+
+def cuda_graph_config(
+    requested: bool | None,
+    *,
+    is_cuda: bool,
+    plan: ParallelPlan,
+    max_num_seqs: int,
+    max_graph_batch_size: int,
+    max_model_len: int,
+    all_to_all: dict | None = None,
+    key: str = "cuda_graphs",
+) -> CudaGraphConfig | None:
+    """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose forward
+    can be captured (see `graph_blocker`); True where it cannot fails, naming the key. True on
+    the CPU runs the same padded static-buffer path eagerly (no capture), which tests use."""
+    if requested not in (None, True, False):
+        raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
+    if max_graph_batch_size < 1:
+        raise ConfigError(f"max_graph_batch_size={max_graph_batch_size} must be >= 1")
+    blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
+    if requested and blocker:
+        raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
+    enabled = (is_cuda and not blocker) if requested is None else requested
+    if not enabled:
+        return None
+    return CudaGraphConfig(min(max_num_seqs, max_graph_batch_size), max_model_len)

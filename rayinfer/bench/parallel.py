@@ -176,6 +176,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
     try:
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
         result = {"prefill": {}, "decode": {}, "graph_capture_s": llm.graph_capture_seconds}
+        result["prefill_run_seconds"] = {}  # every repeat, so a run's spread shows
         for length in args.prompt_lens:
             llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
             times = []
@@ -185,6 +186,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
                 llm.generate(batch, first)
                 times.append(time.perf_counter() - start)
             result["prefill"][length] = plan.dp * length / median(times)
+            result["prefill_run_seconds"][length] = times
         if args.profile_dir:
             exchange = transport.replace(":", "_")
             name = f"tp{plan.tp}_dp{plan.dp}_ep{plan.ep}-{exchange}-overlap_{int(overlap)}"
@@ -261,9 +263,11 @@ def print_run(run, plan, flops_per_token, baseline) -> None:
         ratio = (
             f"  {per_gpu / baseline[length]:.2f}x transformers/GPU" if length in baseline else ""
         )
+        runs_ms = [1e3 * t for t in run.get("prefill_run_seconds", {}).get(length, [])]
+        spread = f"  runs {min(runs_ms):.0f}-{max(runs_ms):.0f} ms" if runs_ms else ""
         print(
             f"{label:32s} prefill {length:6d}: {rate:10.0f} tok/s "
-            f"({per_gpu:8.0f}/GPU, MFU {mfu:.1%}){ratio}"
+            f"({per_gpu:8.0f}/GPU, MFU {mfu:.1%}){ratio}{spread}"
         )
     for batch, rate in run["decode"].items():
         print(f"{label:32s} decode batch {batch:4d}: {rate:10.1f} tok/s")

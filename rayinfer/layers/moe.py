@@ -39,8 +39,8 @@ When every EP rank holds the same tokens, each computes its experts' share and t
 summed over the EP group; when ranks hold different tokens (`tokens_differ_across_ep`), tokens are
 sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
 replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
-afterwards. Tensor parallelism splits the shared experts' intermediate
-dimension; routed experts are not split by TP.
+afterwards. Tensor parallelism splits the shared experts' intermediate dimension; routed experts
+are not split by TP.
 """
 
 from __future__ import annotations

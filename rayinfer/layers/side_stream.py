@@ -2,7 +2,7 @@
 
 An expert-parallel MoE layer sends its tokens away (dispatch) and waits for them to come back
 (combine); the shared experts need neither, so they can run on a side stream while tokens travel
-(as DeepSeek's and SGLang's schedules do). `later(fn, x, beside=...)` returns a handle whose
+(as DeepSeek's and SGLang's schedules do). `later(fn, x, may_run_beside)` returns a handle whose
 `result()` is fn(x): computed on a side stream from the call on, or at the `result()` call on
 the caller's stream (the plain order: on CPU, inside CUDA-graph capture, for few tokens, or where
 the caller says no).
@@ -23,7 +23,7 @@ import torch
 # From how many tokens a call runs beside (default DEFAULT_BESIDE_FROM_TOKENS), or "off": the
 # plain order everywhere, for A/B measurements.
 BESIDE_ENV = "RAYINFER_SHARED_EXPERTS_BESIDE_FROM"
-# Below this many tokens (decode) the side stream's events cost about what the overlap saves.
+# Decode-sized calls keep the plain order: the side stream was measured on prefill only.
 DEFAULT_BESIDE_FROM_TOKENS = 256
 
 _side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}

@@ -19,6 +19,7 @@ from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
+from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
 
 # The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError).
@@ -74,6 +75,8 @@ class Worker:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
+        # Before weights and staging memory exist: their pages land on the GPU's NUMA node.
+        self.numa = bind_to_gpu_node() if self.device.type == "cuda" else None
         self.placement = WorkerPlacement(rank, spec.plan)
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
         self.runner = ModelRunner(
@@ -128,6 +131,7 @@ class Worker:
             "dtype": str(self.dtype),
             "pid": os.getpid(),
             "decode_graphs": self.runner.captures_decode_graphs,
+            "numa": None if self.numa is None else self.numa.reason,
         }
 
     def execute(self, batch: ModelBatch) -> SampledTokens:

@@ -177,6 +177,8 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
         result = {"prefill": {}, "decode": {}, "graph_capture_s": llm.graph_capture_seconds}
         result["prefill_run_seconds"] = {}  # every repeat, so a run's spread shows
+        workers = getattr(llm.engine.executor, "descriptions", [])  # a multi-worker plan's
+        result["workers_numa"] = [d.get("numa") for d in workers]
         for length in args.prompt_lens:
             llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
             times = []
@@ -271,5 +273,7 @@ def print_run(run, plan, flops_per_token, baseline) -> None:
         )
     for batch, rate in run["decode"].items():
         print(f"{label:32s} decode batch {batch:4d}: {rate:10.1f} tok/s")
+    if any(run.get("workers_numa", [])):
+        print(f"{label:32s} workers' NUMA binding: {run['workers_numa']}")
     if run["graph_capture_s"] is not None:
         print(f"{label:32s} decode graphs captured in {run['graph_capture_s']:.1f} s")

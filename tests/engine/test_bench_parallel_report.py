@@ -9,9 +9,10 @@ def test_a_prefill_line_shows_the_ratio_and_the_repeats_spread(capsys):
     run = {
         "plan": "dp=2,ep=2", "transport": "host:fp8", "overlap": "on", "graphs": "off",
         "prefill": {16384: 120000.0}, "prefill_run_seconds": {16384: [0.25, 0.31, 0.27]},
-        "decode": {}, "graph_capture_s": None,
+        "decode": {}, "graph_capture_s": None, "workers_numa": ["bound to node 0", "one NUMA node"],
     }  # fmt: skip
     print_run(run, ParallelPlan(dp=2, ep=2), 2e9, {16384: 48000.0})
     line = capsys.readouterr().out
     assert "60000/GPU" in line and "1.25x transformers/GPU" in line
     assert "runs 250-310 ms" in line
+    assert "workers' NUMA binding: ['bound to node 0', 'one NUMA node']" in line

@@ -7,8 +7,11 @@ its graph capture, the objects alive once the engine is built are collected once
 frozen (`gc.freeze`): later collections skip them, so they stay short. Objects made later are
 collected as usual.
 
-RAYINFER_GC_FREEZE=0 leaves the collector as Python sets it. Only on CUDA devices: on CPU the
-host's pauses do not starve a device, and tests build many engines in one process.
+Only a Ray worker calls this: its process holds one model runner for its whole life. A process
+that builds and drops engines (the offline `LLM` in a notebook, tests, the benchmarks' driver)
+must not freeze: what is frozen is never collected, so a dropped engine's reference cycles, and
+the GPU memory they hold, would stay. Only on CUDA devices: on CPU the host's pauses starve no
+device. RAYINFER_GC_FREEZE=0 leaves the collector as Python sets it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import torch
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
-from rayinfer.engine.gc_freeze import freeze_after_startup
 from rayinfer.engine.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     SAFETY_MARGIN_BYTES,
@@ -115,7 +114,6 @@ class ModelRunner:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
         self.kv_caches = self._new_kv_caches(num_blocks)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
-        freeze_after_startup(self.device)  # the last of startup: later collections skip it
 
     @property
     def captures_decode_graphs(self) -> bool:

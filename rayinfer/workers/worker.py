@@ -15,6 +15,7 @@ import torch
 
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, SampledTokens
+from rayinfer.engine.gc_freeze import freeze_after_startup
 from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
@@ -94,6 +95,7 @@ class Worker:
         )
         if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
             self.runner.allocate_kv(spec.cache_config.num_blocks)
+            freeze_after_startup(self.device)  # the last of its startup
 
     def _join_groups(self, prefix: str) -> ParallelContext:
         """Form this worker's tensor- and expert-parallel collective groups with its peers (every
@@ -151,6 +153,7 @@ class Worker:
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
+        freeze_after_startup(self.device)  # the last of its startup
 
     def start_profile(self, path: str) -> None:
         self.profiler = StepProfiler(self.device)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rayinfer.bench.step_breakdown import breakdown, summary_line
 from rayinfer.config import ModelConfig, ParallelPlan
 
 H200_BF16_PEAK_FLOPS = 800e12  # measured dense bf16 matmul ceiling (shared/device/README.md)
@@ -177,18 +178,24 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         llm.generate(prompts(plan.dp, 128), first)  # warm-up
         result = {"prefill": {}, "decode": {}, "graph_capture_s": llm.graph_capture_seconds}
         result["prefill_run_seconds"] = {}  # every repeat, so a run's spread shows
-        workers = getattr(llm.engine.executor, "descriptions", [])  # a multi-worker plan's
+        result["prefill_steps_ms"] = {}  # each repeat's step, phase by phase (step_breakdown)
+        executor = llm.engine.executor
+        workers = getattr(executor, "descriptions", [])  # a multi-worker plan's
         result["workers_numa"] = [d.get("numa") for d in workers]
         for length in args.prompt_lens:
             llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
-            times = []
+            executor.drain_step_timelines()
+            times, spans = [], []
             for _ in range(args.repeats):
                 batch = prompts(plan.dp, length)  # one sequence per DP replica
-                start = time.perf_counter()
+                start = time.monotonic()
                 llm.generate(batch, first)
-                times.append(time.perf_counter() - start)
+                spans.append((start, time.monotonic()))
+                times.append(spans[-1][1] - start)
             result["prefill"][length] = plan.dp * length / median(times)
             result["prefill_run_seconds"][length] = times
+            timelines = executor.drain_step_timelines()
+            result["prefill_steps_ms"][length] = [breakdown(span, timelines) for span in spans]
         if args.profile_dir:
             exchange = transport.replace(":", "_")
             name = f"tp{plan.tp}_dp{plan.dp}_ep{plan.ep}-{exchange}-overlap_{int(overlap)}"
@@ -271,6 +278,9 @@ def print_run(run, plan, flops_per_token, baseline) -> None:
             f"{label:32s} prefill {length:6d}: {rate:10.0f} tok/s "
             f"({per_gpu:8.0f}/GPU, MFU {mfu:.1%}){ratio}{spread}"
         )
+        steps = run.get("prefill_steps_ms", {}).get(length)
+        if steps:
+            print(f"{label:32s} prefill {length:6d}: {summary_line(steps)}")
     for batch, rate in run["decode"].items():
         print(f"{label:32s} decode batch {batch:4d}: {rate:10.1f} tok/s")
     if any(run.get("workers_numa", [])):

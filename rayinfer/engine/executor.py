@@ -52,6 +52,12 @@ class Executor(ABC):
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget per-request state (sampling generators) of finished requests."""
 
+    def drain_step_timelines(self) -> dict:
+        """The last steps' timelines (see step_timeline.py), forgotten here: {"ranks": one list
+        of step dicts per worker, "driver": one {"sent", "results"} per step where workers are
+        called remotely, else []}."""
+        return {"ranks": [], "driver": []}
+
     def start_profile(self, path: str) -> None:
         """Profile the steps from now on (see step_profiler.py); workers add `-rank<r>`."""
         raise NotImplementedError(f"{type(self).__name__} cannot profile")

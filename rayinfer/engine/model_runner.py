@@ -37,6 +37,7 @@ from rayinfer.engine.kv_transfer import (
     token_slots,
     unpack_kv,
 )
+from rayinfer.engine.step_timeline import StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.layers.forward_context import (
     ForwardContext,
@@ -104,6 +105,7 @@ class ModelRunner:
         self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
         if allocate_kv:
             num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
             self.allocate_kv(num_blocks)
@@ -208,12 +210,19 @@ class ModelRunner:
     def execute(self, batch: ModelBatch) -> SampledTokens:
         """Run one step; returns the next token of every request with `samples`, in order (and
         their log-probabilities where asked)."""
+        timeline = self.timelines.begin(batch.num_tokens)
+        try:
+            return self._execute(batch, timeline)
+        finally:
+            self.timelines.end(timeline)
+
+    def _execute(self, batch: ModelBatch, timeline) -> SampledTokens:
         requests = batch.requests
         bucket = self._graph_bucket(batch)
         if not requests and bucket is None:
             self._idle_forward(batch.ep_tokens)
             return SampledTokens([])
-        hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens)  # [T, H], rows
+        hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
         prompt_logprobs = self._prompt_logprobs(hidden, requests) if bucket is None else None
         if not last_rows:
             return SampledTokens([], prompt_logprobs=prompt_logprobs)
@@ -291,12 +300,16 @@ class ModelRunner:
         requests: list[ScheduledRequest],
         bucket: int | None = None,
         ep_tokens: list[int] | None = None,
+        timeline=None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
         token; a pure decode with a `bucket` replays that CUDA graph. ep_tokens: every EP rank's
-        token count, when known."""
+        token count, when known. timeline: a StepTimeline to mark."""
         if bucket is not None:
             hidden = self.decode_graphs.run(requests, bucket)  # [B, H]: one row per request
+            if timeline is not None:
+                timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+                timeline.mark("queued")
             return hidden, [row for row, r in enumerate(requests) if r.samples]
         input_ids = [t for r in requests for t in r.token_ids]
         positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
@@ -308,12 +321,13 @@ class ModelRunner:
             self.device,
         )
         ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        hidden = self._forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            ctx,
-            ep_tokens,
-        )  # [T, H]
+        input_ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if timeline is not None:
+            timeline.mark("inputs_ready")
+        hidden = self._forward(input_ids, positions, ctx, ep_tokens)  # [T, H]
+        if timeline is not None:
+            timeline.mark("queued")
         ends = accumulate(len(r.token_ids) for r in requests)  # on the host: no device sync
         return hidden, [end - 1 for r, end in zip(requests, ends) if r.samples]
 

@@ -16,6 +16,7 @@ managers use one block count for every partition (`num_kv_blocks`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import ray
@@ -27,6 +28,7 @@ from rayinfer.engine.decode_graphs import shared_decode_bucket
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.engine.graph_buckets import graph_batch_sizes
 from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.step_timeline import KEPT_STEPS
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
@@ -94,6 +96,7 @@ class WorkerGroup(Executor):
         self.descriptions = ray.get([w.describe.remote() for w in self.workers])
         self.graph_buckets = self._graph_buckets(spec)
         self.step_counts = {"graph": 0, "eager": 0}  # steps run from decode graphs or eagerly
+        self.step_calls: deque[dict] = deque(maxlen=KEPT_STEPS)  # when each step went and came
         self._num_kv_blocks = None
         if spec.kv_memory is not None:
             self._num_kv_blocks = self._agree_on_kv_blocks(spec.cache_config.num_blocks)
@@ -152,7 +155,7 @@ class WorkerGroup(Executor):
         tokens = [
             max(sum(len(r.token_ids) for r in share), IDLE_FORWARD_TOKENS) for share in shares
         ]
-        calls = []
+        calls, sent = [], time.monotonic()
         for worker, placement in zip(self.workers, self.placements):
             ep_tokens = None
             if placement.tokens_differ_across_ep:
@@ -161,6 +164,7 @@ class WorkerGroup(Executor):
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)
+        self.step_calls.append({"sent": sent, "results": time.monotonic()})
         tokens_of, logprobs_of, prompt_logprobs = {}, {}, {}
         for rank in leaders:
             sampling = [r.request_id for r in shares[self.placements[rank].dp_rank] if r.samples]
@@ -225,6 +229,11 @@ class WorkerGroup(Executor):
     def free_requests(self, request_ids: list[str]) -> None:
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
+
+    def drain_step_timelines(self) -> dict:
+        ranks = ray.get([worker.drain_step_timelines.remote() for worker in self.workers])
+        driver, self.step_calls = list(self.step_calls), deque(maxlen=KEPT_STEPS)
+        return {"ranks": ranks, "driver": driver}
 
     def start_profile(self, path: str) -> None:
         ray.get([worker.start_profile.remote(path) for worker in self.workers])

@@ -68,6 +68,9 @@ class InProcessExecutor(Executor):
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
 
+    def drain_step_timelines(self) -> dict:
+        return {"ranks": [self.runner.timelines.drain()], "driver": []}
+
     def start_profile(self, path: str) -> None:
         self._profiler = StepProfiler(self.runner.device)
         self._profiler.start(path)

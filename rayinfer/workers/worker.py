@@ -139,6 +139,9 @@ class Worker:
     def execute(self, batch: ModelBatch) -> SampledTokens:
         return self.runner.execute(batch)
 
+    def drain_step_timelines(self) -> list[dict]:
+        return self.runner.timelines.drain()
+
     def graph_capture_seconds(self) -> float | None:
         """Warm-up and capture of this worker's decode graphs; None without graphs."""
         graphs = self.runner.decode_graphs

@@ -280,3 +280,39 @@ def test_a_worker_group_reports_the_single_worker_logprobs(ray_cluster, checkpoi
             assert mine.chosen.token_id == expected.chosen.token_id
             assert mine.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
             assert [t.token_id for t in mine.top] == [t.token_id for t in expected.top]
+
+
+def test_step_timelines_split_a_generate_call_in_order(ray_cluster, checkpoints, prompts):
+    """Each worker's step timeline and the driver's send / results times line up on one clock:
+    the breakdown of a one-step call has every phase non-negative and summing to the call."""
+    import time
+
+    from rayinfer.bench.step_breakdown import breakdown, summary_line
+
+    llm = rayinfer.LLM(
+        str(checkpoints["deepseek_v3"]),
+        device="cpu",
+        parallel=ParallelPlan(dp=2, ep=2),
+        enable_prefix_caching=False,  # the second call prefills the whole prompts again
+    )
+    try:
+        llm.generate(prompts[:2], GREEDY)
+        assert len(llm.engine.executor.drain_step_timelines()["driver"]) == 8  # one per token
+        start = time.monotonic()
+        llm.generate(prompts[:2], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        span = (start, time.monotonic())
+        timelines = llm.engine.executor.drain_step_timelines()
+    finally:
+        llm.shutdown()
+    assert len(timelines["ranks"]) == 2 and len(timelines["driver"]) == 1
+    for rank in timelines["ranks"]:
+        (step,) = rank
+        assert step["num_tokens"] in (len(prompts[0]), len(prompts[1]))  # one per DP replica
+        times = [step[k] for k in ("received", "inputs_ready", "queued", "finished")]
+        assert times == sorted(times) and step["gpu_ms"] is None  # no GPU here
+    parts = breakdown(span, timelines)
+    phases = ["engine", "send", "inputs", "queue", "wait", "return"]
+    assert all(parts[phase] >= 0 for phase in phases), parts
+    # the slowest rank's phases and the engine's own time cover the call (ranks overlap)
+    assert sum(parts[phase] for phase in phases) >= parts["total"] - parts["skew"] - 1e-6
+    assert "step ms (median): engine" in summary_line([parts])

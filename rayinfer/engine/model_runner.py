@@ -15,8 +15,9 @@ worker's cache with the smallest count any worker found (`allocate_kv=False`).
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import accumulate
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
@@ -39,10 +40,12 @@ from rayinfer.engine.kv_transfer import (
 )
 from rayinfer.engine.step_timeline import StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.forward_context import (
     ForwardContext,
     build_attention_metadata,
     idle_forward_inputs,
+    token_positions,
 )
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import (
@@ -311,18 +314,22 @@ class ModelRunner:
                 timeline.inputs_ready = timeline.received  # the replay copies its own inputs
                 timeline.mark("queued")
             return hidden, [row for row, r in enumerate(requests) if r.samples]
-        input_ids = [t for r in requests for t in r.token_ids]
-        positions = [p for r in requests for p in range(r.start_position, r.seq_len)]
+        query_lens = [len(r.token_ids) for r in requests]
+        seq_lens = [r.seq_len for r in requests]
+        positions = token_positions(query_lens, seq_lens)  # [T] int64, numpy
         metadata = build_attention_metadata(
-            [len(r.token_ids) for r in requests],
-            [r.seq_len for r in requests],
+            query_lens,
+            seq_lens,
             [r.block_table for r in requests],
             self.cache_config.block_size,
             self.device,
+            positions,
         )
         ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        input_ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        tokens = chain.from_iterable(r.token_ids for r in requests)
+        input_ids = np.fromiter(tokens, dtype=np.int64, count=positions.shape[0])
+        input_ids = device_ints(torch.from_numpy(input_ids), torch.int64, self.device)
+        positions = device_ints(torch.from_numpy(positions), torch.int64, self.device)
         if timeline is not None:
             timeline.mark("inputs_ready")
         hidden = self._forward(input_ids, positions, ctx, ep_tokens)  # [T, H]

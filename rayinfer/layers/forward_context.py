@@ -8,8 +8,12 @@ attends causally to the whole context before it, read from the paged cache throu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
+
+from rayinfer.kernels.host_lists import device_ints
 
 
 @dataclass
@@ -42,35 +46,70 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
 
 
+def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
+    """[T] int64: the position of every new token, sequence after sequence."""
+    if all(query_len == 1 for query_len in query_lens):  # decodes: one Python pass
+        return np.array([seq_len - 1 for seq_len in seq_lens], dtype=np.int64)
+    return np.concatenate(
+        [np.arange(s - q, s, dtype=np.int64) for q, s in zip(query_lens, seq_lens)]
+    )
+
+
+def _slots(positions: np.ndarray, query_lens, block_tables, block_size: int) -> np.ndarray:
+    """[T] int64: cache slot (block id * block_size + offset) of every new token."""
+    slots = np.empty(positions.shape[0], dtype=np.int64)
+    start = 0
+    for query_len, table in zip(query_lens, block_tables):
+        if query_len == 0:
+            continue
+        if query_len == 1:  # a decode: one slot, cheapest in plain Python
+            last = int(positions[start])
+            slots[start] = table[last // block_size] * block_size + last % block_size
+        else:  # a prefill chunk: its blocks' ids, one per token, in numpy
+            where = positions[start : start + query_len]
+            first_block = int(where[0]) // block_size
+            blocks = np.asarray(table[first_block : int(where[-1]) // block_size + 1])
+            slots[start : start + query_len] = (
+                blocks[where // block_size - first_block] * block_size + where % block_size
+            )
+        start += query_len
+    return slots
+
+
+def _padded_tables(block_tables: list[list[int]]) -> np.ndarray:
+    """[B, max_blocks] int32: each table, -1 padded (one flat pass: 256 decodes' 512-block
+    tables took 7.1 ms as a nested list for torch.tensor, 2.4 ms so)."""
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    width = int(lengths.max()) if len(block_tables) else 0
+    padded = np.full((len(block_tables), width), -1, dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(block_tables), np.int32, count=int(lengths.sum()))
+    padded[np.arange(width) < lengths[:, None]] = flat
+    return padded
+
+
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    positions: np.ndarray | None = None,
 ) -> AttentionMetadata:
-    """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new."""
-    slots: list[int] = []
-    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
-        if query_len == 1:  # a decode: one slot, cheapest in plain Python
-            last = seq_len - 1
-            slots.append(table[last // block_size] * block_size + last % block_size)
-            continue
-        positions = torch.arange(seq_len - query_len, seq_len)  # [q]
-        blocks = torch.tensor(table, dtype=torch.int64)[positions // block_size]  # [q]
-        slots.extend((blocks * block_size + positions % block_size).tolist())
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = [t + [-1] * (max_blocks - len(t)) for t in block_tables]
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
+    """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new;
+    positions: their `token_positions`, when the caller already has them. Built in numpy (a
+    16k-token prompt's slots took ~1.4 ms as Python lists and tensors) and sent to the device
+    without waiting for it (host_lists.device_ints)."""
+    if positions is None:
+        positions = token_positions(query_lens, seq_lens)
+    slots = _slots(positions, query_lens, block_tables, block_size)
+    padded = _padded_tables(block_tables)  # [B, max_blocks]
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=starts[1:])
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-            len(block_tables), max_blocks
-        ),
+        slot_mapping=device_ints(torch.from_numpy(slots), torch.int64, device),
+        query_start_loc=device_ints(torch.from_numpy(starts), torch.int32, device),
+        seq_lens=device_ints(seq_lens, torch.int32, device),
+        block_tables=device_ints(torch.from_numpy(padded), torch.int32, device),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
         block_size=block_size,

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -252,20 +252,21 @@ class FusedExperts(nn.Module):
 
 
 class SharedExpertsStart:
-    """Called by dispatch once the rows to send are queued (`on_packed`): starts the shared
-    experts then, so that their kernels, queued after the packing, never hold it up (queued
+    """Starts the shared experts when called: by dispatch once the rows to send are queued
+    (`on_packed`), so that their kernels, queued after the packing, never hold it up (queued
     before it, on a side stream, they filled the GPU and the packing, and so the whole exchange,
-    waited for them: no overlap, 2x H200). `handle()` is their handle for MoE.finish."""
+    waited for them: no overlap, 2x H200); or by `experts_and_combine`, to run beside the
+    combine instead. A second call does nothing. `handle()` is their handle for MoE.finish."""
 
     def __init__(self, moe: MoE, x: torch.Tensor):
         self._moe, self._x, self._handle = moe, x, None
 
     def __call__(self) -> None:
-        self._handle = self._moe.start_shared_experts(self._x)
+        if self._handle is None:
+            self._handle = self._moe.start_shared_experts(self._x)
 
     def handle(self):
-        if self._handle is None:  # dispatch did not call back: computed in finish
-            self._handle = self._moe.start_shared_experts(self._x)
+        self()  # not started yet: computed in finish
         return self._handle
 
 
@@ -344,13 +345,18 @@ class MoE(nn.Module):
         return self.parallel.experts_exchange_tokens
 
     def dispatch_tokens(
-        self, x: torch.Tensor, tokens_per_rank: list[int] | None = None, channel: int = 0
-    ):
-        """Route [T, H] tokens and send each to the EP ranks holding its experts, starting the
-        shared experts once the rows are packed; returns (what arrived, the shared experts'
-        handle for `finish`). tokens_per_rank: every EP rank's T for this call, when known (no
-        device sync then); channel: the exchange pipeline to queue on (see
-        RayinferGroup.all_to_all)."""
+        self,
+        x: torch.Tensor,
+        tokens_per_rank: list[int] | None = None,
+        channel: int = 0,
+        shared_beside_dispatch: bool = True,
+    ) -> tuple[Any, SharedExpertsStart]:
+        """Route [T, H] tokens and send each to the EP ranks holding its experts; returns (what
+        arrived, the shared experts' start: pass it to `experts_and_combine`, and its `handle()`
+        to `finish`). The shared experts start once the rows are packed (beside the dispatch),
+        or with shared_beside_dispatch=False once the routed experts are queued (beside the
+        combine). tokens_per_rank: every EP rank's T for this call, when known (no device sync
+        then); channel: the exchange pipeline to queue on (see RayinferGroup.all_to_all)."""
         routing = self.route(x)
         shared = SharedExpertsStart(self, x)
         received = self.parallel.ep_group.dispatch(
@@ -360,15 +366,20 @@ class MoE(nn.Module):
             num_experts=self.experts.num_experts,
             tokens_per_rank=tokens_per_rank,
             channel=channel,
-            on_packed=shared,
+            on_packed=shared if shared_beside_dispatch else None,
         )
-        return received, shared.handle()
+        return received, shared
 
-    def experts_and_combine(self, received, channel: int = 0) -> torch.Tensor:
-        """Run this rank's experts on what arrived and send the results back: [T, H]."""
+    def experts_and_combine(
+        self, received, channel: int = 0, shared: SharedExpertsStart | None = None
+    ) -> torch.Tensor:
+        """Run this rank's experts on what arrived, start the shared experts if they have not
+        started yet, and send the results back: [T, H]."""
         expert_out = self.experts.run(
             received.x, received.topk_weights, received.topk_ids
         )  # [R, H]
+        if shared is not None:
+            shared()
         return self.parallel.ep_group.combine(expert_out, received.handle, channel=channel)
 
     def start_shared_experts(self, x: torch.Tensor):

@@ -93,6 +93,28 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
     return device.type != "cuda" or max(tokens_per_rank) >= MIN_TOKENS_TO_OVERLAP_ON_CUDA
 
 
+# Where each lane's shared experts run (RAYINFER_OVERLAP_SHARED_EXPERTS): beside the lane's
+# dispatch, or beside its combine. Per layer the GPU has one lane's compute to put under each
+# exchange: B's attention under A's dispatch, A's experts under B's dispatch, B's experts under
+# A's combine, and only A's next attention (the smaller half of a cut prompt's: it reads its own
+# half alone) under B's combine, the largest transfer.
+SHARED_EXPERTS_ENV = "RAYINFER_OVERLAP_SHARED_EXPERTS"
+SHARED_EXPERTS_PLACES = {
+    "dispatch": (False, False),
+    "second-at-combine": (False, True),
+    "combine": (True, True),
+}
+
+
+def shared_experts_beside_combine() -> tuple[bool, bool]:
+    """Per lane, whether its shared experts start beside its combine (else its dispatch)."""
+    value = os.environ.get(SHARED_EXPERTS_ENV, "dispatch")
+    if value not in SHARED_EXPERTS_PLACES:
+        valid = ", ".join(SHARED_EXPERTS_PLACES)
+        raise ValueError(f"{SHARED_EXPERTS_ENV}={value!r}: use one of {valid}")
+    return SHARED_EXPERTS_PLACES[value]
+
+
 def supports_two_batch_overlap(model) -> bool:
     body = getattr(model, "model", None)
     return all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm"))
@@ -198,16 +220,19 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
     # experts), and both dispatches are queued before either combine (NCCL has one stream).
     step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
     received, shared = [], []
+    beside_combine = shared_experts_beside_combine()
     for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's under B's attention
         tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
-        with lane.active():  # the shared experts start beside the lane's exchange
-            arrived, shared_out = moe.dispatch_tokens(moe_input, tokens, channel=i)
+        with lane.active():  # the shared experts start beside the lane's dispatch or combine
+            arrived, start = moe.dispatch_tokens(
+                moe_input, tokens, channel=i, shared_beside_dispatch=not beside_combine[i]
+            )
         received.append(arrived)
-        shared.append(shared_out)
+        shared.append(start)
     combined = []
     for i, (arrived, lane) in enumerate(zip(received, lanes)):  # A's combine under B's experts
         with lane.active():
-            combined.append(moe.experts_and_combine(arrived, channel=i))
-    for batch, shared_out, routed, lane in zip(batches, shared, combined, lanes):
+            combined.append(moe.experts_and_combine(arrived, channel=i, shared=shared[i]))
+    for batch, start, routed, lane in zip(batches, shared, combined, lanes):
         with lane.active():
-            batch.hidden = moe.finish(shared_out, routed)
+            batch.hidden = moe.finish(start.handle(), routed)

@@ -42,3 +42,71 @@ def test_a_moe_block_adds_its_shared_experts_through_the_handle():
     handle = moe.start_shared_experts(x)
     assert torch.allclose(moe.finish(handle, torch.zeros(5, 16)), moe.shared_experts(x))
     assert moe.finish(None, x) is x
+
+
+class LoggingExchange:
+    """A one-rank expert-parallel group that logs its exchanges (what the MoE stages call)."""
+
+    def __init__(self, log):
+        from rayinfer.comm import moe as comm_moe
+
+        self.log, self.comm_moe = log, comm_moe
+        self.rank, self.world_size = 0, 1
+
+    def all_to_all(self, out, inp, out_splits, in_splits, **kw):
+        out.copy_(inp)
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, on_packed=None, **kw):
+        def packed():
+            self.log.append("packed")
+            if on_packed is not None:
+                on_packed()
+
+        received = self.comm_moe.dispatch(
+            self, x, topk_ids, topk_weights, num_experts, tokens_per_rank=[x.shape[0]],
+            dedup=False, on_packed=packed,
+        )  # fmt: skip
+        self.log.append("dispatch")
+        return received
+
+    def combine(self, expert_out, handle, **kw):
+        self.log.append("combine")
+        return self.comm_moe.combine(self, expert_out, handle)
+
+
+@pytest.mark.parametrize("beside_dispatch", [True, False])
+def test_the_shared_experts_start_beside_the_dispatch_or_the_combine(beside_dispatch):
+    """The staged MoE (two-batch overlap's) starts the shared experts once, after the packing or
+    after the routed experts, and the block's output is the plain forward's either way."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    routing = RoutingMethod(top_k=2, scoring="softmax", renormalize=True)
+    moe = MoE(16, 4, 8, routing, shared_intermediate_size=8)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x = torch.randn(5, 16)
+    expected = moe(x)
+    log = []
+    moe.parallel = replace(moe.parallel, ep_group=LoggingExchange(log))
+    start_shared = moe.start_shared_experts
+    moe.start_shared_experts = lambda x: log.append("shared") or start_shared(x)
+    received, shared = moe.dispatch_tokens(x, shared_beside_dispatch=beside_dispatch)
+    combined = moe.experts_and_combine(received, shared=shared)
+    out = moe.finish(shared.handle(), combined)
+    if beside_dispatch:
+        assert log == ["packed", "shared", "dispatch", "combine"]
+    else:
+        assert log == ["packed", "dispatch", "shared", "combine"]
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_where_the_overlap_puts_each_lanes_shared_experts_is_a_setting(monkeypatch):
+    from rayinfer.layers import two_batch_overlap as tbo
+
+    assert tbo.shared_experts_beside_combine() == (False, False)  # default: beside dispatch
+    monkeypatch.setenv(tbo.SHARED_EXPERTS_ENV, "second-at-combine")
+    assert tbo.shared_experts_beside_combine() == (False, True)
+    monkeypatch.setenv(tbo.SHARED_EXPERTS_ENV, "later")
+    with pytest.raises(ValueError, match="RAYINFER_OVERLAP_SHARED_EXPERTS.*dispatch, second"):
+        tbo.shared_experts_beside_combine()

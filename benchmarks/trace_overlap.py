@@ -24,6 +24,7 @@ parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -95,9 +96,42 @@ def idle_by_cause(device_work, launched_at: dict) -> dict[str, float]:
     return causes
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(start, end) for start, end in out]
+
+
+def exposed_copies(copies, kernels) -> dict[str, list]:
+    """Copy time with no kernel running beside it, by copy stream and transfer size (MB): a
+    two-batch-overlap lane's channel has its own streams, and dispatch and combine move blocks of
+    different sizes, so the key tells which exchange the compute did not hide. -> {key: [copies,
+    exposed ms]}, most exposed first (two copies exposed at once both count)."""
+    union = merged(kernels)
+    starts = [start for start, _ in union]
+    found: dict[str, list] = {}
+    for start, end, stream, num_bytes in copies:
+        hidden = 0.0
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(union) and union[i][0] < end:
+            hidden += max(0.0, min(end, union[i][1]) - max(start, union[i][0]))
+            i += 1
+        key = f"stream {stream}, {num_bytes / 1e6:.1f} MB"
+        entry = found.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += (end - start - hidden) * 1e-3
+    return dict(sorted(found.items(), key=lambda kv: -kv[1][1]))
+
+
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     kernels, copies, syncs, sync_calls = [], [], 0.0, []
+    copy_details = []  # (start, end, stream, bytes)
     memory_calls: dict[str, list] = {}
     device_work: list[tuple[float, float, int | None]] = []  # kernels and copies
     launched_at: dict[int, float] = {}  # correlation id -> end of its runtime call
@@ -116,6 +150,8 @@ def summarize(trace_path: Path) -> dict:
         elif category in COPY_CATEGORIES:
             copies.append((start, end))
             device_work.append((start, end, correlation))
+            args = event.get("args", {})
+            copy_details.append((start, end, args.get("stream", "?"), args.get("bytes", 0)))
         elif (
             category == "cuda_runtime"
             and correlation is not None
@@ -160,6 +196,7 @@ def summarize(trace_path: Path) -> dict:
         "host_syncs_in": where_syncs_wait(sync_calls, host_events),
         "memory_calls": memory_calls,
         "idle_by_cause_ms": idle_by_cause(device_work, launched_at),
+        "copies_not_hidden_by": exposed_copies(copy_details, kernels),
     }
 
 
@@ -186,6 +223,8 @@ def main(argv=None) -> int:
                 print(f"    host sync in {kind} {name}: {calls} calls, {waited_ms:.1f} ms")
         causes = row["idle_by_cause_ms"]
         print("    idle waiting for: " + ", ".join(f"{k} {v:.1f} ms" for k, v in causes.items()))
+        for key, (count, exposed_ms) in list(row["copies_not_hidden_by"].items())[:8]:
+            print(f"    copies not hidden, {key}: {count} copies, {exposed_ms:.1f} ms")
         for name, (calls, spent_ms) in row["memory_calls"].items():
             print(f"    {name}: {calls} calls, {spent_ms:.1f} ms")
     if args.json:

@@ -41,6 +41,16 @@ def test_summary_of_a_small_trace(tmp_path):
     }
     assert row["memory_calls"] == {"cudaFree": [1, 0.03]}
     assert row["idle_by_cause_ms"] == {"host": 0.02, "dependency": 0.0, "unknown": 0.0}
+    assert row["copies_not_hidden_by"] == {"stream 11, 0.0 MB": [1, 0.03]}
+
+
+def test_copies_not_hidden_are_told_apart_by_stream_and_size():
+    exposed = load_benchmark("trace_overlap").exposed_copies(
+        [(0, 100, 3, 4e6), (150, 250, 3, 8e6), (260, 280, 5, 4e6)],  # (start, end, stream, B)
+        [(20, 40), (30, 60), (200, 300)],  # kernels: 20-60 and 200-300 covered
+    )
+    assert exposed == {"stream 3, 4.0 MB": [1, 0.06], "stream 3, 8.0 MB": [1, 0.05],
+                       "stream 5, 4.0 MB": [1, 0.0]}  # fmt: skip
 
 
 def test_a_gap_before_work_queued_earlier_is_a_dependency(tmp_path):

@@ -128,10 +128,37 @@ def exposed_copies(copies, kernels) -> dict[str, list]:
     return dict(sorted(found.items(), key=lambda kv: -kv[1][1]))
 
 
+def host_self_time(calls: dict, top: int = 12) -> dict[str, list]:
+    """calls: thread -> [(start, end, name)] host operators and CUDA runtime/driver calls. Each
+    name's calls and self time (its duration less its nested calls' on the same thread), ms,
+    most first: where the host spends a step that it queues no faster than the GPU runs it."""
+    found: dict[str, list] = {}
+    for events in calls.values():
+        stack: list[list] = []  # [end, name, child time]
+        for start, end, name in sorted(events, key=lambda e: (e[0], -e[1])):
+            while stack and stack[-1][0] <= start:
+                _finish(stack.pop(), found)
+            if stack:
+                stack[-1][2] += end - start
+            stack.append([end, name, 0.0, start])
+        while stack:
+            _finish(stack.pop(), found)
+    ranked = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
+    return {name: [count, ms] for name, (count, ms) in ranked}
+
+
+def _finish(frame: list, found: dict) -> None:
+    end, name, children, start = frame
+    entry = found.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += max(0.0, end - start - children) * 1e-3
+
+
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     kernels, copies, syncs, sync_calls = [], [], 0.0, []
     copy_details = []  # (start, end, stream, bytes)
+    host_calls: dict[tuple, list] = defaultdict(list)  # thread -> operators and CUDA API calls
     memory_calls: dict[str, list] = {}
     device_work: list[tuple[float, float, int | None]] = []  # kernels and copies
     launched_at: dict[int, float] = {}  # correlation id -> end of its runtime call
@@ -144,6 +171,8 @@ def summarize(trace_path: Path) -> dict:
         category = event.get("cat", "")
         thread = (event.get("pid"), event.get("tid"))
         correlation = event.get("args", {}).get("correlation")
+        if category in ("cpu_op", "cuda_runtime", "cuda_driver"):
+            host_calls[thread].append((start, end, event.get("name", "?")))
         if category == "kernel":
             kernels.append((start, end))
             device_work.append((start, end, correlation))
@@ -197,6 +226,7 @@ def summarize(trace_path: Path) -> dict:
         "memory_calls": memory_calls,
         "idle_by_cause_ms": idle_by_cause(device_work, launched_at),
         "copies_not_hidden_by": exposed_copies(copy_details, kernels),
+        "host_self_ms": host_self_time(host_calls),
     }
 
 
@@ -225,6 +255,8 @@ def main(argv=None) -> int:
         print("    idle waiting for: " + ", ".join(f"{k} {v:.1f} ms" for k, v in causes.items()))
         for key, (count, exposed_ms) in list(row["copies_not_hidden_by"].items())[:8]:
             print(f"    copies not hidden, {key}: {count} copies, {exposed_ms:.1f} ms")
+        for name, (count, self_ms) in row["host_self_ms"].items():
+            print(f"    host self time, {name}: {count} calls, {self_ms:.1f} ms")
         for name, (calls, spent_ms) in row["memory_calls"].items():
             print(f"    {name}: {calls} calls, {spent_ms:.1f} ms")
     if args.json:

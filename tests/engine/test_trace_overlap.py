@@ -78,3 +78,12 @@ def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):
     monkeypatch.setenv(PROFILE_CPU_ENV, "no")
     with pytest.raises(ValueError, match="RAYINFER_PROFILE_CPU='no'.*1.*0"):
         StepProfiler(torch.device("cpu"))
+
+
+def test_host_self_time_leaves_out_nested_calls():
+    host = load_benchmark("trace_overlap").host_self_time(
+        {("p", 1): [(0, 100, "aten::mm"), (10, 30, "cudaLaunchKernel"),
+                    (40, 50, "cudaLaunchKernel"), (200, 210, "aten::add")],
+         ("p", 2): [(0, 5, "cudaLaunchKernel")]}
+    )  # fmt: skip
+    assert host == {"aten::mm": [1, 0.07], "cudaLaunchKernel": [3, 0.035], "aten::add": [1, 0.01]}

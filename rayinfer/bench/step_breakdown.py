@@ -5,7 +5,7 @@ results' way back. All times are time.monotonic() seconds; the breakdown is in m
 
 from __future__ import annotations
 
-PHASES = ("engine", "send", "inputs", "queue", "wait", "return", "gpu", "skew")
+PHASES = ("engine", "send", "inputs", "queue", "queue_cpu", "wait", "return", "gpu", "skew")
 
 
 def breakdown(span: tuple[float, float], timelines: dict) -> dict | None:
@@ -31,6 +31,8 @@ def breakdown(span: tuple[float, float], timelines: dict) -> dict | None:
         "send": slowest(lambda s: s["received"] - sent),
         "inputs": slowest(lambda s: s["inputs_ready"] - s["received"]),
         "queue": slowest(lambda s: s["queued"] - s["inputs_ready"]),
+        # the thread's CPU time from the step's start to the forward queued (inputs included)
+        "queue_cpu": max(s.get("queue_cpu_ms", 0.0) for s in steps),
         "wait": slowest(lambda s: s["finished"] - s["queued"]),
         "return": ms * (results - max(s["finished"] for s in steps)),
         "gpu": max(gpu) if gpu else None,

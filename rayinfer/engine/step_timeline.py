@@ -29,10 +29,16 @@ class StepTimeline:
     queued: float = 0.0  # the model's forward was queued (the host may be far ahead of the GPU)
     finished: float = 0.0  # the sampled tokens were on the host
     gpu_ms: float | None = None  # GPU time from the step's first copy to its sampling (CUDA)
+    # CPU time the runner's thread spent from the step's start until the forward was queued:
+    # near `queued - received` when the host computes all along, far below when it was blocked
+    queue_cpu_ms: float = 0.0
+    _cpu_start: float = field(default=0.0, repr=False)
     _events: tuple | None = field(default=None, repr=False)
 
     def mark(self, name: str) -> None:
         setattr(self, name, time.monotonic())
+        if name == "queued":
+            self.queue_cpu_ms = 1e3 * (time.thread_time() - self._cpu_start)
 
     def resolve(self) -> StepTimeline:
         """Read the GPU time once its end event has run (waits for it)."""
@@ -52,7 +58,7 @@ class StepTimelines:
         self.steps: deque[StepTimeline] = deque(maxlen=KEPT_STEPS)
 
     def begin(self, num_tokens: int) -> StepTimeline:
-        step = StepTimeline(num_tokens, time.monotonic())
+        step = StepTimeline(num_tokens, time.monotonic(), _cpu_start=time.thread_time())
         if self.on_gpu and not torch.cuda.is_current_stream_capturing():
             start = torch.cuda.Event(enable_timing=True)
             start.record()

@@ -310,6 +310,8 @@ def test_step_timelines_split_a_generate_call_in_order(ray_cluster, checkpoints,
         assert step["num_tokens"] in (len(prompts[0]), len(prompts[1]))  # one per DP replica
         times = [step[k] for k in ("received", "inputs_ready", "queued", "finished")]
         assert times == sorted(times) and step["gpu_ms"] is None  # no GPU here
+        # the thread's CPU time in the queueing can't exceed its wall time
+        assert 0 <= step["queue_cpu_ms"] <= 1e3 * (step["queued"] - step["received"]) + 1
     parts = breakdown(span, timelines)
     phases = ["engine", "send", "inputs", "queue", "wait", "return"]
     assert all(parts[phase] >= 0 for phase in phases), parts

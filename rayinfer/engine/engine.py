@@ -68,6 +68,10 @@ class LLMEngine:
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
         self._arrivals = 0
+        # Finished requests whose per-request executor state (sampling generators) is freed in
+        # one call at the end of the step: a worker group makes one remote call per worker per
+        # free, and 256 decodes finishing together made 512.
+        self._to_free: list[str] = []
 
     # --- requests in -------------------------------------------------------------------------
     def add_request(
@@ -89,6 +93,7 @@ class LLMEngine:
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         self.pending_imports.append(_PendingImport(state, handoff.payload))
         self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
+        self._free_finished()
         first = state.take_output()  # the caller already has the first token
         if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
             self.pending_imports.pop()
@@ -124,6 +129,12 @@ class LLMEngine:
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and report every request that produced tokens or finished."""
+        try:
+            return self._step()
+        finally:
+            self._free_finished()
+
+    def _step(self) -> list[RequestOutput]:
         self._admit_pending_imports()
         scheduled = self.scheduler.schedule()
         ready, self.ready_outputs = self.ready_outputs, []
@@ -210,7 +221,12 @@ class LLMEngine:
         if keep:
             self.handoffs_ready[seq.request_id] = state
         else:
-            self.executor.free_requests([seq.request_id])
+            self._to_free.append(seq.request_id)
+
+    def _free_finished(self) -> None:
+        if self._to_free:
+            finished, self._to_free = self._to_free, []
+            self.executor.free_requests(finished)
 
     def _model_batch(self, scheduled: list[ScheduledSequence]) -> ModelBatch:
         """The step's requests. Block tables are the sequences' own lists, not copies: the

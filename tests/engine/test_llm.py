@@ -119,6 +119,18 @@ def test_abort_frees_the_request(checkpoint, prompts):
     assert llm.engine.block_manager.num_free_blocks == llm.cache_config.num_blocks
 
 
+def test_requests_finishing_together_are_freed_in_one_executor_call(checkpoint, prompts):
+    """A worker group makes one remote call per worker for each free: the engine frees every
+    request that finished in a step at once, and their sampling generators are gone."""
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    executor, calls = llm.engine.executor, []
+    free = executor.free_requests
+    executor.free_requests = lambda ids: calls.append(list(ids)) or free(ids)
+    seeded = rayinfer.SamplingParams(max_tokens=3, temperature=1.0, seed=7, ignore_eos=True)
+    outputs = llm.generate(prompts[:4], seeded)
+    assert calls == [[o.request_id for o in outputs]] and executor.runner.generators == {}
+
+
 @pytest.mark.parametrize(
     "prompt, params, field",
     [

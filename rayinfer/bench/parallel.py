@@ -84,6 +84,13 @@ def parse_args(argv):
         help="decode CUDA graphs: auto (where the forward can be captured) and/or off (eager)",
     )
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
+    parser.add_argument(
+        "--prompts-per-replica",
+        type=int,
+        default=1,
+        help="prompts each DP replica prefills in one step (a server under load batches them); "
+        "the transformers baseline runs the same number per forward",
+    )
     parser.add_argument("--decode-batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,8 +121,8 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, float]:
-    """Input tokens/s of transformers' forward on one GPU, one sequence per call."""
+def transformers_prefill(config_dir: str, prompt_lens, repeats, batch: int = 1) -> dict[int, float]:
+    """Input tokens/s of transformers' forward on one GPU, `batch` sequences per call."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(config_dir)
@@ -123,7 +130,7 @@ def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, flo
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     results = {}
     for length in prompt_lens:
-        ids = torch.randint(0, hf_config.vocab_size, (1, length), device="cuda")
+        ids = torch.randint(0, hf_config.vocab_size, (batch, length), device="cuda")
         times = []
         with torch.inference_mode():
             model(ids, use_cache=False, logits_to_keep=1)  # warm-up at the measured shape
@@ -133,7 +140,7 @@ def transformers_prefill(config_dir: str, prompt_lens, repeats) -> dict[int, flo
                 model(ids, use_cache=False, logits_to_keep=1)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-        results[length] = length / median(times)
+        results[length] = batch * length / median(times)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -148,7 +155,10 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
     # default cache (max(4 x max_model_len, 16384) tokens) would hold ~200 of 256 decodes and the
     # batch would run in part, or preempted.
     largest = max([1, *args.decode_batches])
-    cache_tokens = max(4 * (longest + args.decode_tokens + 8), largest * (64 + args.decode_tokens))
+    per_replica = args.prompts_per_replica
+    cache_tokens = max(
+        4 * per_replica * (longest + args.decode_tokens + 8), largest * (64 + args.decode_tokens)
+    )
     llm = LLM(
         config_dir,
         device="cuda",
@@ -157,7 +167,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         two_batch_overlap=overlap,
         all_to_all=exchange_options(transport),
         max_model_len=longest + args.decode_tokens + 8,
-        max_num_batched_tokens=longest,
+        max_num_batched_tokens=longest * per_replica,
         max_num_seqs=max(64, largest),
         num_kv_blocks=-(-cache_tokens // 16) + largest,  # block_size 16; one partial per sequence
         enable_prefix_caching=False,
@@ -183,16 +193,17 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         workers = getattr(executor, "descriptions", [])  # a multi-worker plan's
         result["workers_numa"] = [d.get("numa") for d in workers]
         for length in args.prompt_lens:
-            llm.generate(prompts(plan.dp, length), first)  # compiles kernels for this shape
+            count = plan.dp * per_replica  # per_replica sequences per DP replica, one step
+            llm.generate(prompts(count, length), first)  # compiles kernels for this shape
             executor.drain_step_timelines()
             times, spans = [], []
             for _ in range(args.repeats):
-                batch = prompts(plan.dp, length)  # one sequence per DP replica
+                batch = prompts(count, length)
                 start = time.monotonic()
                 llm.generate(batch, first)
                 spans.append((start, time.monotonic()))
                 times.append(spans[-1][1] - start)
-            result["prefill"][length] = plan.dp * length / median(times)
+            result["prefill"][length] = count * length / median(times)
             result["prefill_run_seconds"][length] = times
             timelines = executor.drain_step_timelines()
             result["prefill_steps_ms"][length] = [breakdown(span, timelines) for span in spans]
@@ -228,18 +239,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = ModelConfig.from_pretrained(args.config)
     flops_per_token = 2 * active_params_per_token(config)
-    report = {"config": args.config, "active_params": flops_per_token // 2, "runs": []}
+    report = {"config": args.config, "active_params": flops_per_token // 2, "runs": [],
+              "prompts_per_replica": args.prompts_per_replica}  # fmt: skip
     if args.baseline == "transformers":
         try:
             report["transformers"] = transformers_prefill(
-                args.config, args.prompt_lens, args.repeats
+                args.config, args.prompt_lens, args.repeats, args.prompts_per_replica
             )
         except Exception as error:
             print(f"transformers baseline FAILED {error!r}")
             report["transformers"] = {}
         for length, rate in report["transformers"].items():
             mfu = rate * flops_per_token / H200_BF16_PEAK_FLOPS
-            print(f"transformers 1 GPU  prefill {length:6d}: {rate:10.0f} tok/s  MFU {mfu:.1%}")
+            print(
+                f"transformers 1 GPU  prefill {length:6d} x{args.prompts_per_replica}: "
+                f"{rate:10.0f} tok/s  MFU {mfu:.1%}"
+            )
     for plan_text in args.plans:
         plan = parse_plan(plan_text)
         exchanges = plan.experts_exchange_tokens

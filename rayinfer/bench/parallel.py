@@ -73,7 +73,8 @@ def parse_args(argv):
         default=["dist"],
         help="MoE exchanges to run: a transport (dist, host) with optional ':'-joined flags: "
         "fp8 (FP8 dispatch), dedup (each token only to the ranks of its experts), all (every "
-        "token to every rank); e.g. host host:fp8 host:dedup",
+        "token to every rank), local (a rank's experts on its own tokens beside the exchange); "
+        "e.g. host host:fp8 host:fp8:local",
     )
     parser.add_argument("--overlap", nargs="+", default=["off"], help="off and/or on")
     parser.add_argument(
@@ -104,7 +105,12 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-EXCHANGE_FLAGS = {"fp8": ("use_fp8", True), "dedup": ("dedup", True), "all": ("dedup", False)}
+EXCHANGE_FLAGS = {
+    "fp8": ("use_fp8", True),
+    "dedup": ("dedup", True),
+    "all": ("dedup", False),
+    "local": ("local_first", True),
+}
 
 
 def exchange_options(text: str) -> dict:

@@ -91,6 +91,17 @@ def expected_share_per_rank(num_experts: int, top_k: int, world_size: int) -> fl
     return 1.0 - math.comb(others, top_k) / math.comb(num_experts, top_k)
 
 
+def sends_all_tokens(
+    num_experts: int, top_k: int, world_size: int, tokens_per_rank, dedup: bool | None
+) -> bool:
+    """Whether `dispatch` with these options takes the all-tokens exchange (every token to every
+    rank: then rank r's rows from rank s are s's tokens in order)."""
+    if dedup is None:
+        share = expected_share_per_rank(num_experts, top_k, world_size)
+        return tokens_per_rank is not None and share >= ALL_TOKENS_MIN_SHARE
+    return not dedup
+
+
 def dispatch(
     comm: AllToAll,
     x: torch.Tensor,
@@ -123,10 +134,7 @@ def dispatch(
             f"tokens_per_rank={tokens_per_rank} must have one count per rank ({n}) and "
             f"{x.shape[0]} (this rank's tokens) at position {comm.rank}"
         )
-    if dedup is None:
-        share = expected_share_per_rank(num_experts, topk_ids.shape[1], n)
-        dedup = tokens_per_rank is None or share < ALL_TOKENS_MIN_SHARE
-    if not dedup:
+    if sends_all_tokens(num_experts, topk_ids.shape[1], n, tokens_per_rank, dedup):
         if tokens_per_rank is None:
             raise ValueError("dedup=False sends every token to every rank: pass tokens_per_rank")
         return _dispatch_all_tokens(

@@ -75,6 +75,11 @@ class AllToAllConfig(_Strict):
         "layer); false: every token to every rank (no sync); default: false where nearly every "
         "token needs every rank",
     )
+    local_first: bool = Field(
+        False,
+        description="a rank's experts run on its own tokens beside the exchange (all-tokens "
+        "exchange only)",
+    )
 
     def options(self) -> dict[str, Any]:
         """The options LLM(all_to_all=...) and the workers take."""

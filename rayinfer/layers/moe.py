@@ -39,13 +39,15 @@ When every EP rank holds the same tokens, each computes its experts' share and t
 summed over the EP group; when ranks hold different tokens (`tokens_differ_across_ep`), tokens are
 sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
 replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
-afterwards. Tensor parallelism splits the shared experts' intermediate dimension; routed experts
+afterwards. With `all_to_all.local_first` and the all-tokens exchange, a rank's experts also run
+there on its own tokens, from x, and skip the copies of those tokens that arrive. Tensor parallelism splits the shared experts' intermediate dimension; routed experts
 are not split by TP.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -53,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayinfer.comm.moe import sends_all_tokens
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
 from rayinfer.layers import side_stream
@@ -251,23 +254,49 @@ class FusedExperts(nn.Module):
         return self.run(x, topk_weights, local_ids)
 
 
-class SharedExpertsStart:
-    """Starts the shared experts when called: by dispatch once the rows to send are queued
-    (`on_packed`), so that their kernels, queued after the packing, never hold it up (queued
-    before it, on a side stream, they filled the GPU and the packing, and so the whole exchange,
-    waited for them: no overlap, 2x H200); or by `experts_and_combine`, to run beside the
-    combine instead. A second call does nothing. `handle()` is their handle for MoE.finish."""
+class StartOnce:
+    """Queues `start()` the first time it is called, and never again: by dispatch once the rows
+    to send are queued (`on_packed`), so that work queued then on a side stream never holds the
+    packing up (queued before it, the shared experts filled the GPU and the packing, and so the
+    whole exchange, waited for them: no overlap, 2x H200); or by a later stage. `handle()` is
+    what `start` returned, queued then if nothing called before."""
 
-    def __init__(self, moe: MoE, x: torch.Tensor):
-        self._moe, self._x, self._handle = moe, x, None
+    def __init__(self, start: Callable[[], Any]):
+        self._start, self._handle, self._started = start, None, False
 
     def __call__(self) -> None:
-        if self._handle is None:
-            self._handle = self._moe.start_shared_experts(self._x)
+        if not self._started:
+            self._started = True
+            self._handle = self._start()
 
     def handle(self):
-        self()  # not started yet: computed in finish
+        self()
         return self._handle
+
+
+@dataclass
+class LocalExperts:
+    """all_to_all.local_first: this rank's experts run on its own tokens straight from x, beside
+    the exchange (they need no transfer), and the received copies of those tokens are skipped."""
+
+    rows: slice  # the received rows that hold this rank's own tokens (all-tokens exchange)
+    start: StartOnce  # -> a side_stream handle on the experts' [T, H] output for those tokens
+
+
+class Received(NamedTuple):
+    """What `dispatch_tokens` hands to `experts_and_combine`."""
+
+    result: Any  # comm.moe.DispatchResult
+    local: LocalExperts | None
+
+
+def _in_order(*starts: StartOnce | None) -> Callable[[], None]:
+    def start_all() -> None:
+        for start in starts:
+            if start is not None:
+                start()
+
+    return start_all
 
 
 class MoE(nn.Module):
@@ -319,21 +348,9 @@ class MoE(nn.Module):
     def _exchange_with_experts(self, x: torch.Tensor, routing: ops.MoeRouting) -> torch.Tensor:
         """Send each token once to every EP rank holding one of its experts; sum the results
         and add the shared experts', run while the tokens travel."""
-        group = self.parallel.ep_group
-        shared = SharedExpertsStart(self, x)
-        received = group.dispatch(
-            x,
-            routing.topk_ids,
-            routing.topk_weights,
-            num_experts=self.experts.num_experts,
-            tokens_per_rank=group.tokens_per_rank,
-            on_packed=shared,
-        )  # received.x [R, H]; topk_ids [R, K] local to this rank, -1 elsewhere
-        expert_out = self.experts.run(
-            received.x, received.topk_weights, received.topk_ids
-        )  # [R, H]
-        combined = group.combine(expert_out, received.handle)  # [T, H] in the original order
-        return self.finish(shared.handle(), combined)
+        tokens_per_rank = self.parallel.ep_group.tokens_per_rank
+        received, shared = self.dispatch_tokens(x, tokens_per_rank, routing=routing)
+        return self.finish(shared.handle(), self.experts_and_combine(received, shared=shared))
 
     # --- stages for overlapping the exchange with other work (two-batch overlap) ---------------
     # Each stage queues its work on the caller's current stream and returns. The exchanges are
@@ -350,15 +367,18 @@ class MoE(nn.Module):
         tokens_per_rank: list[int] | None = None,
         channel: int = 0,
         shared_beside_dispatch: bool = True,
-    ) -> tuple[Any, SharedExpertsStart]:
-        """Route [T, H] tokens and send each to the EP ranks holding its experts; returns (what
-        arrived, the shared experts' start: pass it to `experts_and_combine`, and its `handle()`
-        to `finish`). The shared experts start once the rows are packed (beside the dispatch),
-        or with shared_beside_dispatch=False once the routed experts are queued (beside the
-        combine). tokens_per_rank: every EP rank's T for this call, when known (no device sync
-        then); channel: the exchange pipeline to queue on (see RayinferGroup.all_to_all)."""
-        routing = self.route(x)
-        shared = SharedExpertsStart(self, x)
+        routing: ops.MoeRouting | None = None,
+    ) -> tuple[Received, StartOnce]:
+        """Route [T, H] tokens (unless `routing` is given) and send each to the EP ranks holding
+        its experts; returns (what arrived, for `experts_and_combine`; the shared experts'
+        start: pass it to `experts_and_combine` too, and its `handle()` to `finish`). The shared
+        experts start once the rows are packed (beside the dispatch), or with
+        shared_beside_dispatch=False once the routed experts are queued (beside the combine).
+        tokens_per_rank: every EP rank's T for this call, when known (no device sync then);
+        channel: the exchange pipeline to queue on (see RayinferGroup.all_to_all)."""
+        routing = routing or self.route(x)
+        shared = StartOnce(lambda: self.start_shared_experts(x))
+        local = self._local_experts(x, routing, tokens_per_rank)
         received = self.parallel.ep_group.dispatch(
             x,
             routing.topk_ids,
@@ -366,21 +386,47 @@ class MoE(nn.Module):
             num_experts=self.experts.num_experts,
             tokens_per_rank=tokens_per_rank,
             channel=channel,
-            on_packed=shared if shared_beside_dispatch else None,
-        )
-        return received, shared
+            on_packed=_in_order(local and local.start, shared if shared_beside_dispatch else None),
+        )  # .x [R, H]; .topk_ids [R, K] local to this rank, -1 elsewhere
+        return Received(received, local), shared
 
     def experts_and_combine(
-        self, received, channel: int = 0, shared: SharedExpertsStart | None = None
+        self, received: Received, channel: int = 0, shared: StartOnce | None = None
     ) -> torch.Tensor:
         """Run this rank's experts on what arrived, start the shared experts if they have not
         started yet, and send the results back: [T, H]."""
-        expert_out = self.experts.run(
-            received.x, received.topk_weights, received.topk_ids
-        )  # [R, H]
+        result, local = received
+        if local is not None:  # its own tokens' rows are computed beside: skip them here
+            result.topk_ids[local.rows] = -1
+        expert_out = self.experts.run(result.x, result.topk_weights, result.topk_ids)  # [R, H]
         if shared is not None:
             shared()
-        return self.parallel.ep_group.combine(expert_out, received.handle, channel=channel)
+        if local is not None:
+            expert_out[local.rows] = local.start.handle().result()
+        return self.parallel.ep_group.combine(expert_out, result.handle, channel=channel)
+
+    def _local_experts(self, x, routing, tokens_per_rank) -> LocalExperts | None:
+        """With all_to_all.local_first and the all-tokens exchange (this rank's own tokens arrive
+        in order, as rows [sum of the earlier ranks' T, + T)), this rank's experts on its own
+        tokens, to start beside the exchange; else None."""
+        group = self.parallel.ep_group
+        options = group.all_to_all
+        if not options.get("local_first") or tokens_per_rank is None:
+            return None
+        top_k, world = routing.topk_ids.shape[1], group.size
+        if not sends_all_tokens(
+            self.experts.num_experts, top_k, world, tokens_per_rank, options.get("dedup")
+        ):
+            return None
+        first = sum(tokens_per_rank[: group.rank])
+
+        def start():
+            def own_experts(x):  # [T, H] -> [T, H]: only this rank's experts' share
+                return self.experts(x, routing.topk_weights, routing.topk_ids)
+
+            return side_stream.later(own_experts, x, may_run_beside=True)  # no collective inside
+
+        return LocalExperts(slice(first, first + x.shape[0]), StartOnce(start))
 
     def start_shared_experts(self, x: torch.Tensor):
         """The shared experts' output on [T, H] tokens, as a handle for `finish`: queued now on a

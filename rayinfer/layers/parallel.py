@@ -73,6 +73,7 @@ class LayerGroup:
 
     def _options(self, options: dict, for_dispatch: bool) -> dict:
         merged = {**self.all_to_all, **options}
+        merged.pop("local_first", None)  # the MoE layer's choice, not the exchange's
         if not for_dispatch:  # combine sends the activations' own dtype back, as dispatch chose
             merged.pop("use_fp8", None)
             merged.pop("dedup", None)

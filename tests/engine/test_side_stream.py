@@ -44,17 +44,25 @@ def test_a_moe_block_adds_its_shared_experts_through_the_handle():
     assert moe.finish(None, x) is x
 
 
+class OneRank:
+    """A world of one rank for comm.moe's dispatch and combine."""
+
+    rank, world_size = 0, 1
+
+    def all_to_all(self, out, inp, out_splits, in_splits, **kw):
+        out.copy_(inp)
+
+
 class LoggingExchange:
-    """A one-rank expert-parallel group that logs its exchanges (what the MoE stages call)."""
+    """A one-rank expert-parallel group (what MoE layers call, as a LayerGroup) that logs its
+    exchanges."""
+
+    rank, size, all_to_all = 0, 1, {}  # no exchange options: local_first off
 
     def __init__(self, log):
         from rayinfer.comm import moe as comm_moe
 
-        self.log, self.comm_moe = log, comm_moe
-        self.rank, self.world_size = 0, 1
-
-    def all_to_all(self, out, inp, out_splits, in_splits, **kw):
-        out.copy_(inp)
+        self.log, self.comm_moe, self.comm = log, comm_moe, OneRank()
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts, on_packed=None, **kw):
         def packed():
@@ -63,7 +71,7 @@ class LoggingExchange:
                 on_packed()
 
         received = self.comm_moe.dispatch(
-            self, x, topk_ids, topk_weights, num_experts, tokens_per_rank=[x.shape[0]],
+            self.comm, x, topk_ids, topk_weights, num_experts, tokens_per_rank=[x.shape[0]],
             dedup=False, on_packed=packed,
         )  # fmt: skip
         self.log.append("dispatch")
@@ -71,7 +79,7 @@ class LoggingExchange:
 
     def combine(self, expert_out, handle, **kw):
         self.log.append("combine")
-        return self.comm_moe.combine(self, expert_out, handle)
+        return self.comm_moe.combine(self.comm, expert_out, handle)
 
 
 @pytest.mark.parametrize("beside_dispatch", [True, False])

@@ -139,10 +139,12 @@ def test_each_phase_chooses_its_token_exchange():
             "decode.all_to_all.transport": "host",
             "decode.all_to_all.use_fp8": "true",
             "prefill.all_to_all.dedup": "false",
+            "prefill.all_to_all.local_first": "true",
         }  # fmt: skip
     )
     assert config.decode.all_to_all.options() == {
-        "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None
+        "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None,
+        "local_first": False,
     }  # fmt: skip
-    assert config.prefill.all_to_all.dedup is False
+    assert config.prefill.all_to_all.dedup is False and config.prefill.all_to_all.local_first
     assert config.prefill.all_to_all.transport == "auto"

@@ -40,7 +40,8 @@ summed over the EP group; when ranks hold different tokens (`tokens_differ_acros
 sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
 replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
 afterwards. With `all_to_all.local_first` and the all-tokens exchange, a rank's experts also run
-there on its own tokens, from x, and skip the copies of those tokens that arrive. Tensor parallelism splits the shared experts' intermediate dimension; routed experts
+there on its own tokens, from x, and skip the copies of those tokens that arrive. Tensor
+parallelism splits the shared experts' intermediate dimension; routed experts
 are not split by TP.
 """
 
@@ -422,6 +423,11 @@ class MoE(nn.Module):
 
         def start():
             def own_experts(x):  # [T, H] -> [T, H]: only this rank's experts' share
+                if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+                    # made on the caller's stream, read here (Beside records x itself)
+                    stream = torch.cuda.current_stream(x.device)
+                    routing.topk_weights.record_stream(stream)
+                    routing.topk_ids.record_stream(stream)
                 return self.experts(x, routing.topk_weights, routing.topk_ids)
 
             return side_stream.later(own_experts, x, may_run_beside=True)  # no collective inside

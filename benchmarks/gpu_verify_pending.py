@@ -87,7 +87,11 @@ EVERY_EXCHANGE = [
 ]
 # every token to every rank, no device sync in the layers (the tiny models' 8 experts top-2
 # would pick the deduplicated exchange on their own)
-ALL_TOKENS = [({"transport": "host", "dedup": False}, overlap) for overlap in (False, True)]
+ALL_TOKENS = [
+    ({"transport": "host", "dedup": False, "local_first": local}, overlap)
+    for local in (False, True)  # local_first: a rank's experts on its own tokens, beside
+    for overlap in (False, True)
+]
 
 
 def check_overlap(paths: dict[str, Path], device: str, variants, families) -> list[dict]:
@@ -317,7 +321,8 @@ def main() -> int:
     parser.add_argument(
         "--all-tokens-only",
         action="store_true",
-        help="only the all-tokens exchange (DeepSeek-V3, host-staged, overlap off and on)",
+        help="only the all-tokens exchange (DeepSeek-V3, host-staged, overlap off and on, "
+        "local_first off and on)",
     )
     parser.add_argument(
         "--decode-graphs-only",

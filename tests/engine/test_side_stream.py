@@ -32,13 +32,18 @@ def test_a_bad_switch_names_itself_and_the_valid_values(monkeypatch):
         side_stream.beside_from_tokens()
 
 
-def test_a_moe_block_adds_its_shared_experts_through_the_handle():
+def small_moe_and_tokens() -> tuple[MoE, torch.Tensor]:
+    """A 4-expert top-2 MoE block with shared experts, random weights, and 5 tokens."""
     torch.manual_seed(0)
     routing = RoutingMethod(top_k=2, scoring="softmax", renormalize=True)
     moe = MoE(16, 4, 8, routing, shared_intermediate_size=8)
     for param in moe.parameters():
         torch.nn.init.normal_(param, std=0.2)
-    x = torch.randn(5, 16)
+    return moe, torch.randn(5, 16)
+
+
+def test_a_moe_block_adds_its_shared_experts_through_the_handle():
+    moe, x = small_moe_and_tokens()
     handle = moe.start_shared_experts(x)
     assert torch.allclose(moe.finish(handle, torch.zeros(5, 16)), moe.shared_experts(x))
     assert moe.finish(None, x) is x
@@ -88,12 +93,7 @@ def test_the_shared_experts_start_beside_the_dispatch_or_the_combine(beside_disp
     after the routed experts, and the block's output is the plain forward's either way."""
     from dataclasses import replace
 
-    torch.manual_seed(0)
-    routing = RoutingMethod(top_k=2, scoring="softmax", renormalize=True)
-    moe = MoE(16, 4, 8, routing, shared_intermediate_size=8)
-    for param in moe.parameters():
-        torch.nn.init.normal_(param, std=0.2)
-    x = torch.randn(5, 16)
+    moe, x = small_moe_and_tokens()
     expected = moe(x)
     log = []
     moe.parallel = replace(moe.parallel, ep_group=LoggingExchange(log))

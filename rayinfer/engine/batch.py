@@ -21,6 +21,9 @@ class ScheduledRequest:
     # With SamplingParams.prompt_logprobs: the prompt tokens this chunk's rows predict (row j:
     # the prompt token at start_position + j + 1), while they are prompt tokens.
     prompt_logprob_targets: list[int] | None = None
+    # Sent to a worker, block_table may hold only the blocks from this index on: the worker has
+    # the earlier ones from an earlier step (workers/group.py sends tables incrementally).
+    block_table_from: int = 0
 
     @property
     def seq_len(self) -> int:

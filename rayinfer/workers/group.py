@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
@@ -97,6 +97,11 @@ class WorkerGroup(Executor):
         self.graph_buckets = self._graph_buckets(spec)
         self.step_counts = {"graph": 0, "eager": 0}  # steps run from decode graphs or eagerly
         self.step_calls: deque[dict] = deque(maxlen=KEPT_STEPS)  # when each step went and came
+        # request id -> (DP replica, the sequence's block table list, blocks sent): a table only
+        # grows while it is the same list (a freed or preempted sequence gets a new one), so each
+        # step sends the blocks added since (256 decodes' 512-block tables pickled to 557 KB per
+        # worker call, past Ray's 100 KB inline limit)
+        self._tables_sent: dict[str, tuple[int, list[int], int]] = {}
         self._num_kv_blocks = None
         if spec.kv_memory is not None:
             self._num_kv_blocks = self._agree_on_kv_blocks(spec.cache_config.num_blocks)
@@ -156,11 +161,12 @@ class WorkerGroup(Executor):
             max(sum(len(r.token_ids) for r in share), IDLE_FORWARD_TOKENS) for share in shares
         ]
         calls, sent = [], time.monotonic()
+        wire = [self._new_blocks_only(replica, share) for replica, share in enumerate(shares)]
         for worker, placement in zip(self.workers, self.placements):
             ep_tokens = None
             if placement.tokens_differ_across_ep:
                 ep_tokens = [tokens[replica] for replica in placement.ep_peer_replicas]
-            share = ModelBatch(shares[placement.dp_rank], ep_tokens, bucket)
+            share = ModelBatch(wire[placement.dp_rank], ep_tokens, bucket)
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)
@@ -177,6 +183,22 @@ class WorkerGroup(Executor):
         tokens = [tokens_of[request_id] for request_id in order]
         logprobs = [logprobs_of.get(request_id) for request_id in order] if logprobs_of else None
         return SampledTokens(tokens, logprobs, prompt_logprobs or None)
+
+    def _new_blocks_only(
+        self, replica: int, requests: list[ScheduledRequest]
+    ) -> list[ScheduledRequest]:
+        """The replica's requests as sent: a request whose table its workers already hold (the
+        same list, on the same replica) carries only the blocks added since."""
+        wire = []
+        for request in requests:
+            table = request.block_table
+            known = self._tables_sent.get(request.request_id)
+            held = known[2] if known and known[0] == replica and known[1] is table else 0
+            self._tables_sent[request.request_id] = (replica, table, len(table))
+            if held:
+                request = replace(request, block_table=table[held:], block_table_from=held)
+            wire.append(request)
+        return wire
 
     @property
     def num_kv_partitions(self) -> int:
@@ -227,6 +249,8 @@ class WorkerGroup(Executor):
         return [i for i, p in enumerate(self.placements) if p.dp_rank == partition]
 
     def free_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._tables_sent.pop(request_id, None)
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
 

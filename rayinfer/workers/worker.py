@@ -79,6 +79,7 @@ class Worker:
         # Before weights and staging memory exist: their pages land on the GPU's NUMA node.
         self.numa = bind_to_gpu_node() if self.device.type == "cuda" else None
         self.placement = WorkerPlacement(rank, spec.plan)
+        self.block_tables: dict[str, list[int]] = {}  # request id -> its whole table, as sent
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
         self.runner = ModelRunner(
             spec.model_config,
@@ -137,7 +138,25 @@ class Worker:
         }
 
     def execute(self, batch: ModelBatch) -> SampledTokens:
+        self._complete_tables(batch)
         return self.runner.execute(batch)
+
+    def _complete_tables(self, batch: ModelBatch) -> None:
+        """Each request's whole block table, from what earlier steps sent and this one's new
+        blocks (see WorkerGroup._new_blocks_only)."""
+        for request in batch.requests:
+            start = request.block_table_from
+            if start == 0:
+                self.block_tables[request.request_id] = request.block_table
+                continue
+            table = self.block_tables.get(request.request_id)
+            if table is None or len(table) != start:
+                raise RuntimeError(
+                    f"request {request.request_id!r}: sent blocks from {start} on, but this "
+                    f"worker holds {None if table is None else len(table)} of its table"
+                )
+            table.extend(request.block_table)
+            request.block_table, request.block_table_from = table, 0
 
     def drain_step_timelines(self) -> list[dict]:
         return self.runner.timelines.drain()
@@ -183,6 +202,8 @@ class Worker:
         return True
 
     def free_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.block_tables.pop(request_id, None)
         self.runner.free_requests(request_ids)
 
     def _needs(self, shard_heads: tuple[int, int] | None) -> bool:

@@ -337,3 +337,26 @@ def test_step_timelines_split_a_generate_call_in_order(ray_cluster, checkpoints,
     # the slowest rank's phases and the engine's own time cover the call (ranks overlap)
     assert sum(parts[phase] for phase in phases) >= parts["total"] - parts["skew"] - 1e-6
     assert "step ms (median): engine" in summary_line([parts])
+
+
+def test_preempted_requests_on_a_worker_group_give_the_single_worker_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens
+):
+    """A tiny cache preempts sequences: their tables restart, so the workers get them whole
+    again (the group otherwise sends only each step's new blocks)."""
+    llm = rayinfer.LLM(
+        str(checkpoints["deepseek_v3"]),
+        device="cpu",
+        parallel=ParallelPlan(dp=2, ep=2),
+        block_size=4,
+        num_kv_blocks=10,
+        max_model_len=32,
+        enable_prefix_caching=False,
+    )
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        preemptions = llm.engine.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+    assert preemptions > 0
+    assert tokens == single_worker_tokens["deepseek_v3"]

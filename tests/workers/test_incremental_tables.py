@@ -1,0 +1,85 @@
+"""A worker group sends each request's block table once, then only the blocks added since: the
+workers rebuild the whole tables, also across a preemption (a new table) and a move to another
+replica, and each step's payload shrinks to the new blocks."""
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+from rayinfer.engine.batch import ModelBatch, ScheduledRequest
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.group import WorkerGroup
+from rayinfer.workers.worker import Worker
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0)
+
+
+def request(request_id: str, table: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(request_id, [7], len(table) * 16 - 1, table, True, PARAMS)
+
+
+class Driver:
+    """The group's side of the protocol, with one worker per replica (pickled as by Ray)."""
+
+    def __init__(self, replicas: int):
+        self.group = SimpleNamespace(_tables_sent={})
+        self.workers = [SimpleNamespace(block_tables={}) for _ in range(replicas)]
+
+    def step(self, shares: list[list[ScheduledRequest]]) -> list[list[ScheduledRequest]]:
+        seen = []
+        for replica, share in enumerate(shares):
+            wire = WorkerGroup._new_blocks_only(self.group, replica, share)
+            batch = pickle.loads(pickle.dumps(ModelBatch(wire)))
+            Worker._complete_tables(self.workers[replica], batch)
+            seen.append(batch.requests)
+        return seen
+
+    def free(self, request_ids):
+        for request_id in request_ids:
+            self.group._tables_sent.pop(request_id, None)
+            for worker in self.workers:
+                worker.block_tables.pop(request_id, None)
+
+
+def test_workers_rebuild_the_tables_from_the_new_blocks():
+    driver = Driver(replicas=2)
+    a, b = [3, 9], [4]
+    (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
+    assert got_a[0].block_table == [3, 9] and got_b[0].block_table == [4]
+    a.append(11)  # a grows by a block; b does not
+    sent = [WorkerGroup._new_blocks_only(SimpleNamespace(_tables_sent=dict(
+        driver.group._tables_sent)), 0, [request("a", a)])]  # fmt: skip
+    assert sent[0][0].block_table == [11] and sent[0][0].block_table_from == 2
+    (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
+    assert got_a[0].block_table == [3, 9, 11] and got_b[0].block_table == [4]
+    assert got_a[0].block_table_from == 0
+    a = [5]  # preempted and admitted again: a new table, sent whole
+    (got_a,) = driver.step([[request("a", a)]])
+    assert got_a[0].block_table == [5]
+    (_, got_b) = driver.step([[], [request("b", b + [8])]])  # another list: sent whole too
+    assert got_b[0].block_table == [4, 8]
+    driver.free(["a"])
+    (got_a, _) = driver.step([[request("a", [6, 2])], []])  # an id used again after its free
+    assert got_a[0].block_table == [6, 2]
+
+
+def test_a_worker_missing_the_start_of_a_table_says_so():
+    worker = SimpleNamespace(block_tables={})
+    late = ScheduledRequest("x", [1], 40, [12], True, PARAMS, block_table_from=3)
+    with pytest.raises(RuntimeError, match="request 'x': sent blocks from 3 on.*holds None"):
+        Worker._complete_tables(worker, ModelBatch([late]))
+
+
+def test_decode_payload_shrinks_to_the_new_blocks():
+    """256 decodes with 512-block tables: the first step sends every table, the next ones a
+    block or none (the 557 KB per worker call of whole tables went past Ray's inline limit)."""
+    driver = Driver(replicas=1)
+    tables = [list(range(i * 600, i * 600 + 512)) for i in range(256)]
+    first = [request(f"r{i}", t) for i, t in enumerate(tables)]
+    whole = len(pickle.dumps(ModelBatch(WorkerGroup._new_blocks_only(driver.group, 0, first))))
+    for t in tables[:8]:
+        t.append(t[-1] + 1)
+    later = [request(f"r{i}", t) for i, t in enumerate(tables)]
+    step = len(pickle.dumps(ModelBatch(WorkerGroup._new_blocks_only(driver.group, 0, later))))
+    assert whole > 500_000 and step < 60_000

@@ -268,6 +268,17 @@ def test_expected_share_decides_between_the_two_exchanges():
     assert expected_share_per_rank(8, 8, 2) == 1.0  # top-k = all experts: every rank needed
 
 
+def test_which_exchange_dispatch_takes():
+    """What MoE layers ask before choosing to run their own tokens locally (local_first)."""
+    from rayinfer.comm.moe import sends_all_tokens
+
+    assert sends_all_tokens(64, 6, 2, [5, 7], dedup=None)  # V2-Lite shapes, counts known
+    assert not sends_all_tokens(64, 6, 2, None, dedup=None)  # counts unknown: deduplicate
+    assert not sends_all_tokens(256, 8, 8, [5] * 8, dedup=None)  # V3 on 8 ranks
+    assert sends_all_tokens(256, 8, 8, [5] * 8, dedup=False)
+    assert not sends_all_tokens(64, 6, 2, [5, 7], dedup=True)
+
+
 def _fp8_error(group):
     x, ids, weights = _routing(40, 16, 4, seed=10 + group.rank)
     x = (x * torch.logspace(-3, 2, 64)).to(torch.bfloat16)  # channels across five decades

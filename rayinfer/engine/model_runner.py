@@ -38,7 +38,7 @@ from rayinfer.engine.kv_transfer import (
     token_slots,
     unpack_kv,
 )
-from rayinfer.engine.step_timeline import StepTimelines
+from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.forward_context import (
@@ -219,7 +219,7 @@ class ModelRunner:
         finally:
             self.timelines.end(timeline)
 
-    def _execute(self, batch: ModelBatch, timeline) -> SampledTokens:
+    def _execute(self, batch: ModelBatch, timeline: StepTimeline) -> SampledTokens:
         requests = batch.requests
         bucket = self._graph_bucket(batch)
         if not requests and bucket is None:
@@ -301,18 +301,17 @@ class ModelRunner:
     def _forward_batch(
         self,
         requests: list[ScheduledRequest],
-        bucket: int | None = None,
-        ep_tokens: list[int] | None = None,
-        timeline=None,
+        bucket: int | None,
+        ep_tokens: list[int] | None,
+        timeline: StepTimeline,
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
         token; a pure decode with a `bucket` replays that CUDA graph. ep_tokens: every EP rank's
-        token count, when known. timeline: a StepTimeline to mark."""
+        token count, when known. timeline: the step's, marked as its inputs and forward queue."""
         if bucket is not None:
             hidden = self.decode_graphs.run(requests, bucket)  # [B, H]: one row per request
-            if timeline is not None:
-                timeline.inputs_ready = timeline.received  # the replay copies its own inputs
-                timeline.mark("queued")
+            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+            timeline.mark("queued")
             return hidden, [row for row, r in enumerate(requests) if r.samples]
         query_lens = [len(r.token_ids) for r in requests]
         seq_lens = [r.seq_len for r in requests]
@@ -330,11 +329,9 @@ class ModelRunner:
         input_ids = np.fromiter(tokens, dtype=np.int64, count=positions.shape[0])
         input_ids = device_ints(torch.from_numpy(input_ids), torch.int64, self.device)
         positions = device_ints(torch.from_numpy(positions), torch.int64, self.device)
-        if timeline is not None:
-            timeline.mark("inputs_ready")
+        timeline.mark("inputs_ready")
         hidden = self._forward(input_ids, positions, ctx, ep_tokens)  # [T, H]
-        if timeline is not None:
-            timeline.mark("queued")
+        timeline.mark("queued")
         ends = accumulate(len(r.token_ids) for r in requests)  # on the host: no device sync
         return hidden, [end - 1 for r, end in zip(requests, ends) if r.samples]
 

@@ -41,8 +41,7 @@ sent to their experts' ranks with `dispatch` and brought back with `combine`. Th
 replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
 afterwards. With `all_to_all.local_first` and the all-tokens exchange, a rank's experts also run
 there on its own tokens, from x, and skip the copies of those tokens that arrive. Tensor
-parallelism splits the shared experts' intermediate dimension; routed experts
-are not split by TP.
+parallelism splits the shared experts' intermediate dimension; routed experts are not split by TP.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from rayinfer.kernels import ops
 from rayinfer.layers import side_stream
 from rayinfer.layers.linear import FP8_BLOCK, ColumnParallelLinear, RowParallelLinear
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
+from rayinfer.layers.side_stream import StartOnce
 
 DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -255,26 +255,6 @@ class FusedExperts(nn.Module):
         return self.run(x, topk_weights, local_ids)
 
 
-class StartOnce:
-    """Queues `start()` the first time it is called, and never again: by dispatch once the rows
-    to send are queued (`on_packed`), so that work queued then on a side stream never holds the
-    packing up (queued before it, the shared experts filled the GPU and the packing, and so the
-    whole exchange, waited for them: no overlap, 2x H200); or by a later stage. `handle()` is
-    what `start` returned, queued then if nothing called before."""
-
-    def __init__(self, start: Callable[[], Any]):
-        self._start, self._handle, self._started = start, None, False
-
-    def __call__(self) -> None:
-        if not self._started:
-            self._started = True
-            self._handle = self._start()
-
-    def handle(self):
-        self()
-        return self._handle
-
-
 @dataclass
 class LocalExperts:
     """all_to_all.local_first: this rank's experts run on its own tokens straight from x, beside
@@ -423,14 +403,10 @@ class MoE(nn.Module):
 
         def start():
             def own_experts(x):  # [T, H] -> [T, H]: only this rank's experts' share
-                if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-                    # made on the caller's stream, read here (Beside records x itself)
-                    stream = torch.cuda.current_stream(x.device)
-                    routing.topk_weights.record_stream(stream)
-                    routing.topk_ids.record_stream(stream)
                 return self.experts(x, routing.topk_weights, routing.topk_ids)
 
-            return side_stream.later(own_experts, x, may_run_beside=True)  # no collective inside
+            reads = (routing.topk_weights, routing.topk_ids)
+            return side_stream.later(own_experts, x, True, reads)  # no collective inside
 
         return LocalExperts(slice(first, first + x.shape[0]), StartOnce(start))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -58,16 +59,20 @@ class Later:
 
 
 class Beside:
-    """fn(x), queued now on a side stream; `result()` makes the current stream wait for it."""
+    """fn(x), queued now on a side stream; `result()` makes the current stream wait for it.
+    `reads`: other tensors made on the caller's stream that fn reads."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+    def __init__(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reads: tuple = ()
+    ):
         caller = torch.cuda.current_stream(x.device)
         side = _side_stream_of(caller)
         side.wait_stream(caller)  # x and everything before it
         with torch.cuda.stream(side):
             self._out = fn(x)
             self._done = side.record_event()
-        x.record_stream(side)  # x's memory is not reused until the side stream is past it
+        for tensor in (x, *reads):  # their memory is not reused until the side stream is past
+            tensor.record_stream(side)
 
     def result(self) -> torch.Tensor:
         current = torch.cuda.current_stream(self._out.device)
@@ -76,12 +81,37 @@ class Beside:
         return self._out
 
 
-def later(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, may_run_beside: bool):
+def later(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    may_run_beside: bool,
+    reads: tuple = (),
+):
     """A handle on fn(x) [T, ...]: on a side stream from now on where `may_run_beside`, x is on
     a GPU outside CUDA-graph capture and T reaches beside_from_tokens(); else computed at
-    `result()`."""
+    `result()`. reads: other tensors fn reads (kept alive for the side stream)."""
     if may_run_beside and x.is_cuda and not torch.cuda.is_current_stream_capturing():
         threshold = beside_from_tokens()
         if threshold is not None and x.shape[0] >= threshold:
-            return Beside(fn, x)
+            return Beside(fn, x, reads)
     return Later(fn, x)
+
+
+class StartOnce:
+    """Queues `start()` the first time it is called, and never again: e.g. by dispatch once the
+    rows to send are queued (its `on_packed` hook), so that work queued then on a side stream
+    never holds the packing up (queued before it, the shared experts filled the GPU and the
+    packing, and so the whole exchange, waited for them: no overlap, 2x H200); or by a later
+    stage. `handle()` is what `start` returned, queued then if nothing called before."""
+
+    def __init__(self, start: Callable[[], Any]):
+        self._start, self._handle, self._started = start, None, False
+
+    def __call__(self) -> None:
+        if not self._started:
+            self._started = True
+            self._handle = self._start()
+
+    def handle(self):
+        self()
+        return self._handle

@@ -112,6 +112,7 @@ def dispatch(
     tokens_per_rank: list[int] | None = None,
     dedup: bool | None = None,
     on_packed: Callable[[], None] | None = None,
+    skip_self: bool = False,
     **a2a_options,
 ) -> DispatchResult:
     """x: [T, H] bf16/fp32: tokens. topk_ids: [T, K] int: global expert ids.
@@ -123,7 +124,9 @@ def dispatch(
     module docstring). Every rank must pass the same tokens_per_rank and dedup. on_packed: called
     once the rows to send are queued and before the exchange is, so that work it queues on
     another stream (forked from the caller's) runs while the tokens travel and never delays the
-    packing."""
+    packing. skip_self (all-tokens exchange only): a rank's tokens go to the other ranks alone;
+    the caller computes its own experts' share of them itself (and passes it to combine as an
+    addend), so no copy of them is packed, exchanged, dequantized or routed here."""
     n = comm.world_size
     if num_experts % n:
         raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={n}")
@@ -139,8 +142,10 @@ def dispatch(
             raise ValueError("dedup=False sends every token to every rank: pass tokens_per_rank")
         return _dispatch_all_tokens(
             comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, on_packed,
-            a2a_options,
+            skip_self, a2a_options,
         )  # fmt: skip
+    if skip_self:
+        raise ValueError("skip_self needs the all-tokens exchange (dedup=False, tokens_per_rank)")
     per_rank = num_experts // n
     dest = topk_ids // per_rank  # [T, K]
     goes_to = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
@@ -171,28 +176,43 @@ def dispatch(
 
 
 def _dispatch_all_tokens(
-    comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, on_packed, a2a_options
+    comm,
+    x,
+    topk_ids,
+    topk_weights,
+    num_experts,
+    use_fp8,
+    tokens_per_rank,
+    on_packed,
+    skip_self,
+    a2a_options,
 ) -> DispatchResult:
-    """Every token to every rank, global expert ids in the rows; each rank keeps its experts'
-    slots. No device sync: every size is a token count the host already has."""
+    """Every token to every rank (to every other rank with skip_self), global expert ids in the
+    rows; each rank keeps its experts' slots. No device sync: every size is a token count the
+    host already has."""
     n, rank, num_tokens = comm.world_size, comm.rank, x.shape[0]
     per_rank, topk = num_experts // n, topk_ids.shape[1]
     layout = RowLayout(x.shape[1], topk, x.dtype, use_fp8)
-    matrix = [[count] * n for count in tokens_per_rank]  # rank i sends its T_i rows to each j
+    # rank i sends its T_i rows to each j (but itself, with skip_self)
+    matrix = [
+        [0 if skip_self and i == j else count for j in range(n)]
+        for i, count in enumerate(tokens_per_rank)
+    ]
+    copies = n - 1 if skip_self else n  # the rows are alike for every destination
     if use_fp8:  # one launch: each token quantized once, its row written for every rank
         send = ops.pack_fp8_for_every_rank(
-            x, topk_ids, topk_weights, n, layout.payload_bytes, layout.ids_at, layout.row_bytes
-        )
-    else:  # one launch for all n copies
+            x, topk_ids, topk_weights, copies, layout.payload_bytes, layout.ids_at,
+            layout.row_bytes,
+        )  # fmt: skip
+    else:  # one launch for all copies
         send = ops.pack_for_every_rank(
-            x, topk_ids, topk_weights, n, layout.ids_at, layout.row_bytes
+            x, topk_ids, topk_weights, copies, layout.ids_at, layout.row_bytes
         )
     if on_packed is not None:
         on_packed()
-    recv = send.new_empty((sum(tokens_per_rank), layout.row_bytes))
-    comm.all_to_all(
-        recv, send, list(tokens_per_rank), [num_tokens] * n, split_matrix=matrix, **a2a_options
-    )
+    out_splits = [row[rank] for row in matrix]
+    recv = send.new_empty((sum(out_splits), layout.row_bytes))
+    comm.all_to_all(recv, send, out_splits, matrix[rank], split_matrix=matrix, **a2a_options)
     if use_fp8:
         recv_x = ops.unpack_fp8_rows(recv, x.shape[1], layout.payload_bytes, x.dtype)
     else:
@@ -201,28 +221,40 @@ def _dispatch_all_tokens(
         recv, layout.ids_at, topk, rank * per_rank, per_rank
     )  # [R, K] each: -1 / 0 where another rank holds the expert
     stream = torch.cuda.current_stream(x.device).stream_id if x.is_cuda else 0
-    send_token_ids, row_index = _all_tokens_index(num_tokens, n, x.device, stream)
+    skipped = rank if skip_self else None
+    send_token_ids, row_index = _all_tokens_index(num_tokens, n, skipped, x.device, stream)
     handle = DispatchHandle(send_token_ids, matrix, rank, num_tokens, row_index)
     return DispatchResult(recv_x, local_ids, weights, handle)
 
 
 @functools.lru_cache(maxsize=64)
-def _all_tokens_index(num_tokens: int, world: int, device: torch.device, stream: int):
-    """(send_token_ids [world * T]: 0..T-1 once per rank; row_index [T, world] int32: combine
-    brings back rank d's row for token t at d * T + t). Read-only, cached: they depend on the
+def _all_tokens_index(num_tokens: int, world: int, skipped, device: torch.device, stream: int):
+    """(send_token_ids [copies * T]: 0..T-1 once per destination; row_index [T, world] int32:
+    combine brings back destination d's row for token t at (d's place among the destinations)
+    * T + t, -1 for the `skipped` rank (None: none)). Read-only, cached: they depend on the
     sizes alone, and building them took six launches per exchange. Cached per CUDA stream: an
     entry made on one two-batch-overlap lane is only ready in that lane's order."""
     tokens = torch.arange(num_tokens, device=device)
-    row_index = (tokens.unsqueeze(1) + torch.arange(world, device=device) * num_tokens).int()
-    return tokens.repeat(world), row_index
+    places = [d - (skipped is not None and d > skipped) for d in range(world)]
+    row_index = tokens.unsqueeze(1) + torch.tensor(places, device=device) * num_tokens
+    if skipped is not None:
+        row_index[:, skipped] = -1
+    copies = world - (skipped is not None)
+    return tokens.repeat(copies), row_index.int()
 
 
 def combine(
-    comm: AllToAll, expert_out: torch.Tensor, handle: DispatchHandle, **a2a_options
+    comm: AllToAll,
+    expert_out: torch.Tensor,
+    handle: DispatchHandle,
+    addends: tuple[torch.Tensor, ...] = (),
+    **a2a_options,
 ) -> torch.Tensor:
     """expert_out: [R, H]: for each row dispatch delivered here, the weighted sum of its local
-    experts' outputs. Returns [T, H] expert_out.dtype: per source token, the sum over ranks,
-    in the original token order (summed in float32)."""
+    experts' outputs. addends: up to two [T, H] added in the same pass (dispatch's skip_self
+    leaves this rank's own experts' share of its tokens to the caller: pass it here). Returns
+    [T, H] expert_out.dtype: per source token, the sum over ranks (and addends), in the
+    original token order (summed in float32)."""
     back = expert_out.new_empty((sum(handle.in_splits), expert_out.shape[1]))
     comm.all_to_all(
         back,
@@ -233,7 +265,7 @@ def combine(
         **a2a_options,
     )
     # One gather-and-sum per token (float32, rank order), written in expert_out's dtype.
-    return ops.moe_combine(back, handle.row_index, expert_out.dtype)
+    return ops.moe_combine(back, handle.row_index, expert_out.dtype, addends)
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
-def moe_combine(back, row_index, out_dtype=None):
+def moe_combine(back, row_index, out_dtype=None, addends=()):
     """back [S, H] rows returned by combine's all-to-all, row_index [T, world] int32 (row of each
-    token from each rank, -1: none) -> [T, H] out_dtype: per token, the float32 sum of its rows."""
+    token from each rank, -1: none), addends: up to two [T, H] -> [T, H] out_dtype: per token,
+    the float32 sum of its addends' rows and its rows."""
     if _on_cuda(back):
-        return moe_combine_triton(back, row_index, out_dtype)
-    return moe_combine_reference(back, row_index, out_dtype)
+        return moe_combine_triton(back, row_index, out_dtype, addends)
+    return moe_combine_reference(back, row_index, out_dtype, addends)
 
 
 def pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes):

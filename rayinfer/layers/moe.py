@@ -40,7 +40,8 @@ summed over the EP group; when ranks hold different tokens (`tokens_differ_acros
 sent to their experts' ranks with `dispatch` and brought back with `combine`. The shared experts,
 replicated, run on a side stream while the tokens travel (layers/side_stream.py) and are added
 afterwards. With `all_to_all.local_first` and the all-tokens exchange, a rank's experts also run
-there on its own tokens, from x, and skip the copies of those tokens that arrive. Tensor
+there on its own tokens, from x; the exchange then carries those tokens to the other ranks only,
+and combine adds this share in its summing pass. Tensor
 parallelism splits the shared experts' intermediate dimension; routed experts are not split by TP.
 """
 
@@ -258,9 +259,9 @@ class FusedExperts(nn.Module):
 @dataclass
 class LocalExperts:
     """all_to_all.local_first: this rank's experts run on its own tokens straight from x, beside
-    the exchange (they need no transfer), and the received copies of those tokens are skipped."""
+    the exchange (they need no transfer); the exchange carries them to the other ranks only, and
+    combine adds this share in its summing pass."""
 
-    rows: slice  # the received rows that hold this rank's own tokens (all-tokens exchange)
     start: StartOnce  # -> a side_stream handle on the experts' [T, H] output for those tokens
 
 
@@ -269,6 +270,7 @@ class Received(NamedTuple):
 
     result: Any  # comm.moe.DispatchResult
     local: LocalExperts | None
+    shared: StartOnce  # the shared experts' start (see `start_shared_experts`)
 
 
 def _in_order(*starts: StartOnce | None) -> Callable[[], None]:
@@ -330,8 +332,7 @@ class MoE(nn.Module):
         """Send each token once to every EP rank holding one of its experts; sum the results
         and add the shared experts', run while the tokens travel."""
         tokens_per_rank = self.parallel.ep_group.tokens_per_rank
-        received, shared = self.dispatch_tokens(x, tokens_per_rank, routing=routing)
-        return self.finish(shared.handle(), self.experts_and_combine(received, shared=shared))
+        return self.experts_and_combine(self.dispatch_tokens(x, tokens_per_rank, routing=routing))
 
     # --- stages for overlapping the exchange with other work (two-batch overlap) ---------------
     # Each stage queues its work on the caller's current stream and returns. The exchanges are
@@ -349,10 +350,9 @@ class MoE(nn.Module):
         channel: int = 0,
         shared_beside_dispatch: bool = True,
         routing: ops.MoeRouting | None = None,
-    ) -> tuple[Received, StartOnce]:
+    ) -> Received:
         """Route [T, H] tokens (unless `routing` is given) and send each to the EP ranks holding
-        its experts; returns (what arrived, for `experts_and_combine`; the shared experts'
-        start: pass it to `experts_and_combine` too, and its `handle()` to `finish`). The shared
+        its experts; returns what arrived, for `experts_and_combine`. The shared
         experts start once the rows are packed (beside the dispatch), or with
         shared_beside_dispatch=False once the routed experts are queued (beside the combine).
         tokens_per_rank: every EP rank's T for this call, when known (no device sync then);
@@ -368,28 +368,30 @@ class MoE(nn.Module):
             tokens_per_rank=tokens_per_rank,
             channel=channel,
             on_packed=_in_order(local and local.start, shared if shared_beside_dispatch else None),
+            skip_self=local is not None,
         )  # .x [R, H]; .topk_ids [R, K] local to this rank, -1 elsewhere
-        return Received(received, local), shared
+        return Received(received, local, shared)
 
-    def experts_and_combine(
-        self, received: Received, channel: int = 0, shared: StartOnce | None = None
-    ) -> torch.Tensor:
+    def experts_and_combine(self, received: Received, channel: int = 0) -> torch.Tensor:
         """Run this rank's experts on what arrived, start the shared experts if they have not
-        started yet, and send the results back: [T, H]."""
-        result, local = received
-        if local is not None:  # its own tokens' rows are computed beside: skip them here
-            result.topk_ids[local.rows] = -1
+        started yet, send the results back and sum them with the shared experts' (and, with
+        local_first, this rank's own share): the block's output [T, H]. What ran beside is added
+        in combine's summing pass."""
+        result, local, shared = received
         expert_out = self.experts.run(result.x, result.topk_weights, result.topk_ids)  # [R, H]
-        if shared is not None:
-            shared()
-        if local is not None:
-            expert_out[local.rows] = local.start.handle().result()
-        return self.parallel.ep_group.combine(expert_out, result.handle, channel=channel)
+        addends = [] if local is None else [local.start.handle().result()]  # [T, H] each
+        shared_handle = shared.handle()
+        if shared_handle is not None and shared_handle.runs_beside:
+            addends.append(shared_handle.result())  # ready, or nearly: join it here
+            shared_handle = None
+        combined = self.parallel.ep_group.combine(
+            expert_out, result.handle, channel=channel, addends=tuple(addends)
+        )
+        return self.finish(shared_handle, combined)
 
     def _local_experts(self, x, routing, tokens_per_rank) -> LocalExperts | None:
-        """With all_to_all.local_first and the all-tokens exchange (this rank's own tokens arrive
-        in order, as rows [sum of the earlier ranks' T, + T)), this rank's experts on its own
-        tokens, to start beside the exchange; else None."""
+        """With all_to_all.local_first and the all-tokens exchange, this rank's experts on its own
+        tokens, to start beside the exchange (which then skips this rank); else None."""
         group = self.parallel.ep_group
         options = group.all_to_all
         if not options.get("local_first") or tokens_per_rank is None:
@@ -399,7 +401,6 @@ class MoE(nn.Module):
             self.experts.num_experts, top_k, world, tokens_per_rank, options.get("dedup")
         ):
             return None
-        first = sum(tokens_per_rank[: group.rank])
 
         def start():
             def own_experts(x):  # [T, H] -> [T, H]: only this rank's experts' share
@@ -408,7 +409,7 @@ class MoE(nn.Module):
             reads = (routing.topk_weights, routing.topk_ids)
             return side_stream.later(own_experts, x, True, reads)  # no collective inside
 
-        return LocalExperts(slice(first, first + x.shape[0]), StartOnce(start))
+        return LocalExperts(StartOnce(start))
 
     def start_shared_experts(self, x: torch.Tensor):
         """The shared experts' output on [T, H] tokens, as a handle for `finish`: queued now on a

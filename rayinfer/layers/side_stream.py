@@ -51,6 +51,8 @@ def _side_stream_of(caller: torch.cuda.Stream) -> torch.cuda.Stream:
 class Later:
     """fn(x), computed when `result()` is called, on the caller's stream."""
 
+    runs_beside = False
+
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
         self._fn, self._x = fn, x
 
@@ -61,6 +63,8 @@ class Later:
 class Beside:
     """fn(x), queued now on a side stream; `result()` makes the current stream wait for it.
     `reads`: other tensors made on the caller's stream that fn reads."""
+
+    runs_beside = True
 
     def __init__(
         self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reads: tuple = ()

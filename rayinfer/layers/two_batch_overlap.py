@@ -219,20 +219,16 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
     # first out: on one pipeline B's dispatch waited behind A's combine, which waits for A's
     # experts), and both dispatches are queued before either combine (NCCL has one stream).
     step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
-    received, shared = [], []
+    received = []
     beside_combine = shared_experts_beside_combine()
     for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's under B's attention
         tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
         with lane.active():  # the shared experts start beside the lane's dispatch or combine
-            arrived, start = moe.dispatch_tokens(
-                moe_input, tokens, channel=i, shared_beside_dispatch=not beside_combine[i]
+            received.append(
+                moe.dispatch_tokens(
+                    moe_input, tokens, channel=i, shared_beside_dispatch=not beside_combine[i]
+                )
             )
-        received.append(arrived)
-        shared.append(start)
-    combined = []
-    for i, (arrived, lane) in enumerate(zip(received, lanes)):  # A's combine under B's experts
-        with lane.active():
-            combined.append(moe.experts_and_combine(arrived, channel=i, shared=shared[i]))
-    for batch, start, routed, lane in zip(batches, shared, combined, lanes):
-        with lane.active():
-            batch.hidden = moe.finish(start.handle(), routed)
+    for i, (arrived, batch, lane) in enumerate(zip(received, batches, lanes)):
+        with lane.active():  # A's combine under B's experts
+            batch.hidden = moe.experts_and_combine(arrived, channel=i)

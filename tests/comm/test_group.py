@@ -177,6 +177,44 @@ def test_all_tokens_dispatch_matches_the_deduplicated_one(members, world_size, t
     assert all(run(members, world_size, _all_tokens_roundtrip, 16, 4, transport, use_fp8))
 
 
+def _skip_self_roundtrip(group, transport: str, use_fp8: bool):
+    """skip_self (local_first's exchange): a rank's tokens go to the other ranks only; with its
+    own experts' share passed to combine as an addend, combine returns what the exchange that
+    sends every rank its own tokens too returns."""
+    num_experts, topk = 16, 4
+    counts = [(0, 1, 5, 33)[r % 4] for r in range(group.world_size)]
+    x, ids, weights = _routing(counts[group.rank], num_experts, topk, seed=group.rank)
+    kw = dict(num_experts=num_experts, transport=transport, use_fp8=use_fp8,
+              tokens_per_rank=counts, dedup=False)  # fmt: skip
+    others = group.dispatch(x, ids, weights, skip_self=True, **kw)
+    assert others.x.shape[0] == sum(counts) - counts[group.rank]  # nothing of its own came back
+    assert others.handle.in_splits[group.rank] == others.handle.out_splits[group.rank] == 0
+    every = group.dispatch(x, ids, weights, **kw)
+    per_rank = num_experts // group.world_size
+    mine = (ids // per_rank) == group.rank  # [T, K]: this rank's experts' slots
+    own = identity_experts(x, torch.where(mine, weights, 0.0))  # computed here, from x itself
+    back = group.combine(identity_experts(others.x, others.topk_weights), others.handle,
+                         addends=(own,))  # fmt: skip
+    y = group.combine(identity_experts(every.x, every.topk_weights), every.handle)
+    tol = 0.07 if use_fp8 else 1e-5  # fp8: own rows skip the e4m3 round trip here, not there
+    torch.testing.assert_close(back, y, rtol=tol, atol=tol)
+    if not use_fp8:
+        torch.testing.assert_close(back, moe_identity_ref(x, weights), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="skip_self needs the all-tokens exchange"):
+        group.dispatch(x, ids, weights, num_experts=num_experts, skip_self=True, dedup=True)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "transport,use_fp8", [("dist", False), ("host", False), ("host", True)], ids=str
+)
+def test_skip_self_with_the_own_share_added_matches_every_rank(
+    members, world_size, transport, use_fp8
+):
+    assert all(run(members, world_size, _skip_self_roundtrip, transport, use_fp8))
+
+
 def _two_channels(group):
     """Host-staged exchanges on channels 0 and 1 (independent pipelines), interleaved."""
     n = group.world_size

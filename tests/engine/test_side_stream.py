@@ -82,9 +82,9 @@ class LoggingExchange:
         self.log.append("dispatch")
         return received
 
-    def combine(self, expert_out, handle, **kw):
-        self.log.append("combine")
-        return self.comm_moe.combine(self.comm, expert_out, handle)
+    def combine(self, expert_out, handle, addends=(), **kw):
+        self.log.append(f"combine+{len(addends)}")
+        return self.comm_moe.combine(self.comm, expert_out, handle, addends)
 
 
 @pytest.mark.parametrize("beside_dispatch", [True, False])
@@ -99,13 +99,38 @@ def test_the_shared_experts_start_beside_the_dispatch_or_the_combine(beside_disp
     moe.parallel = replace(moe.parallel, ep_group=LoggingExchange(log))
     start_shared = moe.start_shared_experts
     moe.start_shared_experts = lambda x: log.append("shared") or start_shared(x)
-    received, shared = moe.dispatch_tokens(x, shared_beside_dispatch=beside_dispatch)
-    combined = moe.experts_and_combine(received, shared=shared)
-    out = moe.finish(shared.handle(), combined)
-    if beside_dispatch:
-        assert log == ["packed", "shared", "dispatch", "combine"]
+    out = moe.experts_and_combine(moe.dispatch_tokens(x, shared_beside_dispatch=beside_dispatch))
+    if beside_dispatch:  # on CPU they run at the end (side_stream.Later): added after combine
+        assert log == ["packed", "shared", "dispatch", "combine+0"]
     else:
-        assert log == ["packed", "dispatch", "shared", "combine"]
+        assert log == ["packed", "dispatch", "shared", "combine+0"]
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+class RanBeside:
+    """A handle like side_stream.Beside's (whose result is queued already), on CPU."""
+
+    runs_beside = True
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def test_shared_experts_that_ran_beside_are_added_in_the_combines_pass():
+    """The combine's summing kernel adds what ran beside (one read and write of [T, H] less than
+    adding it afterwards), and the block's output is the plain forward's."""
+    from dataclasses import replace
+
+    moe, x = small_moe_and_tokens()
+    expected = moe(x)
+    log = []
+    moe.parallel = replace(moe.parallel, ep_group=LoggingExchange(log))
+    moe.start_shared_experts = lambda x: RanBeside(moe.shared_experts(x))
+    out = moe.experts_and_combine(moe.dispatch_tokens(x))
+    assert log == ["packed", "dispatch", "combine+1"]
     assert torch.allclose(out, expected, atol=1e-6)
 
 

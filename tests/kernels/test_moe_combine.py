@@ -67,3 +67,31 @@ def test_output_dtype_and_no_rows():
     out = moe_combine(back, index, torch.float16)
     assert out.dtype == torch.float16 and torch.equal(out, torch.zeros(3, 5, dtype=torch.float16))
     assert moe_combine(torch.randn(4, 5), torch.empty(0, 2, dtype=torch.int32)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_addends_are_summed_with_the_rows(count, dtype):
+    """A rank's own experts' share (and the shared experts') added in the same pass: the float32
+    sum of the addends and the rows, in the output dtype; a strided addend reads right."""
+    num_tokens, hidden = 11, 40
+    back, token_ids, splits = _rows(num_tokens, 2, hidden, dtype, seed=5)
+    index = combine_row_index(token_ids, splits, num_tokens)
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(num_tokens, 2 * hidden, generator=gen).to(dtype)
+    addends = (wide[:, :hidden], torch.randn(num_tokens, hidden, generator=gen).to(dtype))[:count]
+    ours = moe_combine(back, index, torch.float32, addends)
+    expected = _index_add(back.float(), token_ids, num_tokens) + sum(a.float() for a in addends)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe_combine_reference(back, index, torch.float32, addends), expected)
+    went_nowhere = sum(a[0].float() for a in addends)  # token 0: its addends alone
+    torch.testing.assert_close(ours[0], went_nowhere, atol=1e-6, rtol=1e-6)
+
+
+def test_addends_must_be_t_by_h_and_at_most_two():
+    back, token_ids, splits = _rows(5, 2, 8, torch.float32, seed=1)
+    index = combine_row_index(token_ids, splits, 5)
+    with pytest.raises(ValueError, match=r"must be \[T, H\] = \[5, 8\]"):
+        moe_combine(back, index, addends=(torch.zeros(5, 7),))
+    with pytest.raises(ValueError, match="at most 2 addends"):
+        moe_combine(back, index, addends=(torch.zeros(5, 8),) * 3)

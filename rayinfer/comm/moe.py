@@ -235,8 +235,10 @@ def _all_tokens_index(num_tokens: int, world: int, skipped, device: torch.device
     sizes alone, and building them took six launches per exchange. Cached per CUDA stream: an
     entry made on one two-batch-overlap lane is only ready in that lane's order."""
     tokens = torch.arange(num_tokens, device=device)
-    places = [d - (skipped is not None and d > skipped) for d in range(world)]
-    row_index = tokens.unsqueeze(1) + torch.tensor(places, device=device) * num_tokens
+    places = torch.arange(world, device=device)  # no host tensor: this may run in graph capture
+    if skipped is not None:
+        places = places - (places > skipped).long()
+    row_index = tokens.unsqueeze(1) + places * num_tokens
     if skipped is not None:
         row_index[:, skipped] = -1
     copies = world - (skipped is not None)

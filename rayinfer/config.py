@@ -38,8 +38,9 @@ ALL_TO_ALL_CHOICES = {
     "use_fp8": (False, True),
     "dedup": (None, True, False),
     # the experts of a rank run on its own tokens beside the exchange, from x, instead of on
-    # their received copies (all-tokens exchange only; layers/moe.py)
-    "local_first": (False, True),
+    # their received copies (all-tokens exchange only; None: for calls of enough tokens;
+    # layers/moe.py)
+    "local_first": (None, False, True),
 }
 
 

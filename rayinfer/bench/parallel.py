@@ -110,6 +110,7 @@ EXCHANGE_FLAGS = {
     "dedup": ("dedup", True),
     "all": ("dedup", False),
     "local": ("local_first", True),
+    "nolocal": ("local_first", False),
 }
 
 

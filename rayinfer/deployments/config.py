@@ -75,10 +75,11 @@ class AllToAllConfig(_Strict):
         "layer); false: every token to every rank (no sync); default: false where nearly every "
         "token needs every rank",
     )
-    local_first: bool = Field(
-        False,
-        description="a rank's experts run on its own tokens beside the exchange (all-tokens "
-        "exchange only)",
+    local_first: bool | None = Field(
+        None,
+        description="a rank's experts run on its own tokens beside the exchange, which then "
+        "skips the rank itself (all-tokens exchange only); default: where every rank has >= "
+        "8192 tokens in the call",
     )
 
     def options(self) -> dict[str, Any]:

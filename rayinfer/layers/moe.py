@@ -256,6 +256,14 @@ class FusedExperts(nn.Module):
         return self.run(x, topk_weights, local_ids)
 
 
+# all_to_all.local_first=None runs a rank's experts on its own tokens beside the exchange from
+# this many tokens on every rank. 2x H200 host-staged, DeepSeek-V2-Lite shapes (RESULTS, tenth
+# session): two 16k micro-batches of 16k tokens 1.42x -> 1.54x transformers per GPU, 8k ones
+# 1.44x -> 1.46x; 2k ones 1.18x -> 0.78x (the grouped GEMMs split in two halves that are too
+# small, and twice the MoE's host work).
+LOCAL_FIRST_MIN_TOKENS = 8192
+
+
 @dataclass
 class LocalExperts:
     """all_to_all.local_first: this rank's experts run on its own tokens straight from x, beside
@@ -390,11 +398,16 @@ class MoE(nn.Module):
         return self.finish(shared_handle, combined)
 
     def _local_experts(self, x, routing, tokens_per_rank) -> LocalExperts | None:
-        """With all_to_all.local_first and the all-tokens exchange, this rank's experts on its own
-        tokens, to start beside the exchange (which then skips this rank); else None."""
+        """With all_to_all.local_first (True, or None and every rank's call at least
+        LOCAL_FIRST_MIN_TOKENS: the same choice on every rank) and the all-tokens exchange, this
+        rank's experts on its own tokens, to start beside the exchange (which then skips this
+        rank); else None."""
         group = self.parallel.ep_group
         options = group.all_to_all
-        if not options.get("local_first") or tokens_per_rank is None:
+        choice = options.get("local_first")
+        if choice is False or tokens_per_rank is None:
+            return None
+        if choice is None and min(tokens_per_rank) < LOCAL_FIRST_MIN_TOKENS:
             return None
         top_k, world = routing.topk_ids.shape[1], group.size
         if not sends_all_tokens(

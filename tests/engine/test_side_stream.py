@@ -143,3 +143,31 @@ def test_where_the_overlap_puts_each_lanes_shared_experts_is_a_setting(monkeypat
     monkeypatch.setenv(tbo.SHARED_EXPERTS_ENV, "later")
     with pytest.raises(ValueError, match="RAYINFER_OVERLAP_SHARED_EXPERTS.*dispatch, second"):
         tbo.shared_experts_beside_combine()
+
+
+def test_local_first_by_default_where_every_rank_has_enough_tokens():
+    """all_to_all.local_first=None (the default) runs a rank's experts on its own tokens beside
+    the exchange only where every rank's call has LOCAL_FIRST_MIN_TOKENS (one choice for all
+    ranks: it shapes the exchange); True and False decide alone; the deduplicated exchange never
+    does it."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from rayinfer.layers.moe import LOCAL_FIRST_MIN_TOKENS
+
+    moe, x = small_moe_and_tokens()
+    group = SimpleNamespace(rank=0, size=2, all_to_all={"dedup": False})
+    moe.parallel = replace(moe.parallel, ep_group=group)
+    routing = moe.route(x)
+    enough = LOCAL_FIRST_MIN_TOKENS
+
+    def runs_local(tokens_per_rank, **options):
+        group.all_to_all = {"dedup": False, **options}
+        return moe._local_experts(x, routing, tokens_per_rank) is not None
+
+    assert runs_local([enough, enough])
+    assert not runs_local([enough, enough - 1])  # the other rank has too few: neither does it
+    assert not runs_local(None)  # counts unknown: no all-tokens exchange
+    assert runs_local([5, 7], local_first=True)
+    assert not runs_local([enough, enough], local_first=False)
+    assert not runs_local([enough, enough], dedup=True, local_first=True)

@@ -144,7 +144,7 @@ def test_each_phase_chooses_its_token_exchange():
     )
     assert config.decode.all_to_all.options() == {
         "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None,
-        "local_first": False,
+        "local_first": None,
     }  # fmt: skip
     assert config.prefill.all_to_all.dedup is False and config.prefill.all_to_all.local_first
     assert config.prefill.all_to_all.transport == "auto"

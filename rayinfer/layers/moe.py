@@ -257,11 +257,12 @@ class FusedExperts(nn.Module):
 
 
 # all_to_all.local_first=None runs a rank's experts on its own tokens beside the exchange from
-# this many tokens on every rank. 2x H200 host-staged, DeepSeek-V2-Lite shapes (RESULTS, tenth
-# session): two 16k micro-batches of 16k tokens 1.42x -> 1.54x transformers per GPU, 8k ones
-# 1.44x -> 1.46x; 2k ones 1.18x -> 0.78x (the grouped GEMMs split in two halves that are too
-# small, and twice the MoE's host work).
-LOCAL_FIRST_MIN_TOKENS = 8192
+# this many tokens on every rank. 2x H200 host-staged, DeepSeek-V2-Lite shapes, two-batch
+# overlap (RESULTS, tenth session), in transformers' tok/s per GPU: micro-batches of 16k tokens
+# 1.42-1.44x -> 1.54x in three calls; of 8k 1.44x -> 1.46x in one call, 1.44x -> 1.19x in
+# another (the step became host-bound); of 2k 1.18x -> 0.78x (the grouped GEMMs split in two
+# halves too small to run well, and the MoE's host work doubles).
+LOCAL_FIRST_MIN_TOKENS = 16384
 
 
 @dataclass

@@ -35,7 +35,7 @@ class LLM:
     the CPU and bfloat16 on GPUs. parallel: how several workers (one Ray actor per GPU) split the
     model; two_batch_overlap: overlap the MoE all-to-all of one micro-batch with the other's
     compute (for plans whose experts exchange tokens; None, the default, turns it on there on
-    GPUs, for steps of at least 8192 tokens on some rank: measured faster from there).
+    GPUs, for steps of at least 12288 tokens on some rank: measured faster from there).
     load_format "dummy" draws random weights instead of reading safetensors (a folder with
     config.json is enough; for benchmarks).
     all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy

@@ -96,7 +96,7 @@ class PhaseConfig(_Strict):
     two_batch_overlap: bool | None = Field(
         None,
         description="overlap one micro-batch's MoE all-to-all with the other's compute "
-        "(default: on for GPU plans whose experts exchange tokens, steps of >= 8192 tokens)",
+        "(default: on for GPU plans whose experts exchange tokens, steps of >= 12288 tokens)",
     )
     gpus_per_worker: float | None = Field(
         None,

@@ -81,10 +81,12 @@ def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
 
 
 # On CUDA two lanes cost the host about twice the launches of one: with fewer tokens per rank
-# than this the GPU ran out of queued work (2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2
-# host-staged: 4k tokens per rank went from 0.68x to 0.31x transformers' rate with overlap,
-# 16k from 0.98x to 1.05x). Every rank decides from the same counts.
-MIN_TOKENS_TO_OVERLAP_ON_CUDA = 8192
+# than this the GPU ran out of queued work. 2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2
+# host-staged FP8, transformers' rate per GPU with overlap off -> on (RESULTS, tenth session):
+# 8k tokens per rank 1.35x -> 0.71x (one prompt) and 1.36x -> 0.76x (two 4k prompts), five
+# repeats each; 12k 1.37x -> 1.47x; 16k 1.33x -> 1.44x in one call, 1.39x -> 1.33x in another;
+# 32k (two 16k prompts) 1.40x -> 1.56x. Every rank decides from the same counts.
+MIN_TOKENS_TO_OVERLAP_ON_CUDA = 12288
 
 
 def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:

@@ -22,17 +22,14 @@ Build one per MoE layer with a `RoutingMethod` that states how the family routes
 
 Parameter names follow the checkpoints: `gate.weight` [E, H] (and `gate.e_score_correction_bias`
 [E]), `experts.w13` / `experts.w2` (stacked), `shared_experts.gate_up_proj` / `.down_proj`.
-Loading routed experts: `parse_expert_weight_name(name, projections)` splits a per-expert checkpoint
-name (`...mlp.experts.3.gate_proj.weight`; Mixtral: pass `MIXTRAL_EXPERT_PROJECTIONS` for
-`w1`/`w3`/`w2`) into (module prefix, expert id, part); then call
-`moe.experts.load_expert_weight(expert_id, part, tensor)`. Shared experts load through
-`GatedMLP.load_weight(projection_name, tensor)`.
+Routed experts load through `layers/fused_experts.py` (`parse_expert_weight_name`, then
+`moe.experts.load_expert_weight(expert_id, part, tensor)`), shared experts through
+`GatedMLP.load_weight(projection_name, tensor)` (`layers/mlp.py`).
 
 FP8 weights (`fp8=True`, DeepSeek-V3 checkpoints served with fp8_weights): the routed experts keep
-`w13`/`w2` in float8_e4m3fn with `w13_scale` [E_local, 2I/128, ceil(H/128)] and `w2_scale`
-[E_local, ceil(H/128), I/128] block scales (I must be a multiple of 128: gate and up share one
-stacked weight) and run the FP8 fused MoE; the shared experts are FP8 linear layers. The scales
-load through the same calls with `is_scale=True` (checkpoint `...weight_scale_inv`).
+block-scaled float8_e4m3fn weights and run the FP8 fused MoE; the shared experts are FP8 linear
+layers. The scales load through the same calls with `is_scale=True` (checkpoint
+`...weight_scale_inv`).
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 When every EP rank holds the same tokens, each computes its experts' share and the shares are
@@ -47,7 +44,6 @@ parallelism splits the shared experts' intermediate dimension; routed experts ar
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -57,16 +53,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayinfer.comm.moe import sends_all_tokens
-from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
 from rayinfer.layers import side_stream
-from rayinfer.layers.linear import FP8_BLOCK, ColumnParallelLinear, RowParallelLinear
-from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
+from rayinfer.layers.fused_experts import FusedExperts
+from rayinfer.layers.mlp import GatedMLP, copy_checked
+from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.side_stream import StartOnce
-
-DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -80,64 +72,6 @@ class RoutingMethod:
     topk_groups: int = 1
     use_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
-
-
-class ExpertWeightName(NamedTuple):
-    prefix: str  # module path holding `experts`, e.g. "model.layers.3.mlp"
-    expert_id: int  # global expert id in the checkpoint
-    part: str  # "gate", "up" or "down"
-
-
-def parse_expert_weight_name(
-    name: str, projections: dict[str, str] = DEFAULT_EXPERT_PROJECTIONS
-) -> ExpertWeightName | None:
-    """`<prefix>.experts.<e>.<proj>.weight` -> ExpertWeightName; None for any other name."""
-    match = _EXPERT_NAME.match(name)
-    if match is None or match["proj"] not in projections:
-        return None
-    return ExpertWeightName(match["prefix"], int(match["expert"]), projections[match["proj"]])
-
-
-def copy_checked(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    """Default weight loader: the whole tensor, with a shape check that names both shapes."""
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        parallel: ParallelContext = SINGLE,
-        fp8: bool = False,
-    ):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], parallel=parallel, fp8=fp8
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, parallel=parallel, fp8=fp8
-        )
-
-    def load_weight(self, projection: str, loaded: torch.Tensor, is_scale: bool = False) -> None:
-        """Checkpoint `gate_proj` / `up_proj` / `down_proj` weight (or, is_scale, its FP8
-        `weight_scale_inv`) -> this rank's slice."""
-        module = self.down_proj if projection == "down_proj" else self.gate_up_proj
-        param = module.weight_scale_inv if is_scale else module.weight
-        if param is None:
-            raise ValueError(f"{projection} keeps no FP8 scales here (fp8_weights is off)")
-        load = module.scale_loader if is_scale else module.weight_loader
-        if projection == "down_proj":
-            load(param, loaded)
-            return
-        load(param, loaded, {"gate_proj": 0, "up_proj": 1}[projection])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
@@ -159,101 +93,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
         return F.linear(x.float(), self.weight)
-
-
-class FusedExperts(nn.Module):
-    """This rank's routed experts, stacked.
-
-    w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
-    """
-
-    def __init__(
-        self,
-        num_experts: int,
-        hidden_size: int,
-        intermediate_size: int,
-        parallel: ParallelContext = SINGLE,
-        fp8: bool = False,
-    ):
-        super().__init__()
-        self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
-        self.first_local_expert = parallel.ep_rank * self.num_local_experts
-        shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
-        shape2 = (self.num_local_experts, hidden_size, intermediate_size)
-        dtype = torch.float8_e4m3fn if fp8 else None
-        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
-        self.w13_scale = self.w2_scale = None
-        if fp8:
-            if intermediate_size % FP8_BLOCK:
-                raise ConfigError(
-                    f"fp8_weights: moe_intermediate_size={intermediate_size} is not a multiple of "
-                    f"{FP8_BLOCK}, so gate and up cannot share one block-scaled w13; "
-                    "use fp8_weights=False"
-                )
-            blocks = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
-            scale13 = (self.num_local_experts, blocks(2 * intermediate_size), blocks(hidden_size))
-            scale2 = (self.num_local_experts, blocks(hidden_size), blocks(intermediate_size))
-            self.w13_scale = nn.Parameter(
-                torch.empty(scale13, dtype=torch.float32), requires_grad=False
-            )
-            self.w2_scale = nn.Parameter(
-                torch.empty(scale2, dtype=torch.float32), requires_grad=False
-            )
-
-    def load_expert_weight(
-        self, expert_id: int, part: str, loaded: torch.Tensor, is_scale: bool = False
-    ) -> bool:
-        """Copy one expert's `gate`/`up` [I, H] or `down` [H, I] (is_scale: its FP8 block scales
-        [I/128, H/128] or [H/128, I/128]); False if the expert is not held on this rank."""
-        if not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"expert {expert_id} outside n_routed_experts={self.num_experts}")
-        local = expert_id - self.first_local_expert
-        if not 0 <= local < self.num_local_experts:
-            return False
-        if is_scale:
-            if self.w13_scale is None:
-                raise ValueError("these experts keep no FP8 scales (fp8_weights is off)")
-            size = self.intermediate_size // FP8_BLOCK
-            stacked = (self.w2_scale if part == "down" else self.w13_scale).data
-        else:
-            size = self.intermediate_size
-            stacked = (self.w2 if part == "down" else self.w13).data
-        rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[part]
-        target = stacked[local, rows]
-        if target.shape != loaded.shape:
-            what = f"{part} scale" if is_scale else part
-            raise ValueError(
-                f"expert {expert_id} {what}: checkpoint shape {tuple(loaded.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        if target.dtype == torch.float8_e4m3fn and loaded.dtype != torch.float8_e4m3fn:
-            raise ValueError(
-                f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
-                "keep FP8 block-scaled weights (fp8_weights=True)"
-            )
-        target.copy_(loaded)
-        return True
-
-    def run(self, x, topk_weights, local_ids):
-        """The fused MoE over this rank's experts; local_ids [T, K] outside [0, E_local) skip."""
-        return ops.fused_moe(
-            x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale
-        )
-
-    def forward(self, x, topk_weights, topk_ids):
-        """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].
-
-        Under expert parallelism the result holds only this rank's experts' share.
-        """
-        if self.num_local_experts == self.num_experts:  # every expert is here: ids as they are
-            return self.run(x, topk_weights, topk_ids)
-        local_ids = topk_ids - self.first_local_expert  # [T, K]
-        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
-        local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
-        return self.run(x, topk_weights, local_ids)
 
 
 # all_to_all.local_first=None runs a rank's experts on its own tokens beside the exchange from

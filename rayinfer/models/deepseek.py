@@ -19,8 +19,10 @@ from torch import nn
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.embedding import LMHead, VocabEmbedding
 from rayinfer.layers.forward_context import ForwardContext
+from rayinfer.layers.fused_experts import parse_expert_weight_name
 from rayinfer.layers.mla import MLAAttention
-from rayinfer.layers.moe import GatedMLP, MoE, RoutingMethod, copy_checked, parse_expert_weight_name
+from rayinfer.layers.mlp import GatedMLP, copy_checked
+from rayinfer.layers.moe import MoE, RoutingMethod
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.models.fp8 import SCALE_SUFFIX

@@ -16,7 +16,7 @@ from rayinfer.layers.attention import PagedAttention
 from rayinfer.layers.embedding import LMHead, VocabEmbedding
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
-from rayinfer.layers.moe import GatedMLP, copy_checked
+from rayinfer.layers.mlp import GatedMLP, copy_checked
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 from rayinfer.layers.rotary import rotary_from_config

@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from rayinfer.config import ModelConfig
-from rayinfer.layers.moe import (
+from rayinfer.layers.fused_experts import (
     DEFAULT_EXPERT_PROJECTIONS,
     MIXTRAL_EXPERT_PROJECTIONS,
-    MoE,
-    RoutingMethod,
     parse_expert_weight_name,
 )
+from rayinfer.layers.moe import MoE, RoutingMethod
 from rayinfer.layers.parallel import ParallelContext
 from rayinfer.models.llama import LlamaForCausalLM, dense_mlp
 

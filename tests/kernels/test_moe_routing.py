@@ -5,7 +5,11 @@ import torch
 from transformers import AutoConfig
 
 from rayinfer.kernels import ops
-from rayinfer.layers.moe import MIXTRAL_EXPERT_PROJECTIONS, FusedExperts, parse_expert_weight_name
+from rayinfer.layers.fused_experts import (
+    MIXTRAL_EXPERT_PROJECTIONS,
+    FusedExperts,
+    parse_expert_weight_name,
+)
 from rayinfer.layers.parallel import ParallelContext
 
 

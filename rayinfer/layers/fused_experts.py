@@ -1,0 +1,141 @@
+"""A rank's routed experts, stacked for the fused MoE kernel, and the checkpoint names of them.
+
+`parse_expert_weight_name(name, projections)` splits a per-expert checkpoint name
+(`...mlp.experts.3.gate_proj.weight`; Mixtral: pass `MIXTRAL_EXPERT_PROJECTIONS` for
+`w1`/`w3`/`w2`) into (module prefix, expert id, part); `FusedExperts.load_expert_weight(expert_id,
+part, tensor)` copies it into the stacked weights when this rank holds that expert.
+
+FP8 weights (`fp8=True`): `w13`/`w2` in float8_e4m3fn with `w13_scale` [E_local, 2I/128,
+ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must be a multiple of
+128: gate and up share one stacked weight); they load through the same call with `is_scale=True`.
+
+Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from rayinfer.config import ConfigError
+from rayinfer.kernels import ops
+from rayinfer.layers.linear import FP8_BLOCK
+from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
+
+DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+class ExpertWeightName(NamedTuple):
+    prefix: str  # module path holding `experts`, e.g. "model.layers.3.mlp"
+    expert_id: int  # global expert id in the checkpoint
+    part: str  # "gate", "up" or "down"
+
+
+def parse_expert_weight_name(
+    name: str, projections: dict[str, str] = DEFAULT_EXPERT_PROJECTIONS
+) -> ExpertWeightName | None:
+    """`<prefix>.experts.<e>.<proj>.weight` -> ExpertWeightName; None for any other name."""
+    match = _EXPERT_NAME.match(name)
+    if match is None or match["proj"] not in projections:
+        return None
+    return ExpertWeightName(match["prefix"], int(match["expert"]), projections[match["proj"]])
+
+
+class FusedExperts(nn.Module):
+    """This rank's routed experts, stacked.
+
+    w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext = SINGLE,
+        fp8: bool = False,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
+        self.first_local_expert = parallel.ep_rank * self.num_local_experts
+        shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
+        shape2 = (self.num_local_experts, hidden_size, intermediate_size)
+        dtype = torch.float8_e4m3fn if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
+        self.w13_scale = self.w2_scale = None
+        if fp8:
+            if intermediate_size % FP8_BLOCK:
+                raise ConfigError(
+                    f"fp8_weights: moe_intermediate_size={intermediate_size} is not a multiple of "
+                    f"{FP8_BLOCK}, so gate and up cannot share one block-scaled w13; "
+                    "use fp8_weights=False"
+                )
+            blocks = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
+            scale13 = (self.num_local_experts, blocks(2 * intermediate_size), blocks(hidden_size))
+            scale2 = (self.num_local_experts, blocks(hidden_size), blocks(intermediate_size))
+            self.w13_scale = nn.Parameter(
+                torch.empty(scale13, dtype=torch.float32), requires_grad=False
+            )
+            self.w2_scale = nn.Parameter(
+                torch.empty(scale2, dtype=torch.float32), requires_grad=False
+            )
+
+    def load_expert_weight(
+        self, expert_id: int, part: str, loaded: torch.Tensor, is_scale: bool = False
+    ) -> bool:
+        """Copy one expert's `gate`/`up` [I, H] or `down` [H, I] (is_scale: its FP8 block scales
+        [I/128, H/128] or [H/128, I/128]); False if the expert is not held on this rank."""
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} outside n_routed_experts={self.num_experts}")
+        local = expert_id - self.first_local_expert
+        if not 0 <= local < self.num_local_experts:
+            return False
+        if is_scale:
+            if self.w13_scale is None:
+                raise ValueError("these experts keep no FP8 scales (fp8_weights is off)")
+            size = self.intermediate_size // FP8_BLOCK
+            stacked = (self.w2_scale if part == "down" else self.w13_scale).data
+        else:
+            size = self.intermediate_size
+            stacked = (self.w2 if part == "down" else self.w13).data
+        rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[part]
+        target = stacked[local, rows]
+        if target.shape != loaded.shape:
+            what = f"{part} scale" if is_scale else part
+            raise ValueError(
+                f"expert {expert_id} {what}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        if target.dtype == torch.float8_e4m3fn and loaded.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
+                "keep FP8 block-scaled weights (fp8_weights=True)"
+            )
+        target.copy_(loaded)
+        return True
+
+    def run(self, x, topk_weights, local_ids):
+        """The fused MoE over this rank's experts; local_ids [T, K] outside [0, E_local) skip."""
+        return ops.fused_moe(
+            x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale
+        )
+
+    def forward(self, x, topk_weights, topk_ids):
+        """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].
+
+        Under expert parallelism the result holds only this rank's experts' share.
+        """
+        if self.num_local_experts == self.num_experts:  # every expert is here: ids as they are
+            return self.run(x, topk_weights, topk_ids)
+        local_ids = topk_ids - self.first_local_expert  # [T, K]
+        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
+        local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
+        return self.run(x, topk_weights, local_ids)

@@ -42,7 +42,9 @@ class LLM:
     through pinned host memory, for GPUs without peer-to-peer), {"use_fp8": True}, or
     {"dedup": True/False} (each token only to the ranks of its experts, or every token to every
     expert-parallel rank with no device sync; default: all tokens where nearly all need every
-    rank anyway, see rayinfer.comm.moe).
+    rank anyway, see rayinfer.comm.moe), {"local_first": True/False} (with all tokens, a rank's
+    experts run on its own tokens beside the exchange, which skips the rank itself; default: for
+    calls of >= 16384 tokens on every rank, see rayinfer.layers.moe).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
     captured; with several workers their collectives are captured (NCCL kernels, or the

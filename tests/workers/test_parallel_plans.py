@@ -143,7 +143,7 @@ def test_all_tokens_exchange_gives_the_same_tokens(
     [
         ("deepseek_v3", ParallelPlan(dp=2, ep=2), "dist", False),
         ("deepseek_v3", ParallelPlan(dp=2, ep=2), "host", True),
-        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), "host", True),  # own rows at an offset
+        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), "host", True),  # 4 ranks: 3 peers each
     ],
     ids=str,
 )
@@ -151,7 +151,8 @@ def test_local_first_experts_give_the_same_tokens(
     ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, transport, overlap
 ):
     """all_to_all.local_first: each rank's experts run on its own tokens straight from x,
-    beside the exchange, and skip the copies of them that arrive."""
+    beside the exchange, which carries them to the other ranks only; combine adds the own
+    share."""
     options = {"dedup": False, "transport": transport, "local_first": True}
     tokens = run_plan(checkpoints[family], plan, prompts, overlap=overlap, all_to_all=options)
     assert tokens == single_worker_tokens[family]

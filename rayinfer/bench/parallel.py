@@ -73,8 +73,9 @@ def parse_args(argv):
         default=["dist"],
         help="MoE exchanges to run: a transport (dist, host) with optional ':'-joined flags: "
         "fp8 (FP8 dispatch), dedup (each token only to the ranks of its experts), all (every "
-        "token to every rank), local (a rank's experts on its own tokens beside the exchange); "
-        "e.g. host host:fp8 host:fp8:local",
+        "token to every rank), local / nolocal (a rank's experts on its own tokens beside the "
+        "exchange, or not; default: from 16384 tokens per rank); e.g. host host:fp8 "
+        "host:fp8:nolocal",
     )
     parser.add_argument("--overlap", nargs="+", default=["off"], help="off and/or on")
     parser.add_argument(

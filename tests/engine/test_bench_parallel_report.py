@@ -16,3 +16,19 @@ def test_a_prefill_line_shows_the_ratio_and_the_repeats_spread(capsys):
     assert "60000/GPU" in line and "1.25x transformers/GPU" in line
     assert "runs 250-310 ms" in line
     assert "workers' NUMA binding: ['bound to node 0', 'one NUMA node']" in line
+
+
+def test_exchange_flags_name_the_options_they_set():
+    import pytest
+
+    from rayinfer.bench.parallel import exchange_options
+
+    assert exchange_options("host:fp8:nolocal") == {
+        "transport": "host", "use_fp8": True, "local_first": False,
+    }  # fmt: skip
+    assert exchange_options("dist:all:local") == {
+        "transport": "dist", "dedup": False, "local_first": True,
+    }  # fmt: skip
+    assert exchange_options("host") == {"transport": "host"}  # local_first left at its default
+    with pytest.raises(ValueError, match=r"unknown exchange flags \['fast'\].*nolocal"):
+        exchange_options("host:fast")

@@ -135,7 +135,6 @@ class FusedExperts(nn.Module):
         """
         if self.num_local_experts == self.num_experts:  # every expert is here: ids as they are
             return self.run(x, topk_weights, topk_ids)
-        local_ids = topk_ids - self.first_local_expert  # [T, K]
-        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
-        local_ids = local_ids.masked_fill(outside, -1)  # skipped by fused_moe
-        return self.run(x, topk_weights, local_ids)
+        # [T, K]: ids outside [0, E_local) are other ranks' experts, which fused_moe skips (one
+        # launch; masking them to -1 first took three more per MoE layer)
+        return self.run(x, topk_weights, topk_ids - self.first_local_expert)

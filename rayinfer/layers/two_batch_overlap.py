@@ -84,8 +84,9 @@ def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
 # than this the GPU ran out of queued work. 2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2
 # host-staged FP8, transformers' rate per GPU with overlap off -> on (RESULTS, tenth session):
 # 8k tokens per rank 1.35x -> 0.71x (one prompt) and 1.36x -> 0.76x (two 4k prompts), five
-# repeats each, and a tie in another call; 12k 1.37x -> 1.47x; 16k 1.33x -> 1.44x in one call, 1.39x -> 1.33x in another;
-# 32k (two 16k prompts) 1.40x -> 1.56x. Every rank decides from the same counts.
+# repeats each, and a tie in another call; 12k 1.37x -> 1.47x; 16k 1.33x -> 1.44x in one
+# call, 1.39x -> 1.33x in another; 32k (two 16k prompts) 1.40x -> 1.56x. Every rank decides
+# from the same counts.
 MIN_TOKENS_TO_OVERLAP_ON_CUDA = 12288
 
 

@@ -51,8 +51,9 @@ def _routing(case, generator):
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     if case.get("one_expert"):
         ids = torch.full_like(ids, 1)
-    if case.get("foreign"):
-        ids[::2, 0] = -1  # held by another rank: contributes nothing here
+    if case.get("foreign"):  # held by other ranks (below and above this one's): contribute nothing
+        ids[::2, 0] = -1
+        ids[1::3, -1] = case["E"] + 2
     return weights, ids
 
 

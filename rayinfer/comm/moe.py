@@ -176,17 +176,9 @@ def dispatch(
 
 
 def _dispatch_all_tokens(
-    comm,
-    x,
-    topk_ids,
-    topk_weights,
-    num_experts,
-    use_fp8,
-    tokens_per_rank,
-    on_packed,
-    skip_self,
+    comm, x, topk_ids, topk_weights, num_experts, use_fp8, tokens_per_rank, on_packed, skip_self,
     a2a_options,
-) -> DispatchResult:
+) -> DispatchResult:  # fmt: skip
     """Every token to every rank (to every other rank with skip_self), global expert ids in the
     rows; each rank keeps its experts' slots. No device sync: every size is a token count the
     host already has."""

@@ -104,20 +104,14 @@ class Router(nn.Module):
 LOCAL_FIRST_MIN_TOKENS = 16384
 
 
-@dataclass
-class LocalExperts:
-    """all_to_all.local_first: this rank's experts run on its own tokens straight from x, beside
-    the exchange (they need no transfer); the exchange carries them to the other ranks only, and
-    combine adds this share in its summing pass."""
-
-    start: StartOnce  # -> a side_stream handle on the experts' [T, H] output for those tokens
-
-
 class Received(NamedTuple):
     """What `dispatch_tokens` hands to `experts_and_combine`."""
 
     result: Any  # comm.moe.DispatchResult
-    local: LocalExperts | None
+    # all_to_all.local_first: the start of this rank's experts on its own tokens, from x (a
+    # side_stream handle on their [T, H] share); the exchange carried those tokens to the other
+    # ranks only. None otherwise.
+    local: StartOnce | None
     shared: StartOnce  # the shared experts' start (see `start_shared_experts`)
 
 
@@ -215,7 +209,7 @@ class MoE(nn.Module):
             num_experts=self.experts.num_experts,
             tokens_per_rank=tokens_per_rank,
             channel=channel,
-            on_packed=_in_order(local and local.start, shared if shared_beside_dispatch else None),
+            on_packed=_in_order(local, shared if shared_beside_dispatch else None),
             skip_self=local is not None,
         )  # .x [R, H]; .topk_ids [R, K] local to this rank, -1 elsewhere
         return Received(received, local, shared)
@@ -227,7 +221,7 @@ class MoE(nn.Module):
         in combine's summing pass."""
         result, local, shared = received
         expert_out = self.experts.run(result.x, result.topk_weights, result.topk_ids)  # [R, H]
-        addends = [] if local is None else [local.start.handle().result()]  # [T, H] each
+        addends = [] if local is None else [local.handle().result()]  # [T, H] each
         shared_handle = shared.handle()
         if shared_handle is not None and shared_handle.runs_beside:
             addends.append(shared_handle.result())  # ready, or nearly: join it here
@@ -237,7 +231,7 @@ class MoE(nn.Module):
         )
         return self.finish(shared_handle, combined)
 
-    def _local_experts(self, x, routing, tokens_per_rank) -> LocalExperts | None:
+    def _local_experts(self, x, routing, tokens_per_rank) -> StartOnce | None:
         """With all_to_all.local_first (True, or None and every rank's call at least
         LOCAL_FIRST_MIN_TOKENS: the same choice on every rank) and the all-tokens exchange, this
         rank's experts on its own tokens, to start beside the exchange (which then skips this
@@ -262,7 +256,7 @@ class MoE(nn.Module):
             reads = (routing.topk_weights, routing.topk_ids)
             return side_stream.later(own_experts, x, True, reads)  # no collective inside
 
-        return LocalExperts(StartOnce(start))
+        return StartOnce(start)
 
     def start_shared_experts(self, x: torch.Tensor):
         """The shared experts' output on [T, H] tokens, as a handle for `finish`: queued now on a

@@ -6,28 +6,35 @@ RAYINFER_PROFILE_CPU says what of the host is recorded besides the GPU's activit
 operators; 0 nothing (tracing every operator slows the host enough to open gaps between kernels
 that a host-bound step, such as the two-batch overlap's, does not have unprofiled); stack its
 operators and Python frames (slower still: to find which line waits for the GPU, see
-benchmarks/trace_overlap.py)."""
+benchmarks/trace_overlap.py); python the host's Python alone, through cProfile instead of
+torch.profiler (no GPU activity): `<path>.txt` lists the functions by their own time and
+`<path>.pstats` holds the whole profile, to see what a host-bound step's queueing is made of."""
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 PROFILE_CPU_ENV = "RAYINFER_PROFILE_CPU"
+PROFILE_CPU_CHOICES = ("0", "1", "stack", "python")
 
 
 class StepProfiler:
     def __init__(self, device: torch.device):
         host = os.environ.get(PROFILE_CPU_ENV, "1")
-        if host not in ("0", "1", "stack"):
+        if host not in PROFILE_CPU_CHOICES:
             raise ValueError(
-                f"{PROFILE_CPU_ENV}={host!r}: use 1 (host operators), 0 (GPU only) or stack "
-                "(host operators and Python frames)"
+                f"{PROFILE_CPU_ENV}={host!r}: use 1 (host operators), 0 (GPU only), stack "
+                "(host operators and Python frames) or python (cProfile of the host alone)"
             )
         on_gpu = device.type == "cuda"
+        self.python_only = host == "python"
         self.activities = [ProfilerActivity.CPU] if host != "0" or not on_gpu else []
         self.with_stack = host == "stack"
         if on_gpu:
@@ -40,6 +47,10 @@ class StepProfiler:
             raise RuntimeError("the profiler is already running; call stop_profile() first")
         self._path = Path(path)
         self._path.parent.mkdir(parents=True, exist_ok=True)
+        if self.python_only:
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+            return
         self._profile = profile(
             activities=self.activities, record_shapes=False, with_stack=self.with_stack
         )
@@ -52,11 +63,25 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof, self._profile = self._profile, None
+        text_path = self._path.with_suffix(".txt")
+        if self.python_only:
+            prof.disable()
+            prof.dump_stats(str(self._path.with_suffix(".pstats")))
+            text_path.write_text(python_table(prof))
+            return str(text_path)
         prof.__exit__(None, None, None)
         on_gpu = ProfilerActivity.CUDA in self.activities
         sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=50)
-        text_path = self._path.with_suffix(".txt")
         text_path.write_text(table)
         prof.export_chrome_trace(str(self._path.with_suffix(".json")))
         return str(text_path)
+
+
+def python_table(prof: cProfile.Profile, rows: int = 60) -> str:
+    """The functions by their own time, then by the time under them (cProfile's columns)."""
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()

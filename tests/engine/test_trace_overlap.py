@@ -3,6 +3,7 @@ say (kernels on two streams overlapping, a copy partly under a kernel, a gap, a 
 the operator and Python frame it waited in, a device memory call)."""
 
 import json
+from pathlib import Path
 
 from tests.benchmark_scripts import load_benchmark
 
@@ -92,3 +93,25 @@ def test_host_self_time_leaves_out_nested_calls():
     assert list(host) == list(expected)  # most self time first
     for name, (count, self_ms) in expected.items():
         assert host[name][0] == count and host[name][1] == pytest.approx(self_ms)
+
+
+def test_the_python_profile_lists_the_host_functions(monkeypatch, tmp_path):
+    import pstats
+
+    import torch
+
+    from rayinfer.engine.step_profiler import PROFILE_CPU_ENV, StepProfiler
+
+    def queue_work():
+        return torch.ones(64).sum()
+
+    monkeypatch.setenv(PROFILE_CPU_ENV, "python")
+    profiler = StepProfiler(torch.device("cpu"))
+    profiler.start(str(tmp_path / "step"))
+    for _ in range(3):
+        queue_work()
+    table = Path(profiler.stop()).read_text()
+    assert "queue_work" in table and "tottime" in table
+    stats = pstats.Stats(str(tmp_path / "step.pstats"))
+    calls = {name: row[1] for (_, _, name), row in stats.stats.items()}
+    assert calls["queue_work"] == 3

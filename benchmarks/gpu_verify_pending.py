@@ -9,6 +9,8 @@
    peak reserved memory against the budget.
 4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
    from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
+6. (`--prefill-graphs-only`, 2026-11-30) new prompts prefilled from CUDA graphs: greedy tokens
+   against eager prefill, float32, one GPU and dp=2 ep=2 (NCCL and host-staged exchanges).
 5. (`--decode-kernels-only`, not yet run) the opt-in decode kernels: the one-launch MoE routing
    against the torch routing (V2-Lite, V3, Qwen3-MoE routers) and the two-launch small-batch
    fused MoE against a float32 reference, each timed against what it replaces; then
@@ -157,6 +159,55 @@ def check_decode_graphs(paths: dict[str, Path], device: str, transport: str = "a
         )  # fmt: skip
         rows.append(row)
         print(row, flush=True)
+    ray.shutdown()
+    return rows
+
+
+def count_prefill_replays(llm) -> list[int]:
+    """A one-GPU LLM's prefill-graph runs, counted from now on (one entry per run)."""
+    graphs, runs = llm.engine.executor.runner.prefill_graphs, []
+    run = graphs.run
+    graphs.run = lambda requests, bucket: runs.append(bucket) or run(requests, bucket)
+    return runs
+
+
+def check_prefill_graphs(paths: dict[str, Path], device: str) -> list[dict]:
+    """New prompts prefilled from CUDA graphs (padded to a token bucket) against eager prefill,
+    float32: one GPU (one prompt per step), then dp=2 ep=2 (one prompt per replica, and one
+    prompt with a replica idle) over NCCL and host-staged exchanges."""
+    import ray
+
+    rows = []
+    common = dict(device=device, dtype="float32", max_model_len=512, max_num_seqs=1)
+    expected = {}
+    for family in ("deepseek_v3", "qwen3_moe"):
+        path = str(paths[family])
+        prompts = make_prompts(vocab_of(path), lengths=(5, 37, 130, 300))
+        expected[family] = tokens_of(rayinfer.LLM(path, cuda_graphs=False, **common), prompts)
+        llm = rayinfer.LLM(path, cuda_graphs=True, **common)
+        runs = count_prefill_replays(llm)
+        got = tokens_of(llm, prompts)
+        row = dict(check="prefill_graphs", family=family, plan="one GPU",
+                   exact=got == expected[family], prefill_graph_runs=runs)  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    common["max_num_seqs"] = 2  # one prompt per replica
+    for transport in ("dist", "host"):
+        for chosen in (slice(0, 2), slice(2, 3), slice(None)):
+            path = str(paths["deepseek_v3"])
+            prompts = make_prompts(vocab_of(path), lengths=(5, 37, 130, 300))[chosen]
+            llm = rayinfer.LLM(path, parallel=ParallelPlan(dp=2, ep=2), cuda_graphs=True,
+                               all_to_all={"transport": transport}, **common)  # fmt: skip
+            steps = llm.engine.executor.step_counts
+            got = tokens_of(llm, prompts)
+            row = dict(
+                check="prefill_graphs", family="deepseek_v3", plan="dp=2 ep=2",
+                transport=transport, prompts=len(prompts),
+                exact=got == expected["deepseek_v3"][chosen], steps=dict(steps),
+            )  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
     ray.shutdown()
     return rows
 
@@ -334,6 +385,11 @@ def main() -> int:
         default="auto",
         help="all_to_all.transport of the decode-graph checks (auto, dist, host)",
     )
+    parser.add_argument(
+        "--prefill-graphs-only",
+        action="store_true",
+        help="only prefill CUDA graphs: one GPU, and dp=2 ep=2 over NCCL and host-staged",
+    )
     parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
     parser.add_argument(
         "--decode-kernels-only",
@@ -345,7 +401,9 @@ def main() -> int:
     start, rows = time.time(), []
     with tempfile.TemporaryDirectory() as tmp:
         paths = checkpoints(Path(tmp))
-        if args.decode_graphs_only:
+        if args.prefill_graphs_only:
+            rows += check_prefill_graphs(paths, device)
+        elif args.decode_graphs_only:
             rows += check_decode_graphs(paths, device, args.graph_transport)
         elif args.moe_pack_only:
             rows.append(check_moe_pack(device))

@@ -1,7 +1,7 @@
-"""When decode steps run from CUDA graphs, and what is captured: `CudaGraphConfig` (the batch
-buckets and the static block-table width) and the checks that say why a plan's forward cannot be
-captured (`graph_blocker`), which `cuda_graph_config` turns into a config or a ConfigError that
-names the key."""
+"""When decode steps and new prompts run from CUDA graphs, and what is captured:
+`CudaGraphConfig` (the buckets and the static block-table width) and the checks that say why a
+plan's forward cannot be captured (`graph_blocker`), which `cuda_graph_config` turns into a
+config or a ConfigError that names the key."""
 
 from __future__ import annotations
 
@@ -10,14 +10,21 @@ from dataclasses import dataclass
 
 from rayinfer.config import ConfigError, ParallelPlan
 
+# Largest prompt (tokens per rank) prefilled from a CUDA graph by default: up to the two-batch
+# overlap's threshold (layers/two_batch_overlap.py), which splits larger steps and stays eager.
+DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 8192
+
 
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Pure-decode steps replayed from CUDA graphs captured at start, one per batch-size bucket
-    up to `max_batch_size`; block tables are padded to `max_model_len` (engine/decode_graphs)."""
+    up to `max_batch_size`; block tables are padded to `max_model_len` (engine/decode_graphs).
+    New prompts of up to `max_prefill_tokens` tokens (0: none) prefill from graphs too, one per
+    token-count bucket (engine/prefill_graphs)."""
 
     max_batch_size: int = 64
     max_model_len: int = 4096
+    max_prefill_tokens: int = 0
 
     def table_width(self, block_size: int) -> int:
         """Blocks in the static block tables: enough for max_model_len tokens."""
@@ -27,6 +34,8 @@ class CudaGraphConfig:
         for key in ("max_batch_size", "max_model_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+        if self.max_prefill_tokens < 0:
+            raise ConfigError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 0")
 
 
 def graph_blocker(
@@ -68,18 +77,29 @@ def cuda_graph_config(
     max_model_len: int,
     all_to_all: dict | None = None,
     key: str = "cuda_graphs",
+    max_prefill_tokens: int = 0,
 ) -> CudaGraphConfig | None:
     """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose forward
     can be captured (see `graph_blocker`); True where it cannot fails, naming the key. True on
-    the CPU runs the same padded static-buffer path eagerly (no capture), which tests use."""
+    the CPU runs the same padded static-buffer path eagerly (no capture), which tests use.
+    max_prefill_tokens: the largest new prompt prefilled from a graph (capped by max_model_len;
+    the caller caps it by the step's token budget); 0 captures decode graphs only."""
     if requested not in (None, True, False):
         raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
     if max_graph_batch_size < 1:
         raise ConfigError(f"max_graph_batch_size={max_graph_batch_size} must be >= 1")
+    if max_prefill_tokens < 0:
+        raise ConfigError(
+            f"max_graph_prefill_tokens={max_prefill_tokens} must be >= 0 (0: no prefill graphs)"
+        )
     blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
     if requested and blocker:
         raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
     enabled = (is_cuda and not blocker) if requested is None else requested
     if not enabled:
         return None
-    return CudaGraphConfig(min(max_num_seqs, max_graph_batch_size), max_model_len)
+    return CudaGraphConfig(
+        min(max_num_seqs, max_graph_batch_size),
+        max_model_len,
+        min(max_prefill_tokens, max_model_len),
+    )

@@ -21,7 +21,7 @@ from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
-from rayinfer.graph_config import cuda_graph_config
+from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, cuda_graph_config
 from rayinfer.models.dummy import LOAD_FORMATS
 from rayinfer.models.fp8 import check_fp8_weights
 from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
@@ -51,7 +51,9 @@ class LLM:
     host-staged exchange's replayable copies) and every data-parallel replica pads its decodes
     to the bucket of the largest, which rules out the deduplicated token exchange, see
     graph_config.graph_blocker; the capture time is
-    `LLM.graph_capture_seconds`).
+    `LLM.graph_capture_seconds`). With them, a step whose every replica prefills one new prompt
+    of up to min(max_graph_prefill_tokens, max_num_batched_tokens) tokens runs from a graph too,
+    padded to a token bucket (0 turns prefill graphs off; see engine/prefill_graphs.py).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
     fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
@@ -82,6 +84,7 @@ class LLM:
         all_to_all: dict | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch_size: int = 256,
+        max_graph_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
         fp8_weights: bool = False,
     ):
         path = resolve_model_path(model)
@@ -128,6 +131,9 @@ class LLM:
             max_graph_batch_size=max_graph_batch_size,
             max_model_len=max_model_len,
             all_to_all=self.all_to_all,
+            max_prefill_tokens=min(
+                max_graph_prefill_tokens, self.scheduler_config.max_num_batched_tokens
+            ),
         )
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(
@@ -179,7 +185,7 @@ class LLM:
 
     @property
     def graph_capture_seconds(self) -> float | None:
-        """Warm-up and capture of the decode graphs at start (a worker's); None without graphs."""
+        """Warm-up and capture of the graphs at start (a worker's); None without graphs."""
         return self.engine.executor.graph_capture_seconds
 
     def start_profile(self, path: str) -> None:

@@ -82,8 +82,9 @@ def parse_args(argv):
         "--graphs",
         nargs="+",
         default=["auto"],
-        choices=["auto", "off"],
-        help="decode CUDA graphs: auto (where the forward can be captured) and/or off (eager)",
+        choices=["auto", "decode", "off"],
+        help="CUDA graphs: auto (decode steps and single new prompts, where the forward can be "
+        "captured), decode (decode steps only) and/or off (eager)",
     )
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
     parser.add_argument(
@@ -179,7 +180,9 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         max_num_seqs=max(64, largest),
         num_kv_blocks=-(-cache_tokens // 16) + largest,  # block_size 16; one partial per sequence
         enable_prefix_caching=False,
-        cuda_graphs=None if graphs == "auto" else False,
+        cuda_graphs=False if graphs == "off" else None,
+        max_graph_batch_size=largest,
+        **({"max_graph_prefill_tokens": 0} if graphs == "decode" else {}),
     )
     vocab = llm.model_config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -309,4 +312,4 @@ def print_run(run, plan, flops_per_token, baseline) -> None:
     if any(run.get("workers_numa", [])):
         print(f"{label:32s} workers' NUMA binding: {run['workers_numa']}")
     if run["graph_capture_s"] is not None:
-        print(f"{label:32s} decode graphs captured in {run['graph_capture_s']:.1f} s")
+        print(f"{label:32s} graphs captured in {run['graph_capture_s']:.1f} s")

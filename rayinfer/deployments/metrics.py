@@ -53,7 +53,8 @@ METRICS = {
     "engine_steps": (
         "counter",
         "rayinfer_engine_steps",
-        "Engine steps by how the workers ran the model: mode=graph (decode CUDA graphs) or eager.",
+        "Engine steps by how the workers ran the model: mode=graph (decode CUDA graphs), "
+        "prefill_graph (prefill CUDA graphs) or eager.",
         ("mode",),
     ),
 }

@@ -69,5 +69,6 @@ class PhaseReplica:
         return self.engine.num_kv_recomputes
 
     def step_counts(self) -> dict[str, int]:
-        """Engine steps the workers ran from decode CUDA graphs ("graph") or eagerly."""
+        """Engine steps the workers ran from decode CUDA graphs ("graph"), from prefill graphs
+        ("prefill_graph") or eagerly."""
         return dict(self.workers.step_counts)

@@ -42,6 +42,9 @@ class ModelBatch:
     # Set when every replica of a group with collectives runs this step as pure decodes padded
     # to this CUDA graph bucket (idle replicas replay it on padding); None: eager.
     decode_bucket: int | None = None
+    # Likewise when every replica's share is one new prompt (or nothing), prefilled in this
+    # prefill graph bucket of tokens (engine/prefill_graphs.py).
+    prefill_bucket: int | None = None
 
     @property
     def num_tokens(self) -> int:

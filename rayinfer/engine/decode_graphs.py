@@ -23,21 +23,20 @@ over the static inputs, so the padding, the slicing and the static buffers are t
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.decode_inputs import DecodeStep, StaticDecodeInputs, fits_static_decode
+from rayinfer.engine.decode_inputs import GraphStep, StaticDecodeInputs, fits_static_decode
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
+from rayinfer.engine.graph_capture import capture_buckets
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
-WARMUP_RUNS = 2  # eager runs per bucket before its capture: Triton compiles, cuBLAS picks kernels
 
 
 class DecodeGraphs:
@@ -69,25 +68,13 @@ class DecodeGraphs:
             return None
         return shared_decode_bucket([requests], self.sizes, self.inputs.max_blocks_per_seq)
 
-    @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first (one shared pool); CUDA only."""
         if self.device.type != "cuda":
             return
-        start = time.perf_counter()
-        pool = None
-        for bucket in reversed(self.sizes):
-            step = self.inputs.fill_padding(bucket)
-            for _ in range(WARMUP_RUNS):
-                self.forward(*step)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.forward(*step)  # [b, H]
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, hidden)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
+        self.graphs, self.capture_seconds = capture_buckets(
+            self.forward, self.sizes, self.inputs.fill_padding, self.device
+        )
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
             len(self.sizes), self.sizes, self.capture_seconds,
@@ -99,7 +86,7 @@ class DecodeGraphs:
         `shared_decode_bucket`; with no requests the whole bucket is padding); default: the
         smallest that holds the batch."""
         bucket = bucket or bucket_for(len(requests), self.sizes)
-        step: DecodeStep = self.inputs.fill(requests, bucket)
+        step: GraphStep = self.inputs.fill(requests, bucket)
         captured = self.graphs.get(bucket)
         if captured is None:
             hidden = self.forward(*step)  # [b, H]: the CPU, or before capture

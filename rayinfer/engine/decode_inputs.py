@@ -30,7 +30,9 @@ def fits_static_decode(request: ScheduledRequest, max_blocks_per_seq: int) -> bo
     return len(request.token_ids) == 1 and len(request.block_table) <= max_blocks_per_seq
 
 
-class DecodeStep(NamedTuple):
+class GraphStep(NamedTuple):
+    """A captured forward's arguments: views of static buffers (decode or prefill graphs)."""
+
     input_ids: torch.Tensor  # [b] int64: a view of the static buffer
     positions: torch.Tensor  # [b] int64
     ctx: ForwardContext  # metadata over the static buffers' first b rows
@@ -72,7 +74,7 @@ class StaticDecodeInputs:
     def fits(self, request: ScheduledRequest) -> bool:
         return fits_static_decode(request, self.max_blocks_per_seq)
 
-    def fill(self, requests: list[ScheduledRequest], bucket: int) -> DecodeStep:
+    def fill(self, requests: list[ScheduledRequest], bucket: int) -> GraphStep:
         """Copy one decode per request into rows [0, n), padding into [n, bucket)."""
         num_real = len(requests)
         if not 0 <= num_real <= bucket <= self.max_batch_size:
@@ -104,11 +106,11 @@ class StaticDecodeInputs:
         self._copy_to_device(bucket)
         return self.step(bucket, context_lens)
 
-    def fill_padding(self, bucket: int) -> DecodeStep:
+    def fill_padding(self, bucket: int) -> GraphStep:
         """Every row of the bucket padding: what warm-up and capture run (writes no cache)."""
         return self.fill([], bucket)
 
-    def step(self, bucket: int, context_lens: list[int]) -> DecodeStep:
+    def step(self, bucket: int, context_lens: list[int]) -> GraphStep:
         """Views of the first `bucket` rows. `context_lens` only fills the host-side
         `seq_lens_cpu`; a captured graph must not read it (it keeps the capture's values)."""
         metadata = AttentionMetadata(
@@ -121,7 +123,7 @@ class StaticDecodeInputs:
             block_size=self.block_size,
         )
         ctx = ForwardContext(metadata, self.kv_caches)
-        return DecodeStep(self.tokens[0, :bucket], self.tokens[1, :bucket], ctx)
+        return GraphStep(self.tokens[0, :bucket], self.tokens[1, :bucket], ctx)
 
     def _copy_to_device(self, bucket: int) -> None:
         used = self.max_batch_size + bucket * self.max_blocks_per_seq  # lengths + b table rows

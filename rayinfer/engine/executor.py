@@ -26,7 +26,7 @@ class Executor(ABC):
 
     @property
     def graph_capture_seconds(self) -> float | None:
-        """Warm-up and capture of the decode graphs at start (a worker's); None without graphs."""
+        """Warm-up and capture of the graphs at start (a worker's); None without graphs."""
         return None
 
     @property

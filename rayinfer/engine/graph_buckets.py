@@ -21,9 +21,10 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-def bucket_for(num_seqs: int, sizes: list[int]) -> int:
-    """The smallest size >= num_seqs (sizes ascending); ValueError when none holds it."""
-    index = bisect.bisect_left(sizes, num_seqs)
-    if num_seqs < 1 or index == len(sizes):
-        raise ValueError(f"{num_seqs} sequences fit no decode graph bucket of {sizes}")
+def bucket_for(count: int, sizes: list[int]) -> int:
+    """The smallest size >= count (sequences of a decode, tokens of a prefill; sizes ascending);
+    ValueError when none holds it."""
+    index = bisect.bisect_left(sizes, count)
+    if count < 1 or index == len(sizes):
+        raise ValueError(f"{count} fits no graph bucket of {sizes}")
     return sizes[index]

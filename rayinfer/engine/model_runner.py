@@ -38,6 +38,7 @@ from rayinfer.engine.kv_transfer import (
     token_slots,
     unpack_kv,
 )
+from rayinfer.engine.prefill_graphs import PrefillGraphs
 from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.kernels.host_lists import device_ints
@@ -108,17 +109,30 @@ class ModelRunner:
         self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
         if allocate_kv:
             num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
             self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """Allocate the cache with num_blocks blocks, then capture the decode graphs over it."""
+        """Allocate the cache with num_blocks blocks, then capture the graphs over it."""
         if num_blocks != self.cache_config.num_blocks:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
         self.kv_caches = self._new_kv_caches(num_blocks)
+        self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
+
+    @property
+    def graph_capture_seconds(self) -> float | None:
+        """Warm-up and capture of the decode and prefill graphs; None without graphs."""
+        captured = [g for g in (self.decode_graphs, self.prefill_graphs) if g is not None]
+        return sum(g.capture_seconds for g in captured) if captured else None
+
+    @property
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token buckets of the prefill graphs ([] without them)."""
+        return [] if self.prefill_graphs is None else self.prefill_graphs.sizes
 
     @property
     def captures_decode_graphs(self) -> bool:
@@ -144,6 +158,8 @@ class ModelRunner:
         reserve = SAFETY_MARGIN_BYTES
         if self.captures_decode_graphs:
             reserve += CUDA_GRAPH_RESERVE_BYTES
+            if self.cuda_graphs.max_prefill_tokens:  # their pool: at most a step's activations
+                reserve += peak
         return num_kv_blocks_for_memory(
             total_bytes=total,
             utilization=kv_memory.gpu_memory_utilization,
@@ -192,6 +208,19 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def _capture_prefill_graphs(self, config: CudaGraphConfig | None) -> PrefillGraphs | None:
+        if config is None or not config.max_prefill_tokens or not self.captures_decode_graphs:
+            return None
+        graphs = PrefillGraphs(
+            self._graph_forward,
+            self.kv_caches,
+            config.max_prefill_tokens,
+            self.cache_config.block_size,
+            self.device,
+        )
+        graphs.capture()
+        return graphs
+
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (num_blocks, self.cache_config.block_size, *self.kv_shape)
         try:
@@ -222,10 +251,17 @@ class ModelRunner:
     def _execute(self, batch: ModelBatch, timeline: StepTimeline) -> SampledTokens:
         requests = batch.requests
         bucket = self._graph_bucket(batch)
-        if not requests and bucket is None:
+        prefill_bucket = None if bucket is not None else self._prefill_bucket(batch)
+        if not requests and bucket is None and prefill_bucket is None:
             self._idle_forward(batch.ep_tokens)
             return SampledTokens([])
-        hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
+        if prefill_bucket is not None:  # one new prompt (or none: padding), from a graph
+            hidden = self.prefill_graphs.run(requests, prefill_bucket)  # [n, H]
+            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+            timeline.mark("queued")
+            last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
+        else:
+            hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
         prompt_logprobs = self._prompt_logprobs(hidden, requests) if bucket is None else None
         if not last_rows:
             return SampledTokens([], prompt_logprobs=prompt_logprobs)
@@ -298,6 +334,14 @@ class ModelRunner:
             return batch.decode_bucket
         return self.decode_graphs.bucket_of(batch.requests)
 
+    def _prefill_bucket(self, batch: ModelBatch) -> int | None:
+        """The prefill graph bucket this step replays, or None; chosen like `_graph_bucket`."""
+        if self.prefill_graphs is None:
+            return None
+        if self.parallel.has_collectives:
+            return batch.prefill_bucket
+        return self.prefill_graphs.bucket_of(batch.requests)
+
     def _forward_batch(
         self,
         requests: list[ScheduledRequest],
@@ -356,7 +400,7 @@ class ModelRunner:
         return self._run_model(input_ids, positions, ctx)
 
     def _graph_forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        """The forward a decode graph captures (and runs on the CPU): with a token exchange,
+        """The forward a graph captures (and runs on the CPU): with a token exchange,
         every rank holds the bucket's tokens and the exchange takes replayable options."""
         if not self.parallel.experts_exchange_tokens:
             return self.model(input_ids, positions, ctx)

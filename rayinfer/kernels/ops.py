@@ -31,7 +31,11 @@ from rayinfer.kernels.moe_combine import moe_combine_reference
 from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference
 from rayinfer.kernels.moe_routing_kernel import moe_routing as moe_routing_triton
 from rayinfer.kernels.paged_attention import paged_attention_reference
-from rayinfer.kernels.prefill_attention import paged_mixed_attention
+from rayinfer.kernels.prefill_attention import (
+    paged_mixed_attention,
+    prefill_attention,
+    prefill_attention_reference,
+)
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
 from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
@@ -195,6 +199,15 @@ def mla_causal_attention(query, key, value, scale):
     if _on_cuda(query):
         return mla_causal_attention_triton(query, key, value, scale)
     return mla_causal_attention_reference(query, key, value, scale)
+
+
+def mla_varlen_attention(query, key, value, cu_seqlens, max_len, scale):
+    """New prompts packed: query [T, N, Dqk], key [T, N, Dqk], value [T, N, Dv] with each
+    sequence's rows between cu_seqlens [B + 1] (int32, on the device) -> [T, N, Dv], causal
+    within each sequence. Reads no host list, so a CUDA graph can capture it."""
+    if _on_cuda(query):
+        return prefill_attention(query, key, value, cu_seqlens, cu_seqlens, max_len, scale)
+    return prefill_attention_reference(query, key, value, cu_seqlens, cu_seqlens, max_len, scale)
 
 
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):

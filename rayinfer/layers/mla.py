@@ -103,11 +103,28 @@ class MLAAttention(nn.Module):
             query[..., self.nope_dim :] = q_pe
         if decode_seqs:
             self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.attn, decode_seqs, out)
-        starts = list(accumulate(ctx.attn.query_lens_cpu, initial=0))  # [B + 1]
-        for seq in prefill_seqs:
-            rows = slice(starts[seq], starts[seq + 1])
-            self._attend_expanded(query[rows], kv_cache, ctx.attn, seq, out[rows])
+        attn = ctx.attn
+        fresh = {s for s in prefill_seqs if attn.seq_lens_cpu[s] == attn.query_lens_cpu[s]}
+        if prefill_seqs and len(fresh) == attn.num_seqs:  # new prompts only: one varlen call
+            bounds = (attn.query_start_loc, max(attn.query_lens_cpu))
+            self._attend_expanded(query, kv_c, k_pe, out, bounds)
+        elif prefill_seqs:
+            self._attend_chunks(query, kv_c, k_pe, kv_cache, attn, prefill_seqs, fresh, out)
         return self.o_proj(out.flatten(1))  # [T, H]
+
+    def _attend_chunks(self, query, kv_c, k_pe, kv_cache, attn, seqs, fresh, out) -> None:
+        """The expanded form one sequence at a time: a new prompt's context is its own rows; a
+        chunk over a cached prefix reads its whole context back from the cache."""
+        starts = list(accumulate(attn.query_lens_cpu, initial=0))  # [B + 1]
+        for seq in seqs:
+            rows = slice(starts[seq], starts[seq + 1])
+            if seq in fresh:
+                self._attend_expanded(query[rows], kv_c[rows], k_pe[rows], out[rows])
+                continue
+            table, seq_len = attn.block_tables[seq], attn.seq_lens_cpu[seq]
+            context = ops.mla_gather_context(kv_cache, table, seq_len).to(query.dtype)
+            latents = context.split([self.kv_lora_rank, self.rope_dim], -1)  # [s, L], [s, R]
+            self._attend_expanded(query[rows], *latents, out[rows])
 
     def _split_batch(self, attn: AttentionMetadata) -> tuple[list[int], list[int]]:
         """Sequences attended in absorbed form (one new token) and in expanded form (the rest)."""
@@ -122,11 +139,11 @@ class MLAAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_local_heads, -1, self.kv_lora_rank)
         return per_head.split([self.nope_dim, self.v_head_dim], dim=1)
 
-    def _attend_expanded(self, query, kv_cache, attn, seq: int, out: torch.Tensor):
-        """One sequence's q new tokens: query [q, N, Dqk] (rotated) -> out [q, N, Dv]."""
-        context = ops.mla_gather_context(kv_cache, attn.block_tables[seq], attn.seq_lens_cpu[seq])
-        context = context.to(query.dtype)  # [s, L + R]
-        kv_c, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+    def _attend_expanded(self, query, kv_c, k_pe, out: torch.Tensor, bounds=None):
+        """Query rows [q, N, Dqk] (rotated) over their context's latents kv_c [s, L] and roped
+        k_pe [s, R] -> out [q, N, Dv]: the last q of one sequence's s tokens, or, with bounds
+        (cu_seqlens [B + 1] int32 on the device, longest), several new prompts whose context is
+        their own rows (q = s), in one varlen call that reads no host list."""
         kv = self.kv_b_proj(kv_c).view(-1, self.num_local_heads, self.nope_dim + self.v_head_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
         # Two copies into one buffer: torch.cat with the head-broadcast k_pe took 178 us per
@@ -134,7 +151,10 @@ class MLAAttention(nn.Module):
         key = kv.new_empty(kv.shape[0], self.num_local_heads, self.qk_head_dim)  # [s, N, Dqk]
         key[..., : self.nope_dim] = k_nope
         key[..., self.nope_dim :] = k_pe[:, None, :]
-        out[:] = ops.mla_causal_attention(query, key, value, self.scale)
+        if bounds is None:
+            out[:] = ops.mla_causal_attention(query, key, value, self.scale)
+        else:
+            out[:] = ops.mla_varlen_attention(query, key, value, *bounds, self.scale)
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
         """A pure-decode batch takes every row as it is, with the device context lengths: no

@@ -28,6 +28,7 @@ from rayinfer.engine.decode_graphs import shared_decode_bucket
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.engine.graph_buckets import graph_batch_sizes
 from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.prefill_graphs import shared_prefill_bucket
 from rayinfer.engine.step_timeline import KEPT_STEPS
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.placement import WorkerPlacement
@@ -95,7 +96,9 @@ class WorkerGroup(Executor):
         ]
         self.descriptions = ray.get([w.describe.remote() for w in self.workers])
         self.graph_buckets = self._graph_buckets(spec)
-        self.step_counts = {"graph": 0, "eager": 0}  # steps run from decode graphs or eagerly
+        self.prefill_graph_sizes = self._prefill_graph_sizes()
+        # steps run from decode graphs, from prefill graphs, or eagerly
+        self.step_counts = {"graph": 0, "prefill_graph": 0, "eager": 0}
         self.step_calls: deque[dict] = deque(maxlen=KEPT_STEPS)  # when each step went and came
         # request id -> (DP replica, the sequence's block table list, blocks sent): a table only
         # grows while it is the same list (a freed or preempted sequence gets a new one), so each
@@ -147,15 +150,26 @@ class WorkerGroup(Executor):
         width = graphs.table_width(spec.cache_config.block_size)
         return graph_batch_sizes(graphs.max_batch_size), width
 
+    def _prefill_graph_sizes(self) -> list[int]:
+        """Token buckets of the prefill graphs every worker captured, when the workers talk
+        during a forward (this driver then picks each step's bucket); else []."""
+        sizes = [d["prefill_graph_sizes"] for d in self.descriptions]
+        if not self.plan.has_collectives or any(s != sizes[0] for s in sizes):
+            return []
+        return sizes[0]
+
     # --- Executor ----------------------------------------------------------------------------
     def execute(self, batch: ModelBatch) -> SampledTokens:
         shares: list[list[ScheduledRequest]] = [[] for _ in range(self.plan.dp)]
         for request in batch.requests:
             shares[request.kv_partition].append(request)
-        bucket = None
+        bucket = prefill_bucket = None
         if self.graph_buckets is not None:
             bucket = shared_decode_bucket(shares, *self.graph_buckets)
-        self.step_counts["eager" if bucket is None else "graph"] += 1
+        if bucket is None:
+            prefill_bucket = shared_prefill_bucket(shares, self.prefill_graph_sizes)
+        mode = "graph" if bucket else "prefill_graph" if prefill_bucket else "eager"
+        self.step_counts[mode] += 1
         # Each replica's token count (an idle one runs a placeholder) for the token exchange.
         tokens = [
             max(sum(len(r.token_ids) for r in share), IDLE_FORWARD_TOKENS) for share in shares
@@ -166,7 +180,7 @@ class WorkerGroup(Executor):
             ep_tokens = None
             if placement.tokens_differ_across_ep:
                 ep_tokens = [tokens[replica] for replica in placement.ep_peer_replicas]
-            share = ModelBatch(wire[placement.dp_rank], ep_tokens, bucket)
+            share = ModelBatch(wire[placement.dp_rank], ep_tokens, bucket, prefill_bucket)
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)

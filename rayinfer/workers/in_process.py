@@ -47,8 +47,7 @@ class InProcessExecutor(Executor):
 
     @property
     def graph_capture_seconds(self) -> float | None:
-        graphs = self.runner.decode_graphs
-        return None if graphs is None else graphs.capture_seconds
+        return self.runner.graph_capture_seconds
 
     def export_kv(
         self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0

@@ -134,6 +134,7 @@ class Worker:
             "dtype": str(self.dtype),
             "pid": os.getpid(),
             "decode_graphs": self.runner.captures_decode_graphs,
+            "prefill_graph_sizes": self.runner.prefill_graph_sizes,
             "numa": None if self.numa is None else self.numa.reason,
         }
 
@@ -162,9 +163,8 @@ class Worker:
         return self.runner.timelines.drain()
 
     def graph_capture_seconds(self) -> float | None:
-        """Warm-up and capture of this worker's decode graphs; None without graphs."""
-        graphs = self.runner.decode_graphs
-        return None if graphs is None else graphs.capture_seconds
+        """Warm-up and capture of this worker's graphs; None without graphs."""
+        return self.runner.graph_capture_seconds
 
     def kv_blocks_that_fit(self) -> int | None:
         """KV blocks this GPU can hold (a profiling step; the whole group runs it at once so

@@ -50,7 +50,7 @@ def test_a_batch_takes_the_smallest_bucket_that_holds_it():
     sizes = graph_batch_sizes(20)
     assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 20)] == [1, 2, 4, 8, 8, 16, 20, 20]
     for too_many in (0, 21):
-        with pytest.raises(ValueError, match="no decode graph bucket"):
+        with pytest.raises(ValueError, match="no graph bucket"):
             bucket_for(too_many, sizes)
 
 

@@ -49,7 +49,7 @@ def single_worker_tokens(checkpoints, prompts):
 
 
 def run_plan(
-    path, plan, prompts, overlap=False, all_to_all=None, cuda_graphs=None, steps=None
+    path, plan, prompts, overlap=False, all_to_all=None, cuda_graphs=None, steps=None, **options
 ) -> list[list[int]]:
     llm = rayinfer.LLM(
         str(path),
@@ -58,6 +58,7 @@ def run_plan(
         two_batch_overlap=overlap,
         all_to_all=all_to_all,
         cuda_graphs=cuda_graphs,
+        **options,
     )
     try:
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
@@ -159,17 +160,18 @@ def test_local_first_experts_give_the_same_tokens(
 
 
 @pytest.mark.parametrize(
-    "family, plan, chosen",
+    "family, plan, chosen, prefill",
     [
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(None)),  # all-tokens exchange captured
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(1, 2)),  # idle replica replays padding
-        ("qwen3_moe", ParallelPlan(tp=2, ep=2), slice(None)),  # all-reduces captured
-        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), slice(None)),  # TP pairs share a bucket
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(None), "eager"),  # exchange captured
+        # an idle replica replays padding (also the prefill's: one prompt, so a prefill graph)
+        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(1, 2), "prefill_graph"),
+        ("qwen3_moe", ParallelPlan(tp=2, ep=2), slice(None), "eager"),  # all-reduces captured
+        ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), slice(None), "eager"),  # TP pairs share
     ],
     ids=["dp2-ep2", "dp2-ep2-idle-replica", "tp2-ep2", "tp2-dp2-ep4"],
 )
 def test_decode_graphs_across_workers_give_the_same_tokens(
-    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, chosen
+    ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, chosen, prefill
 ):
     """cuda_graphs=True on CPU workers runs what the graphs capture, eagerly: every replica pads
     its decodes to the bucket the driver agreed on (the largest share's), an idle replica runs the
@@ -178,7 +180,23 @@ def test_decode_graphs_across_workers_give_the_same_tokens(
     steps = {}
     tokens = run_plan(checkpoints[family], plan, prompts[chosen], cuda_graphs=True, steps=steps)
     assert tokens == single_worker_tokens[family][chosen]
-    assert steps["graph"] >= GREEDY.max_tokens - 1 and steps["eager"] >= 1  # prefill eager
+    assert steps["graph"] >= GREEDY.max_tokens - 1 and steps[prefill] >= 1
+
+
+@pytest.mark.parametrize("transport", ["dist", "host"])
+def test_prefill_graphs_across_workers_give_the_same_tokens(
+    ray_cluster, checkpoints, prompts, single_worker_tokens, transport
+):
+    """One new prompt per data-parallel replica: the driver picks one token bucket for both
+    (the longer prompt's), each pads its prompt to it, and the exchange sends every token to
+    every rank over the bucket's sizes."""
+    steps = {}
+    options = {"transport": transport}
+    path = checkpoints["deepseek_v3"]
+    plan = ParallelPlan(dp=2, ep=2)
+    tokens = run_plan(path, plan, prompts[:2], all_to_all=options, cuda_graphs=True, steps=steps)
+    assert tokens == single_worker_tokens["deepseek_v3"][:2]
+    assert steps["prefill_graph"] == 1 and steps["eager"] == 0
 
 
 @pytest.mark.parametrize(

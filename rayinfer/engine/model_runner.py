@@ -57,6 +57,7 @@ from rayinfer.layers.sampler import (
 )
 from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
+    overlaps_in_graph,
     supports_two_batch_overlap,
     worth_overlapping,
 )
@@ -405,7 +406,14 @@ class ModelRunner:
         if not self.parallel.experts_exchange_tokens:
             return self.model(input_ids, positions, ctx)
         with self.parallel.ep_group.static_exchange(input_ids.shape[0]):
+            if self._overlaps_in_graph(input_ids.shape[0], ctx):
+                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
             return self.model(input_ids, positions, ctx)
+
+    def _overlaps_in_graph(self, num_tokens: int, ctx: ForwardContext) -> bool:
+        """A captured prefill runs as two micro-batches where its inputs hold the halves."""
+        has_halves = ctx.micro_batches is not None
+        return self.two_batch_overlap and has_halves and overlaps_in_graph(num_tokens)
 
     def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:

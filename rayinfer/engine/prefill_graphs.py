@@ -33,6 +33,7 @@ from rayinfer.engine.decode_inputs import PAD_BLOCK, PAD_SLOT, PAD_TOKEN, GraphS
 from rayinfer.engine.graph_buckets import bucket_for
 from rayinfer.engine.graph_capture import capture_buckets
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
+from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class StaticPrefillInputs:
         self.bounds = {
             size: torch.tensor([0, size], dtype=torch.int32, device=device) for size in sizes
         }  # bucket -> [0, bucket]: query_start_loc, and its last entry the sequence's length
+        # bucket -> (the first micro-batch's [0, t], the second's [0, bucket - t] and [bucket]):
+        # the two-batch overlap's halves, should a captured forward split the step
+        self.halves = {size: self._half_bounds(size) for size in sizes}
         self._copied: torch.cuda.Event | None = None
 
     def fill(self, requests: list[ScheduledRequest], bucket: int) -> GraphStep:
@@ -130,19 +134,39 @@ class StaticPrefillInputs:
         """Every row padding: what warm-up, capture and an idle replica run (writes no cache)."""
         return self.fill([], bucket)
 
+    def _half_bounds(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first = first_micro_batch_tokens(bucket)
+        values = [[0, first], [0, bucket - first], [bucket]]
+        return tuple(torch.tensor(v, dtype=torch.int32, device=self.device) for v in values)
+
     def step(self, bucket: int) -> GraphStep:
+        """Views of the bucket's rows; the context also holds the two-batch overlap's halves:
+        the prompt's first t tokens, then the rest as a chunk over them."""
+        cut = first_micro_batch_tokens(bucket)
         bounds = self.bounds[bucket]
+        first, second_starts, second_lens = self.halves[bucket]
+        whole = self._context(bucket, slice(0, bucket), bounds, bounds[1:], bucket, bucket)
+        whole.micro_batches = (
+            self._context(bucket, slice(0, cut), first, first[1:], cut, cut),
+            self._context(
+                bucket, slice(cut, bucket), second_starts, second_lens, bucket - cut, bucket
+            ),  # fmt: skip
+        )
+        return GraphStep(self.tokens[0, :bucket], self.positions[:bucket], whole)
+
+    def _context(self, bucket, rows: slice, starts, seq_lens, query_len, seq_len) -> ForwardContext:
+        """One sequence of the bucket: its rows' slots, query starts [0, q] and context length
+        [s] on the device, q and s on the host."""
         metadata = AttentionMetadata(
-            slot_mapping=self.tokens[1, :bucket],
-            query_start_loc=bounds,
-            seq_lens=bounds[1:],
+            slot_mapping=self.tokens[1, rows],
+            query_start_loc=starts,
+            seq_lens=seq_lens,
             block_tables=self.table[:, : -(-bucket // self.block_size)],
-            query_lens_cpu=[bucket],
-            seq_lens_cpu=[bucket],
+            query_lens_cpu=[query_len],
+            seq_lens_cpu=[seq_len],
             block_size=self.block_size,
         )
-        ctx = ForwardContext(metadata, self.kv_caches)
-        return GraphStep(self.tokens[0, :bucket], self.positions[:bucket], ctx)
+        return ForwardContext(metadata, self.kv_caches)
 
 
 class PrefillGraphs:

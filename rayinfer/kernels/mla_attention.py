@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.host_lists import device_ints
 from rayinfer.kernels.mla_cache import (  # noqa: F401 (re-exported)
     mla_write_cache,
     mla_write_cache_reference,
@@ -77,6 +76,12 @@ def mla_decode_attention_reference(
     return probs @ kv_c  # [B, N, L]
 
 
+def _bounds(length: int, device: torch.device) -> torch.Tensor:
+    """[0, length] int32 on the device, made there by one kernel: no host copy, so neither a
+    host sync nor a host buffer that a CUDA graph would replay."""
+    return torch.arange(0, length + 1, max(length, 1), dtype=torch.int32, device=device)
+
+
 def mla_causal_attention(
     query: torch.Tensor,  # [q, N, Dqk]: the last q tokens of the context
     key: torch.Tensor,  # [s, N, Dqk]
@@ -84,8 +89,6 @@ def mla_causal_attention(
     scale: float,
 ) -> torch.Tensor:  # [q, N, Dv]
     """Expanded-form prefill of one sequence (Dqk = 128 nope + 64 rope runs as two dots)."""
-    device = query.device
-    cu_seqlens_q = device_ints([0, query.shape[0]], torch.int32, device)  # no host sync
-    cu_seqlens_k = device_ints([0, key.shape[0]], torch.int32, device)
+    cu_seqlens_q, cu_seqlens_k = (_bounds(n, query.device) for n in (query.shape[0], key.shape[0]))
     return prefill_attention(query, key.to(query.dtype), value.to(query.dtype), cu_seqlens_q,
                              cu_seqlens_k, query.shape[0], scale)  # fmt: skip

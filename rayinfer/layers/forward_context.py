@@ -44,6 +44,9 @@ class ForwardContext:
 
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]
+    # The two-batch overlap's two halves, made ahead from static buffers where the step is
+    # captured in a CUDA graph (split_forward_context copies host lists); None: split on demand.
+    micro_batches: tuple[ForwardContext, ForwardContext] | None = None
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:

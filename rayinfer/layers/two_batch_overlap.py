@@ -96,6 +96,23 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
     return device.type != "cuda" or max(tokens_per_rank) >= MIN_TOKENS_TO_OVERLAP_ON_CUDA
 
 
+# From how many tokens per rank a prefill captured in a CUDA graph (engine/prefill_graphs.py)
+# runs as two micro-batches (RAYINFER_GRAPH_OVERLAP_FROM; "off": never). A replay queues no
+# host work, so the eager threshold's reason (two lanes double the host's launches) is gone.
+GRAPH_OVERLAP_ENV = "RAYINFER_GRAPH_OVERLAP_FROM"
+DEFAULT_GRAPH_OVERLAP_FROM = MIN_TOKENS_TO_OVERLAP_ON_CUDA
+
+
+def overlaps_in_graph(num_tokens: int) -> bool:
+    """Whether a captured prefill of num_tokens tokens per rank splits into two lanes."""
+    value = os.environ.get(GRAPH_OVERLAP_ENV, str(DEFAULT_GRAPH_OVERLAP_FROM))
+    if value == "off":
+        return False
+    if not value.isdigit():
+        raise ValueError(f"{GRAPH_OVERLAP_ENV}={value!r}: use a number of tokens or off")
+    return num_tokens >= int(value)
+
+
 # Where each lane's shared experts run (RAYINFER_OVERLAP_SHARED_EXPERTS): beside the lane's
 # dispatch, or beside its combine. Per layer the GPU has one lane's compute to put under each
 # exchange: B's attention under A's dispatch, A's experts under B's dispatch, B's experts under
@@ -157,7 +174,7 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
     """input_ids [T], positions [T] -> hidden [T, H], the same as `model(input_ids, ...)`."""
     body = model.model
     num_first = first_micro_batch_tokens(input_ids.shape[0])  # may cut a prompt, see the split
-    first_ctx, second_ctx = split_forward_context(ctx, num_first)
+    first_ctx, second_ctx = ctx.micro_batches or split_forward_context(ctx, num_first)
     parts = [
         (input_ids[:num_first], positions[:num_first], first_ctx),
         (input_ids[num_first:], positions[num_first:], second_ctx),

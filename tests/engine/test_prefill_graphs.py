@@ -165,3 +165,49 @@ def test_prefill_graph_tokens_are_capped_and_checked():
         resolve(-1)
     llm_config = rayinfer.LLM("tiny", device="cpu", cuda_graphs=True, max_num_batched_tokens=512)
     assert llm_config.cuda_graphs.max_prefill_tokens == 512  # capped by the step's budget
+
+
+# --- the two-batch overlap inside a captured prefill --------------------------------------------
+def test_the_static_halves_are_the_split_of_the_padded_prompt():
+    from rayinfer.layers.forward_context import split_forward_context
+    from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
+
+    inputs = StaticPrefillInputs([16], BLOCK_SIZE, kv_caches=[], device=torch.device("cpu"))
+    step = inputs.fill([prompt_request("a", list(range(1, 12)), [3, 7, 2])], bucket=16)
+    cut = first_micro_batch_tokens(16)
+    for static, split in zip(step.ctx.micro_batches, split_forward_context(step.ctx, cut)):
+        static, split = static.attn, split.attn
+        for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            assert getattr(static, field).tolist() == getattr(split, field).tolist(), field
+        assert static.query_lens_cpu == split.query_lens_cpu
+        assert static.seq_lens_cpu == split.seq_lens_cpu
+
+
+def test_an_overlapped_padded_prompt_gives_the_plain_hidden_states():
+    """The tiny DeepSeek-V3 (MLA: the second half reads the first half's latents back from the
+    cache) through both lanes over the static halves, against one plain forward."""
+    from rayinfer.layers.two_batch_overlap import forward_two_batch_overlap
+
+    model, caches = make_model("deepseek_v3")
+    inputs = StaticPrefillInputs([16], BLOCK_SIZE, caches, torch.device("cpu"))
+    step = inputs.fill(
+        [prompt_request("a", [5, 9, 2, 7, 1, 3, 4, 8, 6, 6, 1, 2, 9], [2, 5, 1, 4])], 16
+    )
+    with torch.inference_mode():
+        overlapped = forward_two_batch_overlap(model, *step)  # [16, H]
+        plain = model(*step)
+    torch.testing.assert_close(overlapped[:13], plain[:13], rtol=0, atol=1e-5)
+
+
+def test_when_a_captured_prefill_overlaps_is_a_setting(monkeypatch):
+    from rayinfer.layers import two_batch_overlap as tbo
+
+    assert tbo.overlaps_in_graph(tbo.DEFAULT_GRAPH_OVERLAP_FROM)
+    assert not tbo.overlaps_in_graph(tbo.DEFAULT_GRAPH_OVERLAP_FROM - 1)
+    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "2048")
+    assert tbo.overlaps_in_graph(4096) and not tbo.overlaps_in_graph(1024)
+    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "off")
+    assert not tbo.overlaps_in_graph(1 << 20)
+    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "soon")
+    with pytest.raises(ValueError, match="RAYINFER_GRAPH_OVERLAP_FROM='soon'"):
+        tbo.overlaps_in_graph(4096)

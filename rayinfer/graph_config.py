@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 from rayinfer.config import ConfigError, ParallelPlan
 
-# Largest prompt (tokens per rank) prefilled from a CUDA graph by default: up to the two-batch
-# overlap's threshold (layers/two_batch_overlap.py), which splits larger steps and stays eager.
-DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 8192
+# Largest prompt (tokens per rank) prefilled from a CUDA graph by default. 2x H200, DeepSeek-V2-
+# Lite shapes, dp=2 ep=2 host-staged FP8, one prompt per GPU, transformers' rate per GPU, eager
+# -> graph (RESULTS.md, eleventh session): 2k 0.49x -> 1.30x, 4k 0.91x -> 1.43x (the two-batch
+# overlap inside the graph), but 8k 1.33x -> 1.22-1.28x: there the eager step keeps pace.
+DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 4096
 
 
 @dataclass(frozen=True)

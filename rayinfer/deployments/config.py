@@ -123,12 +123,19 @@ class PhaseConfig(_Strict):
     )
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
-        description="replay pure-decode steps from CUDA graphs captured at start: true, false or "
-        "auto (on for the decode phase on GPUs where the forward can be captured: not with "
-        "all_to_all.dedup=true when experts exchange tokens; off for prefill)",
+        description="replay steps from CUDA graphs captured at start: true, false or auto (on "
+        "GPUs where the forward can be captured: not with all_to_all.dedup=true when experts "
+        "exchange tokens). The decode phase replays its decode steps; the prefill phase its "
+        "steps of one new prompt per replica (see max_graph_prefill_tokens)",
     )
     max_graph_batch_size: int = Field(
         256, ge=1, description="largest decode batch captured (capped by max_num_seqs)"
+    )
+    max_graph_prefill_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="longest new prompt (tokens per replica) prefilled from a CUDA graph, capped "
+        "by max_num_batched_tokens; 0: none; default: 4096 for the prefill phase, 0 for decode",
     )
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"

@@ -10,7 +10,11 @@ from rayinfer.deployments.config import AppConfig, PhaseConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.model_source import DTYPES, resolve_model_path
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
-from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
+from rayinfer.graph_config import (
+    DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
+    CudaGraphConfig,
+    cuda_graph_config,
+)
 from rayinfer.workers.group import WorkerGroup
 from rayinfer.workers.worker import WorkerSpec
 
@@ -138,19 +142,22 @@ def build_engine(
 def phase_graphs(
     phase_config: PhaseConfig, phase: str, use_gpus: bool, max_model_len: int
 ) -> CudaGraphConfig | None:
-    """The phase's decode graphs; `auto` captures them only where decode steps run (the decode
-    phase; prefill replicas stop after the first token) on GPUs, where the forward can be
-    captured (graph_config.graph_blocker)."""
-    requested = phase_config.cuda_graphs
-    if requested == "auto":
-        requested = None if phase == "decode" else False
+    """The phase's graphs; `auto` captures them on GPUs where the forward can be captured
+    (graph_config.graph_blocker). The decode phase replays its decode steps; the prefill phase,
+    whose replicas stop after the first token, its new prompts (and one decode bucket of 1)."""
+    requested = None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs
+    is_prefill = phase == "prefill"
+    prefill_tokens = phase_config.max_graph_prefill_tokens
+    if prefill_tokens is None:
+        prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if is_prefill else 0
     return cuda_graph_config(
         requested,
         is_cuda=use_gpus,
         plan=phase_config.plan,
         max_num_seqs=phase_config.max_num_seqs,
-        max_graph_batch_size=phase_config.max_graph_batch_size,
+        max_graph_batch_size=1 if is_prefill else phase_config.max_graph_batch_size,
         max_model_len=max_model_len,
         all_to_all=phase_config.all_to_all.options(),
         key=f"{phase}.cuda_graphs",
+        max_prefill_tokens=min(prefill_tokens, phase_config.max_num_batched_tokens),
     )

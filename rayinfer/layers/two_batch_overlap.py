@@ -98,9 +98,11 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
 
 # From how many tokens per rank a prefill captured in a CUDA graph (engine/prefill_graphs.py)
 # runs as two micro-batches (RAYINFER_GRAPH_OVERLAP_FROM; "off": never). A replay queues no
-# host work, so the eager threshold's reason (two lanes double the host's launches) is gone.
+# host work, so the eager threshold's reason (two lanes double the host's launches) is gone:
+# same shapes as above, graph without -> with the overlap, 2k 1.25x -> 1.30x, 4k 1.25x ->
+# 1.43x (RESULTS.md, eleventh session).
 GRAPH_OVERLAP_ENV = "RAYINFER_GRAPH_OVERLAP_FROM"
-DEFAULT_GRAPH_OVERLAP_FROM = MIN_TOKENS_TO_OVERLAP_ON_CUDA
+DEFAULT_GRAPH_OVERLAP_FROM = 2048
 
 
 def overlaps_in_graph(num_tokens: int) -> bool:

@@ -270,5 +270,12 @@ def test_serve_config_takes_cuda_graphs_per_phase():
     auto = AppConfig.from_args({})
     decode = phase_graphs(auto.decode, "decode", use_gpus=True, max_model_len=4096)
     assert decode == CudaGraphConfig(max_batch_size=128, max_model_len=4096)
-    assert phase_graphs(auto.prefill, "prefill", use_gpus=True, max_model_len=4096) is None
+    # The prefill phase replays its new prompts (up to its step budget) and no decode batch
+    # larger than 1 (its replicas stop after the first token).
+    prefill = phase_graphs(auto.prefill, "prefill", use_gpus=True, max_model_len=4096)
+    assert prefill == CudaGraphConfig(max_batch_size=1, max_model_len=4096, max_prefill_tokens=2048)
+    longer = AppConfig.from_args({"prefill.max_graph_prefill_tokens": "1024"})
+    assert phase_graphs(longer.prefill, "prefill", True, 4096).max_prefill_tokens == 1024
+    off = AppConfig.from_args({"prefill.cuda_graphs": "off"})
+    assert phase_graphs(off.prefill, "prefill", use_gpus=True, max_model_len=4096) is None
     assert phase_graphs(auto.decode, "decode", use_gpus=False, max_model_len=4096) is None

@@ -22,24 +22,23 @@ over the static inputs, so the padding, the slicing and the static buffers are t
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.decode_inputs import GraphStep, StaticDecodeInputs, fits_static_decode
+from rayinfer.engine.decode_inputs import StaticDecodeInputs, fits_static_decode
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
-from rayinfer.engine.graph_capture import capture_buckets
+from rayinfer.engine.graph_capture import BucketGraphs
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.forward_context import ForwardContext
-
-logger = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 
 
-class DecodeGraphs:
+class DecodeGraphs(BucketGraphs):
+    kind = "decode"
+
     def __init__(
         self,
         forward: Forward,  # input_ids [T], positions [T], ctx -> hidden [T, H]
@@ -48,14 +47,10 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
     ):
-        self.forward = forward
-        self.sizes = graph_batch_sizes(config.max_batch_size)
+        sizes = graph_batch_sizes(config.max_batch_size)
         width = config.table_width(block_size)
-        self.inputs = StaticDecodeInputs(self.sizes[-1], width, block_size, kv_caches, device)
-        self.device = device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # b -> [b, H]
-        self.enabled = True  # False: the runner takes its eager path (benchmarks compare both)
-        self.capture_seconds = 0.0
+        inputs = StaticDecodeInputs(sizes[-1], width, block_size, kv_caches, device)
+        super().__init__(forward, sizes, inputs, device)
 
     @property
     def max_batch_size(self) -> int:
@@ -68,32 +63,13 @@ class DecodeGraphs:
             return None
         return shared_decode_bucket([requests], self.sizes, self.inputs.max_blocks_per_seq)
 
-    def capture(self) -> None:
-        """Warm up and capture every bucket, largest first (one shared pool); CUDA only."""
-        if self.device.type != "cuda":
-            return
-        self.graphs, self.capture_seconds = capture_buckets(
-            self.forward, self.sizes, self.inputs.fill_padding, self.device
-        )
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-            len(self.sizes), self.sizes, self.capture_seconds,
-        )  # fmt: skip
-
     def run(self, requests: list[ScheduledRequest], bucket: int | None = None) -> torch.Tensor:
         """Hidden states [n, H] of n decodes; valid until the next `run` (a view of the graph's
         static output on CUDA). `bucket`: the one a worker group agreed on (see
         `shared_decode_bucket`; with no requests the whole bucket is padding); default: the
         smallest that holds the batch."""
         bucket = bucket or bucket_for(len(requests), self.sizes)
-        step: GraphStep = self.inputs.fill(requests, bucket)
-        captured = self.graphs.get(bucket)
-        if captured is None:
-            hidden = self.forward(*step)  # [b, H]: the CPU, or before capture
-        else:
-            graph, hidden = captured
-            graph.replay()
-        return hidden[: len(requests)]
+        return self.replay(requests, bucket)[: len(requests)]  # [n, H]
 
 
 def shared_decode_bucket(

@@ -22,7 +22,6 @@ so padding, static buffers and slicing are tested there.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -31,11 +30,9 @@ import torch
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.engine.decode_inputs import PAD_BLOCK, PAD_SLOT, PAD_TOKEN, GraphStep
 from rayinfer.engine.graph_buckets import bucket_for
-from rayinfer.engine.graph_capture import capture_buckets
+from rayinfer.engine.graph_capture import BucketGraphs
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
 from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
-
-logger = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 256
 
@@ -169,7 +166,9 @@ class StaticPrefillInputs:
         return ForwardContext(metadata, self.kv_caches)
 
 
-class PrefillGraphs:
+class PrefillGraphs(BucketGraphs):
+    kind = "prefill"
+
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],  # input_ids [T], positions [T], ctx -> [T, H]
@@ -178,13 +177,9 @@ class PrefillGraphs:
         block_size: int,
         device: torch.device,
     ):
-        self.forward = forward
-        self.sizes = prefill_graph_sizes(max_tokens)
-        self.inputs = StaticPrefillInputs(self.sizes, block_size, kv_caches, device)
-        self.device = device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # T -> [T, H]
-        self.enabled = True  # False: the runner takes its eager path (benchmarks compare both)
-        self.capture_seconds = 0.0
+        sizes = prefill_graph_sizes(max_tokens)
+        inputs = StaticPrefillInputs(sizes, block_size, kv_caches, device)
+        super().__init__(forward, sizes, inputs, device)
 
     def bucket_of(self, requests: list[ScheduledRequest]) -> int | None:
         """The bucket a step of one new prompt runs in, or None (see shared_prefill_bucket)."""
@@ -192,26 +187,7 @@ class PrefillGraphs:
             return None
         return shared_prefill_bucket([requests], self.sizes)
 
-    def capture(self) -> None:
-        """Warm up and capture every bucket, largest first (one shared pool); CUDA only."""
-        if self.device.type != "cuda":
-            return
-        self.graphs, self.capture_seconds = capture_buckets(
-            self.forward, self.sizes, self.inputs.fill_padding, self.device
-        )
-        logger.info(
-            "captured %d prefill CUDA graphs (tokens %s) in %.1f s",
-            len(self.sizes), self.sizes, self.capture_seconds,
-        )  # fmt: skip
-
     def run(self, requests: list[ScheduledRequest], bucket: int) -> torch.Tensor:
         """Hidden states [n, H] of the prompt's n tokens ([0, H] for none); valid until the
         next `run` (a view of the graph's static output on CUDA)."""
-        step = self.inputs.fill(requests, bucket)
-        captured = self.graphs.get(bucket)
-        if captured is None:
-            hidden = self.forward(*step)  # [bucket, H]: the CPU, or before capture
-        else:
-            graph, hidden = captured
-            graph.replay()
-        return hidden[: sum(len(r.token_ids) for r in requests)]
+        return self.replay(requests, bucket)[: sum(len(r.token_ids) for r in requests)]

@@ -23,7 +23,12 @@ from rayinfer.engine.prefill_graphs import (
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
-from tests.engine.test_decode_graphs import BLOCK_SIZE, HF_CONFIGS, make_model
+from tests.engine.test_decode_graphs import (
+    BLOCK_SIZE,
+    HF_CONFIGS,
+    assert_only_slots_written,
+    make_model,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -104,12 +109,7 @@ def test_a_padded_prompt_gives_the_unpadded_hidden_states_and_cache(family):
     exact = dict(rtol=0, atol=1e-5)
     torch.testing.assert_close(padded, eager, **exact)
     written = [b * BLOCK_SIZE + o for b in table for o in range(BLOCK_SIZE)][:13]
-    for graph_cache, cache, old in zip(graph_caches, caches, before):
-        graph_flat, flat, old_flat = (c.flatten(0, 1) for c in (graph_cache, cache, old))
-        torch.testing.assert_close(graph_flat[written], flat[written], **exact)  # real K/V
-        untouched = torch.ones(graph_flat.shape[0], dtype=torch.bool)
-        untouched[written] = False
-        assert torch.equal(graph_flat[untouched], old_flat[untouched])  # padding wrote nothing
+    assert_only_slots_written(graph_caches, caches, before, written, exact)
 
 
 def test_runner_sends_single_new_prompts_to_the_graphs_and_the_rest_eagerly(monkeypatch):

@@ -15,7 +15,8 @@ sequence of `bucket` tokens (the attention's bounds are device constants per buc
 to every expert-parallel rank (see ModelRunner._graph_forward).
 
 Buckets run from 256 tokens up to `max_tokens` in steps of at most 1.5x (the padding is at most a
-third of a step's work); the two-batch overlap, which splits larger steps, stays eager. On the CPU
+third of a step's work). Each bucket's inputs also hold the two-batch overlap's halves, so a
+captured forward may split the step (layers/two_batch_overlap.overlaps_in_graph). On the CPU
 nothing is captured: `run` pads the same way and runs the forward eagerly over the static inputs,
 so padding, static buffers and slicing are tested there.
 """
@@ -76,8 +77,9 @@ def shared_prefill_bucket(shares: list[list[ScheduledRequest]], sizes: list[int]
 class StaticPrefillInputs:
     """Device buffers for one prompt of up to max_tokens tokens, refilled in place every step:
     token ids and cache slots (int64 [2, T]) and the block table (int32 [W]), each one
-    host-to-device copy from a pinned twin. Positions (0..T-1) and, per bucket, the attention's
-    bounds ([0, bucket]) never change."""
+    host-to-device copy from a pinned twin. Everything else never changes, so each bucket's
+    forward arguments (views of these buffers, and device constants for the bounds) are made
+    once: positions 0..T-1, one sequence of `bucket` tokens, and the two-batch overlap's halves."""
 
     def __init__(self, sizes: list[int], block_size: int, kv_caches, device: torch.device):
         self.sizes, self.block_size = sizes, block_size
@@ -90,17 +92,12 @@ class StaticPrefillInputs:
         self.tokens = torch.zeros(2, rows, dtype=torch.int64, device=device)  # ids, slots
         self.table = torch.zeros(1, width, dtype=torch.int32, device=device)  # [1, W]
         self.positions = torch.arange(rows, dtype=torch.int64, device=device)
-        self.bounds = {
-            size: torch.tensor([0, size], dtype=torch.int32, device=device) for size in sizes
-        }  # bucket -> [0, bucket]: query_start_loc, and its last entry the sequence's length
-        # bucket -> (the first micro-batch's [0, t], the second's [0, bucket - t] and [bucket]):
-        # the two-batch overlap's halves, should a captured forward split the step
-        self.halves = {size: self._half_bounds(size) for size in sizes}
+        self.steps = {size: self._step(size) for size in sizes}  # bucket -> its arguments
         self._copied: torch.cuda.Event | None = None
 
     def fill(self, requests: list[ScheduledRequest], bucket: int) -> GraphStep:
         """Copy the prompt (none: all padding) into the first rows of the bucket."""
-        if len(requests) > 1 or bucket not in self.bounds:
+        if len(requests) > 1 or bucket not in self.steps:
             raise ValueError(f"{len(requests)} prompts in a bucket of {bucket} ({self.sizes})")
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again
@@ -125,41 +122,33 @@ class StaticPrefillInputs:
         if is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return self.step(bucket)
+        return self.steps[bucket]
 
     def fill_padding(self, bucket: int) -> GraphStep:
         """Every row padding: what warm-up, capture and an idle replica run (writes no cache)."""
         return self.fill([], bucket)
 
-    def _half_bounds(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        first = first_micro_batch_tokens(bucket)
-        values = [[0, first], [0, bucket - first], [bucket]]
-        return tuple(torch.tensor(v, dtype=torch.int32, device=self.device) for v in values)
-
-    def step(self, bucket: int) -> GraphStep:
+    def _step(self, bucket: int) -> GraphStep:
         """Views of the bucket's rows; the context also holds the two-batch overlap's halves:
         the prompt's first t tokens, then the rest as a chunk over them."""
         cut = first_micro_batch_tokens(bucket)
-        bounds = self.bounds[bucket]
-        first, second_starts, second_lens = self.halves[bucket]
-        whole = self._context(bucket, slice(0, bucket), bounds, bounds[1:], bucket, bucket)
+        whole = self._context(bucket, 0, bucket, bucket)
         whole.micro_batches = (
-            self._context(bucket, slice(0, cut), first, first[1:], cut, cut),
-            self._context(
-                bucket, slice(cut, bucket), second_starts, second_lens, bucket - cut, bucket
-            ),  # fmt: skip
+            self._context(bucket, 0, cut, cut),
+            self._context(bucket, cut, bucket, bucket),
         )
         return GraphStep(self.tokens[0, :bucket], self.positions[:bucket], whole)
 
-    def _context(self, bucket, rows: slice, starts, seq_lens, query_len, seq_len) -> ForwardContext:
-        """One sequence of the bucket: its rows' slots, query starts [0, q] and context length
-        [s] on the device, q and s on the host."""
+    def _context(self, bucket: int, start: int, end: int, seq_len: int) -> ForwardContext:
+        """One sequence of the bucket: rows [start, end) are its new tokens, the last of its
+        seq_len tokens; query starts [0, end - start] and its length [seq_len] on the device."""
+        device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=self.tokens[1, rows],
-            query_start_loc=starts,
-            seq_lens=seq_lens,
+            slot_mapping=self.tokens[1, start:end],
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
             block_tables=self.table[:, : -(-bucket // self.block_size)],
-            query_lens_cpu=[query_len],
+            query_lens_cpu=[end - start],
             seq_lens_cpu=[seq_len],
             block_size=self.block_size,
         )

@@ -1,7 +1,7 @@
 """Where a step's time goes on one GPU: torch.profiler over decode steps (batch 1 and 64) and one
-4k-token prefill of a full-size model with random weights. Prints the top ops by CUDA and by CPU
-time and the kernel launches per decode step, the numbers that say whether decode is bound by
-launches and Python (the case for CUDA graphs) or by kernels.
+prefill (4,096 tokens, or --prefill-tokens) of a full-size model with random weights. Prints the
+top ops by CUDA and by CPU time and the kernel launches per decode step, the numbers that say
+whether decode is bound by launches and Python (the case for CUDA graphs) or by kernels.
 
     python benchmarks/profile_engine.py --config benchmarks/configs/deepseek-v2-lite
     python benchmarks/profile_engine.py --config ... --skip-prefill --batches 32 --context 8192
@@ -58,7 +58,7 @@ def report(prof, title: str, steps: int) -> None:
     launches = sum(e.count for e in on_gpu) / steps
     busy_ms = sum(e.self_device_time_total for e in on_gpu) / 1e3 / steps
     print(f"\n=== {title}: {launches:.0f} kernels/step, GPU busy {busy_ms:.2f} ms/step")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
@@ -68,21 +68,24 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="the profiled prompt")
     args = parser.parse_args()
     largest = max(args.batches)
     per_seq = args.context + 256  # the prompt, the steps and the block table's slack
+    prompt_len = args.prefill_tokens
     llm = LLM(args.config, device="cuda", load_format="dummy",
-              max_model_len=max(8192, per_seq), max_num_batched_tokens=4096,
+              max_model_len=max(8192, per_seq, prompt_len + 16),
+              max_num_batched_tokens=max(4096, prompt_len),
               enable_prefix_caching=False, max_num_seqs=max(64, largest),
               num_kv_blocks=max(8192 * 4, largest * per_seq) // 16)  # fmt: skip
     if not args.skip_prefill:
         first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        llm.generate([list(range(4096))], first)  # warm-up at the measured shape
+        llm.generate([list(range(prompt_len))], first)  # warm-up at the measured shape
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate([list(range(1, 4097))], first)
+            llm.generate([list(range(1, prompt_len + 1))], first)
             torch.cuda.synchronize()
-        report(prof, "prefill 4096 tokens", 1)
+        report(prof, f"prefill {prompt_len} tokens", 1)
     for batch in args.batches:
         decode_steps(llm, batch, 8, args.context)
 

@@ -1,16 +1,23 @@
-"""`python -m rayinfer.bench kernels moe [--out FILE] [--sweep]`: fused MoE and FP8 GEMM on CUDA.
+"""`python -m rayinfer.bench kernels moe [--out FILE] [--sweep] [--shape S --ep N --tokens T..]`.
 
 1. Correctness (relative error vs float32 references on random inputs).
 2. With --sweep: tile configs per GEMM stage, the best written to the JSON (copy them into
-   rayinfer/kernels/configs/{fused_moe,fp8_gemm}.json).
-3. Timings (`triton.testing.do_bench` medians) at DeepSeek-V3 shapes against torch baselines of the
-   same run: fused MoE vs `torch._grouped_mm` and a per-expert loop at 128 and 4,096 tokens (bf16
-   and FP8 experts); fp8_gemm vs `torch._scaled_mm` with per-tensor scales and dequantize + bf16.
+   rayinfer/kernels/configs/{fused_moe,fp8_gemm}.json; `--config-out` writes the fused MoE ones
+   in that file's layout).
+3. Timings (`triton.testing.do_bench` medians) against torch baselines of the same run: fused MoE
+   vs `torch._grouped_mm` and a per-expert loop (bf16 and FP8 experts), and vs a dense ceiling:
+   cuBLAS batched matmuls over the same rows per expert, already gathered and evenly split;
+   fp8_gemm vs `torch._scaled_mm` with per-tensor scales and dequantize + bf16.
+
+Shapes: DeepSeek-V3 by default at 128 and 4,096 tokens; `--shape deepseek-v2-lite` for that
+model's experts. `--ep N` times one expert-parallel rank: it holds E/N experts while tokens are
+routed over all E (the other slots are skipped, as after dispatch).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -26,6 +33,8 @@ from rayinfer.kernels.moe_align import moe_align
 
 PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, PEAK_BYTES_PER_S = 800.0, 1462.0, 4.23e12
 GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)
+TABLE_EXTRAS = ("grouped_mm_ms", "speedup_vs_grouped_mm", "loop_ms", "speedup_vs_loop",
+                "ceiling_tflops", "vs_ceiling")  # fmt: skip
 
 
 def bench_ms(fn, rep: int = 100) -> float:
@@ -44,8 +53,9 @@ def with_tma(tiles: list[dict]) -> list[dict]:
 
 
 def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
-    """BLOCK_M -> stage tiles to try (both GEMMs of one call share BLOCK_M): the best of runs 1
-    and 2 (2026-11-29), each with pointer and TMA weight loads."""
+    """Row granule -> stage tiles to try (both GEMMs of one call share the granule: BLOCK_M, or
+    TAIL_M for chunked tiles). Small and FP8: the best of runs 1 and 2 (2026-11-29); large bf16:
+    wider, for models whose experts get thousands of rows (V2-Lite at 16k tokens)."""
     if num_tokens <= 256:
         if fp8:
             return {16: with_tma([tile(16, 32, 128, 4, 6, 1), tile(16, 64, 128, 4, 4, 1),
@@ -53,9 +63,22 @@ def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
         return {16: with_tma([tile(16, 64, 128, 4, 5, 1), tile(16, 32, 128, 4, 5, 1)])}
     if fp8:
         return {64: with_tma([tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 4, 16)])}
-    return {128: with_tma([tile(128, 128, 64, 8, 3, 16), tile(128, 256, 64, 8, 3, 16),
-                           tile(128, 128, 64, 8, 3, 32)]),
-            64: with_tma([tile(64, 256, 64, 8, 3, 16), tile(64, 128, 64, 4, 4, 16)])}  # fmt: skip
+    rows_128 = [tile(128, n, 64, 8, stages, group) for n, stages, group in (
+        (128, 3, 16), (256, 3, 16), (128, 4, 16), (256, 4, 16), (128, 3, 8), (256, 3, 8),
+        (128, 3, 32), (256, 3, 32))] + [tile(128, 128, 128, 8, 3, 16)]  # fmt: skip
+    rows_64 = [tile(64, 256, 64, 8, 3, 16), tile(64, 128, 64, 4, 4, 16),
+               tile(64, 256, 64, 4, 3, 16), tile(64, 128, 128, 4, 3, 16)]  # fmt: skip
+    # Chunks of 128 + 64 rows: w13 as one [rows, BN] product of BN/2 gate and BN/2 up columns.
+    chunked = [{**tile(128, n, 64, 8, stages, group), "TAIL_M": 64, "USE_TMA": True,
+                "GATE_UP_ONE_DOT": True} for n, stages, group in (
+        (128, 3, 4), (128, 3, 16), (128, 4, 16), (256, 3, 16))]  # fmt: skip
+    return {128: with_tma(rows_128), 64: with_tma(rows_64) + chunked}
+
+
+def fits_registers(stage: str, t: dict) -> bool:
+    """Gate+up without one dot keeps two [BM, BN] float32 accumulators: past 128x128 they spill."""
+    two_accumulators = stage == "w13" and not ("TAIL_M" in t and t.get("GATE_UP_ONE_DOT"))
+    return not two_accumulators or t["BLOCK_M"] * t["BLOCK_N"] <= 128 * 128
 
 
 def gemm_candidates(m: int) -> list[dict]:
@@ -67,10 +90,11 @@ def gemm_candidates(m: int) -> list[dict]:
     return [{**t, "USE_TMA": True} for t in tiles]
 
 
-def stage_fns(x, experts, weights, ids, block_m):
-    """Callables running each GEMM stage alone with a given tile (for the sweep)."""
+def stage_fns(x, experts, weights, ids, granule):
+    """Callables running each GEMM stage alone with a given tile (for the sweep); chunked tiles
+    build their chunks inside the call, as fused_moe does once for both stages."""
     num_tokens, top_k = ids.shape
-    alignment = moe_align(ids, experts.w13.shape[0], block_m)
+    alignment = moe_align(ids, experts.w13.shape[0], granule)
     inter = experts.w2.shape[2]
     act = torch.randn(num_tokens * top_k, inter, dtype=BF16, device=x.device)
     slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=BF16, device=x.device)
@@ -89,12 +113,12 @@ def stage_fns(x, experts, weights, ids, block_m):
 def sweep_moe(x, experts, weights, ids, fp8) -> tuple[dict, list]:
     """Best {"w13": tile, "w2": tile} over the candidates; also every (stage, tile, ms)."""
     best, log = None, []
-    for block_m, tiles in moe_candidates(fp8, x.shape[0]).items():
-        fns = stage_fns(x, experts, weights, ids, block_m)
+    for granule, tiles in moe_candidates(fp8, x.shape[0]).items():
+        fns = stage_fns(x, experts, weights, ids, granule)
         chosen, total = {}, 0.0
         for stage, fn in fns.items():
             timed = []
-            for t in tiles:
+            for t in (t for t in tiles if fits_registers(stage, t)):
                 try:
                     timed.append((bench_ms(functools.partial(fn, t), rep=25), t))
                 except Exception as error:  # out of shared memory / registers for this tile
@@ -111,10 +135,15 @@ def sweep_moe(x, experts, weights, ids, fp8) -> tuple[dict, list]:
 
 
 def time_moe(shape: MoeShape, experts, num_tokens, fp8, sweep, loop_baseline) -> dict:
+    """fused_moe on this GPU's experts (E/ep of shape's E when expert-parallel), tokens routed
+    over all E: timings, TFLOP/s of the held slots' work and the baselines of the same run."""
     device = experts.w13.device
     weights, ids = moe_cases.random_routing(num_tokens, shape, device, seed=num_tokens)
     x = torch.randn(num_tokens, shape.hidden, dtype=BF16, device=device)
-    result = {"tokens": num_tokens, "dtype": "fp8" if fp8 else "bf16"}
+    num_held = experts.w13.shape[0]
+    held_slots = int((ids < num_held).sum())
+    result = {"tokens": num_tokens, "dtype": "fp8" if fp8 else "bf16", "experts_held": num_held,
+              "held_slots": held_slots}  # fmt: skip
     config = None
     if sweep:
         config, result["sweep"] = sweep_moe(x, experts, weights, ids, fp8)
@@ -123,23 +152,53 @@ def time_moe(shape: MoeShape, experts, num_tokens, fp8, sweep, loop_baseline) ->
     run = functools.partial(fused_moe_module.fused_moe, x, experts.w13, experts.w2, weights, ids,
                             *scales)  # fmt: skip
     ours = bench_ms(functools.partial(run, config=config))
-    block_m = (config or fused_moe_module.DEFAULT_CONFIG)["w13"]["BLOCK_M"]
-    result["align_ms"] = bench_ms(lambda: moe_align(ids, shape.num_experts, block_m))
+    result["align_ms"] = bench_ms(lambda: moe_align(ids, num_held, row_granule(config)))
     # The tuned tiles give the same result as the default ones (checked against float32).
     result["rel_err_vs_default_tiles"] = moe_cases.relative_error(run(config=config), run())
-    flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
+    flops = 2 * held_slots * 3 * shape.hidden * shape.intermediate
     weight_bytes = experts.w13.numel() * experts.w13.element_size() * 3 / 2
     result.update(ms=ours, tflops=flops / ours / 1e9, weight_gb=weight_bytes / 1e9,
                   hbm_share=weight_bytes / (ours / 1e3) / PEAK_BYTES_PER_S)  # fmt: skip
-    if not fp8:
-        base = bench_ms(lambda: moe_cases.grouped_mm_moe(x, experts, weights, ids))
-        baseline_out = moe_cases.grouped_mm_moe(x, experts, weights, ids)
-        result["rel_err_vs_grouped_mm"] = moe_cases.relative_error(run(config=config), baseline_out)
-        result.update(grouped_mm_ms=base, speedup_vs_grouped_mm=base / ours)
-        if loop_baseline:
-            loop = bench_ms(lambda: moe_cases.per_expert_loop_moe(x, experts, weights, ids), rep=1)
-            result.update(loop_ms=loop, speedup_vs_loop=loop / ours)
+    if fp8:
+        return result
+    ceiling = bench_ms(dense_ceiling(experts, held_slots))
+    result.update(ceiling_ms=ceiling, ceiling_tflops=flops / ceiling / 1e9)
+    result["vs_ceiling"] = ceiling / ours
+    if num_held < shape.num_experts:  # the torch baselines below need every expert held
+        return result
+    base = bench_ms(lambda: moe_cases.grouped_mm_moe(x, experts, weights, ids))
+    baseline_out = moe_cases.grouped_mm_moe(x, experts, weights, ids)
+    result["rel_err_vs_grouped_mm"] = moe_cases.relative_error(run(config=config), baseline_out)
+    result.update(grouped_mm_ms=base, speedup_vs_grouped_mm=base / ours)
+    if loop_baseline:
+        loop = bench_ms(lambda: moe_cases.per_expert_loop_moe(x, experts, weights, ids), rep=1)
+        result.update(loop_ms=loop, speedup_vs_loop=loop / ours)
     return result
+
+
+def row_granule(config: dict | None) -> int:
+    return fused_moe_module.row_granule(config or fused_moe_module.DEFAULT_CONFIG)
+
+
+def dense_ceiling(experts, held_slots: int):
+    """cuBLAS at the same work with nothing to gather: every held expert gets an equal share of
+    the rows, already contiguous, gate+up then down as two batched matmuls (no SiLU, no sum)."""
+    num_held, two_i, hidden = experts.w13.shape
+    rows = -(-held_slots // num_held)
+    x = torch.randn(num_held, rows, hidden, dtype=BF16, device=experts.w13.device)
+    act = torch.randn(num_held, rows, two_i // 2, dtype=BF16, device=x.device)
+    w13_t, w2_t = experts.w13.transpose(1, 2), experts.w2.transpose(1, 2)
+    return lambda: (torch.bmm(x, w13_t), torch.bmm(act, w2_t))
+
+
+def check_held_moe(shape: MoeShape, experts, num_tokens: int = 256) -> float:
+    """Relative error of bf16 fused_moe on held experts only, against float32."""
+    device = experts.w13.device
+    weights, ids = moe_cases.random_routing(num_tokens, shape, device, seed=2)
+    x = torch.randn(num_tokens, shape.hidden, dtype=BF16, device=device)
+    out = fused_moe_module.fused_moe(x, experts.w13, experts.w2, weights, ids)
+    held = moe_cases.held_slots_only(weights, ids, experts.w13.shape[0])
+    return moe_cases.relative_error(out, moe_cases.float32_moe_reference(x, experts, *held))
 
 
 def time_fp8_gemm(m, n, k, sweep) -> dict:
@@ -189,8 +248,7 @@ def _dequant_matmul(a, a_scale, b, b_scale):
 def print_table(results: dict) -> None:
     print("\ncorrectness:", json.dumps(results["checks"]))
     for r in (r for r in results["moe"] if "error" not in r):
-        extra = "".join(f" {k}={r[k]:.3g}" for k in ("grouped_mm_ms", "speedup_vs_grouped_mm",
-                        "loop_ms", "speedup_vs_loop") if k in r)  # fmt: skip
+        extra = "".join(f" {k}={r[k]:.3g}" for k in TABLE_EXTRAS if k in r)
         print(f"moe {r['dtype']} T={r['tokens']}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s "
               f"hbm={r['hbm_share']:.0%}{extra} cfg={r.get('config')}")  # fmt: skip
     for r in (r for r in results["fp8_gemm"] if "error" not in r):
@@ -205,31 +263,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write all results to this JSON file")
     parser.add_argument("--sweep", action="store_true", help="try tile configs first")
     parser.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
+    parser.add_argument("--shape", choices=sorted(moe_cases.MOE_SHAPES), default="deepseek-v3")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: time one rank holding E/ep experts",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[128, 4096],
+        help="tokens per call (after dispatch, for --ep)",
+    )
+    parser.add_argument(
+        "--bf16-only", action="store_true", help="only bf16 experts: no FP8 experts, no fp8_gemm"
+    )
+    parser.add_argument(
+        "--config-out",
+        default=None,
+        help="with --sweep: the best fused MoE tiles in configs/fused_moe.json's"
+        " layout ({device: {shape key: {tokens: config}}})",
+    )
     args = parser.parse_args(argv)
+    shape = moe_cases.MOE_SHAPES[args.shape]
+    if args.ep < 1 or shape.num_experts % args.ep:
+        parser.error(f"--ep {args.ep} must divide the {shape.num_experts} experts of {args.shape}")
     if not torch.cuda.is_available():
         print("kernels moe: no CUDA device; nothing to measure")
         return 0
-    shape, results = MoeShape(), {"device": torch.cuda.get_device_name()}
-    bf16 = moe_cases.random_experts(shape, fp8=False, device="cuda")
-    fp8 = moe_cases.random_experts(shape, fp8=True, device="cuda")
+    held_shape = dataclasses.replace(shape, num_experts=shape.num_experts // args.ep)
+    results = {"device": torch.cuda.get_device_name(), "shape": args.shape, "ep": args.ep}
+    bf16 = moe_cases.random_experts(held_shape, fp8=False, device="cuda")
+    fp8 = None if args.bf16_only else moe_cases.random_experts(held_shape, fp8=True, device="cuda")
     try:
-        results["checks"] = moe_cases.correctness_checks(shape, bf16, fp8, "cuda")
+        if fp8 is None or args.ep > 1:
+            results["checks"] = {"fused_moe_bf16_held": check_held_moe(shape, bf16)}
+        else:
+            results["checks"] = moe_cases.correctness_checks(shape, bf16, fp8, "cuda")
     except Exception as error:  # still time the kernels; the error is in the results
         results["checks"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     print("correctness:", json.dumps(results["checks"]), flush=True)
     results["moe"], results["fp8_gemm"] = [], []
     for experts, is_fp8 in ((bf16, False), (fp8, True)):
-        for num_tokens in (128, 4096):
+        for num_tokens in args.tokens if experts is not None else ():
             run = functools.partial(time_moe, shape, experts, num_tokens, is_fp8)
             record(results, "moe", functools.partial(run, args.sweep, not args.no_loop), args.out)
     del bf16, fp8
-    for n, k in GEMM_SHAPES:
+    for n, k in GEMM_SHAPES if not args.bf16_only else ():
         for m in (128, 4096):
             record(
                 results, "fp8_gemm", functools.partial(time_fp8_gemm, m, n, k, args.sweep), args.out
             )
     print_table(results)
+    if args.sweep and args.config_out:
+        write_tile_configs(results, held_shape, args.config_out)
     return 0
+
+
+def write_tile_configs(results: dict, held_shape: MoeShape, path: str) -> None:
+    """The swept fused MoE tiles keyed like configs/fused_moe.json (by the held experts' shape)."""
+    by_shape: dict[str, dict] = {}
+    for r in results["moe"]:
+        if "config" in r:
+            key = (f"{r['dtype']},E={held_shape.num_experts},I={held_shape.intermediate},"
+                   f"H={held_shape.hidden}")  # fmt: skip
+            by_shape.setdefault(key, {})[str(r["tokens"])] = r["config"]
+    with open(path, "w") as f:
+        json.dump({results["device"]: by_shape}, f, indent=1)
 
 
 def record(results: dict, section: str, run, out: str | None) -> None:

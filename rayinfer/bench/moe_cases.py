@@ -26,6 +26,12 @@ class MoeShape:
     top_k: int = 8
 
 
+MOE_SHAPES = {
+    "deepseek-v3": MoeShape(),
+    "deepseek-v2-lite": MoeShape(num_experts=64, hidden=2048, intermediate=1408, top_k=6),
+}
+
+
 @dataclass
 class Experts:
     w13: torch.Tensor  # [E, 2I, H] bf16 or fp8
@@ -102,6 +108,13 @@ def float32_moe_reference(x, experts: Experts, topk_weights, topk_ids):
         down = (F.silu(gate) * up) @ experts.w2[expert].float().t()
         out.index_add_(0, tokens, down * topk_weights.view(-1)[slots, None])
     return out
+
+
+def held_slots_only(topk_weights, topk_ids, num_held: int):
+    """Routing for a reference that holds only experts [0, num_held): other slots get weight 0
+    and expert 0 (so they add nothing), as the kernels skip ids outside the held range."""
+    held = topk_ids < num_held
+    return topk_weights * held, torch.where(held, topk_ids, 0)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

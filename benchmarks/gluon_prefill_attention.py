@@ -6,11 +6,13 @@ an H100/H200, against a float32 reference, SDPA and the Triton kernel in the sam
 Checks (bf16 against float32 per-sequence SDPA; relative Frobenius error < 2e-2, no NaN): one
 sequence of 1, 70, 128, 300 and 4,096 tokens; a varlen batch with a chunk over a cached prefix
 (queries the last tokens of longer contexts); GQA 4:1; 16 heads; and MLA's dims (qk 192, v 128
-split off a wider projection, as its prefill passes them). Then do_bench medians of one causal
-sequence of 4k/8k/16k tokens (qk 128 and 192), 16 heads, for SDPA (torch's default
-backend), the Triton kernel (its shipped tiles) and the Gluon kernel, with their TFLOP/s:
-plain launches, and in parentheses replayed from a CUDA graph (no host time per launch; at 4k
-tokens a launch's host work is a large share of the kernel's ~0.15 ms).
+split off a wider projection; and with the rope columns apart, as the MLA layer passes them
+now: q_pe and a rope key shared by the heads in their own tensors). Then do_bench medians of
+one causal sequence of 4k/8k/16k tokens (qk 128 and 192, the latter also with the rope apart),
+16 heads, for SDPA (torch's default backend), the Triton kernel (its shipped tiles) and the
+Gluon kernel, with their TFLOP/s: plain launches, and in parentheses replayed from a CUDA graph
+(no host time per launch; at 4k tokens a launch's host work is a large share of the kernel's
+~0.15 ms).
 """
 
 from __future__ import annotations
@@ -72,6 +74,30 @@ def check(q_lens, k_lens, heads, kv_heads, dim) -> dict:
                 rel_error=rel, ok=ok)  # fmt: skip
 
 
+def check_rope_apart(q_lens, k_lens, heads, kv_heads, dim) -> dict:
+    """MLA as the layer passes it now: q_nope a view of the [T, H, 192] query, q_pe apart,
+    k_nope and the value views of one [S, H, 256] kv_b output, one [S, 1, 64] rope key shared
+    by the heads; against float32 over the joined query and key."""
+    query = packed(q_lens, heads, 192).to(torch.bfloat16)
+    kv = packed(k_lens, kv_heads, 256).to(torch.bfloat16)
+    k_pe = packed(k_lens, 1, 64).to(torch.bfloat16)
+    q_nope, q_pe = query[..., :128], query[..., 128:].contiguous()
+    k_nope, v = kv[..., :128], kv[..., 128:]
+    cu_q = torch.tensor([0, *q_lens], device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *k_lens], device="cuda").cumsum(0).to(torch.int32)
+    args = (cu_q, cu_k, max(q_lens), dim**-0.5)
+    assert prefill_attention_hopper.supports(q_nope, k_nope, v, True, q_pe, k_pe)
+    out = torch.full((sum(q_lens), heads, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    prefill_attention_hopper.prefill_attention_ws(q_nope, k_nope, v, *args, out, q_pe, k_pe)
+    key = torch.cat([k_nope, k_pe.expand(-1, kv_heads, -1)], -1)
+    reference = prefill_attention.prefill_attention_reference(query.float(), key.float(),
+                                                              v.float(), *args)  # fmt: skip
+    rel = ((out.float() - reference).norm() / reference.norm()).item()
+    ok = math.isfinite(rel) and not torch.isnan(out).any().item() and rel < 2e-2
+    return dict(q_lens=q_lens, k_lens=k_lens, heads=heads, kv_heads=kv_heads, dim=dim,
+                rope_apart=True, rel_error=rel, ok=ok)  # fmt: skip
+
+
 TIMED = [(128, 4096), (128, 8192), (128, 16384), (192, 4096), (192, 8192), (192, 16384)]
 TRITON_TILES = {  # the Triton kernel's shipped tiles per qk head dim (round 3)
     128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -100,6 +126,11 @@ def time_case(seq_len: int, dim: int = 128) -> dict:
             q, k, v, cu, cu, seq_len, scale
         ),
     }
+    if dim == 192:  # MLA's layer now: rope columns apart, the rope key shared by the heads
+        q_pe, k_pe = q[..., 128:].contiguous(), k[:, :1, 128:].contiguous()
+        calls["gluon rope apart"] = lambda: prefill_attention_hopper.prefill_attention_ws(
+            q[..., :128], k[..., :128], v, cu, cu, seq_len, scale, None, q_pe, k_pe
+        )
     flops = causal_flops(seq_len, seq_len, 16, dim, 128)
     row = {"tokens": seq_len, "dim": dim}
     for name, call in calls.items():
@@ -154,6 +185,9 @@ def main() -> None:
     for case in CASES:
         checks.append(check(*case))
         print(json.dumps(checks[-1]), flush=True)
+        if case[-1] == 192:
+            checks.append(check_rope_apart(*case))
+            print(json.dumps(checks[-1]), flush=True)
     results = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, checks=checks)
     if not args.check_only and all(c["ok"] for c in checks):
         results["timings"] = []

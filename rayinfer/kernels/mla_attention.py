@@ -5,13 +5,14 @@ c_kv (L = kv_lora_rank) followed by the roped shared key k_pe (R = qk_rope_head_
 
 - `mla_write_cache`: store the new tokens' (c_kv, k_pe) at their slots.
 - `mla_gather_context`: one sequence's cached rows, for the expanded (prefill) form.
-- `mla_causal_attention`: plain multi-head attention of the last q tokens over s context tokens.
+- `mla_prefill_attention`: plain multi-head attention of each sequence's last q tokens over its
+  s context tokens, with the 64 rope columns (shared by the heads on the key side) kept apart.
 - `mla_decode_attention`: the absorbed form, attention computed in latent space. With q_nope
   absorbed through W_UK (q_latent = q_nope @ W_UK, [N, L]) the score of a context token is
   q_latent . c_kv + q_pe . k_pe, and the output is softmax . c_kv ([N, L]), which the caller maps
   through W_UV. No per-token K or V is ever materialised.
 
-Here: the torch references and the expanded prefill (`mla_causal_attention`, on the prefill
+Here: the torch references and the expanded prefill (`mla_prefill_attention`, on the prefill
 kernel). The absorbed decode lives in mla_decode (kernels in mla_decode_kernels), the cache write
 in mla_cache; their names are importable from here too.
 """
@@ -29,8 +30,11 @@ from rayinfer.kernels.mla_decode import (  # noqa: F401 (re-exported)
     mla_decode_launches,
     mla_tma_fits,
 )
-from rayinfer.kernels.paged_attention import causal_attention
-from rayinfer.kernels.prefill_attention import prefill_attention
+from rayinfer.kernels.prefill_attention import (
+    join_rope,
+    prefill_attention,
+    prefill_attention_reference,
+)
 
 
 def mla_gather_context_reference(
@@ -42,16 +46,6 @@ def mla_gather_context_reference(
     num_blocks = -(-seq_len // block_size)
     blocks = kv_cache[block_table[:num_blocks].long()]  # [n, block_size, L + R]
     return blocks.flatten(0, 1)[:seq_len]
-
-
-def mla_causal_attention_reference(
-    query: torch.Tensor,  # [q, N, Dqk]: the last q tokens of the context
-    key: torch.Tensor,  # [s, N, Dqk]
-    value: torch.Tensor,  # [s, N, Dv]
-    scale: float,
-) -> torch.Tensor:  # [q, N, Dv]
-    """Expanded MLA is plain multi-head attention (value dim may differ from the key's)."""
-    return causal_attention(query, key, value, scale)
 
 
 def mla_decode_attention_reference(
@@ -82,13 +76,38 @@ def _bounds(length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, length + 1, max(length, 1), dtype=torch.int32, device=device)
 
 
-def mla_causal_attention(
-    query: torch.Tensor,  # [q, N, Dqk]: the last q tokens of the context
-    key: torch.Tensor,  # [s, N, Dqk]
+def _sequence_bounds(q_nope, k_nope, bounds):
+    """(cu_seqlens_q, cu_seqlens_k, longest query): the given varlen bounds (cu_seqlens, longest)
+    for new prompts, or one sequence's last q of s tokens."""
+    if bounds is not None:
+        return bounds[0], bounds[0], bounds[1]
+    cu_q, cu_k = (_bounds(t.shape[0], t.device) for t in (q_nope, k_nope))
+    return cu_q, cu_k, q_nope.shape[0]
+
+
+def mla_prefill_attention(
+    q_nope: torch.Tensor,  # [q, N, Dn]
+    q_pe: torch.Tensor,  # [q, N, R]: rotated
+    k_nope: torch.Tensor,  # [s, N, Dn]: from kv_b_proj
+    k_pe: torch.Tensor,  # [s, 1, R]: rotated, one per token, shared by the heads
     value: torch.Tensor,  # [s, N, Dv]
     scale: float,
-) -> torch.Tensor:  # [q, N, Dv]
-    """Expanded-form prefill of one sequence (Dqk = 128 nope + 64 rope runs as two dots)."""
-    cu_seqlens_q, cu_seqlens_k = (_bounds(n, query.device) for n in (query.shape[0], key.shape[0]))
-    return prefill_attention(query, key.to(query.dtype), value.to(query.dtype), cu_seqlens_q,
-                             cu_seqlens_k, query.shape[0], scale)  # fmt: skip
+    out: torch.Tensor,  # [q, N, Dv]: written in place
+    bounds: tuple[torch.Tensor, int] | None = None,  # new prompts: (cu_seqlens [B + 1], longest)
+) -> torch.Tensor:  # out
+    """Expanded-form MLA prefill: each sequence's queries are the last of its context, causal.
+    Without bounds one sequence (q <= s); with them several new prompts packed (q = s each),
+    whose cu_seqlens are on the device (no host list, so a CUDA graph can capture it). The
+    rope columns stay apart: the H200's kernel reads them where they lie."""
+    cu_q, cu_k, longest = _sequence_bounds(q_nope, k_nope, bounds)
+    dtype = q_nope.dtype
+    return prefill_attention(q_nope, k_nope.to(dtype), value.to(dtype), cu_q, cu_k, longest,
+                             scale, query_rope=q_pe, key_rope=k_pe.to(dtype), out=out)  # fmt: skip
+
+
+def mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None):
+    """The same contract in torch (joined query and key, SDPA per sequence)."""
+    cu_q, cu_k, longest = _sequence_bounds(q_nope, k_nope, bounds)
+    query, key = join_rope(q_nope, q_pe), join_rope(k_nope, k_pe)
+    out.copy_(prefill_attention_reference(query, key, value, cu_q, cu_k, longest, scale))
+    return out

@@ -17,14 +17,14 @@ from rayinfer.kernels.fp8_quant import fp8_quant_reference
 from rayinfer.kernels.fused_moe import dequantize_experts_reference, fused_moe_reference
 from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton
 from rayinfer.kernels.fused_moe_small import fits_small_batch, fused_moe_small_batch
-from rayinfer.kernels.mla_attention import mla_causal_attention as mla_causal_attention_triton
+from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton
 from rayinfer.kernels.mla_attention import (
-    mla_causal_attention_reference,
     mla_decode_attention_reference,
     mla_gather_context_reference,
+    mla_prefill_attention_reference,
     mla_write_cache_reference,
 )
-from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton
+from rayinfer.kernels.mla_attention import mla_prefill_attention as mla_prefill_attention_triton
 from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_triton
 from rayinfer.kernels.moe_combine import moe_combine as moe_combine_triton
 from rayinfer.kernels.moe_combine import moe_combine_reference
@@ -33,8 +33,6 @@ from rayinfer.kernels.moe_routing_kernel import moe_routing as moe_routing_trito
 from rayinfer.kernels.paged_attention import paged_attention_reference
 from rayinfer.kernels.prefill_attention import (
     paged_mixed_attention,
-    prefill_attention,
-    prefill_attention_reference,
 )
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
@@ -194,20 +192,14 @@ def mla_gather_context(kv_cache, block_table, seq_len):
     return mla_gather_context_reference(kv_cache, block_table, seq_len)
 
 
-def mla_causal_attention(query, key, value, scale):
-    """query [q, N, Dqk] (last q of s tokens), key [s, N, Dqk], value [s, N, Dv] -> [q, N, Dv]."""
-    if _on_cuda(query):
-        return mla_causal_attention_triton(query, key, value, scale)
-    return mla_causal_attention_reference(query, key, value, scale)
-
-
-def mla_varlen_attention(query, key, value, cu_seqlens, max_len, scale):
-    """New prompts packed: query [T, N, Dqk], key [T, N, Dqk], value [T, N, Dv] with each
-    sequence's rows between cu_seqlens [B + 1] (int32, on the device) -> [T, N, Dv], causal
-    within each sequence. Reads no host list, so a CUDA graph can capture it."""
-    if _on_cuda(query):
-        return prefill_attention(query, key, value, cu_seqlens, cu_seqlens, max_len, scale)
-    return prefill_attention_reference(query, key, value, cu_seqlens, cu_seqlens, max_len, scale)
+def mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None):
+    """Expanded MLA prefill: q_nope [q, N, Dn] and q_pe [q, N, R] over k_nope [s, N, Dn], the
+    shared k_pe [s, 1, R] and value [s, N, Dv] -> out [q, N, Dv] (written). One sequence's last
+    q of s tokens, or with bounds (cu_seqlens [B + 1] int32 on the device, longest) new prompts
+    packed, each causal over its own rows."""
+    if _on_cuda(q_nope):
+        return mla_prefill_attention_triton(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds)
+    return mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds)
 
 
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):

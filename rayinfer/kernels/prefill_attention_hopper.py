@@ -51,7 +51,6 @@ PRODUCER_REGISTERS = 24
 if HAS_GLUON:
     # K/V ring slots. Shared memory: 160 KiB at head dim 128, 208 KiB at MLA's 192.
     STAGES = gl.constexpr(2)
-    HEAD_DIM_C = gl.constexpr(HEAD_DIM)
     CONSUMER_REGISTERS_C = gl.constexpr(CONSUMER_REGISTERS)
     PRODUCER_REGISTERS_C = gl.constexpr(PRODUCER_REGISTERS)
 
@@ -63,7 +62,7 @@ if HAS_GLUON:
         q_smem, q1_smem, k_smem, k1_smem, v_smem = smem
         q_bar, k_ready, k_empty, v_ready, v_empty, turns = bars
         q_row0, k_row0 = rows0
-        q_col, k_col, v_col = cols
+        q_col, q1_col, k_col, k1_col, v_col = cols
         half: gl.constexpr = q_desc.block_type.shape[0]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
         has_rope: gl.constexpr = q1_desc.block_type.shape[1] != q_desc.block_type.shape[1]
@@ -74,7 +73,7 @@ if HAS_GLUON:
             row = q_row0 + first_row + i * half
             tma_load(q_desc, [row, q_col], q_bar, q_smem.index(i))
             if has_rope:
-                tma_load(q1_desc, [row, q_col + HEAD_DIM_C], q_bar, q1_smem.index(i))
+                tma_load(q1_desc, [row, q1_col], q_bar, q1_smem.index(i))
         for j in range(n_tiles):
             slot = j % STAGES
             phase = (j // STAGES) & 1
@@ -83,8 +82,7 @@ if HAS_GLUON:
             mbarrier.expect(k_ready.index(slot), k_bytes)
             tma_load(k_desc, [row, k_col], k_ready.index(slot), k_smem.index(slot))
             if has_rope:
-                tma_load(k1_desc, [row, k_col + HEAD_DIM_C], k_ready.index(slot),
-                         k1_smem.index(slot))  # fmt: skip
+                tma_load(k1_desc, [row, k1_col], k_ready.index(slot), k1_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma_load(v_desc, [row, v_col], v_ready.index(slot), v_smem.index(slot))
@@ -199,8 +197,12 @@ if HAS_GLUON:
     def _prefill_attention_ws_kernel(q_desc, q1_desc, k_desc, k1_desc, v_desc, out_ptr,
                                      cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale,
                                      num_queries_per_kv, q_head_stride, k_head_stride,
-                                     v_head_stride, stride_ot, stride_oh,
+                                     v_head_stride, q1_col0, q1_head_stride, k1_col0,
+                                     k1_head_stride, stride_ot, stride_oh,
                                      HAS_ROPE: gl.constexpr):  # fmt: skip
+        """One (head, query tile, sequence). The rope columns' descriptors (q1, k1) start at
+        column q1_col0 + head * q1_head_stride (k1: of the kv head; a stride of 0 for a key
+        rope shared by every head)."""
         half: gl.constexpr = q_desc.block_type.shape[0]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
         head = gl.program_id(0)
@@ -250,7 +252,13 @@ if HAS_GLUON:
             (q_bar, k_ready, k_empty, v_ready, v_empty, turns),
             (q_row0, k_row0),
             (q_len, kv_len),
-            (head * q_head_stride, kv_head * k_head_stride, kv_head * v_head_stride),
+            (
+                head * q_head_stride,
+                q1_col0 + head * q1_head_stride,
+                kv_head * k_head_stride,
+                k1_col0 + kv_head * k1_head_stride,
+                kv_head * v_head_stride,
+            ),
             first_row,
             n_tiles,
             (out_ptr, stride_ot, head * stride_oh),
@@ -263,27 +271,58 @@ if HAS_GLUON:
         )
 
 
-def supports(query, key, value, is_causal: bool = True) -> bool:
+def _aligned(t: torch.Tensor) -> bool:
+    """bf16 [tokens, heads, dim] with 16-byte aligned start, rows and heads (TMA's need)."""
+    return (
+        t.dtype == torch.bfloat16
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * 2) % 16 == 0
+        and (t.stride(1) * 2) % 16 == 0
+    )
+
+
+def supports(query, key, value, is_causal: bool = True, query_rope=None, key_rope=None) -> bool:
     """Whether this kernel serves these operands: Hopper (sm_90 exactly), bf16, causal, value
     head dim 128, query/key head dim 128 or 192, [tokens, heads, dim] views with 16-byte aligned
-    rows and head strides."""
+    rows and head strides. With query_rope [T, Hq, 64] and key_rope [S, 1 or Hkv, 64] (MLA's
+    rope columns kept apart), query and key hold the 128 other columns."""
     if not HAS_GLUON or not query.is_cuda or not is_causal:
         return False
     if torch.cuda.get_device_capability(query.device) != (9, 0):
         return False
     if value.shape[-1] != HEAD_DIM or query.shape[-1] not in (HEAD_DIM, HEAD_DIM + ROPE_DIM):
         return False
-    for t in (query, key, value):
-        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.data_ptr() % 16:
+    if (query_rope is None) != (key_rope is None):
+        return False
+    if query_rope is not None:
+        if query.shape[-1] != HEAD_DIM or query_rope.shape[:2] != query.shape[:2]:
             return False
-        if (t.stride(0) * 2) % 16 or (t.stride(1) * 2) % 16:
+        if query_rope.shape[-1] != ROPE_DIM or key_rope.shape[-1] != ROPE_DIM:
             return False
-    return True
+        if key_rope.shape[0] != key.shape[0] or key_rope.shape[1] not in (1, key.shape[1]):
+            return False
+    operands = (query, key, value) + ((query_rope, key_rope) if query_rope is not None else ())
+    return all(_aligned(t) for t in operands)
 
 
 def _rows_descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     """t [tokens, heads, dim] as [tokens, row stride] rows (a head at column head * stride(1))."""
     return rows_descriptor(t, t.shape[0], t.stride(0), t.stride(0), block_rows, block_cols)
+
+
+def _rope_operands(query, key, query_rope, key_rope) -> tuple:
+    """(q1 and k1 descriptors, q1 column, q1 head stride, k1 column, k1 head stride): the rope
+    columns kept apart, or read from query/key's columns 128.. (qk 192); without rope, unused
+    stand-ins of the main columns' width."""
+    if query_rope is not None:
+        shared = key_rope.shape[1] == 1  # one rope key for every head: head stride 0
+        return (_rows_descriptor(query_rope, HALF_M, ROPE_DIM),
+                _rows_descriptor(key_rope, BLOCK_N, ROPE_DIM), 0, query_rope.stride(1), 0,
+                0 if shared else key_rope.stride(1))  # fmt: skip
+    extra = ROPE_DIM if query.shape[-1] == HEAD_DIM + ROPE_DIM else HEAD_DIM
+    return (_rows_descriptor(query, HALF_M, extra), _rows_descriptor(key, BLOCK_N, extra),
+            HEAD_DIM, query.stride(1), HEAD_DIM, key.stride(1))  # fmt: skip
 
 
 def prefill_attention_ws(
@@ -295,22 +334,25 @@ def prefill_attention_ws(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, 128], rows 16-byte aligned: written in place
+    query_rope: torch.Tensor | None = None,  # [T, Hq, 64]: MLA's rope columns kept apart
+    key_rope: torch.Tensor | None = None,  # [S, 1 or Hkv, 64]
 ) -> torch.Tensor:  # [T, Hq, 128]
     """Causal varlen attention (each sequence's queries are its context's last tokens), the
     contract of prefill_attention.prefill_attention, on the warp-specialized kernel; the caller
-    checks `supports` first."""
+    checks `supports` first. With query_rope and key_rope the scores are query . key +
+    query_rope . key_rope, read where they lie (no joined copies)."""
     num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, query.shape[1]
     if out is None:
         out = query.new_empty(query.shape[0], num_heads, HEAD_DIM)
-    has_rope = query.shape[-1] == HEAD_DIM + ROPE_DIM
-    extra = ROPE_DIM if has_rope else HEAD_DIM  # without rope columns: unused stand-ins
+    q1_desc, k1_desc, *rope_columns = _rope_operands(query, key, query_rope, key_rope)
+    has_rope = query_rope is not None or query.shape[-1] == HEAD_DIM + ROPE_DIM
     grid = (num_heads, triton.cdiv(max(max_query_len, 1), BLOCK_M), num_seqs)
     _prefill_attention_ws_kernel[grid](
-        _rows_descriptor(query, HALF_M, HEAD_DIM), _rows_descriptor(query, HALF_M, extra),
-        _rows_descriptor(key, BLOCK_N, HEAD_DIM), _rows_descriptor(key, BLOCK_N, extra),
+        _rows_descriptor(query, HALF_M, HEAD_DIM), q1_desc,
+        _rows_descriptor(key, BLOCK_N, HEAD_DIM), k1_desc,
         _rows_descriptor(value, BLOCK_N, HEAD_DIM), out, cu_seqlens_q, cu_seqlens_k,
         scale * LOG2E, num_heads // key.shape[1], query.stride(1), key.stride(1),
-        value.stride(1), out.stride(0), out.stride(1), HAS_ROPE=has_rope,
+        value.stride(1), *rope_columns, out.stride(0), out.stride(1), HAS_ROPE=has_rope,
         num_warps=4, maxnreg=LAUNCH_REGISTERS,
     )  # fmt: skip
     return out

@@ -99,32 +99,32 @@ class MLAAttention(nn.Module):
         )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
-        if prefill_seqs:  # the expanded form reads the whole rotated query (no concatenation)
-            query[..., self.nope_dim :] = q_pe
         if decode_seqs:
             self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.attn, decode_seqs, out)
         attn = ctx.attn
         fresh = {s for s in prefill_seqs if attn.seq_lens_cpu[s] == attn.query_lens_cpu[s]}
         if prefill_seqs and len(fresh) == attn.num_seqs:  # new prompts only: one varlen call
             bounds = (attn.query_start_loc, max(attn.query_lens_cpu))
-            self._attend_expanded(query, kv_c, k_pe, out, bounds)
+            self._attend_expanded(q_nope, q_pe, kv_c, k_pe, out, bounds)
         elif prefill_seqs:
-            self._attend_chunks(query, kv_c, k_pe, kv_cache, attn, prefill_seqs, fresh, out)
+            queries = (q_nope, q_pe)
+            self._attend_chunks(queries, kv_c, k_pe, kv_cache, attn, prefill_seqs, fresh, out)
         return self.o_proj(out.flatten(1))  # [T, H]
 
-    def _attend_chunks(self, query, kv_c, k_pe, kv_cache, attn, seqs, fresh, out) -> None:
+    def _attend_chunks(self, queries, kv_c, k_pe, kv_cache, attn, seqs, fresh, out) -> None:
         """The expanded form one sequence at a time: a new prompt's context is its own rows; a
         chunk over a cached prefix reads its whole context back from the cache."""
         starts = list(accumulate(attn.query_lens_cpu, initial=0))  # [B + 1]
+        q_nope, q_pe = queries
         for seq in seqs:
             rows = slice(starts[seq], starts[seq + 1])
             if seq in fresh:
-                self._attend_expanded(query[rows], kv_c[rows], k_pe[rows], out[rows])
+                self._attend_expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], out[rows])
                 continue
             table, seq_len = attn.block_tables[seq], attn.seq_lens_cpu[seq]
-            context = ops.mla_gather_context(kv_cache, table, seq_len).to(query.dtype)
+            context = ops.mla_gather_context(kv_cache, table, seq_len).to(q_nope.dtype)
             latents = context.split([self.kv_lora_rank, self.rope_dim], -1)  # [s, L], [s, R]
-            self._attend_expanded(query[rows], *latents, out[rows])
+            self._attend_expanded(q_nope[rows], q_pe[rows], *latents, out[rows])
 
     def _split_batch(self, attn: AttentionMetadata) -> tuple[list[int], list[int]]:
         """Sequences attended in absorbed form (one new token) and in expanded form (the rest)."""
@@ -139,22 +139,17 @@ class MLAAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_local_heads, -1, self.kv_lora_rank)
         return per_head.split([self.nope_dim, self.v_head_dim], dim=1)
 
-    def _attend_expanded(self, query, kv_c, k_pe, out: torch.Tensor, bounds=None):
-        """Query rows [q, N, Dqk] (rotated) over their context's latents kv_c [s, L] and roped
-        k_pe [s, R] -> out [q, N, Dv]: the last q of one sequence's s tokens, or, with bounds
-        (cu_seqlens [B + 1] int32 on the device, longest), several new prompts whose context is
-        their own rows (q = s), in one varlen call that reads no host list."""
+    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, out: torch.Tensor, bounds=None):
+        """Query rows q_nope [q, N, Dn] and rotated q_pe [q, N, R] over their context's latents
+        kv_c [s, L] and roped k_pe [s, R] -> out [q, N, Dv] (written): the last q of one
+        sequence's s tokens, or, with bounds (cu_seqlens [B + 1] int32 on the device, longest),
+        several new prompts whose context is their own rows (q = s), in one varlen call that
+        reads no host list. Keys are never assembled: K_nope and V stay views of kv_b's output,
+        the rope columns stay apart (the H200's kernel reads each where it lies)."""
         kv = self.kv_b_proj(kv_c).view(-1, self.num_local_heads, self.nope_dim + self.v_head_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
-        # Two copies into one buffer: torch.cat with the head-broadcast k_pe took 178 us per
-        # 16k-token layer on an H200 (a batched strided copy).
-        key = kv.new_empty(kv.shape[0], self.num_local_heads, self.qk_head_dim)  # [s, N, Dqk]
-        key[..., : self.nope_dim] = k_nope
-        key[..., self.nope_dim :] = k_pe[:, None, :]
-        if bounds is None:
-            out[:] = ops.mla_causal_attention(query, key, value, self.scale)
-        else:
-            out[:] = ops.mla_varlen_attention(query, key, value, *bounds, self.scale)
+        rope_key = k_pe[:, None, :]  # [s, 1, R]: one per token, shared by the heads
+        ops.mla_prefill_attention(q_nope, q_pe, k_nope, rope_key, value, self.scale, out, bounds)
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
         """A pure-decode batch takes every row as it is, with the device context lengths: no

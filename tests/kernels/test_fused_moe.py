@@ -31,6 +31,8 @@ FIVE_TILE_CHUNKS = {
     "w13": {**FIVE_TILES, "GATE_UP_ONE_DOT": True, "USE_TMA": True},
     "w2": FIVE_TILES,
 }
+# Plain 8-row tiles for gate+up, chunks for down (one row granule: 8): w2 builds its own chunks.
+PLAIN_THEN_CHUNKS = {"w13": {**SMALL, "BLOCK_M": 8, "USE_TMA": True}, "w2": CHUNK}
 
 CASES = {
     "normal": dict(T=16, H=64, I=32, E=8, K=2),
@@ -79,8 +81,15 @@ def test_fused_moe_matches_reference(name, dtype, tol):
 
 @pytest.mark.parametrize(
     "tiles",
-    [CHUNK_TILES, CHUNK_TMA_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES, FIVE_TILE_CHUNKS],
-    ids=["pointer", "tma", "one_dot", "one_dot_tma", "five_tiles"],
+    [
+        CHUNK_TILES,
+        CHUNK_TMA_TILES,
+        ONE_DOT_TILES,
+        ONE_DOT_TMA_TILES,
+        FIVE_TILE_CHUNKS,
+        PLAIN_THEN_CHUNKS,
+    ],
+    ids=["pointer", "tma", "one_dot", "one_dot_tma", "five_tiles", "plain_then_chunks"],
 )
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_moe_expert_chunks(name, tiles):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rayinfer.kernels import mla_attention as mla
+from rayinfer.kernels.paged_attention import causal_attention
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -170,15 +171,51 @@ def test_decode_launches_split_then_combine():
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("query_len,seq_len", [(7, 7), (3, 20), (1, 9)])
-def test_causal_attention_matches_reference(query_len, seq_len):
-    generator = torch.Generator().manual_seed(1)
+def joined_attention(q_nope, q_pe, k_nope, k_pe, value, scale, starts_q, starts_k):
+    """Plain causal attention per sequence over the concatenated [nope, rope] query and key."""
+    query = torch.cat([q_nope, q_pe], -1)
+    key = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1)], -1)
+    out = []
+    for (q0, q1), (k0, k1) in zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:])):
+        out.append(causal_attention(query[q0:q1], key[k0:k1], value[k0:k1], scale))
+    return torch.cat(out)
+
+
+def mla_operands(query_len, seq_len, generator):
+    """MLA's views: q_nope and q_pe split off one [q, N, 48] query, k_nope and value off one
+    [s, N, 56] kv_b output, a [s, 1, 16] rope key shared by the heads."""
     query = torch.randn(query_len, 3, 48, generator=generator)  # 32 nope + 16 rope
-    key = torch.randn(seq_len, 3, 48, generator=generator)
-    value = torch.randn(seq_len, 3, 24, generator=generator)
-    ours = mla.mla_causal_attention(query, key, value, 0.2)
-    reference = mla.mla_causal_attention_reference(query, key, value, 0.2)
-    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    kv = torch.randn(seq_len, 3, 56, generator=generator)  # 32 nope + 24 value
+    k_pe = torch.randn(seq_len, 1, 16, generator=generator)
+    q_nope, q_pe = query.split([32, 16], -1)
+    k_nope, value = kv.split([32, 24], -1)
+    return q_nope, q_pe.contiguous(), k_nope, k_pe, value
+
+
+@pytest.mark.parametrize("query_len,seq_len", [(7, 7), (3, 20), (1, 9)])
+def test_prefill_attention_of_one_sequence_keeps_the_rope_apart(query_len, seq_len):
+    """The last q of s tokens, causal; out is written in place."""
+    operands = mla_operands(query_len, seq_len, torch.Generator().manual_seed(1))
+    out = torch.full((query_len, 3, 24), float("nan"))
+    result = mla.mla_prefill_attention(*operands, 0.2, out)
+    assert result.data_ptr() == out.data_ptr()
+    expected = joined_attention(*operands, 0.2, [0, query_len], [0, seq_len])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reference_out = torch.empty_like(out)
+    mla.mla_prefill_attention_reference(*operands, 0.2, reference_out)
+    torch.testing.assert_close(reference_out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_of_packed_new_prompts():
+    """Several new prompts (q = s each) in one call over device cu_seqlens."""
+    lens = [5, 11, 2]
+    operands = mla_operands(sum(lens), sum(lens), torch.Generator().manual_seed(2))
+    starts = [0, 5, 16, 18]
+    bounds = (torch.tensor(starts, dtype=torch.int32), max(lens))
+    out = torch.empty(sum(lens), 3, 24)
+    mla.mla_prefill_attention(*operands, 0.3, out, bounds)
+    expected = joined_attention(*operands, 0.3, starts, starts)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

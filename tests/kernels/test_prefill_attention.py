@@ -306,3 +306,23 @@ def test_a_gluon_kernel_that_does_not_build_hands_over_to_triton(monkeypatch, ca
             torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     assert attempts == [1]
     assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]
+
+
+def test_rope_columns_kept_apart_give_the_joined_result():
+    """MLA's rope columns passed apart (a key rope shared by the heads) score like the joined
+    query and key; out is written in place. Off Hopper they are joined for the Triton kernel."""
+    generator = torch.Generator().manual_seed(4)
+    query, query_rope = torch.randn(12, 4, 32, generator=generator), torch.randn(12, 4, 16)
+    key, key_rope = torch.randn(12, 2, 32, generator=generator), torch.randn(12, 1, 16)
+    value = torch.randn(12, 2, 24, generator=generator)
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    args = (cu_seqlens, cu_seqlens, 7, 0.25)
+    joined_key = torch.cat([key, key_rope.expand(-1, 2, -1)], -1)
+    joined = prefill_attention(torch.cat([query, query_rope], -1), joined_key, value, *args)
+    out = torch.empty(12, 4, 24)
+    apart = prefill_attention(query, key, value, *args, query_rope=query_rope, key_rope=key_rope,
+                              out=out)  # fmt: skip
+    assert apart.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(apart, joined, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="go together"):
+        prefill_attention(query, key, value, *args, query_rope=query_rope)

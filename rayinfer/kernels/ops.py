@@ -38,6 +38,8 @@ from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_
 from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
 from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
+from rayinfer.kernels.router_logits import router_logits as router_logits_triton
+from rayinfer.kernels.router_logits import router_logits_reference, uses_kernel
 from rayinfer.kernels.triton_compat import HAS_TRITON
 
 # Kernels that cut a decode step's launches. MoE routing in one launch: on by default since it
@@ -51,6 +53,14 @@ SMALL_BATCH_MOE = os.environ.get("RAYINFER_SMALL_BATCH_MOE", "0") == "1"
 def _on_cuda(x: torch.Tensor) -> bool:
     """Whether the Triton kernel runs: a CUDA tensor and Triton installed."""
     return x.is_cuda and HAS_TRITON
+
+
+def router_logits(x, weight):
+    """MoE router logits in float32: x [T, H] @ weight [E, H] float32 ^T -> [T, E]; 16-bit
+    activations of a prefill read as they are (no float32 copy of x)."""
+    if _on_cuda(x) and uses_kernel(x):
+        return router_logits_triton(x, weight)
+    return router_logits_reference(x, weight)
 
 
 def rms_norm(x, weight, eps, residual=None):

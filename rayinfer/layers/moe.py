@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rayinfer.comm.moe import sends_all_tokens
@@ -92,7 +91,7 @@ class Router(nn.Module):
             self.e_score_correction_bias.weight_loader = copy_checked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
-        return F.linear(x.float(), self.weight)
+        return ops.router_logits(x, self.weight)
 
 
 # all_to_all.local_first=None runs a rank's experts on its own tokens beside the exchange from

@@ -86,6 +86,13 @@ def parse_args(argv):
         help="CUDA graphs: auto (decode steps and single new prompts, where the forward can be "
         "captured), decode (decode steps only) and/or off (eager)",
     )
+    parser.add_argument(
+        "--max-graph-prefill-tokens",
+        type=int,
+        default=None,
+        help="with --graphs auto: the largest prompt replayed from a prefill graph (the "
+        "library's default when absent)",
+    )
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=[4096])
     parser.add_argument(
         "--prompts-per-replica",
@@ -156,6 +163,13 @@ def transformers_prefill(config_dir: str, prompt_lens, repeats, batch: int = 1) 
     return results
 
 
+def graph_prefill_cap(graphs: str, cap: int | None) -> dict:
+    """LLM's max_graph_prefill_tokens: 0 for decode graphs only, else the asked cap if any."""
+    if graphs == "decode":
+        return {"max_graph_prefill_tokens": 0}
+    return {} if cap is None else {"max_graph_prefill_tokens": cap}
+
+
 def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> dict:
     from rayinfer import LLM, SamplingParams
 
@@ -182,7 +196,7 @@ def rayinfer_run(config_dir, plan, transport, overlap, args, graphs="auto") -> d
         enable_prefix_caching=False,
         cuda_graphs=False if graphs == "off" else None,
         max_graph_batch_size=largest,
-        **({"max_graph_prefill_tokens": 0} if graphs == "decode" else {}),
+        **graph_prefill_cap(graphs, args.max_graph_prefill_tokens),
     )
     vocab = llm.model_config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

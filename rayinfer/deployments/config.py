@@ -135,7 +135,7 @@ class PhaseConfig(_Strict):
         None,
         ge=0,
         description="longest new prompt (tokens per replica) prefilled from a CUDA graph, capped "
-        "by max_num_batched_tokens; 0: none; default: 4096 for the prefill phase, 0 for decode",
+        "by max_num_batched_tokens; 0: none; default: 8192 for the prefill phase, 0 for decode",
     )
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"

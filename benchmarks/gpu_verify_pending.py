@@ -10,7 +10,8 @@
 4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
    from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
 6. (`--prefill-graphs-only`, 2026-11-30) new prompts prefilled from CUDA graphs: greedy tokens
-   against eager prefill, float32, one GPU and dp=2 ep=2 (NCCL and host-staged exchanges).
+   against eager prefill, float32, one GPU and dp=2 ep=2 (NCCL and host-staged exchanges);
+   `--local-first-graphs-only`: the same with local_first forced on inside the graphs.
 5. (`--decode-kernels-only`, not yet run) the opt-in decode kernels: the one-launch MoE routing
    against the torch routing (V2-Lite, V3, Qwen3-MoE routers) and the two-launch small-batch
    fused MoE against a float32 reference, each timed against what it replaces; then
@@ -169,6 +170,27 @@ def count_prefill_replays(llm) -> list[int]:
     run = graphs.run
     graphs.run = lambda requests, bucket: runs.append(bucket) or run(requests, bucket)
     return runs
+
+
+def check_local_first_in_graphs(paths: dict[str, Path], device: str) -> list[dict]:
+    """local_first forced on inside prefill graphs (dp=2 ep=2, host-staged, one prompt per
+    replica): greedy tokens against one GPU's eager prefill, float32."""
+    import ray
+
+    path = str(paths["deepseek_v3"])
+    common = dict(device=device, dtype="float32", max_model_len=512, max_num_seqs=2)
+    prompts = make_prompts(vocab_of(path), lengths=(37, 300))
+    expected = tokens_of(rayinfer.LLM(path, cuda_graphs=False, **common), prompts)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    exchange = {"transport": "host", "dedup": False, "local_first": True}
+    llm = rayinfer.LLM(path, parallel=ParallelPlan(dp=2, ep=2), cuda_graphs=True,
+                       all_to_all=exchange, **common)  # fmt: skip
+    got = tokens_of(llm, prompts)
+    row = dict(check="local_first_in_prefill_graphs", exact=got == expected,
+               steps=dict(llm.engine.executor.step_counts))  # fmt: skip
+    print(row, flush=True)
+    ray.shutdown()
+    return [row]
 
 
 def check_prefill_graphs(paths: dict[str, Path], device: str) -> list[dict]:
@@ -390,6 +412,11 @@ def main() -> int:
         action="store_true",
         help="only prefill CUDA graphs: one GPU, and dp=2 ep=2 over NCCL and host-staged",
     )
+    parser.add_argument(
+        "--local-first-graphs-only",
+        action="store_true",
+        help="only local_first forced on inside prefill graphs (dp=2 ep=2 host-staged)",
+    )
     parser.add_argument("--moe-pack-only", action="store_true", help="the row kernels in bf16")
     parser.add_argument(
         "--decode-kernels-only",
@@ -403,6 +430,8 @@ def main() -> int:
         paths = checkpoints(Path(tmp))
         if args.prefill_graphs_only:
             rows += check_prefill_graphs(paths, device)
+        elif args.local_first_graphs_only:
+            rows += check_local_first_in_graphs(paths, device)
         elif args.decode_graphs_only:
             rows += check_decode_graphs(paths, device, args.graph_transport)
         elif args.moe_pack_only:

@@ -44,7 +44,7 @@ class LLM:
     expert-parallel rank with no device sync; default: all tokens where nearly all need every
     rank anyway, see rayinfer.comm.moe), {"local_first": True/False} (with all tokens, a rank's
     experts run on its own tokens beside the exchange, which skips the rank itself; default: for
-    calls of >= 16384 tokens on every rank, see rayinfer.layers.moe).
+    calls of >= 16384 tokens on every rank, 4096 inside a prefill graph, see rayinfer.layers.moe).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
     captured; with several workers their collectives are captured (NCCL kernels, or the

@@ -171,3 +171,15 @@ def test_local_first_by_default_where_every_rank_has_enough_tokens():
     assert runs_local([5, 7], local_first=True)
     assert not runs_local([enough, enough], local_first=False)
     assert not runs_local([enough, enough], dedup=True, local_first=True)
+
+
+def test_local_first_starts_lower_inside_a_graph_capture(monkeypatch):
+    """While a CUDA graph is captured (a prefill graph: no host work per launch) the default
+    threshold is LOCAL_FIRST_MIN_TOKENS_IN_GRAPH; eagerly, LOCAL_FIRST_MIN_TOKENS."""
+    from rayinfer.layers import moe as moe_module
+
+    assert moe_module.local_first_min_tokens() == moe_module.LOCAL_FIRST_MIN_TOKENS  # no capture
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert moe_module.local_first_min_tokens() == moe_module.LOCAL_FIRST_MIN_TOKENS_IN_GRAPH
+    assert moe_module.LOCAL_FIRST_MIN_TOKENS_IN_GRAPH < moe_module.LOCAL_FIRST_MIN_TOKENS

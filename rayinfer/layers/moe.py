@@ -244,9 +244,9 @@ class MoE(nn.Module):
 
     def _local_experts(self, x, routing, tokens_per_rank) -> StartOnce | None:
         """With all_to_all.local_first (True, or None and every rank's call at least
-        LOCAL_FIRST_MIN_TOKENS: the same choice on every rank) and the all-tokens exchange, this
-        rank's experts on its own tokens, to start beside the exchange (which then skips this
-        rank); else None."""
+        local_first_min_tokens(): the same choice on every rank) and the all-tokens exchange,
+        this rank's experts on its own tokens, to start beside the exchange (which then skips
+        this rank); else None."""
         group = self.parallel.ep_group
         options = group.all_to_all
         choice = options.get("local_first")

@@ -16,6 +16,8 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "LlamaForCausalLM",
@@ -23,7 +25,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# DeepSeek Sparse Attention (MLA plus a lightning indexer that picks index_topk tokens per query)
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", *DSA_ARCHITECTURES)
+INDEXER_TYPES = ("full", "shared")
 
 
 class ConfigError(ValueError):
@@ -97,6 +102,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DSA (DeepSeek-V3.2, GLM-5); zero elsewhere. indexer_types[i]: "full" layers run the
+    # indexer, "shared" ones reuse the previous full layer's selection
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    index_topk: int = 0
+    indexer_types: tuple[str, ...] = ()
     path: str | None = None
     hf: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
 
@@ -144,7 +155,8 @@ class ModelConfig:
         )
         moe = _moe_fields(arch, hf)
         mla = _mla_fields(hf) if is_mla else {}
-        return cls(**common, **moe, **mla)
+        dsa = _dsa_fields(hf) if arch in DSA_ARCHITECTURES else {}
+        return cls(**common, **moe, **mla, **dsa)
 
     @property
     def is_moe(self) -> bool:
@@ -154,14 +166,30 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.architecture in MLA_ARCHITECTURES
 
+    @property
+    def is_dsa(self) -> bool:
+        return self.architecture in DSA_ARCHITECTURES
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """DeepSeek-style layer pattern: `mlp_layer_types` when the config has it, else MoE
+        from `first_k_dense_replace` on, every `moe_layer_freq`-th layer."""
+        mlp_layer_types = self.hf.get("mlp_layer_types")
+        if mlp_layer_types:
+            return self.is_moe and mlp_layer_types[layer_idx] == "sparse"
+        first_moe = self.hf.get("first_k_dense_replace") or 0
+        frequency = self.hf.get("moe_layer_freq") or 1
+        return self.is_moe and layer_idx >= first_moe and layer_idx % frequency == 0
+
     @cached_property
     def kv_shape_per_token(self) -> tuple[int, ...]:
         """Shape of one token's cache entry in one layer.
 
-        MLA caches the compressed latent and the shared rope key; other families cache K and V.
+        MLA caches the compressed latent and the shared rope key, DSA its indexer key after them
+        (every layer, so that one shape serves all; "shared" indexer layers leave it unused);
+        other families cache K and V.
         """
         if self.is_mla:
-            return (self.kv_lora_rank + self.qk_rope_head_dim,)
+            return (self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim,)
         return (2, self.num_kv_heads, self.head_dim)
 
     def kv_shape_per_token_on_rank(self, tp_size: int) -> tuple[int, ...]:
@@ -222,6 +250,44 @@ def _mla_fields(hf: dict) -> dict:
         qk_nope_head_dim=hf["qk_nope_head_dim"],
         qk_rope_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=hf["v_head_dim"],
+    )
+
+
+def _dsa_fields(hf: dict) -> dict:
+    """The indexer's sizes; `indexer_types` checked for its length and values (GLM-5 names
+    it; DeepSeek-V3.2 runs the indexer in every layer)."""
+    num_layers = hf["num_hidden_layers"]
+    indexer_types = hf.get("indexer_types") or ["full"] * num_layers
+    if len(indexer_types) != num_layers:
+        raise ConfigError(
+            f"indexer_types has {len(indexer_types)} entries; it needs one per layer "
+            f"(num_hidden_layers={num_layers})"
+        )
+    for i, kind in enumerate(indexer_types):
+        if kind not in INDEXER_TYPES:
+            raise ConfigError(
+                f"indexer_types[{i}]={kind!r} is unknown; use one of {', '.join(INDEXER_TYPES)}"
+            )
+    if indexer_types[0] != "full":
+        raise ConfigError(
+            "indexer_types[0] must be 'full': a 'shared' layer reuses the selection of the "
+            "previous full layer, and layer 0 has none"
+        )
+    if not hf.get("q_lora_rank"):
+        raise ConfigError("q_lora_rank must be set: the DSA indexer's queries read the query LoRA")
+    for key in ("index_head_dim", "index_n_heads", "index_topk"):
+        if not isinstance(hf.get(key), int) or hf[key] <= 0:
+            raise ConfigError(f"{key}={hf.get(key)!r} must be a positive integer")
+    if hf["index_head_dim"] < hf["qk_rope_head_dim"]:
+        raise ConfigError(
+            f"index_head_dim={hf['index_head_dim']} must be >= qk_rope_head_dim="
+            f"{hf['qk_rope_head_dim']} (the indexer ropes its first qk_rope_head_dim columns)"
+        )
+    return dict(
+        index_head_dim=hf["index_head_dim"],
+        index_n_heads=hf["index_n_heads"],
+        index_topk=hf["index_topk"],
+        indexer_types=tuple(indexer_types),
     )
 
 

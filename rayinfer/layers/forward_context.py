@@ -47,6 +47,9 @@ class ForwardContext:
     # The two-batch overlap's two halves, made ahead from static buffers where the step is
     # captured in a CUDA graph (split_forward_context copies host lists); None: split on demand.
     micro_batches: tuple[ForwardContext, ForwardContext] | None = None
+    # DSA: the last "full" indexer layer's selection ([S, index_topk] int32 cache slots of its
+    # sparse rows), which the "shared" layers after it reuse (layers/dsa.py)
+    dsa_selection: torch.Tensor | None = None
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:

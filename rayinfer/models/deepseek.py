@@ -1,8 +1,11 @@
-"""DeepSeek V2 and V3: MLA attention over a latent cache, routed + shared experts.
+"""DeepSeek V2, V3 and V3.2, GLM-5: MLA attention over a latent cache (V3.2 and GLM-5 with
+DeepSeek Sparse Attention, layers/dsa.py), routed + shared experts.
 
-Layer i is an MoE layer when the config has routed experts, i >= first_k_dense_replace and
+Layer i is an MoE layer when the config has routed experts and (ModelConfig.is_moe_layer)
+`mlp_layer_types[i]` is "sparse", or without that list i >= first_k_dense_replace and
 i % moe_layer_freq == 0; the others use a dense SwiGLU MLP. Routing:
-- V3 (`noaux_tc`): sigmoid scores, correction bias for selection, groups scored by their top-2 sum;
+- V3, V3.2, GLM-5 (`noaux_tc`): sigmoid scores, correction bias for selection, groups scored
+  by their top-2 sum;
 - V2 (`greedy` / `group_limited_greedy`): softmax scores, groups scored by their best expert.
 Both renormalize when `norm_topk_prob` is set and then multiply by `routed_scaling_factor` (vLLM's
 reading of V2; the released V2 checkpoints all have norm_topk_prob false, where readings agree).
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.layers.dsa import DSAAttention
 from rayinfer.layers.embedding import LMHead, VocabEmbedding
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.fused_experts import parse_expert_weight_name
@@ -34,9 +38,10 @@ _MLP_PROJECTION = re.compile(
 
 
 def routing_method(config: ModelConfig) -> RoutingMethod:
-    """V3 always routes `noaux_tc` with sigmoid scores; V2 softmax, `greedy` or grouped."""
+    """V3 (and V3.2, GLM-5) always route `noaux_tc` with sigmoid scores; V2 softmax, `greedy`
+    or grouped."""
     hf = config.hf
-    if config.architecture == "DeepseekV3ForCausalLM":
+    if config.architecture != "DeepseekV2ForCausalLM":
         topk_method = "noaux_tc"
     else:
         topk_method = hf.get("topk_method") or "greedy"
@@ -57,12 +62,6 @@ def routing_method(config: ModelConfig) -> RoutingMethod:
     )
 
 
-def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
-    first_moe = config.hf.get("first_k_dense_replace") or 0
-    frequency = config.hf.get("moe_layer_freq") or 1
-    return config.is_moe and layer_idx >= first_moe and layer_idx % frequency == 0
-
-
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, parallel: ParallelContext, fp8: bool = False
@@ -70,9 +69,10 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config, layer_idx, parallel, fp8)
+        attention = DSAAttention if config.is_dsa else MLAAttention
+        self.self_attn = attention(config, layer_idx, parallel, fp8)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        if is_moe_layer(config, layer_idx):
+        if config.is_moe_layer(layer_idx):
             self.mlp = MoE(
                 hidden,
                 config.num_experts,
@@ -114,7 +114,8 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """`DeepseekV2ForCausalLM` and `DeepseekV3ForCausalLM` (see the registry's model contract).
+    """`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` and the DSA models on V3's layers,
+    `DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM` (see the registry's model contract).
 
     fp8_weights: keep the checkpoint's FP8 block-scaled weights (attention projections but
     kv_b_proj, dense MLPs, shared and routed experts); the router, embeddings, lm_head, norms and

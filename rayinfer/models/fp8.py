@@ -57,7 +57,6 @@ def check_fp8_weights(config, tp_size: int = 1, key: str = "fp8_weights", tp_key
     block-scaled weights when split `tp_size` ways: no 128x128 block may be cut between
     tensor-parallel ranks, nor between the gate and up halves of a stacked gate/up weight."""
     from rayinfer.config import MLA_ARCHITECTURES, ConfigError
-    from rayinfer.models.deepseek import is_moe_layer
 
     if config.architecture not in MLA_ARCHITECTURES:
         raise ConfigError(
@@ -76,9 +75,9 @@ def check_fp8_weights(config, tp_size: int = 1, key: str = "fp8_weights", tp_key
         ("num_attention_heads*v_head_dim", heads * config.v_head_dim, True, False),
     ]
     layers = range(config.num_layers)
-    if any(not is_moe_layer(config, i) for i in layers):
+    if any(not config.is_moe_layer(i) for i in layers):
         sizes.append(("intermediate_size", config.intermediate_size, True, True))
-    if any(is_moe_layer(config, i) for i in layers):
+    if any(config.is_moe_layer(i) for i in layers):
         sizes.append(("moe_intermediate_size", config.moe_intermediate_size, False, True))
         if config.num_shared_experts:
             shared = config.moe_intermediate_size * config.num_shared_experts

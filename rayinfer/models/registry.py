@@ -15,6 +15,8 @@ from rayinfer.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 _MODEL_CLASSES = {
     "DeepseekV2ForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV32ForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
     "Qwen3MoeForCausalLM": ("rayinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("rayinfer.models.qwen3_moe", "MixtralForCausalLM"),
     "LlamaForCausalLM": ("rayinfer.models.llama", "LlamaForCausalLM"),

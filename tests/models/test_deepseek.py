@@ -16,7 +16,7 @@ from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.mla import MLAAttention
 from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
-from rayinfer.models.deepseek import DeepseekForCausalLM, is_moe_layer
+from rayinfer.models.deepseek import DeepseekForCausalLM
 from tests.models.harness import (
     TINY_MLA,
     allocate_caches,
@@ -177,7 +177,7 @@ def _config(**overrides) -> ModelConfig:
 
 def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq():
     config = _config(num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2)
-    assert [is_moe_layer(config, i) for i in range(5)] == [False, False, True, False, True]
+    assert [config.is_moe_layer(i) for i in range(5)] == [False, False, True, False, True]
 
 
 def test_unknown_v2_topk_method_is_refused():

@@ -1,0 +1,181 @@
+"""DeepSeek-V3.2 and GLM-5 (MLA + DeepSeek Sparse Attention) against transformers, float32.
+
+index_topk (6) is below most prompts' lengths, so the indexer's choice decides the tokens: a
+model attending densely gives other ones (checked). The indexer is wide (16 heads), so that ReLU
+scores rarely tie at zero. V3.2 has group-limited routing and a non-zero correction bias; GLM
+has full and shared indexer layers.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.models.loader import load_model
+from tests.models.harness import (
+    TINY_MLA,
+    assert_same_greedy,
+    load_rayinfer,
+    make_prompts,
+    reinit_weights,
+    run_greedy,
+    run_transformers,
+)
+
+TINY_DSA = dict(
+    TINY_MLA,
+    q_lora_rank=24,
+    num_hidden_layers=3,
+    n_shared_experts=1,
+    index_topk=6,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+CASES = {
+    "v32-grouped": ("deepseek_v32", dict(n_group=4, topk_group=2)),
+    "glm-shared": (
+        "glm_moe_dsa",
+        dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
+    ),
+}
+PROMPT_LENGTHS = (5, 11, 3, 17)  # shorter and longer than index_topk
+
+
+def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
+    """A transformers DSA model with std-0.1 weights and a random non-zero correction bias."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY_DSA, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_weights(model, seed=0, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    model_type, overrides = CASES[request.param]
+    return make_dsa_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+
+
+PROMPTS = make_prompts(TINY_DSA["vocab_size"], lengths=PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers' prefill logits and 20 greedy tokens of PROMPTS."""
+    return run_transformers(checkpoint, PROMPTS, 20)
+
+
+def test_prefill_and_greedy_match_transformers(checkpoint, reference):
+    model, config = load_rayinfer(checkpoint)
+    assert_same_greedy(run_greedy(model, config, PROMPTS, 20), reference)
+
+
+def test_chunked_prefill_and_mixed_batches_match_transformers(checkpoint, reference):
+    # 3-token chunks: a chunk boundary falls inside the selection; late joiners share steps
+    # with decodes; block size 3 puts the selected tokens on many blocks.
+    model, config = load_rayinfer(checkpoint)
+    ours = run_greedy(
+        model, config, PROMPTS, 20, chunk_size=3, start_steps=[0, 2, 1, 5], block_size=3
+    )
+    assert_same_greedy(ours, reference)
+
+
+def test_the_selection_decides_the_tokens(checkpoint, reference):
+    model, config = load_rayinfer(checkpoint)
+    for layer in model.model.layers:
+        layer.self_attn.index_topk = 64  # more than any context: every query attends to all
+    dense = run_greedy(model, config, PROMPTS, 20)
+    long_prompts = [i for i, n in enumerate(PROMPT_LENGTHS) if n + 20 > TINY_DSA["index_topk"]]
+    assert any(dense.token_ids[i] != reference.token_ids[i] for i in long_prompts)
+
+
+def test_indexer_layers_and_cache_rows(checkpoint):
+    model, config = load_rayinfer(checkpoint)
+    kinds = config.indexer_types
+    assert [layer.self_attn.indexer is not None for layer in model.model.layers] == [
+        kind == "full" for kind in kinds
+    ]
+    # every layer's row: latent, rope key, indexer key
+    assert config.kv_shape_per_token == (16 + 8 + 16,)
+    assert config.kv_bytes_per_token(2) == 3 * 40 * 2
+    assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+
+
+def test_glm5_dims_build_and_count_their_cache_bytes():
+    # GLM-5's attention dims (qk_nope 192, v 256, q_lora 2048, kv_lora 512, rope 64, 32
+    # indexer heads of 128) on a 2-layer model: 512 + 64 + 128 values per token and layer
+    hf = dict(
+        architectures=["GlmMoeDsaForCausalLM"], vocab_size=64, hidden_size=64,
+        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=2048, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=4,
+        num_experts_per_tok=2, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
+    )  # fmt: skip
+    config = ModelConfig.from_hf_dict(hf)
+    assert config.kv_shape_per_token == (704,)
+    assert config.kv_bytes_per_token(2) == 2 * 704 * 2
+    assert [config.is_moe_layer(i) for i in range(2)] == [False, True]
+
+
+@pytest.mark.parametrize(
+    "indexer_types, message",
+    [
+        (["full", "shared"], r"indexer_types has 2 entries; it needs one per layer"),
+        (["full", "sparse", "full"], r"indexer_types\[1\]='sparse' is unknown.*full, shared"),
+        (["shared", "full", "full"], r"indexer_types\[0\] must be 'full'"),
+    ],
+)
+def test_bad_indexer_types_fail_naming_the_key(indexer_types, message):
+    hf = dict(TINY_DSA, architectures=["GlmMoeDsaForCausalLM"], indexer_types=indexer_types)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_missing_indexer_sizes_fail_naming_the_key():
+    hf = dict(TINY_DSA, architectures=["DeepseekV32ForCausalLM"])
+    del hf["index_head_dim"]
+    with pytest.raises(ConfigError, match="index_head_dim=None must be a positive integer"):
+        ModelConfig.from_hf_dict(hf)
+    hf = dict(TINY_DSA, architectures=["DeepseekV32ForCausalLM"], q_lora_rank=None)
+    with pytest.raises(ConfigError, match="q_lora_rank must be set"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def _rewritten(checkpoint: Path, folder: Path, change) -> ModelConfig:
+    """A copy of the checkpoint whose tensors `change` edited in place (a dict)."""
+    state = load_file(checkpoint / "model.safetensors")
+    change(state)
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text((checkpoint / "config.json").read_text())
+    return ModelConfig.from_pretrained(folder)
+
+
+def test_missing_or_misshaped_indexer_tensors_fail_naming_the_tensor(checkpoint, tmp_path):
+    name = "model.layers.0.self_attn.indexer.wk.weight"
+    config = _rewritten(checkpoint, tmp_path / "missing", lambda state: state.pop(name))
+    with pytest.raises(ValueError, match=name):
+        load_model(config, torch.float32)
+
+    def misshape(state):
+        state[name] = torch.zeros(3, state[name].shape[1])
+
+    config = _rewritten(checkpoint, tmp_path / "misshaped", misshape)
+    with pytest.raises(ValueError, match=rf"{name}.*checkpoint shape \(3, 64\)"):
+        load_model(config, torch.float32)
+
+
+def test_config_json_names_the_families(checkpoint):
+    hf = json.loads((checkpoint / "config.json").read_text())
+    assert hf["architectures"][0] in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")

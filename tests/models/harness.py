@@ -52,6 +52,19 @@ TINY_MLA = dict(
 )
 
 
+# DeepSeek-V3.2 / GLM-5: TINY_MLA with a query LoRA and an indexer wide enough (16 heads) that
+# ReLU scores rarely tie at zero; index_topk 6 is below most test prompts' lengths.
+TINY_DSA = dict(
+    TINY_MLA,
+    q_lora_rank=24,
+    num_hidden_layers=3,
+    n_shared_experts=1,
+    index_topk=6,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+
+
 def make_hf_checkpoint(
     folder: Path, model_type: str, seed: int = 0, std: float = 0.1, **config_kwargs
 ) -> Path:
@@ -194,6 +207,7 @@ def run_transformers(path: Path, prompts: list[list[int]], max_new_tokens: int) 
         logits.append(model(input_ids).logits[0].float())
         out = model.generate(
             input_ids,
+            attention_mask=torch.ones_like(input_ids),  # else token 0 (pad_token_id) is masked
             do_sample=False,
             max_new_tokens=max_new_tokens,
             eos_token_id=None,
@@ -226,3 +240,20 @@ def assert_matches_transformers(
     ours = run_greedy(model, config, prompts, max_new_tokens, **run_kwargs)
     assert_same_greedy(ours, run_transformers(path, prompts, max_new_tokens))
     return ours
+
+
+def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
+    """A transformers DeepSeek-V3.2 or GLM-5 (`model_type` deepseek_v32 or glm_moe_dsa) with
+    std-0.1 weights and a random non-zero correction bias."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY_DSA, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_weights(model, seed=0, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    return folder

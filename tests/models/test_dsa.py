@@ -16,24 +16,15 @@ from safetensors.torch import load_file, save_file
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.models.loader import load_model
 from tests.models.harness import (
-    TINY_MLA,
+    TINY_DSA,
     assert_same_greedy,
     load_rayinfer,
+    make_dsa_checkpoint,
     make_prompts,
-    reinit_weights,
     run_greedy,
     run_transformers,
 )
 
-TINY_DSA = dict(
-    TINY_MLA,
-    q_lora_rank=24,
-    num_hidden_layers=3,
-    n_shared_experts=1,
-    index_topk=6,
-    index_head_dim=16,
-    index_n_heads=16,
-)
 CASES = {
     "v32-grouped": ("deepseek_v32", dict(n_group=4, topk_group=2)),
     "glm-shared": (
@@ -42,22 +33,6 @@ CASES = {
     ),
 }
 PROMPT_LENGTHS = (5, 11, 3, 17)  # shorter and longer than index_topk
-
-
-def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
-    """A transformers DSA model with std-0.1 weights and a random non-zero correction bias."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**TINY_DSA, **overrides})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reinit_weights(model, seed=0, std=0.1)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module", params=list(CASES))

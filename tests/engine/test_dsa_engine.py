@@ -1,0 +1,62 @@
+"""DeepSeek-V3.2 and GLM-5 in the offline engine: transformers' greedy tokens through continuous
+batching, chunked prefill, the prefix cache, preemption and the prefill -> decode hand-off into a
+cache of another block size. index_topk (6) is below the prompts, so each path must carry the
+indexer keys it caches with the latents."""
+
+import pytest
+
+import rayinfer
+from tests.models.harness import make_dsa_checkpoint, make_prompts, run_transformers
+
+NUM_TOKENS = 16
+GREEDY = rayinfer.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+FAMILIES = {
+    "deepseek_v32": dict(n_group=4, topk_group=2),
+    "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return str(make_dsa_checkpoint(folder, request.param, **FAMILIES[request.param]))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(128, lengths=(5, 23, 3, 40, 9))
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, prompts):
+    """transformers' `generate`, each prompt alone."""
+    return run_transformers(checkpoint, prompts, NUM_TOKENS).token_ids
+
+
+def test_batch_and_chunked_prefill_give_transformers_tokens(checkpoint, prompts, expected):
+    for budget in (2048, 7):  # whole prompts; 7-token chunks over their cached prefixes
+        llm = rayinfer.LLM(checkpoint, device="cpu", max_num_batched_tokens=budget)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(checkpoint, prompts, expected):
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=64)
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_shared_prefix_reuses_cached_blocks_and_their_indexer_keys(checkpoint, prompts):
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4)
+    llm.generate(prompts[3], GREEDY)  # 40 tokens: 10 full blocks enter the cache
+    variant = prompts[3][:32] + [1, 2, 3]
+    output = llm.generate(variant, GREEDY)[0]
+    assert output.num_cached_tokens == 32
+    assert output.token_ids == run_transformers(checkpoint, [variant], NUM_TOKENS).token_ids[0]
+
+
+def test_prefill_hands_off_into_a_cache_of_another_block_size(checkpoint, prompts, expected):
+    prefill = rayinfer.LLM(checkpoint, device="cpu", block_size=8)
+    decode = rayinfer.LLM(checkpoint, device="cpu", block_size=3)
+    outputs = decode.decode(prefill.prefill(prompts, GREEDY), GREEDY)
+    assert [o.token_ids for o in outputs] == expected

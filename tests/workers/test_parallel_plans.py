@@ -8,7 +8,13 @@ import pytest
 
 import rayinfer
 from rayinfer import ParallelPlan, SamplingParams
-from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
+from tests.models.harness import (
+    TINY_DENSE,
+    TINY_MLA,
+    make_dsa_checkpoint,
+    make_hf_checkpoint,
+    make_prompts,
+)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -30,6 +36,10 @@ def checkpoints(tmp_path_factory):
             tmp_path_factory.mktemp("ds"), "deepseek_v3", **DEEPSEEK_V3
         ),
         "qwen3_moe": make_hf_checkpoint(tmp_path_factory.mktemp("q3"), "qwen3_moe", **QWEN3_MOE),
+        # DSA with full and shared indexer layers; index_topk 6 is below the longer prompts
+        "glm_moe_dsa": make_dsa_checkpoint(
+            tmp_path_factory.mktemp("glm"), "glm_moe_dsa", indexer_types=["full", "shared", "full"]
+        ),
     }
 
 
@@ -78,6 +88,8 @@ def run_plan(
         ("qwen3_moe", ParallelPlan(dp=2)),  # two replicas inside one group, no communication
         ("deepseek_v3", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers: EP spans both DP replicas
         ("qwen3_moe", ParallelPlan(tp=4, ep=2)),  # 4 workers: two EP groups inside one TP group
+        ("glm_moe_dsa", ParallelPlan(tp=2)),  # every rank runs the (replicated) indexer
+        ("glm_moe_dsa", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers, DP attention with DSA
     ],
     ids=str,
 )
@@ -220,6 +232,7 @@ def test_bad_all_to_all_option_is_named_before_any_worker_starts(checkpoints, op
         ("qwen3_moe", ParallelPlan(tp=2), ParallelPlan(tp=1)),  # merge K/V heads
         ("qwen3_moe", ParallelPlan(tp=1), ParallelPlan(tp=2, ep=2)),  # split K/V heads
         ("deepseek_v3", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # latent, any layout
+        ("glm_moe_dsa", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # indexer keys travel
     ],
     ids=str,
 )

@@ -12,11 +12,22 @@ with a positive factor).
 
 - `dsa_write_cache`: store each new token's full row (latent, rope key, indexer key).
 - `dsa_index_topk`: the selection, as cache slots (block * block_size + offset), -1 padded.
+
+On a GPU, `dsa_index_topk` scores with a Triton kernel: one program per (query, chunk of
+KEYS_PER_PROGRAM context positions) holds the query's Hi x D heads and reads the chunk's keys
+BLOCK_N at a time through the block table; the head sum is fused, so only the [T, S] float32
+scores are written (never [T, Hi, S]). torch.topk then picks from the scores of a bounded number
+of queries at a time (SCORE_BUFFER_BYTES), so a 1M-token context needs no more than 1 GiB.
 """
 
 from __future__ import annotations
 
 import torch
+
+from rayinfer.kernels.paged_attention import dot_precision, launch_params
+from rayinfer.kernels.triton_compat import tl, triton
+
+SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
 
 
 def dsa_write_cache_reference(
@@ -76,4 +87,129 @@ def dsa_index_topk_reference(
     chosen_slots = chosen_slots.masked_fill(~visible.gather(1, chosen), -1)
     out = torch.full((num_queries, topk), -1, dtype=torch.int32, device=q_index.device)
     out[:, :k] = chosen_slots.to(torch.int32)
+    return out
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, weights_ptr, cache_ptr, block_tables_ptr, query_seq_ptr, positions_ptr, scores_ptr,
+    num_heads, max_context, key_offset,
+    stride_qt, stride_qh, stride_wt, stride_row, stride_table, stride_scores,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEYS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (query, chunk of context positions): scores[t, s] = sum_h w[h] * relu(q[h] . k[s])
+    for the visible positions s <= the query's, -inf for the rest of the chunk."""
+    query = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * KEYS_PER_PROGRAM
+    chunk_end = tl.minimum(first + KEYS_PER_PROGRAM, max_context)
+    visible_end = tl.minimum(tl.load(positions_ptr + query).to(tl.int32) + 1, chunk_end)
+    score_row = scores_ptr + query * stride_scores
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_mask = offs_h < num_heads
+    q_ptrs = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    w = tl.load(weights_ptr + query * stride_wt + offs_h, mask=head_mask, other=0.0)  # [BLOCK_H]
+    table_ptr = block_tables_ptr + tl.load(query_seq_ptr + query).to(tl.int64) * stride_table
+    key_base = cache_ptr + key_offset
+    for start in range(first, visible_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        is_visible = offs_n < visible_end
+        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=is_visible, other=0)
+        rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N] slots
+        k_ptrs = key_base + rows[:, None] * stride_row + offs_d[None, :]
+        k_mask = is_visible[:, None] & (offs_d[None, :] < HEAD_DIM)
+        keys = tl.load(k_ptrs, mask=k_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        logits = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        scores = tl.sum(w[:, None] * tl.maximum(logits, 0.0), 0)  # [BLOCK_N]
+        scores = tl.where(is_visible, scores, float("-inf"))
+        tl.store(score_row + offs_n, scores, mask=offs_n < chunk_end)
+    # The chunk's tiles past the query's position (whole tiles: the loop's last one ended there).
+    hidden_start = first + tl.cdiv(tl.maximum(visible_end - first, 0), BLOCK_N) * BLOCK_N
+    for start in range(hidden_start, chunk_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        tl.store(score_row + offs_n, hidden, mask=offs_n < chunk_end)
+
+
+def index_scores(
+    q_index: torch.Tensor,  # [T, Hi, D]
+    weights: torch.Tensor,  # [T, Hi] float32
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, W]
+    key_offset: int,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_seq: torch.Tensor,  # [T] int32
+    positions: torch.Tensor,  # [T] int64
+    scores: torch.Tensor,  # [T, max_context] float32, written
+    params: dict,
+) -> None:
+    """The Triton kernel's launch over every query and context chunk."""
+    num_queries, num_heads, head_dim = q_index.shape
+    max_context = scores.shape[1]
+    grid = (num_queries, triton.cdiv(max_context, params["KEYS_PER_PROGRAM"]))
+    _index_scores_kernel[grid](
+        q_index, weights, kv_cache, block_tables, query_seq, positions, scores,
+        num_heads, max_context, key_offset,
+        q_index.stride(0), q_index.stride(1), weights.stride(0), kv_cache.stride(1),
+        block_tables.stride(0), scores.stride(0),
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
+        KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=kv_cache.shape[1],
+        DOT_PRECISION=dot_precision(q_index.dtype), num_warps=params["num_warps"],
+        num_stages=params["num_stages"],
+    )  # fmt: skip
+
+
+def chosen_slots(
+    chosen: torch.Tensor,  # [T, k] int64: chosen context positions
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_seq: torch.Tensor,  # [T] int
+    positions: torch.Tensor,  # [T] int64
+    block_size: int,
+) -> torch.Tensor:  # [T, k] int32: their cache slots, -1 where past the query's position
+    """Positions to slots without a [T, max_blocks] copy of the tables (one gather of [T, k])."""
+    block_index = (chosen // block_size).clamp(max=block_tables.shape[1] - 1)  # [T, k]
+    blocks = block_tables[query_seq.long()[:, None], block_index].long()  # [T, k]
+    slots = blocks * block_size + chosen % block_size
+    return slots.masked_fill(chosen > positions[:, None], -1).to(torch.int32)
+
+
+def dsa_index_topk(
+    q_index: torch.Tensor,  # [T, Hi, D] roped indexer queries
+    weights: torch.Tensor,  # [T, Hi] float32
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, W], index keys at [key_offset, +D)
+    key_offset: int,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    query_seq: torch.Tensor,  # [T] int32
+    positions: torch.Tensor,  # [T] int64
+    topk: int,
+    max_context: int,  # >= every query's position + 1
+    score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
+    params: dict | None = None,  # tile override; else configs/dsa_indexer.json
+) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
+    """The reference's selection: Triton scores, torch.topk over bounded chunks of queries."""
+    num_queries, num_heads, head_dim = q_index.shape
+    if weights.shape != (num_queries, num_heads) or weights.dtype != torch.float32:
+        raise ValueError(f"weights {tuple(weights.shape)} {weights.dtype} must be "
+                         f"[T, Hi] = [{num_queries}, {num_heads}] float32")  # fmt: skip
+    if kv_cache.shape[-1] < key_offset + head_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache rows {kv_cache.shape[-1]} must hold the index keys at "
+                         f"[{key_offset}, {key_offset + head_dim}) densely")  # fmt: skip
+    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or q_index.stride(-1) != 1:
+        raise ValueError("kv_cache blocks must be one after another; q_index's last dim dense")
+    params = {**launch_params("dsa_indexer", q_index.device), **(params or {})}
+    block_tables, query_seq = block_tables.contiguous(), query_seq.contiguous()
+    out = torch.full((num_queries, topk), -1, dtype=torch.int32, device=q_index.device)
+    k = min(topk, max_context)
+    chunk = max(1, min(num_queries, score_bytes // (4 * max_context)))
+    scores = torch.empty(chunk, max_context, dtype=torch.float32, device=q_index.device)
+    for start in range(0, num_queries, chunk):
+        rows = slice(start, min(start + chunk, num_queries))
+        part = scores[: rows.stop - start]  # [n, S]
+        index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
+                     query_seq[rows], positions[rows], part, params)  # fmt: skip
+        chosen = part.topk(k, dim=-1).indices  # [n, k]
+        out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows], positions[rows],
+                                     kv_cache.shape[1])  # fmt: skip
     return out

@@ -11,6 +11,7 @@ from rayinfer.kernels import moe_pack
 from rayinfer.kernels import rotary as _rotary
 from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
+from rayinfer.kernels.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
 from rayinfer.kernels.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
 from rayinfer.kernels.fp8_gemm import fp8_gemm_auto, fp8_gemm_reference
 from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton
@@ -41,6 +42,7 @@ from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
 from rayinfer.kernels.rms_norm import rms_norm_reference
 from rayinfer.kernels.router_logits import router_logits as router_logits_triton
 from rayinfer.kernels.router_logits import router_logits_reference, uses_kernel
+from rayinfer.kernels.sparse_mla import sparse_mla_attention as sparse_mla_attention_triton
 from rayinfer.kernels.sparse_mla import sparse_mla_attention_reference
 from rayinfer.kernels.triton_compat import HAS_TRITON
 
@@ -224,7 +226,9 @@ def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale
 
 def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key):
     """Store a DSA layer's rows: kv_c [T, L], k_pe [T, R] and index_key [T, D] (None: a layer
-    without indexer) into kv_cache [blocks, block_size, L + R + D] at slot_mapping [T]."""
+    without indexer) into kv_cache [blocks, block_size, L + R + D] at slot_mapping [T]. One
+    index_copy_ on every device: a single launch that a CUDA graph captures, moving each row
+    once (a kernel would do no less)."""
     dsa_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe, index_key)
 
 
@@ -232,8 +236,10 @@ def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_s
                    topk, max_context):  # fmt: skip
     """The lightning indexer's selection: q_index [T, Hi, D] and weights [T, Hi] float32 over
     each query's visible context (positions <= its own) -> [T, topk] int32 cache slots, -1
-    padded (kernels/dsa_indexer.py)."""
-    return dsa_index_topk_reference(
+    padded (kernels/dsa_indexer.py). On CUDA the Triton scores, then torch.topk over chunks of
+    queries whose scores stay within 1 GiB."""
+    fn = dsa_index_topk_triton if _on_cuda(q_index) else dsa_index_topk_reference
+    return fn(
         q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions, topk,
         max_context,
     )  # fmt: skip
@@ -242,6 +248,8 @@ def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_s
 def sparse_mla_attention(q_latent, q_pe, kv_cache, slots, scale):
     """Absorbed MLA over per-query slot lists: q_latent [T, N, L], q_pe [T, N, R], slots [T, K]
     int32 (-1 skipped) -> latent output [T, N, L] (kernels/sparse_mla.py)."""
+    if _on_cuda(q_latent):
+        return sparse_mla_attention_triton(q_latent, q_pe, kv_cache, slots, scale)
     return sparse_mla_attention_reference(q_latent, q_pe, kv_cache, slots, scale)
 
 

@@ -1,0 +1,78 @@
+"""`serve run rayinfer.app:build model=<GLM-5 folder>` on CPU: a tiny random GLM-5 checkpoint
+(DeepSeek Sparse Attention with full and shared indexer layers, index_topk below the prompts)
+made by transformers, with the built-in model's tokenizer and chat template beside it; the openai
+client's answers equal the offline engine's on the same folder, whole and streamed."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+
+import rayinfer
+from rayinfer.models.tiny import VOCAB_SIZE, ensure_tiny_model
+from tests.models.harness import make_dsa_checkpoint
+from tests.serve.cluster import ServeCluster
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("glm5")
+    make_dsa_checkpoint(
+        folder,
+        "glm_moe_dsa",
+        vocab_size=VOCAB_SIZE,
+        indexer_types=["full", "shared", "full"],
+        max_position_embeddings=512,
+    )
+    for name in TOKENIZER_FILES:
+        shutil.copy(ensure_tiny_model() / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def client(folder):
+    cluster = ServeCluster([f"model={folder}", "served_model_name=glm5", "max_model_len=256"])
+    try:
+        cluster.start()
+        yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
+    finally:
+        cluster.stop()
+
+
+def test_completions_equal_the_offline_engine(client, folder):
+    offline = rayinfer.LLM(str(folder), device="cpu", max_model_len=256)
+    params = rayinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for prompt, expected in zip(PROMPTS, offline.generate(PROMPTS, params)):
+        reply = client.completions.create(
+            model="glm5",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].text == expected.text
+        assert reply.usage.completion_tokens == 12
+
+
+def test_chat_streams_what_it_answers_whole(client):
+    question = dict(
+        model="glm5",
+        messages=[{"role": "user", "content": "Tell me about the river and the mountains."}],
+        max_tokens=10,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**question)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**question, stream=True)
+        if chunk.choices
+    )
+    assert whole.usage.prompt_tokens > 6  # the selection matters: more tokens than index_topk
+    assert streamed == whole.choices[0].message.content

@@ -30,7 +30,7 @@ def _mla_write_cache_kernel(
     stride_kv_c, stride_k_pe, stride_slot,
     LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride: past 2**31 for wide strided rows
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return

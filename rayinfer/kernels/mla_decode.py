@@ -14,7 +14,7 @@ from rayinfer.kernels import mla_decode_hopper, paged_attention
 from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
 from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel, _mla_decode_split_kernel
 from rayinfer.kernels.paged_attention import choose_split, dot_precision, split_k_decode
-from rayinfer.kernels.triton_compat import triton
+from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
 # The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many
 # heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
@@ -92,12 +92,15 @@ def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
 def mla_tma_fits(slots: torch.Tensor, latent_rank: int, rope_dim: int, block_size: int,
                  params: dict) -> bool:  # fmt: skip
     """Whether USE_TMA can run: tiles inside one cache block, power-of-two latent and rope dims
-    (the descriptors' boxes are the whole dims), 16-byte aligned rows and rope columns, sm_90+."""
+    (the descriptors' boxes are the whole dims), 16-byte aligned rows and rope columns, a cache
+    of slots that int32 coordinates reach (tma_rows_fit), sm_90+."""
     size = slots.element_size()
     dims_fit = latent_rank == triton.next_power_of_2(latent_rank) and rope_dim >= 16
     dims_fit = dims_fit and rope_dim == triton.next_power_of_2(rope_dim)
     offsets = (slots.data_ptr(), slots.stride(0) * size, latent_rank * size)
     if not dims_fit or block_size % params["BLOCK_N"] or any(o % 16 for o in offsets):
+        return False
+    if not tma_rows_fit(slots.shape[0], slots.stride(0) * size):
         return False
     return slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] >= 9
 

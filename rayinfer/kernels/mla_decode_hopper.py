@@ -50,6 +50,7 @@ from rayinfer.kernels.mla_decode_partitions import (  # noqa: F401 (geometry re-
     ROPE_DIM,
     TILE_BLOCKS,
 )
+from rayinfer.kernels.triton_compat import tma_rows_fit
 
 LOG2E = 1.4426950408889634
 
@@ -154,7 +155,7 @@ if HAS_GLUON:
 def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> bool:
     """Whether this kernel serves these operands: sm_90 exactly, bf16, latent 512 + rope 64,
     16-token cache blocks, splits of whole 64-token tiles, query rows that step uniformly over
-    (sequence, head)."""
+    (sequence, head), a cache of fewer than 2**31 slots (the TMA rows are int32)."""
     if not HAS_GLUON or not q_latent.is_cuda or block_size != BLOCK_SIZE:
         return False
     if torch.cuda.get_device_capability(q_latent.device) != (9, 0):
@@ -168,6 +169,8 @@ def supports(q_latent, q_pe, slots, block_size: int, tokens_per_split: int) -> b
             return False
         if not rows_step_uniformly(t) or (t.stride(1) * 2) % 16:
             return False
+    if not tma_rows_fit(slots.shape[0], slots.stride(0) * 2):  # block ids x 16: int32 rows
+        return False
     return slots.dtype == torch.bfloat16 and slots.is_contiguous() and slots.data_ptr() % 16 == 0
 
 

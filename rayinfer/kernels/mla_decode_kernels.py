@@ -85,7 +85,8 @@ def _mla_pointer_tile(
 
 @triton.jit
 def _tile_first_slot(table_ptr, start_n, end, BLOCK_SIZE: tl.constexpr):
-    """Cache slot of context position start_n (slot 0 at or past end): a tile's first row."""
+    """Cache slot of context position start_n (slot 0 at or past end): a tile's first row, in
+    int32 (a TMA coordinate: mla_tma_fits keeps the flat cache under 2**31 slots)."""
     block_id = tl.load(table_ptr + start_n // BLOCK_SIZE, mask=start_n < end, other=0)
     return block_id * BLOCK_SIZE + start_n % BLOCK_SIZE
 
@@ -112,7 +113,7 @@ def _mla_decode_split_kernel(
     USE_TMA: the split's full tiles come through TMA descriptors (one table load per tile, no
     per-row addresses), its last partial tile through masked pointer loads."""
     head_start = tl.program_id(0) * BLOCK_H  # head groups vary fastest: they share rows in L2
-    seq = tl.program_id(1)
+    seq = tl.program_id(1).to(tl.int64)  # seq * stride: int64, as are the cache rows
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * tokens_per_split
@@ -233,7 +234,7 @@ def _mla_combine_kernel(
     A decode graph sizes its splits for the block table's width, so at short contexts most of
     them are empty: those wrote nothing and are not read. A sequence without tokens (a graph's
     padding row) gets zeros."""
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_mask = offs_l < LATENT_RANK

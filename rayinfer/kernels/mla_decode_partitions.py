@@ -92,8 +92,8 @@ if HAS_GLUON:
         o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         heads = head_start + gl.arange(0, head_rows, layout=gl.SliceLayout(1, o_layout))
         dims = WG * half + gl.arange(0, half, layout=gl.SliceLayout(0, o_layout))
-        offsets = (seq * stride_ob + split * stride_os + heads.to(gl.int64)[:, None] * stride_oh
-                   + dims[None, :])  # fmt: skip
+        offsets = (seq.to(gl.int64) * stride_ob + split * stride_os
+                   + heads.to(gl.int64)[:, None] * stride_oh + dims[None, :])  # fmt: skip
         gl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty),
                  mask=(heads < num_heads)[:, None])  # fmt: skip
 
@@ -258,7 +258,8 @@ if HAS_GLUON:
         heads = head_start + gl.arange(0, heads_n, layout=head_layout)
         is_head = (heads < num_heads)[None, :]
         dims = gl.arange(0, half, layout=gl.SliceLayout(1, layout))
-        base = seq * stride_ob + split * stride_os + heads.to(gl.int64)[None, :] * stride_oh
+        base = (seq.to(gl.int64) * stride_ob + split * stride_os
+                + heads.to(gl.int64)[None, :] * stride_oh)  # fmt: skip
         out_ty: gl.constexpr = out_ptr.dtype.element_ty
         gl.store(out_ptr + base + dims[:, None], (o0 / l_safe[None, :]).to(out_ty), mask=is_head)
         gl.store(out_ptr + base + half + dims[:, None], (o1 / l_safe[None, :]).to(out_ty),

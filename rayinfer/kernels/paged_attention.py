@@ -116,7 +116,7 @@ def _decode_split_kernel(
     # Head groups vary fastest: MLA's groups of one (sequence, split) run together and share its
     # latent rows through L2 instead of each reading them from HBM.
     head_start = tl.program_id(0) * HEADS_PER_PROGRAM
-    seq = tl.program_id(1)
+    seq = tl.program_id(1).to(tl.int64)  # seq * stride: int64, as are the cache rows
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * tokens_per_split
@@ -195,7 +195,7 @@ def _decode_reduce_kernel(
     """Merge the splits of one (sequence, head) that hold tokens by their log-sum-exps (a decode
     graph's splits cover the block table's width; those past the context wrote nothing). A
     sequence without tokens (a graph's padding row) gets zeros."""
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < HEAD_DIM_V

@@ -54,7 +54,7 @@ from rayinfer.kernels.paged_attention import (
 )
 from rayinfer.kernels.prefill_attention_kernel import _prefill_attention_kernel
 from rayinfer.kernels.prefill_attention_tiles import RESCALE_THRESHOLD  # noqa: F401 (re-export)
-from rayinfer.kernels.triton_compat import triton
+from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
 BACKEND_ENV = "RAYINFER_PREFILL_ATTENTION"  # auto (the config's backend) | triton
 GLUON_KERNEL = "prefill_attention"  # its name for gluon_compat's failure record
@@ -83,13 +83,16 @@ def _check(query, key, value, cu_seqlens_q, kv_lens):
 
 
 def _tma_fits(tensors: tuple[torch.Tensor, ...], column_offsets: tuple[int, ...]) -> bool:
-    """TMA descriptors need 16-byte aligned bases, row and head strides (and split columns);
-    Hopper or newer on CUDA (the interpreter accepts them on CPU)."""
+    """TMA descriptors need 16-byte aligned bases, row and head strides (and split columns), and
+    rows their int32 coordinates reach (tma_rows_fit); Hopper or newer on CUDA (the interpreter
+    accepts them on CPU)."""
     device = tensors[0].device
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         return False
     for t in tensors:
         size = t.element_size()
+        if not tma_rows_fit(t.shape[0], t.stride(0) * size):
+            return False
         byte_offsets = (t.data_ptr(), t.stride(0) * size, t.stride(1) * size)
         if any(offset % 16 for offset in byte_offsets + tuple(c * size for c in column_offsets)):
             return False

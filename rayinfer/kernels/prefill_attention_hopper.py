@@ -34,7 +34,7 @@ from rayinfer.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from rayinfer.kernels.triton_compat import triton
+from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
 HEAD_DIM = 128  # the value's head dim, and the first (or only) block of the query/key's
 ROPE_DIM = 64  # MLA's extra query/key columns
@@ -272,9 +272,11 @@ if HAS_GLUON:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """bf16 [tokens, heads, dim] with 16-byte aligned start, rows and heads (TMA's need)."""
+    """bf16 [tokens, heads, dim] with 16-byte aligned start, rows and heads (TMA's need), and
+    rows the descriptors' int32 coordinates reach (else the Triton kernel's int64 pointers)."""
     return (
         t.dtype == torch.bfloat16
+        and tma_rows_fit(t.shape[0], t.stride(0) * 2)
         and t.stride(-1) == 1
         and t.data_ptr() % 16 == 0
         and (t.stride(0) * 2) % 16 == 0

@@ -28,7 +28,7 @@ def _reshape_and_cache_kernel(
     ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One token: its K row [Hkv*D] to cache[slot, 0] and V row to cache[slot, 1]."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride: past 2**31 for wide strided rows
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return

@@ -42,3 +42,15 @@ except ImportError:  # a CPU-only install: kernels are defined but never launche
 
     tl = types.SimpleNamespace(constexpr=_Constexpr, dtype=object, tensor=object)
     TensorDescriptor = types.SimpleNamespace(from_tensor=_unavailable)
+
+# A TMA copy names its box by int32 coordinates, and cuTensorMapEncodeTiled takes byte strides
+# below 2**40: a descriptor over more rows than that cannot reach the last ones.
+TMA_MAX_ROWS = 2**31 - 1
+TMA_MAX_STRIDE_BYTES = 2**40 - 1
+
+
+def tma_rows_fit(num_rows: int, row_stride_bytes: int) -> bool:
+    """Whether a 2-D TMA descriptor over num_rows rows, row_stride_bytes apart, addresses all of
+    them (row coordinates in int32, the stride within the descriptor's 40 bits); where not,
+    the callers take pointer loads, whose offsets are int64."""
+    return num_rows <= TMA_MAX_ROWS and row_stride_bytes <= TMA_MAX_STRIDE_BYTES

@@ -28,24 +28,24 @@ from rayinfer.kernels.paged_attention import dot_precision, launch_params
 from rayinfer.kernels.triton_compat import tl, triton
 
 SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
+# float32 on a GPU (parity checks): 64-key tiles of 128-wide float32 keys spill registers
+# (sm_89: 256 spill instructions, benchmarks/compile_dsa_kernels.py), 16-key ones do not.
+FLOAT32_TILES = dict(BLOCK_N=16, num_stages=2)
 
 
 def dsa_write_cache_reference(
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R + D]
-    slot_mapping: torch.Tensor,  # [T] int64
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R + D]: updated in place
+    slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset; < 0 skips the token
     kv_c: torch.Tensor,  # [T, L] normed latent
     k_pe: torch.Tensor,  # [T, R] roped shared key
     index_key: torch.Tensor | None,  # [T, D] roped indexer key; None: a layer without indexer
 ) -> None:
-    """One indexed write of the rows (L + R + D columns, or the first L + R without an index
-    key); one launch on CUDA too, which a CUDA graph captures."""
+    """The rows' L + R + D columns (the first L + R without an index key) at their slots."""
     parts = [kv_c, k_pe] if index_key is None else [kv_c, k_pe, index_key]
-    rows = torch.cat(parts, dim=-1).to(kv_cache.dtype)  # [T, L + R (+ D)]
+    is_real = slot_mapping >= 0  # [T]: padding tokens have no slot
+    rows = torch.cat(parts, dim=-1)[is_real].to(kv_cache.dtype)  # [T', L + R (+ D)]
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    if index_key is None:
-        flat[slot_mapping, : rows.shape[1]] = rows
-    else:
-        flat.index_copy_(0, slot_mapping, rows)
+    flat[slot_mapping[is_real], : rows.shape[1]] = rows
 
 
 def context_slots(
@@ -133,6 +133,18 @@ def _index_scores_kernel(
         tl.store(score_row + offs_n, hidden, mask=offs_n < chunk_end)
 
 
+def score_constants(params: dict, dtype: torch.dtype, num_heads: int, head_dim: int,
+                    block_size: int) -> dict:  # fmt: skip
+    """The score kernel's meta-parameters (the launcher's, and the offline compile's in
+    benchmarks/compile_dsa_kernels.py)."""
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
+        KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=block_size,
+        DOT_PRECISION=dot_precision(dtype),
+    )  # fmt: skip
+
+
 def index_scores(
     q_index: torch.Tensor,  # [T, Hi, D]
     weights: torch.Tensor,  # [T, Hi] float32
@@ -153,12 +165,22 @@ def index_scores(
         num_heads, max_context, key_offset,
         q_index.stride(0), q_index.stride(1), weights.stride(0), kv_cache.stride(1),
         block_tables.stride(0), scores.stride(0),
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
-        KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=kv_cache.shape[1],
-        DOT_PRECISION=dot_precision(q_index.dtype), num_warps=params["num_warps"],
-        num_stages=params["num_stages"],
+        **score_constants(params, q_index.dtype, num_heads, head_dim, kv_cache.shape[1]),
+        num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
+
+
+def queries_per_chunk(num_queries: int, max_context: int, score_bytes: int) -> int:
+    """Queries scored at once so that their [n, max_context] float32 scores fit score_bytes."""
+    return max(1, min(num_queries, score_bytes // (4 * max_context)))
+
+
+def index_params(q_index: torch.Tensor) -> dict:
+    """Tiles of the score kernel from configs/dsa_indexer.json."""
+    params = launch_params("dsa_indexer", q_index.device)
+    if q_index.dtype == torch.float32 and q_index.is_cuda:
+        params = {**params, **FLOAT32_TILES}
+    return params
 
 
 def chosen_slots(
@@ -198,11 +220,11 @@ def dsa_index_topk(
                          f"[{key_offset}, {key_offset + head_dim}) densely")  # fmt: skip
     if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or q_index.stride(-1) != 1:
         raise ValueError("kv_cache blocks must be one after another; q_index's last dim dense")
-    params = {**launch_params("dsa_indexer", q_index.device), **(params or {})}
+    params = {**index_params(q_index), **(params or {})}
     block_tables, query_seq = block_tables.contiguous(), query_seq.contiguous()
     out = torch.full((num_queries, topk), -1, dtype=torch.int32, device=q_index.device)
     k = min(topk, max_context)
-    chunk = max(1, min(num_queries, score_bytes // (4 * max_context)))
+    chunk = queries_per_chunk(num_queries, max_context, score_bytes)
     scores = torch.empty(chunk, max_context, dtype=torch.float32, device=q_index.device)
     for start in range(0, num_queries, chunk):
         rows = slice(start, min(start + chunk, num_queries))

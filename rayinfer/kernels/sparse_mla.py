@@ -121,6 +121,23 @@ def sparse_mla_params(q_latent: torch.Tensor) -> dict:
     return params
 
 
+def heads_per_program(params: dict, num_heads: int) -> int:
+    """BLOCK_H: the tile's heads, no more than the next power of two of the heads there are."""
+    return max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
+
+
+def split_constants(params: dict, dtype: torch.dtype, num_heads: int, latent_rank: int,
+                    rope_dim: int, is_only_split: bool) -> dict:  # fmt: skip
+    """The split kernel's meta-parameters (the launcher's, and the offline compile's in
+    benchmarks/compile_dsa_kernels.py)."""
+    return dict(
+        LATENT_RANK=latent_rank, ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(latent_rank),
+        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_H=heads_per_program(params, num_heads), BLOCK_N=params["BLOCK_N"],
+        DOT_PRECISION=dot_precision(dtype), IS_ONLY_SPLIT=is_only_split,
+    )  # fmt: skip
+
+
 def sparse_mla_attention(
     q_latent: torch.Tensor,  # [T, N, L]
     q_pe: torch.Tensor,  # [T, N, R]
@@ -144,8 +161,7 @@ def sparse_mla_attention(
         raise ValueError("q_latent, q_pe need a dense last dim; slots must be int32")
     slots = slots.contiguous()
     params = {**sparse_mla_params(q_latent), **(params or {})}
-    block_h = max(16, triton.next_power_of_2(min(params["BLOCK_H"], num_heads)))
-    num_groups = triton.cdiv(num_heads, block_h)
+    num_groups = triton.cdiv(num_heads, heads_per_program(params, num_heads))
     num_listed = slots.shape[1]
     split = choose_split(num_queries, num_groups, num_listed, params)
     out = q_latent.new_empty(num_queries, num_heads, latent_rank)
@@ -153,17 +169,15 @@ def sparse_mla_attention(
     mid_shape = (num_queries, num_heads, split.num_splits, latent_rank)
     mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
     mid_lse = out.new_empty(num_queries, num_heads, split.num_splits, dtype=torch.float32)
+    constants = split_constants(params, q_latent.dtype, num_heads, latent_rank, rope_dim,
+                                is_only_split)  # fmt: skip
     _sparse_mla_split_kernel[(num_groups * num_queries, split.num_splits)](
         q_latent, q_pe, kv_cache, slots, mid_out, mid_lse,
         scale, num_heads, num_listed, split.tokens_per_split,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(1), slots.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        LATENT_RANK=latent_rank, ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(latent_rank),
-        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h,
-        BLOCK_N=params["BLOCK_N"], DOT_PRECISION=dot_precision(q_latent.dtype),
-        IS_ONLY_SPLIT=is_only_split, num_warps=params["num_warps"],
-        num_stages=params["num_stages"],
+        **constants, num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     if not is_only_split:
         _combine_splits(mid_out, mid_lse, out, num_listed, split.tokens_per_split)

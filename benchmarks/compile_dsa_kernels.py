@@ -1,0 +1,128 @@
+"""Whether the DSA kernels build for Ampere (sm_80), Ada (sm_89) and Hopper (sm_90), without a
+GPU: compiles each with Triton's compiler for that target on this machine, with the tiles its
+launcher picks on a GPU that has no entry of its own (configs' "default") at GLM-5's shapes
+(64 heads, latent 512, rope 64; indexer 32 heads x 128, cache rows 704 wide, blocks of 64), and
+reports the shared memory a program needs against the target's per-block limit, the registers
+per thread and the spilled ones.
+
+    python benchmarks/compile_dsa_kernels.py            # every kernel, every target
+    python benchmarks/compile_dsa_kernels.py --arch 89 --kernel sparse_mla
+
+The integer arguments are compiled as multiples of 16, as Triton specializes them at launch when
+they are (every stride and size at these shapes is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
+
+from rayinfer.kernels import dsa_indexer, sparse_mla  # noqa: E402
+from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
+from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
+from rayinfer.kernels.triton_compat import triton  # noqa: E402
+
+# Shared memory one program may use (the opt-in maximum per block), in bytes.
+SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+HEADS, LATENT_RANK, ROPE_DIM = 64, 512, 64
+INDEX_HEADS, INDEX_DIM, BLOCK_SIZE = 32, 128, 64
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compile_for(kernel, types: dict, constants: dict, arch: int, warps: int, stages: int):
+    """`kernel` compiled for cuda:arch: `types` the signature of its runtime arguments (the
+    rest i32), every non-float one hinted a multiple of 16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    hinted = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+              if signature[n] not in ("constexpr", "fp32")}  # fmt: skip
+    fixed = {(names.index(n),): v for n, v in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=hinted)
+    options = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _pointer(dtype: str) -> str:
+    return {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}[dtype]
+
+
+def sparse_mla_split(arch: int, dtype: str):
+    params = pick_tile_config("sparse_mla", "default", "default", HEADS)
+    if dtype == "fp32":
+        params = {**params, **sparse_mla.FLOAT32_TILES}
+    constants = sparse_mla.split_constants(params, DTYPES[dtype], HEADS, LATENT_RANK, ROPE_DIM,
+                                           is_only_split=False)  # fmt: skip
+    pointer = _pointer(dtype)
+    types = dict(q_latent_ptr=pointer, q_pe_ptr=pointer, cache_ptr=pointer, slots_ptr="*i32",
+                 mid_out_ptr="*fp32", mid_lse_ptr="*fp32", scale="fp32")  # fmt: skip
+    return compile_for(sparse_mla._sparse_mla_split_kernel, types, constants, arch,
+                       params["num_warps"], params["num_stages"])  # fmt: skip
+
+
+def sparse_mla_combine(arch: int, dtype: str):
+    types = dict(mid_out_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=_pointer(dtype),
+                 seq_lens_ptr="*i32")  # fmt: skip
+    constants = dict(LATENT_RANK=LATENT_RANK, BLOCK_L=256, BLOCK_S=32, SPLITS_PER_STEP=16)
+    return compile_for(_mla_combine_kernel, types, constants, arch, 4, 1)
+
+
+def index_scores(arch: int, dtype: str):
+    params = pick_tile_config("dsa_indexer", "default", "default", 1)
+    if dtype == "fp32":
+        params = {**params, **dsa_indexer.FLOAT32_TILES}
+    constants = dsa_indexer.score_constants(params, DTYPES[dtype], INDEX_HEADS, INDEX_DIM,
+                                            BLOCK_SIZE)  # fmt: skip
+    pointer = _pointer(dtype)
+    types = dict(q_ptr=pointer, weights_ptr="*fp32", cache_ptr=pointer, block_tables_ptr="*i32",
+                 query_seq_ptr="*i32", positions_ptr="*i64", scores_ptr="*fp32")  # fmt: skip
+    return compile_for(dsa_indexer._index_scores_kernel, types, constants, arch,
+                       params["num_warps"], params["num_stages"])  # fmt: skip
+
+
+KERNELS = {
+    "sparse_mla": sparse_mla_split,
+    "sparse_mla_combine": sparse_mla_combine,
+    "dsa_index_scores": index_scores,
+}
+
+
+def report(kernel: str, arch: int, dtype: str) -> dict:
+    """One compile's resources, and whether its shared memory fits the target."""
+    compiled = KERNELS[kernel](arch, dtype)
+    cubin = compiled.asm["cubin"]
+    shared = compiled.metadata.shared
+    return dict(
+        kernel=kernel, arch=arch, dtype=dtype, shared_memory_bytes=shared,
+        shared_memory_limit=SHARED_MEMORY_LIMITS[arch],
+        fits=shared <= SHARED_MEMORY_LIMITS[arch], registers=registers_per_thread(cubin),
+        spill_instructions=spill_instructions(cubin),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=list(KERNELS), action="append")
+    parser.add_argument("--arch", type=int, choices=list(SHARED_MEMORY_LIMITS), action="append")
+    parser.add_argument("--dtype", choices=list(DTYPES), action="append")
+    args = parser.parse_args(argv)
+    rows = []
+    for kernel in args.kernel or list(KERNELS):
+        for arch in args.arch or [80, 89, 90]:
+            for dtype in args.dtype or ["bf16"]:
+                rows.append(report(kernel, arch, dtype))
+                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""benchmarks/compile_dsa_kernels.py builds the DSA kernels for Ampere (sm_80), Ada (sm_89) and
+Hopper (sm_90) on this CPU machine with the tiles their launchers pick there, within each
+target's shared memory and without spilled registers. (In a subprocess: the kernel tests run
+Triton's interpreter, which cannot compile.)"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(line: str) -> dict:
+    row = {}
+    for item in line.split():
+        key, _, value = item.partition("=")
+        try:
+            row[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            row[key] = value
+    return row
+
+
+def test_dsa_kernels_compile_for_sm80_sm89_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["--arch", "80", "--arch", "89", "--arch", "90", "--dtype", "bf16", "--dtype", "fp32"]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_dsa_kernels.py"), *argv],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [parse(line) for line in run.stdout.splitlines() if line.startswith("kernel=")]
+    built = {(r["kernel"], r["arch"], r["dtype"]) for r in rows}
+    kernels = ("sparse_mla", "sparse_mla_combine", "dsa_index_scores")
+    assert built == {(k, a, d) for k in kernels for a in (80, 89, 90) for d in ("bf16", "fp32")}
+    for row in rows:
+        assert row["fits"] and 0 < row["shared_memory_bytes"] <= row["shared_memory_limit"], row
+        assert row["spill_instructions"] in (0, None), row  # None: no nvdisasm to count with

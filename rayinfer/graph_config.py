@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from rayinfer.config import ConfigError, ParallelPlan
+from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
 
 # Largest prompt (tokens per rank) prefilled from a CUDA graph by default. 2x H200, DeepSeek-V2-
 # Lite shapes, dp=2 ep=2 host-staged FP8, one prompt per GPU, transformers' rate per GPU, eager
@@ -57,6 +57,17 @@ def graph_blocker(
     return exchange_graph_blocker(all_to_all, prefix)
 
 
+def model_graph_blocker(model: ModelConfig | None) -> str | None:
+    """Why this model's forward cannot be captured, or None: DSA's sparse rows and the
+    indexer's context bound come from the host's sequence lengths (layers/dsa.py)."""
+    if model is not None and model.is_dsa:
+        return (
+            f"{model.architecture} (DeepSeek Sparse Attention) sizes the indexer's selection from "
+            "the host's sequence lengths"
+        )
+    return None
+
+
 def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
     """Why a token exchange with these options cannot be replayed from a graph, or None: the
     deduplicated exchange sizes itself from the routing on the host. (The host-staged transport
@@ -83,12 +94,14 @@ def cuda_graph_config(
     all_to_all: dict | None = None,
     key: str = "cuda_graphs",
     max_prefill_tokens: int = 0,
+    model: ModelConfig | None = None,
 ) -> CudaGraphConfig | None:
     """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose forward
     can be captured (see `graph_blocker`); True where it cannot fails, naming the key. True on
     the CPU runs the same padded static-buffer path eagerly (no capture), which tests use.
     max_prefill_tokens: the largest new prompt prefilled from a graph (capped by max_model_len;
-    the caller caps it by the step's token budget); 0 captures decode graphs only."""
+    the caller caps it by the step's token budget); 0 captures decode graphs only.
+    model: the model served, whose own forward may not be capturable (model_graph_blocker)."""
     if requested not in (None, True, False):
         raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
     if max_graph_batch_size < 1:
@@ -97,7 +110,9 @@ def cuda_graph_config(
         raise ConfigError(
             f"max_graph_prefill_tokens={max_prefill_tokens} must be >= 0 (0: no prefill graphs)"
         )
-    blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
+    blocker = model_graph_blocker(model) or graph_blocker(
+        plan, all_to_all, prefix=key.removesuffix("cuda_graphs")
+    )
     if requested and blocker:
         raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
     enabled = (is_cuda and not blocker) if requested is None else requested

@@ -134,6 +134,7 @@ class LLM:
             max_prefill_tokens=min(
                 max_graph_prefill_tokens, self.scheduler_config.max_num_batched_tokens
             ),
+            model=self.model_config,
         )
         executor = self._make_executor(parallel)
         self.engine = LLMEngine(

@@ -123,7 +123,7 @@ def build_engine(
         plan=phase_config.plan,
         two_batch_overlap=phase_config.two_batch_overlap,
         all_to_all=phase_config.all_to_all.options(),
-        cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len),
+        cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len, model_config),
         kv_memory=kv_memory,
         fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),
     )
@@ -140,7 +140,11 @@ def build_engine(
 
 
 def phase_graphs(
-    phase_config: PhaseConfig, phase: str, use_gpus: bool, max_model_len: int
+    phase_config: PhaseConfig,
+    phase: str,
+    use_gpus: bool,
+    max_model_len: int,
+    model_config: ModelConfig | None = None,
 ) -> CudaGraphConfig | None:
     """The phase's graphs; `auto` captures them on GPUs where the forward can be captured
     (graph_config.graph_blocker). The decode phase replays its decode steps; the prefill phase,
@@ -160,4 +164,5 @@ def phase_graphs(
         all_to_all=phase_config.all_to_all.options(),
         key=f"{phase}.cuda_graphs",
         max_prefill_tokens=min(prefill_tokens, phase_config.max_num_batched_tokens),
+        model=model_config,
     )

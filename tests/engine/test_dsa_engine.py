@@ -60,3 +60,14 @@ def test_prefill_hands_off_into_a_cache_of_another_block_size(checkpoint, prompt
     decode = rayinfer.LLM(checkpoint, device="cpu", block_size=3)
     outputs = decode.decode(prefill.prefill(prompts, GREEDY), GREEDY)
     assert [o.token_ids for o in outputs] == expected
+
+
+def test_cuda_graphs_stay_off_and_true_names_the_key(checkpoint):
+    from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
+    from rayinfer.graph_config import cuda_graph_config
+
+    model = ModelConfig.from_pretrained(checkpoint)
+    sizes = dict(plan=ParallelPlan(), max_num_seqs=8, max_graph_batch_size=8, max_model_len=64)
+    assert cuda_graph_config(None, is_cuda=True, model=model, **sizes) is None
+    with pytest.raises(ConfigError, match="cuda_graphs=true cannot capture.*Sparse Attention"):
+        rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True)

@@ -105,6 +105,7 @@ def test_plan_gives_the_single_worker_tokens(
         ("deepseek_v3", ParallelPlan(dp=2, ep=2)),  # dispatch/combine overlapped with attention
         ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4)),
         ("deepseek_v3", ParallelPlan()),  # one worker: micro-batches without communication
+        ("glm_moe_dsa", ParallelPlan(dp=2, ep=2)),  # each half keeps its indexer selection
         ("qwen3_moe", ParallelPlan()),  # GQA: a prompt cut in two chunks reads its own prefix
     ],
     ids=str,

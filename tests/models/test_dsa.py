@@ -154,3 +154,44 @@ def test_missing_or_misshaped_indexer_tensors_fail_naming_the_tensor(checkpoint,
 def test_config_json_names_the_families(checkpoint):
     hf = json.loads((checkpoint / "config.json").read_text())
     assert hf["architectures"][0] in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+def test_fp8_checkpoint_loads_like_its_dequantized_twin(tmp_path):
+    """DeepSeek-V3.2 as shipped: decoder linears (the indexer's included) in float8_e4m3fn with
+    128x128 block scales. Dequantized at load, it equals a checkpoint of the dequantized values;
+    with fp8_weights=True the attention projections stay FP8 and it still generates."""
+    import rayinfer
+    from rayinfer.models.fp8 import dequantize_block_fp8
+    from tests.models.test_fp8_weights import FP8_SHAPES, quantize_like_deepseek_v3
+    from tests.models.test_loader import rewrite_checkpoint
+
+    shapes = dict(FP8_SHAPES, n_group=4, topk_group=2, index_head_dim=64)
+    source = make_dsa_checkpoint(tmp_path / "bf16", "deepseek_v32", **shapes)
+    fp8 = rewrite_checkpoint(source, tmp_path / "fp8", quantize_like_deepseek_v3)
+
+    def dequantize(tensors):
+        out = {}
+        for name, tensor in tensors.items():
+            if name.endswith("_scale_inv"):
+                continue
+            scale = tensors.get(name + "_scale_inv")
+            if scale is not None:
+                tensor = dequantize_block_fp8(tensor, scale, torch.float32)
+            out[name] = tensor
+        return out
+
+    twin = rewrite_checkpoint(fp8, tmp_path / "twin", dequantize)
+    stored = load_file(fp8 / "model.safetensors")
+    assert stored["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    model, config = load_rayinfer(fp8)
+    twin_model, _ = load_rayinfer(twin)
+    prompts = make_prompts(config.vocab_size, lengths=(9, 14))
+    ours, theirs = run_greedy(model, config, prompts, 8), run_greedy(twin_model, config, prompts, 8)
+    assert ours.token_ids == theirs.token_ids
+    for mine, other in zip(ours.prompt_logits, theirs.prompt_logits):
+        torch.testing.assert_close(mine, other, rtol=0, atol=0)
+    llm = rayinfer.LLM(str(fp8), device="cpu", fp8_weights=True, max_model_len=64)
+    layer = llm.engine.executor.runner.model.model.layers[1]
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    params = rayinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert len(llm.generate([list(range(2, 20))], params)[0].token_ids) == 12

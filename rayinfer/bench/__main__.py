@@ -1,5 +1,5 @@
-"""`python -m rayinfer.bench {engine,serve,comm,kernels,parallel} [options]`: each prints a
-table and can write JSON (and a PNG plot where it has one)."""
+"""`python -m rayinfer.bench COMMAND [options]` (COMMANDS below): each prints a table and can
+write JSON (and a PNG plot where it has one)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "comm": "all-to-all schedules and transports against NCCL",
     "kernels": "Triton kernels against their torch baselines",
     "parallel": "prefill/decode per parallel plan across GPUs vs transformers on one GPU",
+    "long_context": "one long prompt's prefill and long contexts' decode, DSA vs dense MLA",
 }
 
 

@@ -71,3 +71,20 @@ def test_cuda_graphs_stay_off_and_true_names_the_key(checkpoint):
     assert cuda_graph_config(None, is_cuda=True, model=model, **sizes) is None
     with pytest.raises(ConfigError, match="cuda_graphs=true cannot capture.*Sparse Attention"):
         rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True)
+
+
+def test_long_context_bench_reports_dsa_against_its_dense_twin(checkpoint, tmp_path):
+    import json
+
+    from rayinfer.bench import long_context
+
+    out = tmp_path / "long_context.json"
+    argv = ["--config", checkpoint, "--lengths", "24", "40", "--dense-lengths", "40"]
+    argv += ["--decode-batch", "2", "--decode-context", "20", "--decode-tokens", "3"]
+    argv += ["--decode-after-longest", "2", "--chunk", "16", "--block-size", "4"]
+    assert long_context.main([*argv, "--dtype", "float32", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [entry["tokens"] for entry in results["model"]["prefill"]] == [24, 40]
+    assert results["model"]["prefill"][1]["decode_ms_per_token"] > 0
+    assert results["dense"]["decode"]["batch"] == 2
+    assert set(results["ratios"]) == {"prefill 40", "decode tok/s"}

@@ -10,6 +10,7 @@ shared memory a program needs (two programs fit per SM up to ~113 KiB on an H200
     python benchmarks/ttgir_probe.py mla --block-n 32 --warps 4 --stages 3
     python benchmarks/ttgir_probe.py mla --layout heads_major --table-in-loop
     python benchmarks/ttgir_probe.py prefill --block-n 64 --warps 8 --stages 3 --tma
+    python benchmarks/ttgir_probe.py prefill --tma --store-lse --non-causal   # a context block
     python benchmarks/ttgir_probe.py prefill-ws   # prefill_attention_hopper's Gluon kernel
     python benchmarks/ttgir_probe.py prefill-ws-mla   # the same at MLA's 192/128 head dims
     python benchmarks/ttgir_probe.py fp8-ws   # fp8_gemm_hopper's Gluon GEMM
@@ -46,12 +47,13 @@ except ImportError:  # no Triton: nothing here can run
     GPUTarget = None
 
 INDEX_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "kv_lens_ptr"}
-FLOAT_POINTERS = {"mid_out_ptr", "mid_lse_ptr"}
+FLOAT_POINTERS = {"mid_out_ptr", "mid_lse_ptr", "lse_ptr"}
 
 
-def compile_for_sm90(kernel, constants: dict, warps: int, stages: int):
+def compile_for_sm90(kernel, constants: dict, warps: int, stages: int, capability: int = 90):
     """The compiled kernel: pointers bf16 (int32 index tensors, float32 partials), other
-    non-constant arguments int32 multiples of 16, `scale` float32."""
+    non-constant arguments int32 multiples of 16, `scale` float32; for sm_90, or the given
+    compute capability (80: an A100, no TMA)."""
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
@@ -76,7 +78,7 @@ def compile_for_sm90(kernel, constants: dict, warps: int, stages: int):
         constexprs={(names.index(name),): value for name, value in constants.items()},
         attrs=hinted,
     )
-    target = GPUTarget("cuda", 90, 32)
+    target = GPUTarget("cuda", capability, 32)
     return triton.compile(source, target=target, options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -113,8 +115,9 @@ def prefill_constants(args) -> tuple:
     constants = dict(
         HEAD_DIM0=128, HEAD_DIM1=0, HEAD_DIM_V=128, BLOCK_D0=128, BLOCK_D1=16, BLOCK_DV=128,
         BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_SIZE=16, IS_PAGED=False,
-        IS_CAUSAL=True, DOT_PRECISION="tf32", USE_TMA=args.tma, PIPELINE_QK=False,
-        HEADS_FASTEST=True, WARP_SPECIALIZE=False, CONDITIONAL_RESCALE=False,
+        IS_CAUSAL=not args.non_causal, DOT_PRECISION="tf32", USE_TMA=args.tma,
+        PIPELINE_QK=False, HEADS_FASTEST=True, WARP_SPECIALIZE=False, CONDITIONAL_RESCALE=False,
+        STORE_LSE=args.store_lse,
     )  # fmt: skip
     return _prefill_attention_kernel, constants
 
@@ -260,15 +263,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layout", default="tokens_major", choices=["tokens_major", "heads_major"])
     parser.add_argument("--table-in-loop", action="store_true", help="mla: TABLE_IN_LOOP")
     parser.add_argument("--tma", action="store_true")
+    parser.add_argument("--store-lse", action="store_true", help="prefill: STORE_LSE")
+    parser.add_argument("--non-causal", action="store_true", help="prefill: IS_CAUSAL False")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--sm", type=int, default=90, help="compute capability (Triton kernels)")
     parser.add_argument("--dump", help="write the whole TTGIR here")
     args = parser.parse_args(argv)
     if args.kernel in GLUON_KERNELS:  # Gluon: tiles, warps and registers are its module's
         compiled = GLUON_KERNELS[args.kernel]()
     else:
         kernel, constants = KERNELS[args.kernel](args)
-        compiled = compile_for_sm90(kernel, constants, args.warps, args.stages)
+        compiled = compile_for_sm90(kernel, constants, args.warps, args.stages, args.sm)
     ttgir = compiled.asm["ttgir"]
     if args.dump:
         Path(args.dump).write_text(ttgir)

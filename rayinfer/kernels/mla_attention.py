@@ -92,22 +92,29 @@ def mla_prefill_attention(
     k_pe: torch.Tensor,  # [s, 1, R]: rotated, one per token, shared by the heads
     value: torch.Tensor,  # [s, N, Dv]
     scale: float,
-    out: torch.Tensor,  # [q, N, Dv]: written in place
+    out: torch.Tensor,  # [q, N, Dv]: written in place (float32 for parts to be merged)
     bounds: tuple[torch.Tensor, int] | None = None,  # new prompts: (cu_seqlens [B + 1], longest)
+    is_causal: bool = True,  # False: every query sees every key (a block of an earlier context)
+    lse: torch.Tensor | None = None,  # [q, N] float32: each row's log-sum-exp, written if given
 ) -> torch.Tensor:  # out
     """Expanded-form MLA prefill: each sequence's queries are the last of its context, causal.
-    Without bounds one sequence (q <= s); with them several new prompts packed (q = s each),
-    whose cu_seqlens are on the device (no host list, so a CUDA graph can capture it). The
-    rope columns stay apart: the H200's kernel reads them where they lie."""
+    Without bounds one sequence (q <= s, or any q when not causal); with them several new
+    prompts packed (q = s each), whose cu_seqlens are on the device (no host list, so a CUDA
+    graph can capture it). The rope columns stay apart: the H200's kernel reads them where they
+    lie. With lse, the parts of one context attended apart can be merged (the Triton kernel
+    runs: the Gluon one writes no lse)."""
     cu_q, cu_k, longest = _sequence_bounds(q_nope, k_nope, bounds)
     dtype = q_nope.dtype
     return prefill_attention(q_nope, k_nope.to(dtype), value.to(dtype), cu_q, cu_k, longest,
-                             scale, query_rope=q_pe, key_rope=k_pe.to(dtype), out=out)  # fmt: skip
+                             scale, is_causal, query_rope=q_pe, key_rope=k_pe.to(dtype), out=out,
+                             lse=lse)  # fmt: skip
 
 
-def mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None):
+def mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None,
+                                    is_causal=True, lse=None):  # fmt: skip
     """The same contract in torch (joined query and key, SDPA per sequence)."""
     cu_q, cu_k, longest = _sequence_bounds(q_nope, k_nope, bounds)
     query, key = join_rope(q_nope, q_pe), join_rope(k_nope, k_pe)
-    out.copy_(prefill_attention_reference(query, key, value, cu_q, cu_k, longest, scale))
+    out.copy_(prefill_attention_reference(query, key, value, cu_q, cu_k, longest, scale,
+                                          is_causal, lse))  # fmt: skip
     return out

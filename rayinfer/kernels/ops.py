@@ -206,14 +206,17 @@ def mla_gather_context(kv_cache, block_table, seq_len):
     return mla_gather_context_reference(kv_cache, block_table, seq_len)
 
 
-def mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None):
+def mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None,
+                          is_causal=True, lse=None):  # fmt: skip
     """Expanded MLA prefill: q_nope [q, N, Dn] and q_pe [q, N, R] over k_nope [s, N, Dn], the
     shared k_pe [s, 1, R] and value [s, N, Dv] -> out [q, N, Dv] (written). One sequence's last
     q of s tokens, or with bounds (cu_seqlens [B + 1] int32 on the device, longest) new prompts
-    packed, each causal over its own rows."""
+    packed, each causal over its own rows. is_causal False: every query sees all s keys; lse
+    [q, N] float32, if given, gets each row's log-sum-exp (to merge parts of a context)."""
+    args = (q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds, is_causal, lse)
     if _on_cuda(q_nope):
-        return mla_prefill_attention_triton(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds)
-    return mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds)
+        return mla_prefill_attention_triton(*args)
+    return mla_prefill_attention_reference(*args)
 
 
 def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):

@@ -145,16 +145,19 @@ def join_rope(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, is_paged,
-            block_size, max_query_len, is_causal, rope=None):  # fmt: skip
+            block_size, max_query_len, is_causal, rope=None, lse=None):  # fmt: skip
     """rope: None, or (query_rope, key_rope), MLA's rope columns apart from query and key. The
-    Gluon kernel reads them where they lie; the Triton kernel gets them joined."""
+    Gluon kernel reads them where they lie; the Triton kernel gets them joined. lse: None, or
+    [T, Hq] float32 that the Triton kernel fills with each row's log-sum-exp (the Gluon kernel
+    writes none, so a call that wants it runs the Triton kernel)."""
     qk_dim = query.shape[-1] + (rope[0].shape[-1] if rope else 0)
     # Buckets by qk head dim: MLA's 192/128 tiles need less shared memory than 128/128's.
     params = launch_params("prefill_attention", query.device, qk_dim)
     if is_paged:  # K/V through block tables and pointers: the entry's "paged" tiles, if it has any
         params = {**params, **(params.get("paged") or {})}
     elif (
-        _backend(params) == "gluon_ws"
+        lse is None
+        and _backend(params) == "gluon_ws"
         and gluon_enabled(GLUON_KERNEL)
         and prefill_attention_hopper.supports(query, key, value, is_causal, *(rope or ()))
     ):
@@ -173,18 +176,20 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
     options = _launch_options(params, (query, key, value, out), (dim0,), is_paged)
     num_tiles = triton.cdiv(max(max_query_len, 1), block_m)
     grid = _grid(num_tiles, num_seqs, num_heads, options["HEADS_FASTEST"])
+    lse_rows = out if lse is None else lse  # without lse: any tensor, never written
     _prefill_attention_kernel[grid](
-        query, key, value, out, block_tables, cu_seqlens_q, kv_lens,
+        query, key, value, out, lse_rows, block_tables, cu_seqlens_q, kv_lens,
         scale, num_heads // key.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0),
+        lse_rows.stride(0), lse_rows.stride(1), block_tables.stride(0),
         HEAD_DIM0=dim0, HEAD_DIM1=dim1, HEAD_DIM_V=value.shape[-1],
         BLOCK_D0=triton.next_power_of_2(dim0), BLOCK_D1=max(16, triton.next_power_of_2(dim1)),
         BLOCK_DV=triton.next_power_of_2(value.shape[-1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         IS_PAGED=is_paged, IS_CAUSAL=is_causal, DOT_PRECISION=dot_precision(query.dtype),
-        **options, num_warps=params["num_warps"], num_stages=params["num_stages"],
+        STORE_LSE=lse is not None, **options, num_warps=params["num_warps"],
+        num_stages=params["num_stages"],
         **_register_cap(params, query.device),
     )  # fmt: skip
     return out
@@ -201,12 +206,18 @@ def prefill_attention(
     is_causal: bool = True,
     query_rope: torch.Tensor | None = None,  # [T, Hq, R]: more query columns, kept apart (MLA)
     key_rope: torch.Tensor | None = None,  # [S, Hkv or 1, R]: their keys (1: shared by heads)
-    out: torch.Tensor | None = None,  # [T, Hq, Dv]: written in place when given
+    out: torch.Tensor | None = None,  # [T, Hq, Dv]: written in place when given (float dtype)
+    lse: torch.Tensor | None = None,  # [T, Hq] float32: each row's log-sum-exp, written if given
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Varlen flash attention over contiguous K/V; the queries are each context's last tokens.
     With query_rope and key_rope, scores are query . key + query_rope . key_rope (DeepSeek's
-    MLA: 128 nope columns from the kv_b projection, 64 rope columns shared by the heads)."""
+    MLA: 128 nope columns from the kv_b projection, 64 rope columns shared by the heads).
+    lse (natural log of the sum of exp(scale x score) over a row's visible keys) lets attention
+    over separate parts of one context be merged (layers/mla_context.py). Non-causal calls may
+    have more queries than keys; every row must see at least one key."""
     _check(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != query.shape[:2]):
+        raise ValueError(f"lse {tuple(lse.shape)} {lse.dtype} must be [T, Hq] float32")
     if (query_rope is None) != (key_rope is None):
         raise ValueError("query_rope and key_rope go together")
     rope = None if query_rope is None else (query_rope, key_rope)
@@ -214,7 +225,7 @@ def prefill_attention(
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
     no_table = cu_seqlens_q  # unused when not paged; any int32 tensor
     return _launch(query, key, value, out, no_table[None], cu_seqlens_q, cu_seqlens_k, scale,
-                   False, 1, max_query_len, is_causal, rope)  # fmt: skip
+                   False, 1, max_query_len, is_causal, rope, lse)  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -237,14 +248,30 @@ def paged_prefill_attention(
                    kv_cache.shape[1], max_query_len, True)  # fmt: skip
 
 
+def reference_lse(query, key, scale: float, is_causal: bool) -> torch.Tensor:
+    """One sequence's log-sum-exp [q, Hq] float32: query [q, Hq, D] over key [s, Hkv, D], the
+    causal mask aligned bottom-right as the kernels'."""
+    group = query.shape[1] // key.shape[1]
+    key = key.to(query.dtype).repeat_interleave(group, dim=1)  # [s, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale  # [Hq, q, s]
+    if is_causal:
+        query_len, seq_len = query.shape[0], key.shape[0]
+        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [q]
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.logsumexp(-1).transpose(0, 1)  # [q, Hq]
+
+
 def prefill_attention_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len,
-                                scale, is_causal=True):  # fmt: skip
-    """Per-sequence SDPA: same contract as `prefill_attention`."""
+                                scale, is_causal=True, lse=None):  # fmt: skip
+    """Per-sequence SDPA: same contract as `prefill_attention` (lse [T, Hq] written if given)."""
     out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
     q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for seq in range(len(q_starts) - 1):
         rows = slice(q_starts[seq], q_starts[seq + 1])
         keys = slice(k_starts[seq], k_starts[seq + 1])
+        if lse is not None:
+            lse[rows] = reference_lse(query[rows], key[keys], scale, is_causal)
         if is_causal:
             out[rows] = causal_attention(query[rows], key[keys], value[keys], scale)
         else:

@@ -1,5 +1,7 @@
 """The prefill attention kernel: one program per (query tile, sequence, head) runs the unmasked
-key tiles, then the diagonal, and stores its output rows. Launched by prefill_attention._launch.
+key tiles, then the diagonal, and stores its output rows (and, with STORE_LSE, their softmax
+log-sum-exp, so that attention over parts of a context can be merged). Launched by
+prefill_attention._launch.
 """
 
 from __future__ import annotations
@@ -62,17 +64,26 @@ def _store_output(out_head_ptr, out, first_row, q_len, stride_ot,
 
 
 @triton.jit
+def _store_lse(lse_head_ptr, m_i, l_i, first_row, q_len, stride_lse_t, BLOCK_M: tl.constexpr):
+    """Rows first_row.. of the sequence's log-sum-exp [BLOCK_M] float32, natural log of the
+    scaled scores: m_i and l_i are the running max (log2 units) and sum."""
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 -> natural log
+    tl.store(lse_head_ptr + offs_m.to(tl.int64) * stride_lse_t, lse, mask=offs_m < q_len)
+
+
+@triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
     scale, num_queries_per_kv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_block_table,
+    stride_lse_t, stride_lse_h, stride_block_table,
     HEAD_DIM0: tl.constexpr, HEAD_DIM1: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, PIPELINE_QK: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, CONDITIONAL_RESCALE: tl.constexpr, STORE_LSE: tl.constexpr,
 ):  # fmt: skip
     tile, seq, head = _program_coordinates(HEADS_FASTEST)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -147,3 +158,6 @@ def _prefill_attention_kernel(
     out_head_ptr = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh
     _store_output(out_head_ptr, acc / l_i[:, None], first_row, q_len, stride_ot, HEAD_DIM_V,
                   BLOCK_DV, BLOCK_M, USE_TMA)  # fmt: skip
+    if STORE_LSE:
+        lse_head_ptr = lse_ptr + q_start.to(tl.int64) * stride_lse_t + head * stride_lse_h
+        _store_lse(lse_head_ptr, m_i, l_i, first_row, q_len, stride_lse_t, BLOCK_M)

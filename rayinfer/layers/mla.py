@@ -25,6 +25,11 @@ from rayinfer.config import ModelConfig
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
 from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from rayinfer.layers.mla_context import (
+    CONTEXT_BLOCK_ELEMENTS,
+    context_block_tokens,
+    merge_attention,
+)
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
@@ -34,6 +39,9 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, no
 
 class MLAAttention(nn.Module):
     use_absorbed_decode = True
+    # A chunk over a cached prefix whose expanded K_nope and V would pass this many elements
+    # attends to the context in blocks of at most this many (layers/mla_context.py).
+    context_block_elements: int = CONTEXT_BLOCK_ELEMENTS
 
     def __init__(
         self,
@@ -113,18 +121,54 @@ class MLAAttention(nn.Module):
 
     def _attend_chunks(self, queries, kv_c, k_pe, kv_cache, attn, seqs, fresh, out) -> None:
         """The expanded form one sequence at a time: a new prompt's context is its own rows; a
-        chunk over a cached prefix reads its whole context back from the cache."""
+        chunk over a cached prefix reads its whole context back from the cache, or, where that
+        would expand past context_block_elements, attends to it in blocks."""
         starts = list(accumulate(attn.query_lens_cpu, initial=0))  # [B + 1]
         q_nope, q_pe = queries
+        block_tokens = self._context_block_tokens(kv_cache.shape[1])
         for seq in seqs:
             rows = slice(starts[seq], starts[seq + 1])
+            own = (q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows])
             if seq in fresh:
-                self._attend_expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], out[rows])
+                self._attend_expanded(*own, out[rows])
                 continue
             table, seq_len = attn.block_tables[seq], attn.seq_lens_cpu[seq]
-            context = ops.mla_gather_context(kv_cache, table, seq_len).to(q_nope.dtype)
-            latents = context.split([self.kv_lora_rank, self.rope_dim], -1)  # [s, L], [s, R]
+            if seq_len > block_tokens:
+                self._attend_long_context(own, kv_cache, table, seq_len, block_tokens, out[rows])
+                continue
+            latents = self._cached_latents(kv_cache, table, 0, seq_len, q_nope.dtype)
             self._attend_expanded(q_nope[rows], q_pe[rows], *latents, out[rows])
+
+    def _context_block_tokens(self, block_size: int) -> int:
+        """Context tokens expanded at once: whole cache blocks within context_block_elements."""
+        width = self.nope_dim + self.v_head_dim
+        return context_block_tokens(self.context_block_elements, self.num_local_heads, width,
+                                    block_size)  # fmt: skip
+
+    def _cached_latents(self, kv_cache, table, start: int, length: int, dtype):
+        """Cached c_kv [length, L] and k_pe [length, R] of context positions start.. (start a
+        multiple of the cache block size)."""
+        first_block = start // kv_cache.shape[1]
+        context = ops.mla_gather_context(kv_cache, table[first_block:], length).to(dtype)
+        return context.split([self.kv_lora_rank, self.rope_dim], -1)
+
+    def _attend_long_context(self, own, kv_cache, table, seq_len, block_tokens, out) -> None:
+        """own: a chunk's (q_nope [q, N, Dn], q_pe [q, N, R], kv_c [q, L], k_pe [q, R]), the last
+        q of seq_len tokens -> out [q, N, Dv]. Causal over its own rows, then over the cached
+        prefix block_tokens at a time (every key visible), merged in float32 by log-sum-exp:
+        one block's expansion at a time, whatever seq_len."""
+        q_nope, q_pe = own[:2]
+        acc = out.new_empty(out.shape, dtype=torch.float32)  # [q, N, Dv]
+        lse = acc.new_empty(out.shape[:2])  # [q, N]
+        self._attend_expanded(*own, acc, lse=lse)
+        part, part_lse = torch.empty_like(acc), torch.empty_like(lse)
+        prefix_len = seq_len - q_nope.shape[0]
+        for start in range(0, prefix_len, block_tokens):
+            length = min(block_tokens, prefix_len - start)
+            latents = self._cached_latents(kv_cache, table, start, length, q_nope.dtype)
+            self._attend_expanded(q_nope, q_pe, *latents, part, is_causal=False, lse=part_lse)
+            merge_attention(acc, lse, part, part_lse)
+        out.copy_(acc)
 
     def _split_batch(self, attn: AttentionMetadata) -> tuple[list[int], list[int]]:
         """Sequences attended in absorbed form (one new token) and in expanded form (the rest)."""
@@ -139,17 +183,21 @@ class MLAAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_local_heads, -1, self.kv_lora_rank)
         return per_head.split([self.nope_dim, self.v_head_dim], dim=1)
 
-    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, out: torch.Tensor, bounds=None):
+    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, out: torch.Tensor, bounds=None,
+                         is_causal: bool = True, lse: torch.Tensor | None = None):  # fmt: skip
         """Query rows q_nope [q, N, Dn] and rotated q_pe [q, N, R] over their context's latents
         kv_c [s, L] and roped k_pe [s, R] -> out [q, N, Dv] (written): the last q of one
         sequence's s tokens, or, with bounds (cu_seqlens [B + 1] int32 on the device, longest),
         several new prompts whose context is their own rows (q = s), in one varlen call that
         reads no host list. Keys are never assembled: K_nope and V stay views of kv_b's output,
-        the rope columns stay apart (the H200's kernel reads each where it lies)."""
+        the rope columns stay apart (the H200's kernel reads each where it lies). is_causal
+        False (a block of earlier context: every key visible) and lse [q, N] float32 (written)
+        serve _attend_long_context."""
         kv = self.kv_b_proj(kv_c).view(-1, self.num_local_heads, self.nope_dim + self.v_head_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
         rope_key = k_pe[:, None, :]  # [s, 1, R]: one per token, shared by the heads
-        ops.mla_prefill_attention(q_nope, q_pe, k_nope, rope_key, value, self.scale, out, bounds)
+        ops.mla_prefill_attention(q_nope, q_pe, k_nope, rope_key, value, self.scale, out, bounds,
+                                  is_causal, lse)  # fmt: skip
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
         """A pure-decode batch takes every row as it is, with the device context lengths: no

@@ -206,6 +206,23 @@ def test_prefill_attention_of_one_sequence_keeps_the_rope_apart(query_len, seq_l
     torch.testing.assert_close(reference_out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "query_len,seq_len,is_causal", [(7, 7, True), (12, 5, False), (3, 20, False)]
+)
+def test_prefill_attention_of_a_context_block_gives_its_log_sum_exp(query_len, seq_len, is_causal):
+    """A chunk's own rows (causal) or a block of earlier context (every key visible, more
+    queries than keys too) with lse: the kernel's outputs and lse equal the reference's."""
+    operands = mla_operands(query_len, seq_len, torch.Generator().manual_seed(3))
+    results = []
+    for attend in (mla.mla_prefill_attention, mla.mla_prefill_attention_reference):
+        out, lse = torch.empty(query_len, 3, 24), torch.empty(query_len, 3)
+        attend(*operands, 0.2, out, None, is_causal, lse)
+        results.append((out, lse))
+    (ours, ours_lse), (expected, expected_lse) = results
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_lse, expected_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_attention_of_packed_new_prompts():
     """Several new prompts (q = s each) in one call over device cu_seqlens."""
     lens = [5, 11, 2]

@@ -55,6 +55,38 @@ def test_single_token_and_non_causal():
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize(
+    "q_lens,k_lens,is_causal",
+    [([9, 20, 3], [9, 20, 3], True), ([6, 1], [42, 1], True), ([30, 4], [5, 19], False)],
+    ids=["causal-prefill", "causal-chunk", "non-causal-more-queries-than-keys"],
+)
+def test_log_sum_exp_matches_reference(q_lens, k_lens, is_causal, dtype):
+    """lse [T, Hq] float32 of each row's scaled scores (natural log), written beside out."""
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(sum(q_lens), 4, 48, generator=generator).to(dtype)
+    key = torch.randn(sum(k_lens), 2, 48, generator=generator).to(dtype)
+    value = torch.randn(sum(k_lens), 2, 32, generator=generator).to(dtype)
+    cu_q = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *k_lens]).cumsum(0).to(torch.int32)
+    args = (cu_q, cu_k, max(q_lens), 48**-0.5, is_causal)
+    lse, expected_lse = torch.empty(sum(q_lens), 4), torch.empty(sum(q_lens), 4)
+    out = torch.empty(sum(q_lens), 4, 32)  # float32 out for any input dtype: parts to merge
+    prefill_attention(query, key, value, *args, out=out, lse=lse)
+    operands = (query.float(), key.float(), value.float())
+    expected = prefill_attention_reference(*operands, *args, lse=expected_lse)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, expected_lse, atol=tol, rtol=tol)
+
+
+def test_log_sum_exp_must_be_float32_rows_of_heads():
+    query = torch.randn(3, 2, 16)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="lse"):
+        prefill_attention(query, query, query, cu, cu, 3, 0.25, lse=torch.empty(3, 2).half())
+
+
 @pytest.mark.parametrize("head_dim,split", [(128, (128, 0)), (192, (128, 64)), (42, (32, 10))])
 def test_split_head_dim_spends_no_flops_on_padding(head_dim, split):
     assert split_head_dim(head_dim) == split

@@ -45,6 +45,24 @@ def test_the_kernels_compile_for_sm90_with_asynchronous_loads(argv, tmp_path):
     assert "scf.for" in dump.read_text()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prefill", "--tma", "--store-lse", "--non-causal"],
+        ["prefill", "--store-lse", "--non-causal", "--sm", "80"],
+        ["prefill", "--store-lse", "--sm", "80"],
+        ["mla", "--layout", "heads_major", "--sm", "80"],
+    ],
+    ids=["context-block-sm90-tma", "context-block-sm80", "causal-lse-sm80", "mla-decode-sm80"],
+)
+def test_the_long_context_kernels_compile_for_sm80_and_sm90(argv, tmp_path):
+    """The prefill kernel with its log-sum-exp output, over a context block (every key visible)
+    or causal, and the MLA decode with int64 row bases, for an H100/H200 and an A100."""
+    report = probe(argv, tmp_path / "kernel.ttgir")
+    assert 0 < report["shared_memory_bytes"] <= 227 * 1024
+    assert report["wgmma"] + report["mma_sync_dots"] >= 2
+
+
 def test_the_warp_specialized_prefill_compiles_for_sm90_without_spills(tmp_path):
     """prefill_attention_hopper's Gluon kernel (the H200's 128 bucket): its partitions, TMA
     loads and wgmma products survive this Triton's compiler, within an SM's shared memory and

@@ -57,14 +57,12 @@ def graph_blocker(
     return exchange_graph_blocker(all_to_all, prefix)
 
 
-def model_graph_blocker(model: ModelConfig | None) -> str | None:
-    """Why this model's forward cannot be captured, or None: DSA's sparse rows and the
-    indexer's context bound come from the host's sequence lengths (layers/dsa.py)."""
+def prefill_graphs_blocker(model: ModelConfig | None) -> str | None:
+    """Why this model's new prompts cannot prefill from graphs, or None: DSA's dense-or-sparse
+    choice and its sparse rows come from the host's prompt lengths (layers/dsa.py; its
+    pure-decode steps replay)."""
     if model is not None and model.is_dsa:
-        return (
-            f"{model.architecture} (DeepSeek Sparse Attention) sizes the indexer's selection from "
-            "the host's sequence lengths"
-        )
+        return f"{model.architecture} (DeepSeek Sparse Attention) picks prefill rows on the host"
     return None
 
 
@@ -101,7 +99,8 @@ def cuda_graph_config(
     the CPU runs the same padded static-buffer path eagerly (no capture), which tests use.
     max_prefill_tokens: the largest new prompt prefilled from a graph (capped by max_model_len;
     the caller caps it by the step's token budget); 0 captures decode graphs only.
-    model: the model served, whose own forward may not be capturable (model_graph_blocker)."""
+    model: the model served; new prompts of a DSA model prefill eagerly (prefill_graphs_blocker).
+    """
     if requested not in (None, True, False):
         raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
     if max_graph_batch_size < 1:
@@ -110,14 +109,14 @@ def cuda_graph_config(
         raise ConfigError(
             f"max_graph_prefill_tokens={max_prefill_tokens} must be >= 0 (0: no prefill graphs)"
         )
-    blocker = model_graph_blocker(model) or graph_blocker(
-        plan, all_to_all, prefix=key.removesuffix("cuda_graphs")
-    )
+    blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
     if requested and blocker:
         raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
     enabled = (is_cuda and not blocker) if requested is None else requested
     if not enabled:
         return None
+    if prefill_graphs_blocker(model):
+        max_prefill_tokens = 0
     return CudaGraphConfig(
         min(max_num_seqs, max_graph_batch_size),
         max_model_len,

@@ -11,6 +11,7 @@ from rayinfer.kernels import moe_pack
 from rayinfer.kernels import rotary as _rotary
 from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
 from rayinfer.kernels.activation import silu_and_mul_reference
+from rayinfer.kernels.dsa_cache import dsa_write_cache as dsa_write_cache_triton
 from rayinfer.kernels.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
 from rayinfer.kernels.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
 from rayinfer.kernels.fp8_gemm import fp8_gemm_auto, fp8_gemm_reference
@@ -229,9 +230,11 @@ def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale
 
 def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key):
     """Store a DSA layer's rows: kv_c [T, L], k_pe [T, R] and index_key [T, D] (None: a layer
-    without indexer) into kv_cache [blocks, block_size, L + R + D] at slot_mapping [T]. One
-    index_copy_ on every device: a single launch that a CUDA graph captures, moving each row
-    once (a kernel would do no less)."""
+    without indexer) into kv_cache [blocks, block_size, L + R + D] at slot_mapping [T];
+    negative slots (padding) skipped. On CUDA one program per token (kernels/dsa_cache.py), with
+    no data-dependent shape, so a decode graph captures it."""
+    if _on_cuda(kv_c):
+        return dsa_write_cache_triton(kv_cache, slot_mapping, kv_c, k_pe, index_key)
     dsa_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe, index_key)
 
 

@@ -6,7 +6,9 @@ grows with context x index_topk rather than context squared. The indexer key of 
 cached after its latent, `[c_kv | k_pe | index key]`, written in the same step.
 
 Where a query sees no more than `index_topk` tokens it attends to all of them, so a new prompt
-that short runs MLA's dense expanded prefill (same result, faster). GLM-5's "shared" layers run
+that short runs MLA's dense expanded prefill (same result, faster). A pure-decode step takes the
+sparse path whatever its lengths, with its rows and context bound made without host lists, so
+decode graphs capture it. GLM-5's "shared" layers run
 no indexer: they reuse the selection of the last "full" layer before them, handed on through
 `ForwardContext.dsa_selection` (one forward's rows, so the two-batch overlap's halves keep theirs).
 """
@@ -125,7 +127,10 @@ class DSAAttention(MLAAttention):
 
     def _dense_seqs(self, attn: AttentionMetadata) -> list[int]:
         """New prompts (no cached prefix) of at most index_topk tokens: every query of theirs
-        attends to its whole context, which dense attention over the step's rows computes."""
+        attends to its whole context, which dense attention over the step's rows computes.
+        None in a pure decode (what CUDA graphs replay: its path must not depend on lengths)."""
+        if attn.is_pure_decode:
+            return []
         return [
             i
             for i, (q, s) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu))
@@ -135,7 +140,10 @@ class DSAAttention(MLAAttention):
     @staticmethod
     def _sparse_rows(attn: AttentionMetadata, dense: list[int], starts, device):
         """The rows of every other sequence ([S] int64, or all rows as a slice) and the
-        sequence each belongs to ([S] int32)."""
+        sequence each belongs to ([S] int32). A pure decode's are made on the device, with no
+        host list, so a CUDA graph can capture them."""
+        if attn.is_pure_decode:
+            return slice(None), torch.arange(attn.num_seqs, dtype=torch.int32, device=device)
         lengths = np.asarray(attn.query_lens_cpu)
         seq_ids = np.repeat(np.arange(attn.num_seqs, dtype=np.int32), lengths)  # [T]
         if not dense:
@@ -153,7 +161,10 @@ class DSAAttention(MLAAttention):
         if index is None:
             return ctx.dsa_selection
         queries, weights, _ = index
-        max_context = max(s for s, q in zip(attn.seq_lens_cpu, attn.query_lens_cpu) if q)
+        if attn.is_pure_decode:  # the tables' width: static in a CUDA graph (max_model_len)
+            max_context = attn.block_tables.shape[1] * attn.block_size
+        else:
+            max_context = max(s for s, q in zip(attn.seq_lens_cpu, attn.query_lens_cpu) if q)
         ctx.dsa_selection = ops.dsa_index_topk(
             queries[rows], weights[rows], kv_cache, self.latent_width, attn.block_tables,
             query_seq, positions[rows], self.index_topk, max_context,

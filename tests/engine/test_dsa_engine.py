@@ -62,15 +62,24 @@ def test_prefill_hands_off_into_a_cache_of_another_block_size(checkpoint, prompt
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_cuda_graphs_stay_off_and_true_names_the_key(checkpoint):
-    from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
+def test_decode_graphs_give_the_same_tokens_and_prefill_graphs_stay_off(
+    checkpoint, prompts, expected
+):
+    """cuda_graphs=True on the CPU runs the decode graphs' padded static inputs eagerly: the
+    path a GPU captures (rows and context bound made on the device, padding slots skipped)."""
+    from rayinfer.config import ModelConfig, ParallelPlan
     from rayinfer.graph_config import cuda_graph_config
 
     model = ModelConfig.from_pretrained(checkpoint)
     sizes = dict(plan=ParallelPlan(), max_num_seqs=8, max_graph_batch_size=8, max_model_len=64)
-    assert cuda_graph_config(None, is_cuda=True, model=model, **sizes) is None
-    with pytest.raises(ConfigError, match="cuda_graphs=true cannot capture.*Sparse Attention"):
-        rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True)
+    graphs = cuda_graph_config(None, is_cuda=True, model=model, max_prefill_tokens=64, **sizes)
+    assert graphs.max_batch_size == 8 and graphs.max_prefill_tokens == 0
+    llm = rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True, max_graph_batch_size=8)
+    graphs = llm.engine.executor.runner.decode_graphs
+    replays, run = [], graphs.run
+    graphs.run = lambda requests, bucket=None: replays.append(bucket) or run(requests, bucket)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert replays and llm.engine.executor.runner.prefill_graphs is None
 
 
 def test_long_context_bench_reports_dsa_against_its_dense_twin(checkpoint, tmp_path):

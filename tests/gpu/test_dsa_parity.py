@@ -1,8 +1,8 @@
 """DeepSeek-V3.2 and GLM-5 on CUDA through the Triton kernels, against transformers on the CPU
 (float32), on tiny random checkpoints whose index_topk (32) is below most prompts:
 - float32 on the GPU: greedy tokens equal transformers' (the CPU tests' standard);
-- bf16: prefill logits within 3% of the reference's largest value, and every generated token
-  transformers' argmax after the same prefix, or within that tolerance of it (a bf16 near-tie).
+- bf16: prefill logits (chunks of 64 over the paged prefix) no further from the float32 ones
+  than transformers' own bf16 on the same GPU.
 
     python -m pytest -q -m gpu tests/gpu/test_dsa_parity.py
 """
@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import rayinfer
-from tests.models.harness import make_dsa_checkpoint, make_prompts, run_transformers
+from tests.models.harness import (
+    load_rayinfer,
+    make_dsa_checkpoint,
+    make_prompts,
+    run_greedy,
+    run_transformers,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +52,6 @@ FAMILIES = {
 }
 LENGTHS = (7, 40, 130, 300)
 NUM_TOKENS = 20
-BF16_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -76,15 +81,28 @@ def test_float32_on_the_gpu_gives_transformers_tokens(checkpoint, prompts):
     assert generate(checkpoint, prompts, torch.float32) == expected
 
 
+def relative_errors(logits, reference):
+    """Per position ||logits - reference|| / ||reference|| over the vocabulary: [n]."""
+    return (logits.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+
+
 @torch.no_grad()
-def test_bf16_tokens_are_transformers_argmax_or_a_near_tie(checkpoint, prompts):
+def test_bf16_prefill_logits_err_no_more_than_transformers_bf16(checkpoint, prompts):
+    """A random std-0.1 model amplifies rounding (and bf16 can flip the indexer's choice of a
+    near-tied token), so bf16 is judged against transformers' own bf16 on the same GPU: per
+    prompt, rayinfer's median relative error from the float32 logits is at most 1.5x (+0.01)
+    transformers' bf16 error."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokens = generate(checkpoint, prompts, torch.bfloat16)
-    for prompt, generated in zip(prompts, tokens):
-        sequence = torch.tensor([prompt + generated])
-        logits = reference(sequence).logits[0, len(prompt) - 1 : -1]  # [NUM_TOKENS, V]
-        tolerance = BF16_TOLERANCE * logits.abs().max()
-        chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
-        assert bool((logits.max(-1).values - chosen <= tolerance).all()), (prompt, generated)
+    reference = run_transformers(checkpoint, prompts, 1).prompt_logits  # float32, CPU
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+    model, config = load_rayinfer(checkpoint, dtype=torch.bfloat16, device="cuda")
+    ours = run_greedy(model, config, prompts, 1, block_size=16, chunk_size=64).prompt_logits
+    for i, prompt in enumerate(prompts):
+        their_logits = theirs(torch.tensor([prompt], device="cuda")).logits[0].cpu()
+        our_error = relative_errors(ours[i], reference[i]).median()
+        their_error = relative_errors(their_logits, reference[i]).median()
+        print(
+            f"prompt {len(prompt)}: rayinfer bf16 {our_error:.4f}, transformers {their_error:.4f}"
+        )
+        assert our_error <= 1.5 * their_error + 0.01, (len(prompt), our_error, their_error)

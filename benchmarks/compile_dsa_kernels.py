@@ -5,7 +5,8 @@ launcher picks on a GPU that has no entry of its own (configs' "default") at GLM
 reports the shared memory a program needs against the target's per-block limit, the registers
 per thread and the spilled ones.
 
-    python benchmarks/compile_dsa_kernels.py            # every kernel, every target
+    python benchmarks/compile_dsa_kernels.py            # every kernel, every target (the FP8
+                                                        # key kernels: sm_89 and sm_90)
     python benchmarks/compile_dsa_kernels.py --arch 89 --kernel sparse_mla
 
 The integer arguments are compiled as multiples of 16, as Triton specializes them at launch when
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
 
-from rayinfer.kernels import dsa_indexer, sparse_mla  # noqa: E402
+from rayinfer.kernels import dsa_cache, dsa_indexer, sparse_mla  # noqa: E402
 from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
@@ -89,11 +90,46 @@ def index_scores(arch: int, dtype: str):
                        params["num_warps"], params["num_stages"])  # fmt: skip
 
 
+def index_scores_fp8(arch: int, dtype: str):
+    """The score kernel over FP8 keys (index_cache_dtype="fp8_e4m3"): the cache's byte view."""
+    params = pick_tile_config("dsa_indexer", "default", "default", 1)
+    if dtype == "fp32":
+        params = {**params, **dsa_indexer.FLOAT32_TILES}
+    constants = dsa_indexer.score_constants(params, DTYPES[dtype], INDEX_HEADS, INDEX_DIM,
+                                            BLOCK_SIZE, key_fp8=True)  # fmt: skip
+    types = dict(q_ptr=_pointer(dtype), weights_ptr="*fp32", cache_ptr="*fp8e4nv",
+                 block_tables_ptr="*i32", query_seq_ptr="*i32", positions_ptr="*i64",
+                 scores_ptr="*fp32")  # fmt: skip
+    return compile_for(dsa_indexer._index_scores_kernel, types, constants, arch,
+                       params["num_warps"], params["num_stages"])  # fmt: skip
+
+
+def write_cache_fp8(arch: int, dtype: str):
+    """The cache write quantizing the index key (one program per token, GLM-5's row)."""
+    pointer = _pointer(dtype)
+    constants = dict(LATENT_RANK=LATENT_RANK, ROPE_DIM=ROPE_DIM, INDEX_DIM=INDEX_DIM,
+                     BLOCK_L=LATENT_RANK, BLOCK_R=ROPE_DIM, BLOCK_D=INDEX_DIM, KEY_FP8=True,
+                     ELEMENT_BYTES=DTYPES[dtype].itemsize)  # fmt: skip
+    types = dict(kv_c_ptr=pointer, k_pe_ptr=pointer, index_key_ptr=pointer, cache_ptr=pointer,
+                 cache_bytes_ptr="*fp8e4nv", slot_mapping_ptr="*i64")  # fmt: skip
+    return compile_for(dsa_cache._dsa_write_cache_kernel, types, constants, arch, 4, 1)
+
+
 KERNELS = {
     "sparse_mla": sparse_mla_split,
     "sparse_mla_combine": sparse_mla_combine,
     "dsa_index_scores": index_scores,
+    "dsa_index_scores_fp8": index_scores_fp8,
+    "dsa_write_cache_fp8": write_cache_fp8,
 }
+# Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa_index_fp8.FP8_CAPABILITY). FP8
+# keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill
+# instructions), left to float32 parity runs, which keep "auto" keys.
+FP8_KERNELS, FP8_MIN_ARCH, FP8_DTYPES = (
+    ("dsa_index_scores_fp8", "dsa_write_cache_fp8"),
+    89,
+    ("bf16", "fp16"),
+)
 
 
 def report(kernel: str, arch: int, dtype: str) -> dict:
@@ -118,7 +154,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for kernel in args.kernel or list(KERNELS):
         for arch in args.arch or [80, 89, 90]:
+            if kernel in FP8_KERNELS and arch < FP8_MIN_ARCH:
+                continue
             for dtype in args.dtype or ["bf16"]:
+                if kernel in FP8_KERNELS and dtype not in FP8_DTYPES:
+                    continue
                 rows.append(report(kernel, arch, dtype))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     return rows

@@ -108,7 +108,7 @@ def rayinfer_prefill_logits(path: Path, prompts: list[list[int]], dtype, block_s
     for n in lengths:
         tables.append(list(range(start, start + -(-n // block_size))))
         start += len(tables[-1])
-    shape = (start, block_size, *config.kv_shape_per_token)
+    shape = (start, block_size, *config.kv_shape_per_token(dtype.itemsize))
     caches = [torch.zeros(shape, dtype=dtype, device=DEVICE)
               for _ in range(config.num_layers)]  # fmt: skip
     first_chunk = lengths[-1] // 2

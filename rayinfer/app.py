@@ -27,7 +27,7 @@ def build(args: dict[str, Any] | None = None) -> Application:
 
     config = AppConfig.from_args(args)
     source = ModelSource.resolve(config)
-    model_config = source.model_config
+    model_config = source.model_config.with_index_cache_dtype(config.index_cache_dtype)
     config.prefill.plan.check_fits(model_config, "prefill")
     config.decode.plan.check_fits(model_config, "decode")
     check_phase_fp8_weights(config, model_config, source.path)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,11 @@ SUPPORTED_ARCHITECTURES = (
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", *DSA_ARCHITECTURES)
 INDEXER_TYPES = ("full", "shared")
+# How DSA layers cache indexer keys: "auto" in the cache's dtype (the model's; what transformers
+# parity needs), "fp8_e4m3" as D FP8 e4m3 bytes plus one float32 scale per token (DeepSeek's
+# production format), inside the cache row's own dtype (kernels/dsa_index_fp8.py).
+INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
+INDEX_SCALE_BYTES = 4  # the float32 scale after a token's FP8 key
 
 
 class ConfigError(ValueError):
@@ -108,6 +112,7 @@ class ModelConfig:
     index_n_heads: int = 0
     index_topk: int = 0
     indexer_types: tuple[str, ...] = ()
+    index_cache_dtype: str = "auto"  # one of INDEX_CACHE_DTYPES; set by with_index_cache_dtype
     path: str | None = None
     hf: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
 
@@ -180,26 +185,61 @@ class ModelConfig:
         frequency = self.hf.get("moe_layer_freq") or 1
         return self.is_moe and layer_idx >= first_moe and layer_idx % frequency == 0
 
-    @cached_property
-    def kv_shape_per_token(self) -> tuple[int, ...]:
-        """Shape of one token's cache entry in one layer.
+    def with_index_cache_dtype(self, index_cache_dtype: str, key: str = "index_cache_dtype"):
+        """This config with its indexer keys cached as `index_cache_dtype` (checked: a value of
+        INDEX_CACHE_DTYPES, and FP8 only for DSA models; a ConfigError names `key`)."""
+        if index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ConfigError(
+                f"{key}={index_cache_dtype!r}; use one of {', '.join(INDEX_CACHE_DTYPES)}"
+            )
+        if index_cache_dtype != "auto" and not self.is_dsa:
+            raise ConfigError(
+                f"{key}={index_cache_dtype!r} is for DeepSeek Sparse Attention models "
+                f"({', '.join(DSA_ARCHITECTURES)}); {self.architecture} caches no indexer keys, "
+                "use 'auto'"
+            )
+        return replace(self, index_cache_dtype=index_cache_dtype)
+
+    @property
+    def index_keys_fp8(self) -> bool:
+        return self.index_cache_dtype == "fp8_e4m3"
+
+    def index_key_columns(self, dtype_bytes: int) -> int:
+        """Columns of a cache row (elements of `dtype_bytes`) that hold a token's indexer key:
+        D in the cache's dtype, or with FP8 keys D bytes + a 4-byte scale (GLM-5 in bf16: 66).
+        The scale's offset in the row and the row's bytes stay multiples of 4 (float32 loads)."""
+        if not self.index_keys_fp8:
+            return self.index_head_dim
+        key_bytes = self.index_head_dim + INDEX_SCALE_BYTES
+        latent_bytes = (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+        if key_bytes % dtype_bytes or (latent_bytes + self.index_head_dim) % INDEX_SCALE_BYTES:
+            raise ConfigError(
+                f"index_cache_dtype='fp8_e4m3' needs index_head_dim={self.index_head_dim} + 4 "
+                f"to fill whole {dtype_bytes}-byte cache elements and its float32 scale at a "
+                "4-byte offset; use 'auto'"
+            )
+        return key_bytes // dtype_bytes
+
+    def kv_shape_per_token(self, dtype_bytes: int) -> tuple[int, ...]:
+        """Shape of one token's cache entry in one layer, in a cache of `dtype_bytes` elements.
 
         MLA caches the compressed latent and the shared rope key, DSA its indexer key after them
-        (every layer, so that one shape serves all; "shared" indexer layers leave it unused);
-        other families cache K and V.
+        (every layer, so that one shape serves all; "shared" indexer layers leave it unused;
+        `index_key_columns`); other families cache K and V.
         """
         if self.is_mla:
-            return (self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim,)
+            latent = self.kv_lora_rank + self.qk_rope_head_dim
+            return (latent + self.index_key_columns(dtype_bytes),)
         return (2, self.num_kv_heads, self.head_dim)
 
-    def kv_shape_per_token_on_rank(self, tp_size: int) -> tuple[int, ...]:
+    def kv_shape_per_token_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
         """One tensor-parallel rank's share: K/V heads split; MLA's latent is replicated."""
         if self.is_mla or tp_size == 1:
-            return self.kv_shape_per_token
+            return self.kv_shape_per_token(dtype_bytes)
         return (2, self.num_kv_heads // tp_size, self.head_dim)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.num_layers * math.prod(self.kv_shape_per_token) * dtype_bytes
+        return self.num_layers * math.prod(self.kv_shape_per_token(dtype_bytes)) * dtype_bytes
 
 
 def _rope_theta(hf: dict) -> float:

@@ -62,6 +62,10 @@ class LLM:
     them in FP8 with activations quantized per token (W8A8); False (the default) dequantizes them
     to `dtype` at load. True fails (ConfigError) for a checkpoint without FP8 weights or a tensor-
     parallel split that cuts a 128x128 block. Not yet verified end to end on a GPU (see README).
+    index_cache_dtype: how DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) cache their
+    indexer keys: "auto" (the default) in `dtype`, "fp8_e4m3" as FP8 with one float32 scale per
+    token (DeepSeek's production format; GLM-5's bf16 row 642 wide instead of 704, see
+    kernels/dsa_index_fp8.py); a ConfigError for other values or models.
     """
 
     def __init__(
@@ -86,9 +90,11 @@ class LLM:
         max_graph_batch_size: int = 256,
         max_graph_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
         fp8_weights: bool = False,
+        index_cache_dtype: str = "auto",
     ):
         path = resolve_model_path(model)
-        self.model_config = ModelConfig.from_pretrained(path)
+        model_config = ModelConfig.from_pretrained(path)
+        self.model_config = model_config.with_index_cache_dtype(index_cache_dtype)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)

@@ -204,6 +204,13 @@ class AppConfig(_Strict):
         "GEMMs and FP8 fused MoE) instead of dequantizing them to dtype at load; not yet "
         "verified end to end on a GPU",
     )
+    index_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="DeepSeek Sparse Attention models only (DeepSeek-V3.2, GLM-5): their "
+        "indexer keys cached in dtype ('auto') or as FP8 e4m3 with one float32 scale per token "
+        "('fp8_e4m3', the production format: 132 bytes per token and layer instead of 256 in "
+        "bf16); both phases share it, as the KV hand-off moves whole cache rows",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="longest prompt plus output")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")

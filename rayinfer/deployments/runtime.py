@@ -95,7 +95,7 @@ def build_engine(
 ) -> tuple[LLMEngine, WorkerGroup]:
     """One replica's engine over a WorkerGroup scheduled into the replica's placement group."""
     phase_config: PhaseConfig = getattr(config, phase)
-    model_config = source.model_config
+    model_config = source.model_config.with_index_cache_dtype(config.index_cache_dtype)
     block_size = config.block_size
     num_blocks = phase_config.num_kv_blocks or -(
         -max(4 * source.max_model_len, 16384) // block_size

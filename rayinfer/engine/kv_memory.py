@@ -33,7 +33,7 @@ def kv_bytes_per_block(
 ) -> int:
     """One block of every layer's cache on one tensor-parallel rank (K/V heads split, MLA's
     latent replicated): what `ModelRunner` allocates per block."""
-    per_token = math.prod(model_config.kv_shape_per_token_on_rank(tp_size))
+    per_token = math.prod(model_config.kv_shape_per_token_on_rank(tp_size, dtype_bytes))
     return model_config.num_layers * per_token * dtype_bytes * block_size
 
 

@@ -1,7 +1,7 @@
 """Pack a request's KV out of the paged cache and unpack it into another cache.
 
-The packed form is layout-free: per layer `[num_tokens, *kv_shape_per_token]`, so a cache with a
-different block size (or, later, a different parallel plan) can take it.
+The packed form is layout-free: per layer `[num_tokens, *ModelConfig.kv_shape_per_token(...)]`,
+so a cache with a different block size (or, later, a different parallel plan) can take it.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from rayinfer.engine.kv_transfer import (
 from rayinfer.engine.prefill_graphs import PrefillGraphs
 from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.kernels.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.forward_context import (
     ForwardContext,
@@ -90,7 +91,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.parallel = parallel
-        self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size)
+        if model_config.index_keys_fp8:
+            check_fp8_index_device(self.device)
+        self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
         self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
         if not model_config.is_mla:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])

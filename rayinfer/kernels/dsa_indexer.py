@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels.dsa_index_fp8 import (
+    check_key_region,
+    gather_index_keys,
+    write_index_keys_reference,
+)
 from rayinfer.kernels.paged_attention import dot_precision, launch_params
+from rayinfer.kernels.segmented_topk import topk_indices
 from rayinfer.kernels.triton_compat import tl, triton
 
 SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
@@ -34,18 +40,22 @@ FLOAT32_TILES = dict(BLOCK_N=16, num_stages=2)
 
 
 def dsa_write_cache_reference(
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R + D]: updated in place
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, W]: updated in place
     slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset; < 0 skips the token
     kv_c: torch.Tensor,  # [T, L] normed latent
     k_pe: torch.Tensor,  # [T, R] roped shared key
     index_key: torch.Tensor | None,  # [T, D] roped indexer key; None: a layer without indexer
+    index_fp8: bool = False,  # the key as FP8 bytes + float32 scale (kernels/dsa_index_fp8.py)
 ) -> None:
     """The rows' L + R + D columns (the first L + R without an index key) at their slots."""
-    parts = [kv_c, k_pe] if index_key is None else [kv_c, k_pe, index_key]
     is_real = slot_mapping >= 0  # [T]: padding tokens have no slot
+    parts = [kv_c, k_pe] if index_key is None or index_fp8 else [kv_c, k_pe, index_key]
     rows = torch.cat(parts, dim=-1)[is_real].to(kv_cache.dtype)  # [T', L + R (+ D)]
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     flat[slot_mapping[is_real], : rows.shape[1]] = rows
+    if index_key is not None and index_fp8:
+        key_offset = kv_c.shape[-1] + k_pe.shape[-1]
+        write_index_keys_reference(kv_cache, slot_mapping[is_real], key_offset, index_key[is_real])
 
 
 def context_slots(
@@ -60,6 +70,19 @@ def context_slots(
     return tables[:, block_index] * block_size + positions % block_size  # [T, S]
 
 
+def cached_keys(
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, W]
+    key_offset: int,
+    head_dim: int,
+    slots: torch.Tensor,  # [...] int64 slots (>= 0)
+    index_fp8: bool,
+) -> torch.Tensor:  # [..., D] float32: the slots' index keys (FP8 ones dequantized)
+    if index_fp8:
+        return gather_index_keys(kv_cache, key_offset, head_dim, slots)
+    flat = kv_cache.view(-1, kv_cache.shape[-1])[:, key_offset : key_offset + head_dim]
+    return flat[slots].float()
+
+
 def dsa_index_topk_reference(
     q_index: torch.Tensor,  # [T, Hi, D] roped indexer queries
     weights: torch.Tensor,  # [T, Hi] float32: per-head weights, both scales folded in
@@ -70,13 +93,13 @@ def dsa_index_topk_reference(
     positions: torch.Tensor,  # [T] int64: each query's position; it sees positions <= its own
     topk: int,
     max_context: int,  # >= every query's position + 1 (a host bound: no device sync)
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
     """Scores in float32 over every query's context, highest `topk` kept, in no set order."""
     num_queries, head_dim = q_index.shape[0], q_index.shape[-1]
     block_size = kv_cache.shape[1]
     slots = context_slots(block_tables, query_seq, block_size, max_context)  # [T, S]
-    flat = kv_cache.view(-1, kv_cache.shape[-1])[:, key_offset : key_offset + head_dim]
-    keys = flat[slots.clamp(min=0)].float()  # [T, S, D]
+    keys = cached_keys(kv_cache, key_offset, head_dim, slots.clamp(min=0), index_fp8)  # [T, S, D]
     scores = torch.einsum("thd,tsd->ths", q_index.float(), keys).relu()  # [T, Hi, S]
     scores = torch.einsum("th,ths->ts", weights.float(), scores)  # [T, S]
     visible = torch.arange(max_context, device=q_index.device) <= positions[:, None]  # [T, S]
@@ -97,9 +120,15 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_row, stride_table, stride_scores,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KEY_FP8: tl.constexpr,
 ):  # fmt: skip
     """One (query, chunk of context positions): scores[t, s] = sum_h w[h] * relu(q[h] . k[s])
-    for the visible positions s <= the query's, -inf for the rest of the chunk."""
+    for the visible positions s <= the query's, -inf for the rest of the chunk.
+
+    KEY_FP8: cache_ptr is the cache's fp8 byte view (key_offset, stride_row in bytes), each key
+    D fp8 bytes then its float32 scale. fp8 -> q's dtype is exact, and q . (k_fp8 * scale) is
+    (q . k_fp8) * scale: the scale multiplies the [BLOCK_H, BLOCK_N] logits (relu commutes with
+    a scale >= 0) instead of the [BLOCK_N, D] keys."""
     query = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * KEYS_PER_PROGRAM
     chunk_end = tl.minimum(first + KEYS_PER_PROGRAM, max_context)
@@ -122,6 +151,10 @@ def _index_scores_kernel(
         k_mask = is_visible[:, None] & (offs_d[None, :] < HEAD_DIM)
         keys = tl.load(k_ptrs, mask=k_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         logits = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        if KEY_FP8:
+            scale_ptrs = key_base + rows * stride_row + HEAD_DIM  # [BLOCK_N] after each key
+            scale_ptrs = scale_ptrs.to(tl.pointer_type(tl.float32), bitcast=True)
+            logits *= tl.load(scale_ptrs, mask=is_visible, other=0.0)[None, :]
         scores = tl.sum(w[:, None] * tl.maximum(logits, 0.0), 0)  # [BLOCK_N]
         scores = tl.where(is_visible, scores, float("-inf"))
         tl.store(score_row + offs_n, scores, mask=offs_n < chunk_end)
@@ -134,14 +167,14 @@ def _index_scores_kernel(
 
 
 def score_constants(params: dict, dtype: torch.dtype, num_heads: int, head_dim: int,
-                    block_size: int) -> dict:  # fmt: skip
+                    block_size: int, key_fp8: bool = False) -> dict:  # fmt: skip
     """The score kernel's meta-parameters (the launcher's, and the offline compile's in
     benchmarks/compile_dsa_kernels.py)."""
     return dict(
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
         KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=block_size,
-        DOT_PRECISION=dot_precision(dtype),
+        DOT_PRECISION=dot_precision(dtype), KEY_FP8=key_fp8,
     )  # fmt: skip
 
 
@@ -155,18 +188,24 @@ def index_scores(
     positions: torch.Tensor,  # [T] int64
     scores: torch.Tensor,  # [T, max_context] float32, written
     params: dict,
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
 ) -> None:
     """The Triton kernel's launch over every query and context chunk."""
     num_queries, num_heads, head_dim = q_index.shape
     max_context = scores.shape[1]
+    block_size, stride_row = kv_cache.shape[1], kv_cache.stride(1)
+    if index_fp8:  # the kernel reads the rows as bytes
+        element = kv_cache.element_size()
+        key_offset, stride_row = key_offset * element, stride_row * element
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)  # [blocks, block_size, W x element]
     grid = (num_queries, triton.cdiv(max_context, params["KEYS_PER_PROGRAM"]))
+    constants = score_constants(params, q_index.dtype, num_heads, head_dim, block_size, index_fp8)
     _index_scores_kernel[grid](
         q_index, weights, kv_cache, block_tables, query_seq, positions, scores,
         num_heads, max_context, key_offset,
-        q_index.stride(0), q_index.stride(1), weights.stride(0), kv_cache.stride(1),
+        q_index.stride(0), q_index.stride(1), weights.stride(0), stride_row,
         block_tables.stride(0), scores.stride(0),
-        **score_constants(params, q_index.dtype, num_heads, head_dim, kv_cache.shape[1]),
-        num_warps=params["num_warps"], num_stages=params["num_stages"],
+        **constants, num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
 
 
@@ -207,6 +246,7 @@ def dsa_index_topk(
     positions: torch.Tensor,  # [T] int64
     topk: int,
     max_context: int,  # >= every query's position + 1
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
     score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
     params: dict | None = None,  # tile override; else configs/dsa_indexer.json
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
@@ -215,7 +255,11 @@ def dsa_index_topk(
     if weights.shape != (num_queries, num_heads) or weights.dtype != torch.float32:
         raise ValueError(f"weights {tuple(weights.shape)} {weights.dtype} must be "
                          f"[T, Hi] = [{num_queries}, {num_heads}] float32")  # fmt: skip
-    if kv_cache.shape[-1] < key_offset + head_dim or kv_cache.stride(-1) != 1:
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache rows must be dense")
+    if index_fp8:
+        check_key_region(kv_cache, key_offset, head_dim)
+    elif kv_cache.shape[-1] < key_offset + head_dim:
         raise ValueError(f"kv_cache rows {kv_cache.shape[-1]} must hold the index keys at "
                          f"[{key_offset}, {key_offset + head_dim}) densely")  # fmt: skip
     if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or q_index.stride(-1) != 1:
@@ -230,8 +274,8 @@ def dsa_index_topk(
         rows = slice(start, min(start + chunk, num_queries))
         part = scores[: rows.stop - start]  # [n, S]
         index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
-                     query_seq[rows], positions[rows], part, params)  # fmt: skip
-        chosen = part.topk(k, dim=-1).indices  # [n, k]
+                     query_seq[rows], positions[rows], part, params, index_fp8)  # fmt: skip
+        chosen = topk_indices(part, k)  # [n, k]
         out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows], positions[rows],
                                      kv_cache.shape[1])  # fmt: skip
     return out

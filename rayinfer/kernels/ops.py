@@ -228,26 +228,28 @@ def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
 
 
-def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key):
+def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key, index_fp8=False):
     """Store a DSA layer's rows: kv_c [T, L], k_pe [T, R] and index_key [T, D] (None: a layer
-    without indexer) into kv_cache [blocks, block_size, L + R + D] at slot_mapping [T];
-    negative slots (padding) skipped. On CUDA one program per token (kernels/dsa_cache.py), with
+    without indexer) into kv_cache [blocks, block_size, L + R + key columns] at slot_mapping
+    [T]; negative slots (padding) skipped. index_fp8: the key as D FP8 e4m3 bytes and a float32
+    scale (kernels/dsa_index_fp8.py). On CUDA one program per token (kernels/dsa_cache.py), with
     no data-dependent shape, so a decode graph captures it."""
+    args = (kv_cache, slot_mapping, kv_c, k_pe, index_key, index_fp8)
     if _on_cuda(kv_c):
-        return dsa_write_cache_triton(kv_cache, slot_mapping, kv_c, k_pe, index_key)
-    dsa_write_cache_reference(kv_cache, slot_mapping, kv_c, k_pe, index_key)
+        return dsa_write_cache_triton(*args)
+    dsa_write_cache_reference(*args)
 
 
 def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions,
-                   topk, max_context):  # fmt: skip
+                   topk, max_context, index_fp8=False):  # fmt: skip
     """The lightning indexer's selection: q_index [T, Hi, D] and weights [T, Hi] float32 over
     each query's visible context (positions <= its own) -> [T, topk] int32 cache slots, -1
-    padded (kernels/dsa_indexer.py). On CUDA the Triton scores, then torch.topk over chunks of
-    queries whose scores stay within 1 GiB."""
+    padded (kernels/dsa_indexer.py; index_fp8: keys cached as FP8 + scale). On CUDA the Triton
+    scores, then torch.topk over chunks of queries whose scores stay within 1 GiB."""
     fn = dsa_index_topk_triton if _on_cuda(q_index) else dsa_index_topk_reference
     return fn(
         q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions, topk,
-        max_context,
+        max_context, index_fp8,
     )  # fmt: skip
 
 

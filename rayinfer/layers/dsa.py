@@ -93,6 +93,7 @@ class DSAAttention(MLAAttention):
         super().__init__(config, layer_idx, parallel, fp8)
         self.index_topk = config.index_topk
         self.latent_width = self.kv_lora_rank + self.rope_dim  # the index key's column offset
+        self.index_fp8 = config.index_keys_fp8  # keys cached as FP8 + scale (dsa_index_fp8)
         self.indexer = None
         if config.indexer_types[layer_idx] == "full":
             interleaved = config.architecture == "GlmMoeDsaForCausalLM"
@@ -109,7 +110,8 @@ class DSAAttention(MLAAttention):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, N, R], [T, R]
         kv_cache, attn = ctx.kv_caches[self.layer_idx], ctx.attn
         index = self.indexer(positions, hidden, q_resid) if self.indexer else None
-        ops.dsa_write_cache(kv_cache, attn.slot_mapping, kv_c, k_pe, index[2] if index else None)
+        key = index[2] if index else None
+        ops.dsa_write_cache(kv_cache, attn.slot_mapping, kv_c, k_pe, key, self.index_fp8)
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         dense = self._dense_seqs(attn)
         if len(dense) == attn.num_seqs:  # new prompts no longer than index_topk: dense
@@ -167,7 +169,7 @@ class DSAAttention(MLAAttention):
             max_context = max(s for s, q in zip(attn.seq_lens_cpu, attn.query_lens_cpu) if q)
         ctx.dsa_selection = ops.dsa_index_topk(
             queries[rows], weights[rows], kv_cache, self.latent_width, attn.block_tables,
-            query_seq, positions[rows], self.index_topk, max_context,
+            query_seq, positions[rows], self.index_topk, max_context, self.index_fp8,
         )  # fmt: skip
         return ctx.dsa_selection
 

@@ -39,7 +39,8 @@ class AttentionMetadata:
 class ForwardContext:
     """Passed explicitly through the model: metadata plus one cache tensor per layer.
 
-    `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shape_per_token]`.
+    `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shape_per_token(bytes)]`
+    (`bytes`: its dtype's element size).
     """
 
     attn: AttentionMetadata

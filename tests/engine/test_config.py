@@ -25,9 +25,9 @@ def test_folder_without_config_json_is_named(tmp_path):
 
 def test_mla_caches_the_latent_and_gqa_caches_heads():
     deepseek = ModelConfig.from_pretrained(V2_LITE)
-    assert deepseek.kv_shape_per_token == (512 + 64,)
+    assert deepseek.kv_shape_per_token(2) == (512 + 64,)
     assert deepseek.kv_bytes_per_token(2) == 27 * 576 * 2
-    assert deepseek.kv_shape_per_token_on_rank(4) == (576,)  # replicated on every TP rank
+    assert deepseek.kv_shape_per_token_on_rank(4, 2) == (576,)  # replicated on every TP rank
     llama = ModelConfig.from_hf_dict(
         dict(
             architectures=["LlamaForCausalLM"],
@@ -39,8 +39,8 @@ def test_mla_caches_the_latent_and_gqa_caches_heads():
             intermediate_size=96,
         )
     )
-    assert llama.kv_shape_per_token == (2, 4, 8)
-    assert llama.kv_shape_per_token_on_rank(2) == (2, 2, 8)
+    assert llama.kv_shape_per_token(2) == (2, 4, 8)
+    assert llama.kv_shape_per_token_on_rank(2, 2) == (2, 2, 8)
 
 
 def test_parallel_plan_checks_its_own_sizes():

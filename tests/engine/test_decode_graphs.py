@@ -88,7 +88,7 @@ def make_model(family: str):
     config = ModelConfig.from_hf_dict(HF_CONFIGS[family])
     model = build_dummy_model(config, torch.float32, "cpu", std=0.1)
     caches = [
-        torch.zeros(64, BLOCK_SIZE, *config.kv_shape_per_token) for _ in range(config.num_layers)
+        torch.zeros(64, BLOCK_SIZE, *config.kv_shape_per_token(4)) for _ in range(config.num_layers)
     ]
     return model, caches
 

@@ -123,7 +123,7 @@ def load_rayinfer(path: Path, dtype: torch.dtype = torch.float32, device: str = 
 def allocate_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu"
 ) -> list:
-    shape = (num_blocks, block_size, *config.kv_shape_per_token)
+    shape = (num_blocks, block_size, *config.kv_shape_per_token(dtype.itemsize))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
 

@@ -137,7 +137,7 @@ def test_absorbed_decode_equals_expanded(tmp_path, monkeypatch):
 def test_cache_holds_the_latent_not_expanded_kv(tmp_path):
     path = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **CASES["v3-q-lora"][1])
     config = ModelConfig.from_pretrained(path)
-    assert config.kv_shape_per_token == (16 + 8,)
+    assert config.kv_shape_per_token(4) == (16 + 8,)
 
 
 @pytest.mark.parametrize(

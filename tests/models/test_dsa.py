@@ -81,7 +81,7 @@ def test_indexer_layers_and_cache_rows(checkpoint):
         kind == "full" for kind in kinds
     ]
     # every layer's row: latent, rope key, indexer key
-    assert config.kv_shape_per_token == (16 + 8 + 16,)
+    assert config.kv_shape_per_token(4) == (16 + 8 + 16,)
     assert config.kv_bytes_per_token(2) == 3 * 40 * 2
     assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
 
@@ -98,7 +98,7 @@ def test_glm5_dims_build_and_count_their_cache_bytes():
         indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
     )  # fmt: skip
     config = ModelConfig.from_hf_dict(hf)
-    assert config.kv_shape_per_token == (704,)
+    assert config.kv_shape_per_token(2) == (704,)
     assert config.kv_bytes_per_token(2) == 2 * 704 * 2
     assert [config.is_moe_layer(i) for i in range(2)] == [False, True]
 

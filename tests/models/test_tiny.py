@@ -90,7 +90,7 @@ def test_model_config_and_tokenizer_read_it(tiny_dir):
     assert config.architecture == "DeepseekV3ForCausalLM" and config.is_mla and config.is_moe
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (4, 256, 1000)
     assert (config.num_experts, config.num_experts_per_tok, config.num_shared_experts) == (8, 2, 1)
-    assert config.kv_shape_per_token == (64 + 16,)
+    assert config.kv_shape_per_token(4) == (64 + 16,)
     assert config.hf["first_k_dense_replace"] == 1 and config.hf["n_group"] == 2
     assert config.torch_dtype == "float32" and config.rope_scaling is None
     tokenizer = Tokenizer.from_pretrained(tiny_dir)

@@ -52,6 +52,7 @@ def test_defaults_are_one_replica_per_phase():
         ({"decode": "1", "decode.tp": "1"}, "decode is set to '1' and also used as a section"),
         ({"decode.all_to_all.transport": "nvlink"}, "decode.all_to_all.transport='nvlink'"),
         ({"prefill.all_to_all.dedupe": "true"}, "prefill.all_to_all.dedupe: unknown key"),
+        ({"index_cache_dtype": "fp8"}, "index_cache_dtype='fp8'"),
     ],
 )
 def test_invalid_args_name_the_key(args, expected):
@@ -68,6 +69,13 @@ def test_unknown_key_lists_allowed_keys():
 def test_build_fails_before_touching_ray_on_a_bad_key():
     with pytest.raises(ConfigError, match="decode.autoscaling.max_replica"):
         build({"decode.autoscaling.max_replica": 2})
+
+
+def test_fp8_index_keys_are_for_dsa_models_and_refused_at_build_for_others():
+    assert AppConfig.from_args({"index_cache_dtype": "fp8_e4m3"}).index_cache_dtype == "fp8_e4m3"
+    assert AppConfig.from_args({}).index_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match="index_cache_dtype='fp8_e4m3' is for DeepSeek Sparse"):
+        build({"model": "tiny", "index_cache_dtype": "fp8_e4m3"})  # DeepSeek-V3-style: no DSA
 
 
 def test_phase_options_reserve_whole_worker_groups():

@@ -30,7 +30,6 @@ from rayinfer.kernels.dsa_index_fp8 import (
     write_index_keys_reference,
 )
 from rayinfer.kernels.paged_attention import dot_precision, launch_params
-from rayinfer.kernels.segmented_topk import topk_indices
 from rayinfer.kernels.triton_compat import tl, triton
 
 SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
@@ -275,7 +274,7 @@ def dsa_index_topk(
         part = scores[: rows.stop - start]  # [n, S]
         index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
                      query_seq[rows], positions[rows], part, params, index_fp8)  # fmt: skip
-        chosen = topk_indices(part, k)  # [n, k]
+        chosen = part.topk(k, dim=-1).indices  # [n, k]
         out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows], positions[rows],
                                      kv_cache.shape[1])  # fmt: skip
     return out

@@ -33,6 +33,10 @@ INDEXER_TYPES = ("full", "shared")
 # production format), inside the cache row's own dtype (kernels/dsa_index_fp8.py).
 INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
 INDEX_SCALE_BYTES = 4  # the float32 scale after a token's FP8 key
+# FP8-key rows are padded to a multiple of 16 bytes: Triton takes a row stride of 16-byte
+# multiples as such and otherwise assumes alignments the rows lack (the FP8 score kernel hit a
+# misaligned address on an H200 with 1,284-byte rows; tests/gpu/test_dsa_fp8_kernels.py)
+ROW_ALIGN_BYTES = 16
 
 
 class ConfigError(ValueError):
@@ -206,19 +210,19 @@ class ModelConfig:
 
     def index_key_columns(self, dtype_bytes: int) -> int:
         """Columns of a cache row (elements of `dtype_bytes`) that hold a token's indexer key:
-        D in the cache's dtype, or with FP8 keys D bytes + a 4-byte scale (GLM-5 in bf16: 66).
-        The scale's offset in the row and the row's bytes stay multiples of 4 (float32 loads)."""
+        D in the cache's dtype, or with FP8 keys D bytes + a 4-byte scale, padded so that the
+        row's bytes are a multiple of ROW_ALIGN_BYTES (GLM-5 in bf16: 72, a 648-column row)."""
         if not self.index_keys_fp8:
             return self.index_head_dim
         key_bytes = self.index_head_dim + INDEX_SCALE_BYTES
         latent_bytes = (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-        if key_bytes % dtype_bytes or (latent_bytes + self.index_head_dim) % INDEX_SCALE_BYTES:
+        if (latent_bytes + self.index_head_dim) % INDEX_SCALE_BYTES:
             raise ConfigError(
-                f"index_cache_dtype='fp8_e4m3' needs index_head_dim={self.index_head_dim} + 4 "
-                f"to fill whole {dtype_bytes}-byte cache elements and its float32 scale at a "
-                "4-byte offset; use 'auto'"
+                f"index_cache_dtype='fp8_e4m3' needs the float32 scale after index_head_dim="
+                f"{self.index_head_dim} key bytes at a 4-byte offset; use 'auto'"
             )
-        return key_bytes // dtype_bytes
+        row_bytes = -(-(latent_bytes + key_bytes) // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+        return (row_bytes - latent_bytes) // dtype_bytes
 
     def kv_shape_per_token(self, dtype_bytes: int) -> tuple[int, ...]:
         """Shape of one token's cache entry in one layer, in a cache of `dtype_bytes` elements.

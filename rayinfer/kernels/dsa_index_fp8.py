@@ -5,7 +5,7 @@ its latent columns, but the index key region holds bytes, read through a byte vi
 
     row bytes: [c_kv, k_pe (key_offset elements) | D fp8 e4m3 bytes | float32 scale]
 
-so GLM-5's bf16 row is 576 + (128 + 4) / 2 = 642 columns instead of 704 (ModelConfig.
+so GLM-5's bf16 row is 576 + 72 = 648 columns (padded to 16-byte rows) instead of 704 (ModelConfig.
 index_key_columns). Each key is quantized on its own: scale = amax(|k|) / 448 (1 for an all-zero
 key), k_fp8 = clamp(k / scale, -448, 448) rounded to nearest even; the indexer reads
 k_fp8 * scale. These are the torch references; the Triton kernels are dsa_cache's write and

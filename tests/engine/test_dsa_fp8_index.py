@@ -1,6 +1,6 @@
 """index_cache_dtype="fp8_e4m3": DSA models cache their indexer keys as FP8 e4m3 with one float32
 scale per token. On the tiny DeepSeek-V3.2 and GLM-5 checkpoints (float32 on the CPU, index
-keys 16 wide, index_topk 6): the engine generates with the narrower row (24 + (16 + 4) / 4 = 29
+keys 16 wide, index_topk 6): the engine generates with the narrower row (24 + 8 = 32
 columns instead of 40), its selections mostly agree with the float32 keys', its tokens are those
 of the model with FP8-rounded keys, the prefill -> decode hand-off moves the FP8 bytes unchanged,
 and bad values fail naming the key."""
@@ -21,7 +21,8 @@ FAMILIES = {
     "deepseek_v32": dict(n_group=4, topk_group=2),
     "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
 }
-FP8_ROW, FLOAT32_ROW = 16 + 8 + (16 + 4) // 4, 16 + 8 + 16
+# float32 rows: 96 latent bytes + 16 + 4 key bytes padded to 128 (32 columns), or 24 + 16
+FP8_ROW, FLOAT32_ROW = 32, 16 + 8 + 16
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -105,7 +106,7 @@ def test_hand_off_moves_fp8_rows_unchanged(checkpoint, prompts):
 def test_cache_bytes_follow_the_fp8_row(checkpoint):
     config = ModelConfig.from_pretrained(checkpoint).with_index_cache_dtype("fp8_e4m3")
     assert config.kv_shape_per_token(4) == (FP8_ROW,)
-    assert config.kv_shape_per_token(2) == (24 + 10,)  # bf16: (16 + 4) / 2 columns
+    assert config.kv_shape_per_token(2) == (24 + 16,)  # bf16: 48 + 20 bytes, padded to 80
     assert kv_bytes_per_block(config, 1, 4, 16) == 3 * FP8_ROW * 4 * 16
 
 

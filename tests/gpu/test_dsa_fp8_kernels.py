@@ -1,5 +1,6 @@
 """FP8 e4m3 index keys (index_cache_dtype="fp8_e4m3") on a GPU at GLM-5's shapes (indexer 32
-heads x 128, bf16 cache rows 576 + 66 = 642 wide, blocks of 64, index_topk 2048): the Triton
+heads x 128, bf16 cache rows 576 + 72 = 648 wide (132 bytes padded to
+16-byte rows), blocks of 64, index_topk 2048): the Triton
 write byte for byte against the torch reference, and the score kernel's selections against the
 float32 scores of the dequantized keys:
 
@@ -27,11 +28,11 @@ pytestmark = [
 ]
 
 LATENT_WIDTH, INDEX_HEADS, INDEX_DIM, BLOCK_SIZE, TOPK = 576, 32, 128, 64, 2048
-ROW_WIDTH = LATENT_WIDTH + (INDEX_DIM + 4) // 2  # bf16
+ROW_WIDTH = LATENT_WIDTH + 72  # bf16: 128 key bytes + 4 scale bytes, rows of 16-byte multiples
 
 
 def written_cache(num_slots: int, seed: int):
-    """(cache [blocks, 64, 642] bf16 whose every row the Triton write filled, its inputs)."""
+    """(cache [blocks, 64, 648] bf16 whose every row the Triton write filled, its inputs)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     cache = torch.zeros(num_slots // BLOCK_SIZE, BLOCK_SIZE, ROW_WIDTH, device="cuda").bfloat16()
     latent = torch.randn(num_slots, LATENT_WIDTH, device="cuda", generator=generator).bfloat16()

@@ -242,12 +242,12 @@ def assert_matches_transformers(
     return ours
 
 
-def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
-    """A transformers DeepSeek-V3.2 or GLM-5 (`model_type` deepseek_v32 or glm_moe_dsa) with
-    std-0.1 weights and a random non-zero correction bias."""
+def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
+    """A transformers DeepSeek (TINY_MLA with `overrides`) with std-0.1 weights and a random
+    non-zero correction bias."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**TINY_DSA, **overrides})
+    config = AutoConfig.for_model(model_type, **{**TINY_MLA, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reinit_weights(model, seed=0, std=0.1)
     generator = torch.Generator().manual_seed(1)
@@ -257,3 +257,9 @@ def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
+    """A DeepSeek-V3.2 or GLM-5 (`model_type` deepseek_v32 or glm_moe_dsa) of TINY_DSA's sizes,
+    made like make_deepseek_checkpoint's."""
+    return make_deepseek_checkpoint(folder, model_type, **{**TINY_DSA, **overrides})

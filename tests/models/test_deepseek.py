@@ -6,7 +6,6 @@ softmax group_limited_greedy, a dense first layer and shared experts.
 """
 
 from importlib import import_module
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ from tests.models.harness import (
     allocate_caches,
     assert_matches_transformers,
     load_rayinfer,
+    make_deepseek_checkpoint,
     make_prompts,
-    reinit_weights,
 )
 
 YARN = dict(
@@ -66,22 +65,6 @@ CASES = {
         dict(q_lora_rank=24, topk_method="greedy", n_shared_experts=1, rope_parameters=YARN),
     ),
 }
-
-
-def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
-    """A transformers DeepSeek with std-0.1 weights and a random non-zero correction bias."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**TINY_MLA, **overrides})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reinit_weights(model, seed=0, std=0.1)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module", params=list(CASES))

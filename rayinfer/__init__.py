@@ -1,8 +1,15 @@
 """rayinfer: serve Mixture-of-Experts LLMs on PCIe multi-GPU servers with Ray Serve."""
 
 from rayinfer.config import ParallelPlan
-from rayinfer.engine.outputs import RequestOutput
-from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine.outputs import RequestFailedError, RequestOutput
+from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.llm import LLM
 
-__all__ = ["LLM", "ParallelPlan", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "InvalidRequestError",
+    "ParallelPlan",
+    "RequestFailedError",
+    "RequestOutput",
+    "SamplingParams",
+]

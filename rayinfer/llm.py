@@ -19,7 +19,7 @@ from rayinfer.config import (
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
-from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, cuda_graph_config
 from rayinfer.models.dummy import LOAD_FORMATS
@@ -238,6 +238,11 @@ class LLM:
         prompts, params_list = _broadcast(prompts, params)
         request_ids = self._add_all(prompts, params_list, prefill_only=True)
         finished = self._run_until_done(request_ids)
+        failed = next((o for o in finished.values() if o.finish_reason == "error"), None)
+        if failed is not None:  # no hand-offs at all, rather than a list with holes
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            raise RequestFailedError(failed.request_id, failed.error)
         handoffs = []
         for request_id in request_ids:
             output = finished[request_id]

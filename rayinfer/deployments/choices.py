@@ -1,12 +1,11 @@
 """Requests with `n` > 1: one pipeline run per choice, merged into one OpenAI reply.
 
-Choice i samples with `seed + i` when the request gives a seed (reproducible, and different per
-choice), else with its own random generator; the prompt is the same, so prefill serves the later
-choices from its prefix cache where the first one's blocks are already computed. Whole: the
-choices in index order, usage counting the prompt once and every choice's tokens. Stream: one SSE
-stream whose chunks carry their choice's `index`, interleaved as they come, then one usage chunk
-and [DONE]. Closing the stream (a client disconnect) aborts every choice.
-"""
+Choice i samples with `seed + i` (modulo 2**63) when the request gives a seed (reproducible, and
+different per choice), else with its own random generator; the prompt is the same, so prefill serves
+the later choices from its prefix cache where the first one's blocks are already computed. Whole:
+the choices in index order, usage counting the prompt once and every choice's tokens. Stream: one
+SSE stream whose chunks carry their choice's `index`, interleaved as they come, then one usage chunk
+and [DONE]. Closing the stream (a client disconnect) aborts every choice."""
 
 from __future__ import annotations
 
@@ -18,16 +17,17 @@ from rayinfer.deployments import protocol
 from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.replies import HttpReply, sse
 from rayinfer.deployments.types import Timings
-from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
 
 _CHOICE_DONE = object()
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Each choice's sampling parameters: seed + i where a seed is given."""
+    """Each choice's sampling parameters: seed + i where a seed is given, wrapping past
+    MAX_SEED to 0 so that any valid seed works with any n."""
     if params.seed is None:
         return [params] * n
-    return [replace(params, seed=params.seed + i) for i in range(n)]
+    return [replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
 
 async def whole_of_choices(

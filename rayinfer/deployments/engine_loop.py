@@ -2,8 +2,10 @@
 
 The engine is not thread-safe, so only the loop thread touches it: callers post commands (add,
 add prefilled, abort) to a queue and read their request's events from an asyncio queue. Every
-request ends with a finished output or an error; if the engine itself fails, every open request
-gets that error and the loop reports itself unhealthy.
+request ends with a finished output or an error: a request the engine failed alone (finish_reason
+"error") raises RequestFailedError in its caller while the others go on; if the engine itself
+fails, every open request gets that error, later ones EngineStoppedError, and the loop reports
+itself unhealthy.
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ from typing import Any
 
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_transfer import KVHandoff
-from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before checking stop
+
+
+class EngineStoppedError(RuntimeError):
+    """The loop's engine failed (a worker died, a forward raised); this replica takes no more
+    requests and is replaced."""
+
+    def __init__(self, cause: str):
+        super().__init__(f"the engine loop stopped after {cause}")
+        self.cause = cause
 
 
 @dataclass
@@ -76,7 +87,7 @@ class EngineLoop:
         self.commands.put(command)
         if self.fatal_error is not None:  # checked after registering: no request slips past
             self.streams.pop(request_id, None)
-            raise RuntimeError(f"the engine loop stopped: {self.fatal_error!r}")
+            raise EngineStoppedError(type(self.fatal_error).__name__)
         finished = False
         try:
             while not finished:
@@ -155,6 +166,8 @@ class EngineLoop:
                 event.export_s = time.perf_counter() - start
             if output.request_id not in self.streams and output.finished:
                 continue  # its caller left; the hand-off's refs are dropped here
+            if output.finish_reason == "error":
+                event = LoopEvent(error=RequestFailedError(output.request_id, output.error))
             self._send(output.request_id, event)
 
     def _send(self, request_id: str, event: LoopEvent) -> None:

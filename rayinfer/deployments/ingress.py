@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rayinfer.deployments import protocol
 from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
 from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.pipeline import Pipeline, first_delta, prepend
 from rayinfer.deployments.prompts import PromptBuilder
@@ -36,23 +37,48 @@ app = FastAPI(
 )
 
 
-@app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+
+def request_id_of(request: Request) -> str:
+    """The id a request's reply, error body and log lines carry: the completion's id once the
+    route made one, else one made here (a body refused before the route ran)."""
+    if getattr(request.state, "request_id", None) is None:
+        request.state.request_id = f"req-{uuid.uuid4().hex}"
+    return request.state.request_id
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    headers = {"X-Request-Id": error.request_id} if error.request_id else {}
+    if error.status == 503:
+        headers["Retry-After"] = "1"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    if error.request_id is None:
+        error.request_id = request_id_of(request)
+    return error_response(error)
+
+
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and methods answer with the OpenAI error body too."""
-    answer = OpenAIError(error.status_code, f"{error.detail}")
-    return JSONResponse(answer.body(), status_code=error.status_code)
+    answer = OpenAIError(error.status_code, f"{error.detail}", request_id=request_id_of(request))
+    return error_response(answer)
 
 
 @app.exception_handler(RequestValidationError)
-async def _invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-    answer = validation_to_openai(error.errors())
-    return JSONResponse(answer.body(), status_code=answer.status)
+async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+    body_field = REQUIRED_FIELDS.get(request.url.path, "body")
+    return error_response(validation_to_openai(error.errors(), body_field, request_id_of(request)))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    """Anything a route let through: a clean 500, the traceback in the log."""
+    return error_response(as_openai_error(error, request_id_of(request)))
 
 
 @serve.deployment(name="Ingress")
@@ -77,17 +103,24 @@ class Ingress:
         return protocol.models_body(self.source.served_model_name, self.source.max_model_len)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: ChatCompletionRequest):
-        return await self._serve_http(request, "chatcmpl", chat=True)
+    async def chat_completions(self, request: ChatCompletionRequest, http: Request):
+        return await self._serve_http(request, http, "chatcmpl", chat=True)
 
     @app.post("/v1/completions")
-    async def completions(self, request: CompletionRequest):
-        return await self._serve_http(request, "cmpl", chat=False)
+    async def completions(self, request: CompletionRequest, http: Request):
+        return await self._serve_http(request, http, "cmpl", chat=False)
 
-    async def _serve_http(self, request, id_prefix: str, chat: bool):
+    async def _serve_http(self, request, http: Request, id_prefix: str, chat: bool):
+        request_id = http.state.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        try:
+            return await self._reply(request, request_id, chat)
+        except Exception as error:
+            raise as_openai_error(error, request_id) from error
+
+    async def _reply(self, request, request_id: str, chat: bool):
         self._check_model(request.model)
-        prompt_ids, params = self.prompts.build(request)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # Off the event loop: a long text encodes without the GIL (engine/tokenizer.py).
+        prompt_ids, params = await asyncio.to_thread(self.prompts.build, request)
         model = self.source.served_model_name
         if request.n > 1:
             return await self._serve_choices(request, request_id, prompt_ids, params, chat)

@@ -146,15 +146,12 @@ async def _backpressure_as_503(stream, phase: str):
 
 async def first_delta(deltas: AsyncIterator[Delta]) -> Delta:
     """The prefill's delta, so an HTTP stream starts only once the request is under way (and a
-    failure before it still gets a proper status code)."""
+    failure before it still gets a proper status code: the caller maps it, errors.py)."""
     try:
         return await anext(deltas)
-    except OpenAIError:
+    except BaseException:
         await deltas.aclose()
         raise
-    except Exception as error:
-        await deltas.aclose()
-        raise OpenAIError(500, f"generation failed: {error}") from error
 
 
 async def prepend(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

@@ -1,4 +1,8 @@
-"""Turn an API request into prompt token ids and SamplingParams, or a 400 naming the field."""
+"""Turn an API request into prompt token ids and SamplingParams, or a 400 naming the field.
+
+A text that cannot fit max_model_len even at the tokenizer's longest token is refused before it
+is tokenized (a 200,000-word prompt answers 400 at once); the rest is tokenized whole.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,20 @@ from rayinfer.deployments.protocol import ChatCompletionRequest, OpenAIError
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 
+# Slack on max_model_len x the longest token's characters: a normalizer (NFKD, accent stripping)
+# can fold several characters of a text into one of a token.
+CHARS_PER_TOKEN_SLACK = 4
+
 
 class PromptBuilder:
     def __init__(self, source: ModelSource):
         self.tokenizer = source.load_tokenizer()
         self.max_model_len = source.max_model_len
         self.vocab_size = source.model_config.vocab_size
+        self.max_text_chars = None  # more characters than this cannot fit max_model_len tokens
+        if self.tokenizer is not None:
+            per_token = self.tokenizer.max_token_chars * CHARS_PER_TOKEN_SLACK
+            self.max_text_chars = self.max_model_len * per_token
 
     def build(self, request) -> tuple[list[int], SamplingParams]:
         """request: ChatCompletionRequest, CompletionRequest or GenerateRequest."""
@@ -22,6 +34,8 @@ class PromptBuilder:
         )
         field = "messages" if messages is not None else "prompt"
         if messages is not None:
+            texts = [m.get("content") for m in messages]
+            self._check_text_length(sum(len(t) for t in texts if isinstance(t, str)), field)
             prompt_ids = self._encode_chat(messages)
         else:
             prompt_ids = self._encode_prompt(request.prompt)
@@ -48,12 +62,22 @@ class PromptBuilder:
                 raise OpenAIError(
                     400, "prompt: this model has no tokenizer; send token ids", param="prompt"
                 )
+            self._check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise OpenAIError(
                 400, f"prompt: token ids must lie in [0, {self.vocab_size})", param="prompt"
             )
         return list(prompt)
+
+    def _check_text_length(self, num_chars: int, field: str) -> None:
+        if self.max_text_chars is not None and num_chars > self.max_text_chars:
+            raise OpenAIError(
+                400,
+                f"{field}: {num_chars} characters cannot fit this model's maximum context length "
+                f"of {self.max_model_len} tokens; shorten the prompt",
+                param=field,
+            )
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, field: str) -> int:
         room = self.max_model_len - num_prompt_tokens

@@ -6,31 +6,55 @@ and refused otherwise, naming the field. Unknown fields are ignored, as the Open
 Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
 `top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
 deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
+
+Every number is checked here with OpenAI's range (vLLM's for its extensions): a value outside
+answers 400 naming the field before anything is tokenized or scheduled.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 MAX_CHOICES = 16  # `n`: choices per request over HTTP (deployments/choices.py)
+MAX_STOPS = 4  # stop strings per request, as OpenAI's
+MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this many characters
+# Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
+ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 
 
 class OpenAIError(Exception):
-    """Answered as `{"error": {...}}` with this HTTP status."""
+    """Answered as `{"error": {...}}` with this HTTP status. The message is what a client may
+    read: one line, no terminal escapes, at most MAX_ERROR_CHARS (the traceback, when there is
+    one, goes to the server log under `request_id`: deployments/errors.py)."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        request_id: str | None = None,
     ):
+        message = client_message(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.request_id = request_id
 
     @property
     def error_type(self) -> str:
@@ -47,8 +71,20 @@ class OpenAIError(Exception):
                 "type": self.error_type,
                 "param": self.param,
                 "code": self.code,
+                "request_id": self.request_id,
             }
         }
+
+
+MAX_ERROR_CHARS = 500
+_TERMINAL_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def client_message(text: str) -> str:
+    """`text` as an error body may carry it: its first line, escapes and control characters
+    removed, cut at MAX_ERROR_CHARS."""
+    line = _TERMINAL_ESCAPES.sub("", str(text)).strip().split("\n", 1)[0]
+    return line if len(line) <= MAX_ERROR_CHARS else f"{line[: MAX_ERROR_CHARS - 3]}..."
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +100,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="extension: -1 disables")
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, description=f"0..{MAX_SEED}")
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -88,14 +124,26 @@ class SamplingFields(BaseModel):
             raise ValueError("must be -1 (off) or >= 1")
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"seed={value} must be in 0..{MAX_SEED}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stop strings; send at most {MAX_STOPS}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"a stop string of {longest} characters; each may have at most {MAX_STOP_CHARS}"
+            )
         return value
 
     @property
@@ -132,7 +180,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    # validate_default: a missing content is checked like an explicit null
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_where_required(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if value is None and role in ROLES_WITH_CONTENT:
+            raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -7,29 +7,48 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rayinfer.deployments import protocol
+from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
 from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import Timings
 
 
-def validation_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
-    """The first pydantic error as a 400 naming the field (`messages[0].content`)."""
+def validation_to_openai(
+    errors: list[dict[str, Any]], body_field: str = "body", request_id: str | None = None
+) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field (`messages[0].content`). body_field:
+    the field a missing body is named by (the route's required one: `messages`, `prompt`)."""
     first = errors[0]
     if first["type"] == "json_invalid":
-        return OpenAIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
+        detail = first.get("ctx", {}).get("error", "")
+        return OpenAIError(400, f"malformed JSON body: {detail}", request_id=request_id)
     loc = [part for part in first["loc"] if part != "body"]
     if not loc and first["type"] == "model_attributes_type":
-        return OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)")
+        return OpenAIError(
+            400, "the body must be a JSON object (Content-Type: application/json)",
+            request_id=request_id,
+        )  # fmt: skip
+    if not loc and first["type"] == "missing":  # no body at all
+        return OpenAIError(
+            400, f"{body_field}: field required (the body is empty; send a JSON object)",
+            param=body_field, request_id=request_id,
+        )  # fmt: skip
     param = ""
     for part in loc:
         param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
     if first["type"] == "missing":
-        return OpenAIError(400, f"{param}: field required", param=param)
+        return OpenAIError(400, f"{param}: field required", param=param, request_id=request_id)
     message = first["msg"].removeprefix("Value error, ")
-    return OpenAIError(
-        400, f"{param or 'body'}: {message} (got {first.get('input')!r})", param or None
-    )
+    if not message.startswith(f"{loc[-1] if loc else ''}="):  # "seed=-1 must be..." says it
+        message += f" (got {_short_repr(first.get('input'))})"
+    return OpenAIError(400, f"{param or 'body'}: {message}", param or None, request_id=request_id)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """A value as the error quotes it: a 200,000-word prompt is not echoed back whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 class HttpReply:
@@ -65,10 +84,8 @@ class HttpReply:
                 num_tokens += len(delta.token_ids)
                 finish_reason = delta.finish_reason or finish_reason
                 entries += self._echoed_logprobs(delta) + (delta.logprobs or [])
-        except OpenAIError:
-            raise
         except Exception as error:
-            raise OpenAIError(500, f"generation failed: {error}") from error
+            raise as_openai_error(error, self.request_id) from error
         finally:
             await deltas.aclose()
         usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
@@ -98,10 +115,8 @@ class HttpReply:
                 logprobs = self._logprobs(self._echoed_logprobs(delta) + (delta.logprobs or []))
                 yield self._chunk(echo + delta.text, delta.finish_reason, logprobs)
                 echo = ""
-        except OpenAIError as error:  # the stream already started: report in-band, then end
-            yield error.body()
-        except Exception as error:
-            yield OpenAIError(500, f"generation failed: {error}").body()
+        except Exception as error:  # the stream already started: report in-band, then end
+            yield as_openai_error(error, self.request_id).body()
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()
 

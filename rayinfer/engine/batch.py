@@ -73,6 +73,9 @@ class SampledTokens:
     logprobs: list[SampledLogprobs | None] | None = None
     # request id -> (the chunk's start position, one entry per prompt_logprob_targets)
     prompt_logprobs: dict[str, tuple[int, list[SampledLogprobs]]] | None = None
+    # request id -> why choosing its token failed (its seed, NaN logits); its token_ids entry
+    # is a placeholder and the engine fails that request alone
+    errors: dict[str, str] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

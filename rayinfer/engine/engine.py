@@ -1,5 +1,8 @@
 """The engine loop: add requests, step, abort. It drives an Executor and knows no workers.
 
+One request whose token the executor could not choose (SampledTokens.errors: its seed, NaN
+logits) ends alone with finish_reason "error" and a reason; a step whose forward fails raises.
+
 A request can also run half-way: `prefill_only` requests stop after their first token and keep
 their KV until `take_handoff` exports it; `add_prefilled_request` starts a request from such a
 hand-off in another engine, which decodes it without recomputing the prompt.
@@ -7,6 +10,7 @@ hand-off in another engine, which decodes it without recomputing the prompt.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +24,8 @@ from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.scheduler import ScheduledSequence, Scheduler
 from rayinfer.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,6 +150,7 @@ class LLMEngine:
         sampled = iter(result.token_ids)
         logprobs = iter(result.logprobs) if result.logprobs is not None else None
         prompt_logprobs = result.prompt_logprobs or {}
+        errors = result.errors or {}
         outputs = ready
         for item in scheduled:
             seq = item.seq
@@ -153,7 +160,11 @@ class LLMEngine:
                 self.states[seq.request_id].add_prompt_logprobs(*prompt_logprobs[seq.request_id])
             if item.samples:
                 state = self.states[seq.request_id]
-                self._append_token(state, next(sampled), next(logprobs) if logprobs else None)
+                token_id, token_logprobs = next(sampled), next(logprobs) if logprobs else None
+                if seq.request_id in errors:
+                    self._fail(state, errors[seq.request_id])
+                else:
+                    self._append_token(state, token_id, token_logprobs)
                 outputs.append(state.take_output())
         return outputs
 
@@ -222,6 +233,16 @@ class LLMEngine:
             self.handoffs_ready[seq.request_id] = state
         else:
             self._to_free.append(seq.request_id)
+
+    def _fail(self, state: RequestState, reason: str) -> None:
+        """End one request with finish_reason "error" (the executor could not choose its
+        token); its blocks and executor state are freed, the rest of the batch goes on."""
+        seq = state.seq
+        logger.warning("request %s failed in the engine: %s", seq.request_id, reason)
+        self.scheduler.finish(seq, "error")
+        state.fail(reason)
+        del self.states[seq.request_id]
+        self._to_free.append(seq.request_id)
 
     def _free_finished(self) -> None:
         if self._to_free:

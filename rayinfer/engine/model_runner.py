@@ -51,6 +51,8 @@ from rayinfer.layers.forward_context import (
 )
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import (
+    NO_TOKEN,
+    SampledRows,
     apply_penalties,
     gather_logprobs,
     log_probabilities,
@@ -275,13 +277,14 @@ class ModelRunner:
         sampling = [r for r in requests if r.samples]
         wanted = [r.params.logprobs for r in sampling]
         raw = log_probabilities(logits, wanted)  # before penalties change the logits
-        tokens = self._sample(logits, sampling)
+        tokens, failed = self._sample(logits, sampling)
+        errors = {sampling[row].request_id: why for row, why in failed.items()} or None
         if raw is None:
-            return SampledTokens(tokens, prompt_logprobs=prompt_logprobs)
-        logprobs = gather_logprobs(*raw, tokens, wanted)
+            return SampledTokens(tokens, prompt_logprobs=prompt_logprobs, errors=errors)
+        logprobs = gather_logprobs(*raw, [max(t, 0) for t in tokens], wanted)  # NO_TOKEN: any id
         return SampledTokens(
             tokens, [None if lp is None else SampledLogprobs(*lp) for lp in logprobs],
-            prompt_logprobs,
+            prompt_logprobs, errors,
         )  # fmt: skip
 
     def _prompt_logprobs(
@@ -309,8 +312,10 @@ class ModelRunner:
             first_row += len(request.token_ids)
         return found
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> list[int]:
-        """[B, V] logits (penalized in place) -> the next token of each sampling request."""
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> SampledRows:
+        """[B, V] logits (penalized in place) -> the next token of each sampling request. A
+        request whose generator cannot be made (its seed) or whose row cannot be sampled fails
+        alone (`errors`, by row); the others sample as they would without it."""
         if any(r.output_token_ids for r in sampling):
             apply_penalties(
                 logits,
@@ -318,16 +323,25 @@ class ModelRunner:
                 [r.params.presence_penalty for r in sampling],
                 [r.params.frequency_penalty for r in sampling],
             )
-        temperatures = [r.params.temperature for r in sampling]
-        if not any(temperatures):  # all greedy: no per-request lists or generators
-            return logits.argmax(dim=-1).tolist()
-        return sample_tokens(
+        generators, setup_errors = [], {}
+        for row, request in enumerate(sampling):
+            try:
+                generators.append(self._generator(request.request_id, request.params))
+            except (RuntimeError, ValueError, OverflowError) as error:  # torch refused the seed
+                generators.append(None)
+                setup_errors[row] = f"seed={request.params.seed!r}: {error}"
+        temperatures = [0 if row in setup_errors else r.params.temperature
+                        for row, r in enumerate(sampling)]  # fmt: skip
+        rows = sample_tokens(
             logits,
             temperatures,
             [r.params.top_k for r in sampling],
             [r.params.top_p for r in sampling],
-            [self._generator(r.request_id, r.params) for r in sampling],
+            generators,
         )
+        for row in setup_errors:
+            rows.token_ids[row] = NO_TOKEN
+        return SampledRows(rows.token_ids, {**rows.errors, **setup_errors})
 
     def _graph_bucket(self, batch: ModelBatch) -> int | None:
         """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk

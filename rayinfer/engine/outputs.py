@@ -6,6 +6,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+class RequestFailedError(RuntimeError):
+    """The engine could not go on with one request (its seed, NaN logits); the others went on."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id!r} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+    def __reduce__(self):  # pickles across Ray with both arguments
+        return type(self), (self.request_id, self.reason)
+
+
 class GeneratedTokens(Sequence):
     """The first `count` tokens of a request's generated list, read when used: a running
     request's output holds this instead of a copy, since copying every generated token into every
@@ -68,7 +80,9 @@ class RequestOutput:
     text: str = ""  # detokenized generated text so far (stop string cut off)
     new_token_ids: list[int] = field(default_factory=list)  # generated in the last step
     new_text: str = ""  # text added in the last step (safe to stream)
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (the engine failed this request alone: see `error`) or
+    # None while running
+    finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With SamplingParams.logprobs: one entry per generated token (like token_ids: a list once
     # finished, a view while running) and the last step's; None otherwise.
@@ -77,6 +91,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, once the request ends (a prefill-only one included):
     # one entry per prompt token, the first's logprob None.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": why, in a sentence
 
     @property
     def finished(self) -> bool:

@@ -33,6 +33,7 @@ class RequestState:
             self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
         self.text = ""
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the engine failed the request (finish_reason "error")
         self._num_tokens_reported = 0
         self._num_chars_reported = 0
 
@@ -93,6 +94,9 @@ class RequestState:
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
 
+    def fail(self, error: str) -> None:
+        self.finish_reason, self.error = "error", error
+
     def take_output(self) -> RequestOutput:
         """The request's state plus what changed since the last call."""
         seq, text = self.seq, self.text
@@ -112,6 +116,7 @@ class RequestState:
             new_text=text[self._num_chars_reported : visible],
             finish_reason=self.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            error=self.error,
         )
         if self.prompt_logprobs is not None and self.finish_reason:
             output.prompt_logprobs = list(self.prompt_logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat `top_logprobs`
+MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED, as vLLM's (a torch generator takes 64 bits)
 
 
 class InvalidRequestError(ValueError):
@@ -13,6 +14,10 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
+
+    def __reduce__(self):  # pickles across Ray with both arguments
+        return type(self), (self.field, self.reason)
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,12 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
             raise InvalidRequestError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequestError("seed", f"seed={self.seed!r} must be in 0..{MAX_SEED}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -4,7 +4,17 @@ whatever else shares its batch)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+NO_TOKEN = -1  # the token of a row whose sampling failed
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+class SampledRows(NamedTuple):
+    token_ids: list[int]  # [B]; NO_TOKEN where the row failed
+    errors: dict[int, str]  # row -> why its token could not be chosen
 
 
 def apply_penalties(
@@ -76,18 +86,47 @@ def sample_tokens(
     top_ks: list[int],  # [B]; -1 is off
     top_ps: list[float],  # [B]; 1.0 is off
     generators: list[torch.Generator | None],  # [B]; CPU generators, None for greedy rows
-) -> list[int]:
-    tokens = logits.argmax(dim=-1).tolist()  # greedy for every row, overwritten when sampling
-    sampled_rows = [row for row, temperature in enumerate(temperatures) if temperature != 0]
-    if not sampled_rows:
-        return tokens
-    # One device-to-host copy for all sampled rows: the generators are per request, on the CPU.
-    host_logits = logits[sampled_rows].float().cpu()  # [S, V]
-    for host_row, row in enumerate(sampled_rows):
-        scaled = host_logits[host_row] / temperatures[row]
-        probs = _filtered_probs(scaled, top_ks[row], top_ps[row])
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-    return tokens
+) -> SampledRows:
+    """The next token of each row. A row whose logits hold a NaN, or whose sampling raises,
+    fails alone: the other rows' tokens are what they would be without it."""
+    greedy = logits.argmax(dim=-1)  # [B]: every row, overwritten when sampling
+    has_nan = logits.isnan().any(dim=-1)  # [B]
+    tokens, nan_rows = torch.stack([greedy, has_nan.to(greedy.dtype)]).tolist()  # one copy
+    errors = {row: "the model's logits hold NaN" for row, bad in enumerate(nan_rows) if bad}
+    sampled_rows = [
+        row
+        for row, temperature in enumerate(temperatures)
+        if temperature != 0 and row not in errors
+    ]
+    if sampled_rows:
+        # One device-to-host copy for all sampled rows: the generators are per request, on the CPU.
+        host_logits = logits[sampled_rows].float().cpu()  # [S, V]
+        for host_row, row in enumerate(sampled_rows):
+            try:
+                tokens[row] = _sample_row(
+                    host_logits[host_row], temperatures[row], top_ks[row], top_ps[row],
+                    generators[row],
+                )  # fmt: skip
+            except RuntimeError as error:  # torch refuses the row's probabilities
+                errors[row] = f"sampling failed: {error}"
+    for row in errors:
+        tokens[row] = NO_TOKEN
+    return SampledRows(tokens, errors)
+
+
+def _sample_row(
+    logits: torch.Tensor,  # [V] float32, on the CPU
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> int:
+    # Shifted so the largest is 0 before dividing (softmax is unchanged by the shift), and the
+    # temperature kept above float32's smallest normal number: a tiny temperature (1e-300, 0 in
+    # float32) then sends the other tokens to -inf instead of making 0/0 or inf - inf NaN.
+    scaled = (logits - logits.max()) / max(temperature, FLOAT32_TINY)
+    probs = _filtered_probs(scaled, top_k, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -185,7 +185,7 @@ class WorkerGroup(Executor):
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)
         self.step_calls.append({"sent": sent, "results": time.monotonic()})
-        tokens_of, logprobs_of, prompt_logprobs = {}, {}, {}
+        tokens_of, logprobs_of, prompt_logprobs, errors = {}, {}, {}, {}
         for rank in leaders:
             sampling = [r.request_id for r in shares[self.placements[rank].dp_rank] if r.samples]
             result = results[rank]
@@ -193,10 +193,11 @@ class WorkerGroup(Executor):
             if result.logprobs is not None:
                 logprobs_of.update(zip(sampling, result.logprobs))
             prompt_logprobs.update(result.prompt_logprobs or {})
+            errors.update(result.errors or {})
         order = [r.request_id for r in batch.requests if r.samples]
         tokens = [tokens_of[request_id] for request_id in order]
         logprobs = [logprobs_of.get(request_id) for request_id in order] if logprobs_of else None
-        return SampledTokens(tokens, logprobs, prompt_logprobs or None)
+        return SampledTokens(tokens, logprobs, prompt_logprobs or None, errors or None)
 
     def _new_blocks_only(
         self, replica: int, requests: list[ScheduledRequest]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
-from rayinfer.layers.sampler import sample_tokens
+from rayinfer.layers.sampler import NO_TOKEN, sample_tokens
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,9 @@ from rayinfer.layers.sampler import sample_tokens
         ({"top_p": 7}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"seed": "x"}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": True}, "seed"),
         ({"stop": [""]}, "stop"),
     ],
 )
@@ -27,6 +30,12 @@ def test_invalid_values_name_their_field(kwargs, field):
         SamplingParams(**kwargs)
     assert error.value.field == field
     assert field in str(error.value)
+
+
+def test_the_seed_range_is_named_in_the_error():
+    with pytest.raises(InvalidRequestError, match=r"seed=-1 must be in 0\.\.9223372036854775807"):
+        SamplingParams(seed=-1)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
 
 
 def test_stop_accepts_a_string_or_a_list():
@@ -40,19 +49,21 @@ def seeded(seed: int) -> torch.Generator:
 
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(3, 50)
-    tokens = sample_tokens(logits, [0.0] * 3, [-1] * 3, [1.0] * 3, [None] * 3)
+    tokens, _ = sample_tokens(logits, [0.0] * 3, [-1] * 3, [1.0] * 3, [None] * 3)
     assert tokens == logits.argmax(-1).tolist()
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():
     logits = torch.randn(4, 50)
-    tokens = sample_tokens(logits, [5.0] * 4, [1] * 4, [1.0] * 4, [seeded(i) for i in range(4)])
+    tokens, _ = sample_tokens(logits, [5.0] * 4, [1] * 4, [1.0] * 4, [seeded(i) for i in range(4)])
     assert tokens == logits.argmax(-1).tolist()
 
 
 def test_tiny_top_p_keeps_only_the_most_likely_token():
     logits = torch.randn(4, 50)
-    tokens = sample_tokens(logits, [1.0] * 4, [-1] * 4, [1e-6] * 4, [seeded(i) for i in range(4)])
+    tokens, _ = sample_tokens(
+        logits, [1.0] * 4, [-1] * 4, [1e-6] * 4, [seeded(i) for i in range(4)]
+    )
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -61,20 +72,42 @@ def test_top_k_limits_the_support():
     allowed = set(logits[0].topk(5).indices.tolist())
     generator = seeded(0)
     for _ in range(200):
-        assert sample_tokens(logits, [2.0], [5], [1.0], [generator])[0] in allowed
+        assert sample_tokens(logits, [2.0], [5], [1.0], [generator]).token_ids[0] in allowed
 
 
 def test_same_seed_samples_the_same_tokens_whatever_the_batch():
     logits = torch.randn(3, 100)
-    alone = [sample_tokens(logits[1:2], [1.0], [-1], [0.9], [g])[0] for g in [seeded(7)] * 5]
+    alone = [sample_tokens(logits[1:2], [1.0], [-1], [0.9], [g]).token_ids[0]
+             for g in [seeded(7)] * 5]  # fmt: skip
     generator = seeded(7)
     batched = [
         sample_tokens(
             logits, [0.0, 1.0, 1.0], [-1] * 3, [1.0, 0.9, 1.0], [None, generator, seeded(i)]
-        )[1]
+        ).token_ids[1]
         for i in range(5)
     ]
     assert alone == batched
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_nan_logits_fails_alone(temperature):
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    generators = [seeded(i) if temperature else None for i in range(3)]
+    alone = [sample_tokens(logits[r : r + 1], [temperature], [-1], [1.0],
+                           [seeded(r) if temperature else None]).token_ids[0]
+             for r in (0, 2)]  # fmt: skip
+    rows = sample_tokens(logits, [temperature] * 3, [-1] * 3, [1.0] * 3, generators)
+    assert list(rows.errors) == [1] and "NaN" in rows.errors[1]
+    assert rows.token_ids == [alone[0], NO_TOKEN, alone[1]]
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / 1e-300 overflows to inf; the sampler divides the logits shifted by their max."""
+    logits = torch.randn(4, 50) * 10
+    rows = sample_tokens(logits, [1e-300] * 4, [-1] * 4, [1.0] * 4, [seeded(i) for i in range(4)])
+    assert rows.errors == {}
+    assert rows.token_ids == logits.argmax(-1).tolist()
 
 
 def test_sampling_follows_the_distribution():
@@ -83,7 +116,7 @@ def test_sampling_follows_the_distribution():
     generator = seeded(0)
     counts = torch.zeros(3)
     for _ in range(3000):
-        counts[sample_tokens(logits, [1.0], [-1], [1.0], [generator])[0]] += 1
+        counts[sample_tokens(logits, [1.0], [-1], [1.0], [generator]).token_ids[0]] += 1
     torch.testing.assert_close(counts / counts.sum(), probs, atol=0.04, rtol=0)
 
 

@@ -128,3 +128,29 @@ def test_an_engine_failure_ends_every_request_and_marks_the_loop_unhealthy(llm):
     assert not loop.is_healthy
     with pytest.raises(RuntimeError, match="engine loop stopped"):
         asyncio.run(final_output(loop, "late", PROMPTS[0], params))
+
+
+def test_a_request_the_engine_fails_raises_request_failed_and_the_loop_goes_on(llm):
+    from dataclasses import replace
+
+    from rayinfer.engine.outputs import RequestFailedError
+
+    loop = new_loop(llm)
+    good = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    bad = replace(good, temperature=0.8)
+    object.__setattr__(bad, "seed", 2**64)  # past validation: torch's manual_seed refuses it
+
+    async def run():
+        return await asyncio.gather(
+            final_output(loop, "bad", PROMPTS[1], bad),
+            final_output(loop, "good", PROMPTS[0], good),
+            return_exceptions=True,
+        )
+
+    failed, completed = asyncio.run(run())
+    assert isinstance(failed, RequestFailedError) and "seed" in failed.reason
+    assert completed.output.token_ids == llm.generate(PROMPTS[0], good)[0].token_ids
+    assert loop.is_healthy
+    after = asyncio.run(final_output(loop, "after", PROMPTS[0], good))
+    assert after.output.finish_reason == "length"
+    loop.stop()

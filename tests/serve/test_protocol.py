@@ -7,15 +7,24 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from ray.exceptions import ActorDiedError
 
 from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.engine_loop import EngineStoppedError
+from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.prompts import PromptBuilder
-from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from rayinfer.deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    client_message,
+)
 from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import GenerateRequest, Timings
-from rayinfer.engine.outputs import Logprob, TokenLogprobs
+from rayinfer.engine.outputs import Logprob, RequestFailedError, TokenLogprobs
+from rayinfer.engine.sampling_params import InvalidRequestError
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
@@ -47,7 +56,17 @@ def error_for(model, body: dict) -> OpenAIError:
             "frequency_penalty",
         ),
         (CompletionRequest, {"prompt": "a", "top_k": 0}, "top_k"),
+        (CompletionRequest, {"prompt": "a", "seed": -1}, "seed"),
+        (CompletionRequest, {"prompt": "a", "seed": 2**63}, "seed"),
         (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),
+        (CompletionRequest, {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CompletionRequest, {"prompt": "a", "stop": "x" * 257}, "stop"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages[0].content"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": None}]},
+            "messages[1].content",
+        ),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
         (CompletionRequest, {"prompt": "a", "logprobs": 6}, "logprobs"),
         (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of"),
@@ -151,10 +170,86 @@ def test_chat_stream_events():
 def test_stream_error_is_reported_in_band_then_done():
     request = CompletionRequest(prompt="x", stream=True, rayinfer_timings=True)
     reply = HttpReply("cmpl-1", "tiny", False, request, 1)
-    bodies = collect_events(reply, deltas_then(RuntimeError("decode replica died")))
+    bodies = collect_events(reply, deltas_then(RequestFailedError("cmpl-1", "NaN logits")))
     assert [b["choices"][0]["text"] for b in bodies[:2]] == ["Hel", "lo"]
-    assert "decode replica died" in bodies[2]["error"]["message"]
+    assert bodies[2]["error"]["message"] == "the engine could not finish this request: NaN logits"
+    assert bodies[2]["error"]["request_id"] == "cmpl-1"
     assert bodies[3]["rayinfer_timings"]["ttft_s"] == 0.5
+
+
+def ray_wrapped(cause: Exception) -> Exception:
+    """What a handle raises for an exception a replica raised: the remote traceback, the pid
+    and colour codes in its text."""
+    from ray.exceptions import RayTaskError
+
+    traceback = "Traceback (most recent call last):\n  File 'engine.py'\nboom"
+    return RayTaskError("prefill", traceback, cause, pid=4321, ip="10.0.0.1").as_instanceof_cause()
+
+
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        (RequestFailedError("r", "seed=3: Overflow"), 500, "could not finish this request: seed"),
+        (InvalidRequestError("seed", "seed=-1 must be in 0..9"), 400, "seed: seed=-1"),
+        (EngineStoppedError("ActorDiedError"), 503, "is being replaced; retry"),
+        (ActorDiedError(), 503, "is being replaced; retry"),
+        (RuntimeError("\x1b[31mpid=7 actor_id=abc\x1b[0m"), 500, "under request id cmpl-9"),
+    ],
+)
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_errors_reach_the_client_without_internals(error, status, message, wrapped, caplog):
+    answer = as_openai_error(ray_wrapped(error) if wrapped else error, "cmpl-9")
+    assert answer.status == status and message in answer.message
+    text = json.dumps(answer.body())
+    for leak in ("Traceback", "actor_id", "pid=", "\x1b", "\\u001b", "10.0.0.1"):
+        assert leak not in text
+    assert answer.body()["error"]["request_id"] == "cmpl-9"
+    if status >= 500:  # the whole error is in the server log, under the request id
+        assert "cmpl-9" in caplog.text and type(error).__name__ in caplog.text
+        assert not wrapped or "pid=4321" in caplog.text
+
+
+def test_client_messages_are_one_short_line_without_escapes():
+    assert client_message("\x1b[1;31mboom\x1b[0m\nTraceback ...") == "boom"
+    assert len(client_message("x" * 5000)) == 500
+
+
+def test_an_empty_body_names_the_routes_required_field():
+    missing_body = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+    error = validation_to_openai(missing_body, "messages", "req-1")
+    assert error.param == "messages" and error.message.startswith("messages: field required")
+    assert error.body()["error"]["request_id"] == "req-1"
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(prompts, monkeypatch):
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(prompts.tokenizer, "encode", no_tokenizing)
+    monkeypatch.setattr(prompts.tokenizer, "encode_chat", no_tokenizing)
+    huge = "fox " * 200_000
+    with pytest.raises(OpenAIError, match="800000 characters cannot fit") as error:
+        prompts.build(CompletionRequest(prompt=huge))
+    assert error.value.param == "prompt"
+    with pytest.raises(OpenAIError) as error:
+        prompts.build(ChatCompletionRequest(messages=[{"role": "user", "content": huge}]))
+    assert error.value.param == "messages"
+
+
+def test_a_long_text_encodes_to_the_same_ids(prompts):
+    from rayinfer.engine.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    text = "The quick brown fox. " * (GIL_FREE_ENCODE_CHARS // 10)
+    backend = prompts.tokenizer.backend
+    assert prompts.tokenizer.encode(text) == backend.encode(text).ids
+
+
+def test_choices_seeds_wrap_past_the_largest():
+    from rayinfer.deployments.choices import choice_params
+    from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
+
+    seeds = [p.seed for p in choice_params(SamplingParams(seed=MAX_SEED - 1), 3)]
+    assert seeds == [MAX_SEED - 1, MAX_SEED, 0]
 
 
 def test_whole_reply_body():
@@ -179,7 +274,7 @@ def test_unknown_routes_answer_with_the_openai_error_body():
 def test_overload_is_503_with_retry_after():
     from ray.serve.exceptions import BackPressureError
 
-    from rayinfer.deployments.ingress import _openai_error
+    from rayinfer.deployments.ingress import error_response
     from rayinfer.deployments.pipeline import _backpressure_as_503
 
     async def full_decode():
@@ -192,7 +287,7 @@ def test_overload_is_503_with_retry_after():
     with pytest.raises(OpenAIError) as caught:
         asyncio.run(drain())
     assert caught.value.status == 503 and caught.value.code == "overloaded"
-    reply = asyncio.run(_openai_error(None, caught.value))
+    reply = error_response(caught.value)
     assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
 
 
@@ -216,9 +311,8 @@ def test_stream_starts_after_the_first_delta_and_closes_the_rest():
         return [d.text async for d in prepend(first, source)]
 
     assert asyncio.run(run()) == ["a", "b"]
-    with pytest.raises(OpenAIError, match="prefill replica died") as caught:
+    with pytest.raises(RuntimeError, match="prefill replica died"):  # the route maps it
         asyncio.run(first_delta(deltas(True)))
-    assert caught.value.status == 500
     assert closed == [False, True]
 
 

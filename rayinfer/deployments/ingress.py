@@ -49,9 +49,8 @@ def request_id_of(request: Request) -> str:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    headers = {"X-Request-Id": error.request_id} if error.request_id else {}
-    if error.status == 503:
-        headers["Retry-After"] = "1"
+    """The error body (its request_id in it: Serve's proxy sets the X-Request-Id header)."""
+    headers = {"Retry-After": "1"} if error.status == 503 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

@@ -2,7 +2,9 @@
 
 Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV object
 before anyone read it, then decodes the hand-off. Prints JSON: the decoded text, whether decode
-reported a recompute, and the greedy text of the same prompt through the normal path.
+reported a recompute, and the greedy text of the same prompt through the normal path. With the
+server's URL as argument, also what an HTTP request answered while the Prefill replica's worker
+was dead (a 5xx: its error body must show no internals).
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ def wait_until_lost(ref, timeout_s: float = 30) -> None:
     raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
 
 
+def first_server_error(url: str, timeout_s: float = 10) -> dict | None:
+    """The first 5xx an HTTP completion gets while the replica is not yet replaced (Serve
+    replaces it after a few failed health checks; from then on requests succeed again)."""
+    import httpx
+
+    body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        if reply.status_code >= 500:
+            return {"status": reply.status_code, "text": reply.text}
+    return None
+
+
 def main() -> None:
     ray.init(address="auto", log_to_driver=False)
     ingress = serve.get_app_handle("default")
@@ -59,6 +75,7 @@ def main() -> None:
     owners = result.handoff.payload.owners
     for owner in owners:
         kill_and_wait(ray.get_actor(owner, namespace="serve"))
+    during_death = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else None
     wait_until_lost(result.handoff.payload.shards[0].ref)
 
     decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)
@@ -75,6 +92,7 @@ def main() -> None:
         "was_recomputed": chunks[0].was_recomputed,
         "reference_text": reference.text,
         "reference_token_ids": reference.token_ids,
+        "http_while_prefill_worker_dead": during_death,
     }
     print(json.dumps(report))
 

@@ -242,7 +242,29 @@ BAD_BODIES = {
         "top_logprobs",
     ),
     "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    "seed=2**64": ("completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    "seed=-1": ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
+    "content null": (
+        "chat",
+        {"messages": [{"role": "user", "content": None}]},
+        "messages[0].content",
+    ),
+    "no content": ("chat", {"messages": [{"role": "system"}]}, "messages[0].content"),
+    "five stops": ("completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
+    "empty body": ("chat", None, "messages"),
+    "200,000 words": ("completions", {"prompt": "fox " * 200_000}, "prompt"),
 }
+LEAKS = ("Traceback", "actor_id", "pid=", "\x1b", "\\u001b")
+
+
+def assert_clean_error(reply: httpx.Response) -> dict:
+    """An OpenAI error body with a short message and the request id, and no internals."""
+    for leak in LEAKS:
+        assert leak not in reply.text, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and len(error["message"]) <= 500 and "\n" not in error["message"]
+    assert error["request_id"].startswith(("req-", "cmpl-", "chatcmpl-"))
+    return error
 
 
 @pytest.mark.parametrize("case", list(BAD_BODIES))
@@ -251,9 +273,22 @@ def test_bad_input_is_400_naming_the_field(server, case):
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
     reply = httpx.post(server.http_url + path, json=body, timeout=30)
     assert reply.status_code == 400, reply.text
-    error = reply.json()["error"]
+    error = assert_clean_error(reply)
     assert error["param"] == field
     assert field in error["message"]
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 + 5, -1])
+def test_a_bad_seed_is_400_and_the_next_request_succeeds(client, seed):
+    """A bad seed once broke the whole engine step and the requests after it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, seed=seed)
+    assert caught.value.body["param"] == "seed"
+    assert f"seed={seed} must be in 0..9223372036854775807" in caught.value.body["message"]
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.8, seed=2**63 - 1
+    )
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
 
 
 def test_malformed_json_and_unknown_model_then_still_serving(server, client):
@@ -354,9 +389,34 @@ def test_decode_replica_death_mid_stream_resumes_elsewhere(server):
     assert report["finish_reason"] == "length"
 
 
+def logged_with_traceback(server, request_id: str) -> bool:
+    """Whether a log of the cluster (serve run's, the replicas') has the id and a traceback."""
+    for path in server.temp_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".err", ".out"):
+            text = path.read_text(errors="replace")
+            if request_id in text and "Traceback" in text[text.index(request_id) :]:
+                return True
+    return False
+
+
 def test_lost_kv_is_recomputed(server, client):
-    output = server.run_python(str(REPO_ROOT / "tests" / "serve" / "lost_kv_client.py"))
+    output = server.run_python(
+        str(REPO_ROOT / "tests" / "serve" / "lost_kv_client.py"), server.http_url
+    )
     report = json.loads(output.strip().splitlines()[-1])
+    # With its one worker dead, the Prefill replica fails requests until it is replaced: a 5xx
+    # whose body names no actor, pid or traceback; the server log has them under the request id.
+    during = report["http_while_prefill_worker_dead"]
+    assert during is not None, "no 5xx while the Prefill replica's worker was dead"
+    reply = httpx.Response(during["status"], text=during["text"])
+    error = assert_clean_error(reply)
+    assert error["type"] == "internal_server_error" or during["status"] == 503
+    assert error["request_id"].startswith("cmpl-")
+    wait_for(
+        lambda: logged_with_traceback(server, error["request_id"]),
+        timeout_s=30,
+        what="the failed request's id and traceback in the server's logs",
+    )
     assert report["was_recomputed"]
     assert report["token_ids"] == report["reference_token_ids"]
     assert report["text"] == report["reference_text"]

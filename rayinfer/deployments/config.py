@@ -185,6 +185,13 @@ class IngressConfig(_Strict):
     max_queued_requests: int = Field(
         1024, ge=1, description="requests waiting for a replica before HTTP answers 503"
     )
+    max_queue_wait_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="longest a new request may be estimated to wait before the engines start "
+        "it (first decode token); beyond it the ingress answers 503 with Retry-After "
+        "(deployments/admission.py). Keep it below clients' timeouts; null: no bound",
+    )
 
 
 def _default_decode() -> PhaseConfig:

@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayinfer.deployments import protocol
+from rayinfer.deployments.admission import Admission
 from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.errors import as_openai_error
@@ -50,7 +51,8 @@ def request_id_of(request: Request) -> str:
 
 def error_response(error: OpenAIError) -> JSONResponse:
     """The error body (its request_id in it: Serve's proxy sets the X-Request-Id header)."""
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+    retry_after_s = error.retry_after_s or 1
+    headers = {"Retry-After": str(retry_after_s)} if error.status == 503 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -90,7 +92,8 @@ class Ingress:
         self.source = source
         self.metrics = ServeMetrics("ingress")
         self.prompts = PromptBuilder(source)
-        self.pipeline = Pipeline(prefill, decode, self.metrics)
+        admission = Admission(self.config.ingress.max_queue_wait_s)
+        self.pipeline = Pipeline(prefill, decode, self.metrics, admission)
 
     # --- HTTP --------------------------------------------------------------------------------
     @app.get("/health")

@@ -19,6 +19,7 @@ import ray
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from rayinfer.deployments.admission import Admission, Refusal
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import DecodeRequest, PrefillRequest, PrefillResult, Timings
@@ -33,6 +34,15 @@ def overloaded(phase: str) -> OpenAIError:
     return OpenAIError(503, f"the {phase} replicas are full; retry shortly", code="overloaded")
 
 
+def refused(refusal: Refusal, max_wait_s: float) -> OpenAIError:
+    message = (
+        f"the server is at capacity: this request would wait about "
+        f"{refusal.estimated_wait_s:.1f} s to start, above its {max_wait_s:g} s bound; retry "
+        f"after {refusal.retry_after_s} s"
+    )
+    return OpenAIError(503, message, code="overloaded", retry_after_s=refusal.retry_after_s)
+
+
 @dataclass
 class Delta:
     text: str
@@ -43,20 +53,38 @@ class Delta:
 
 
 class Pipeline:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, metrics: ServeMetrics):
+    def __init__(
+        self,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        metrics: ServeMetrics,
+        admission: Admission | None = None,
+    ):
+        """admission: which requests are taken (deployments/admission.py; default: all)."""
         self.prefill_handle = prefill
         self.decode_handle = decode.options(stream=True)
         self.metrics = metrics
+        self.admission = admission or Admission(max_wait_s=None)
 
     async def run(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, timings: Timings
     ) -> AsyncIterator[Delta]:
+        """The request's deltas; a request the engines cannot start in time raises a 503 before
+        any work. It waits (for admission) until its first decode token or its finish."""
+        refusal = self.admission.try_admit()
+        if refusal is not None:
+            self.metrics.count_request("shed")
+            raise refused(refusal, self.admission.max_wait_s)
         arrival = time.perf_counter()
         status = "abort"
         last = arrival
         num_generated = 0
+        is_waiting = True
         try:
             async for delta in self._run(request_id, prompt_ids, params, timings):
+                if is_waiting and (num_generated > 0 or delta.finish_reason is not None):
+                    is_waiting = False
+                    self.admission.start()
                 now = time.perf_counter()
                 if num_generated == 0:
                     timings.ttft_s = now - arrival
@@ -71,6 +99,8 @@ class Pipeline:
             status = "error"
             raise
         finally:
+            if is_waiting:
+                self.admission.leave()
             self.metrics.count_request(status)
             self.metrics.add_tokens(len(prompt_ids), num_generated)
 

@@ -47,7 +47,9 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         request_id: str | None = None,
+        retry_after_s: int | None = None,
     ):
+        """retry_after_s: a 503's Retry-After header (default 1)."""
         message = client_message(message)
         super().__init__(message)
         self.status = status
@@ -55,6 +57,7 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.request_id = request_id
+        self.retry_after_s = retry_after_s
 
     @property
     def error_type(self) -> str:

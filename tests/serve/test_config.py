@@ -53,6 +53,7 @@ def test_defaults_are_one_replica_per_phase():
         ({"decode.all_to_all.transport": "nvlink"}, "decode.all_to_all.transport='nvlink'"),
         ({"prefill.all_to_all.dedupe": "true"}, "prefill.all_to_all.dedupe: unknown key"),
         ({"index_cache_dtype": "fp8"}, "index_cache_dtype='fp8'"),
+        ({"ingress.max_queue_wait_s": "0"}, "ingress.max_queue_wait_s='0': Input should be"),
     ],
 )
 def test_invalid_args_name_the_key(args, expected):

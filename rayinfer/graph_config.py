@@ -57,15 +57,6 @@ def graph_blocker(
     return exchange_graph_blocker(all_to_all, prefix)
 
 
-def prefill_graphs_blocker(model: ModelConfig | None) -> str | None:
-    """Why this model's new prompts cannot prefill from graphs, or None: DSA's dense-or-sparse
-    choice and its sparse rows come from the host's prompt lengths (layers/dsa.py; its
-    pure-decode steps replay)."""
-    if model is not None and model.is_dsa:
-        return f"{model.architecture} (DeepSeek Sparse Attention) picks prefill rows on the host"
-    return None
-
-
 def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
     """Why a token exchange with these options cannot be replayed from a graph, or None: the
     deduplicated exchange sizes itself from the routing on the host. (The host-staged transport
@@ -99,8 +90,9 @@ def cuda_graph_config(
     the CPU runs the same padded static-buffer path eagerly (no capture), which tests use.
     max_prefill_tokens: the largest new prompt prefilled from a graph (capped by max_model_len;
     the caller caps it by the step's token budget); 0 captures decode graphs only.
-    model: the model served; new prompts of a DSA model prefill eagerly (prefill_graphs_blocker).
-    """
+    model: the model served; new prompts of a DSA model prefill eagerly (its dense-or-sparse
+    choice and sparse rows come from the host's prompt lengths, layers/dsa.py; its pure-decode
+    steps replay)."""
     if requested not in (None, True, False):
         raise ConfigError(f"{key}={requested!r}; use true, false or auto (None)")
     if max_graph_batch_size < 1:
@@ -115,7 +107,7 @@ def cuda_graph_config(
     enabled = (is_cuda and not blocker) if requested is None else requested
     if not enabled:
         return None
-    if prefill_graphs_blocker(model):
+    if model is not None and model.is_dsa:
         max_prefill_tokens = 0
     return CudaGraphConfig(
         min(max_num_seqs, max_graph_batch_size),

@@ -8,9 +8,9 @@ cached after its latent, `[c_kv | k_pe | index key]`, written in the same step.
 Where a query sees no more than `index_topk` tokens it attends to all of them, so a new prompt
 that short runs MLA's dense expanded prefill (same result, faster). A pure-decode step takes the
 sparse path whatever its lengths, with its rows and context bound made without host lists, so
-decode graphs capture it. GLM-5's "shared" layers run
-no indexer: they reuse the selection of the last "full" layer before them, handed on through
-`ForwardContext.dsa_selection` (one forward's rows, so the two-batch overlap's halves keep theirs).
+decode graphs capture it. GLM-5's "shared" layers run no indexer: they reuse the selection of
+the last "full" layer before them, handed on through `ForwardContext.dsa_selection` (one
+forward's rows, so the two-batch overlap's halves keep theirs).
 """
 
 from __future__ import annotations
@@ -101,12 +101,9 @@ class DSAAttention(MLAAttention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext):
         """positions [T], hidden [T, H] -> [T, H]; writes the tokens' rows into the cache."""
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
-        query = self.q_b_proj(q_resid).view(hidden.shape[0], self.num_local_heads, -1)
+        query, q_resid = self._query(hidden)  # [T, N, Dqk], [T, q_lora_rank]
         q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
-        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)  # [T, L]
+        kv_c, k_pe = self._latent(hidden)  # [T, L], [T, R]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, N, R], [T, R]
         kv_cache, attn = ctx.kv_caches[self.layer_idx], ctx.attn
         index = self.indexer(positions, hidden, q_resid) if self.indexer else None
@@ -122,7 +119,7 @@ class DSAAttention(MLAAttention):
         for seq in dense:
             rows = slice(starts[seq], starts[seq + 1])
             self._attend_expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], out[rows])
-        rows, query_seq = self._sparse_rows(attn, dense, starts, hidden.device)
+        rows, query_seq = self._sparse_rows(attn, dense, hidden.device)
         slots = self._selection(index, rows, query_seq, positions, kv_cache, attn, ctx)
         self._attend_sparse(q_nope[rows], q_pe[rows], kv_cache, slots, out, rows)
         return self.o_proj(out.flatten(1))  # [T, H]
@@ -130,7 +127,7 @@ class DSAAttention(MLAAttention):
     def _dense_seqs(self, attn: AttentionMetadata) -> list[int]:
         """New prompts (no cached prefix) of at most index_topk tokens: every query of theirs
         attends to its whole context, which dense attention over the step's rows computes.
-        None in a pure decode (what CUDA graphs replay: its path must not depend on lengths)."""
+        Empty for a pure decode (what CUDA graphs replay: its path must not depend on lengths)."""
         if attn.is_pure_decode:
             return []
         return [
@@ -140,7 +137,7 @@ class DSAAttention(MLAAttention):
         ]
 
     @staticmethod
-    def _sparse_rows(attn: AttentionMetadata, dense: list[int], starts, device):
+    def _sparse_rows(attn: AttentionMetadata, dense: list[int], device):
         """The rows of every other sequence ([S] int64, or all rows as a slice) and the
         sequence each belongs to ([S] int32). A pure decode's are made on the device, with no
         host list, so a CUDA graph can capture them."""

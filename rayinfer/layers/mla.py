@@ -87,20 +87,28 @@ class MLAAttention(nn.Module):
         )
         self.scale = softmax_scale(self.qk_head_dim, config.rope_scaling)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, N, Dqk]
+    def _query(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, H] -> (query [T, N, Dqk], the query LoRA's normed activations
+        [T, q_lora_rank], which DSA's indexer reads; None without a query LoRA)."""
+        q_resid = None
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
-        return q.view(hidden.shape[0], self.num_local_heads, self.qk_head_dim)
+        return q.view(hidden.shape[0], self.num_local_heads, self.qk_head_dim), q_resid
+
+    def _latent(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (normed latent kv_c [T, L], unroped shared key k_pe [T, R])."""
+        latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(kv_c), k_pe  # the norm reads strided rows
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext):
         """positions [T], hidden [T, H] -> [T, H]; writes the tokens' latents into the cache."""
-        query = self._query(hidden)  # [T, N, Dqk]
+        query, _ = self._query(hidden)  # [T, N, Dqk]
         q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
-        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)  # [T, L] (the norm reads strided rows)
+        kv_c, k_pe = self._latent(hidden)  # [T, L], [T, R]
         kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
         q_pe, k_pe = self.rotary_emb.forward_and_cache(
             positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping

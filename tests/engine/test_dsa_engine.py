@@ -6,20 +6,16 @@ indexer keys it caches with the latents."""
 import pytest
 
 import rayinfer
-from tests.models.harness import make_dsa_checkpoint, make_prompts, run_transformers
+from tests.models.harness import DSA_FAMILIES, make_dsa_checkpoint, make_prompts, run_transformers
 
 NUM_TOKENS = 16
 GREEDY = rayinfer.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-FAMILIES = {
-    "deepseek_v32": dict(n_group=4, topk_group=2),
-    "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
-}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(DSA_FAMILIES))
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    return str(make_dsa_checkpoint(folder, request.param, **FAMILIES[request.param]))
+    return str(make_dsa_checkpoint(folder, request.param, **DSA_FAMILIES[request.param]))
 
 
 @pytest.fixture(scope="module")

@@ -13,22 +13,18 @@ from rayinfer.engine.kv_memory import kv_bytes_per_block
 from rayinfer.kernels import ops
 from rayinfer.kernels.dsa_index_fp8 import quantize_index_keys
 from rayinfer.layers.dsa import LightningIndexer
-from tests.models.harness import make_dsa_checkpoint, make_prompts
+from tests.models.harness import DSA_FAMILIES, make_dsa_checkpoint, make_prompts
 
 NUM_TOKENS = 8
 GREEDY = rayinfer.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-FAMILIES = {
-    "deepseek_v32": dict(n_group=4, topk_group=2),
-    "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
-}
 # float32 rows: 96 latent bytes + 16 + 4 key bytes padded to 128 (32 columns), or 24 + 16
 FP8_ROW, FLOAT32_ROW = 32, 16 + 8 + 16
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(DSA_FAMILIES))
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    return str(make_dsa_checkpoint(folder, request.param, **FAMILIES[request.param]))
+    return str(make_dsa_checkpoint(folder, request.param, **DSA_FAMILIES[request.param]))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 
 import rayinfer
 from tests.models.harness import (
+    DSA_FAMILIES,
     load_rayinfer,
     make_dsa_checkpoint,
     make_prompts,
@@ -46,18 +47,14 @@ SHAPES = dict(
     index_head_dim=64,
     index_n_heads=16,
 )
-FAMILIES = {
-    "deepseek_v32": dict(n_group=4, topk_group=2),
-    "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
-}
 LENGTHS = (7, 40, 130, 300)
 NUM_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(DSA_FAMILIES))
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    return make_dsa_checkpoint(folder, request.param, **SHAPES, **FAMILIES[request.param])
+    return make_dsa_checkpoint(folder, request.param, **SHAPES, **DSA_FAMILIES[request.param])
 
 
 @pytest.fixture(scope="module")

@@ -242,6 +242,14 @@ def assert_matches_transformers(
     return ours
 
 
+# Per DSA family, what its tiny test checkpoints add to TINY_DSA: DeepSeek-V3.2 with
+# group-limited routing, GLM-5 with full and shared indexer layers.
+DSA_FAMILIES = {
+    "deepseek_v32": dict(n_group=4, topk_group=2),
+    "glm_moe_dsa": dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
+}
+
+
 def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
     """A transformers DeepSeek (TINY_MLA with `overrides`) with std-0.1 weights and a random
     non-zero correction bias."""

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.models.loader import load_model
 from tests.models.harness import (
+    DSA_FAMILIES,
     TINY_DSA,
     assert_same_greedy,
     load_rayinfer,
@@ -25,20 +26,15 @@ from tests.models.harness import (
     run_transformers,
 )
 
-CASES = {
-    "v32-grouped": ("deepseek_v32", dict(n_group=4, topk_group=2)),
-    "glm-shared": (
-        "glm_moe_dsa",
-        dict(n_group=1, topk_group=1, indexer_types=["full", "shared", "full"]),
-    ),
-}
+CASES = {"v32-grouped": "deepseek_v32", "glm-shared": "glm_moe_dsa"}
 PROMPT_LENGTHS = (5, 11, 3, 17)  # shorter and longer than index_topk
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
-    model_type, overrides = CASES[request.param]
-    return make_dsa_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    model_type = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return make_dsa_checkpoint(folder, model_type, **DSA_FAMILIES[model_type])
 
 
 PROMPTS = make_prompts(TINY_DSA["vocab_size"], lengths=PROMPT_LENGTHS)

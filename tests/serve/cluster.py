@@ -178,6 +178,19 @@ class ServeCluster:
         with urllib.request.urlopen(self.http_url + path, timeout=30) as response:
             return json.loads(response.read())
 
+    def __enter__(self) -> ServeCluster:
+        """`with ServeCluster(args) as cluster:` starts it, and stops it however the block
+        ends (a failed start included)."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.serve_process is not None and self.serve_process.poll() is None:
             self.serve_process.terminate()

@@ -38,12 +38,9 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(folder):
-    cluster = ServeCluster([f"model={folder}", "served_model_name=glm5", "max_model_len=256"])
-    try:
-        cluster.start()
+    app_args = [f"model={folder}", "served_model_name=glm5", "max_model_len=256"]
+    with ServeCluster(app_args) as cluster:
         yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
-    finally:
-        cluster.stop()
 
 
 def test_completions_equal_the_offline_engine(client, folder):

@@ -31,12 +31,8 @@ CLIENT_TIMEOUT_S = 40
 
 @pytest.fixture(scope="module")
 def server():
-    cluster = ServeCluster(APP_ARGS)
-    try:
-        cluster.start()
+    with ServeCluster(APP_ARGS) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def body(index: int, stream: bool) -> dict:

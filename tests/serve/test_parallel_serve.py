@@ -25,12 +25,8 @@ APP_ARGS = [
 
 @pytest.fixture(scope="module")
 def server():
-    cluster = ServeCluster(APP_ARGS, num_cpus=6)
-    try:
-        cluster.start()
+    with ServeCluster(APP_ARGS, num_cpus=6) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_parallel_plans_answer_like_the_offline_engine(server):

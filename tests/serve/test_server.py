@@ -35,12 +35,8 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def server():
-    cluster = ServeCluster(APP_ARGS)
-    try:
-        cluster.start()
+    with ServeCluster(APP_ARGS) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

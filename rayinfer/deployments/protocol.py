@@ -92,6 +92,11 @@ def client_message(text: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False,
+        description="extension (vLLM's): every chunk carries the usage so far, so a client sees "
+        "each token arrive even when its text is empty",
+    )
 
 
 class SamplingFields(BaseModel):
@@ -152,6 +157,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_chunk_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(

@@ -108,12 +108,13 @@ class HttpReply:
         as the last one. Counts the generated tokens into `num_tokens`."""
         try:
             if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""})
+                yield self._with_chunk_usage(self._chunk({"role": "assistant", "content": ""}))
             echo = self.echo_text
             async for delta in deltas:
                 self.num_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(self._echoed_logprobs(delta) + (delta.logprobs or []))
-                yield self._chunk(echo + delta.text, delta.finish_reason, logprobs)
+                chunk = self._chunk(echo + delta.text, delta.finish_reason, logprobs)
+                yield self._with_chunk_usage(chunk)
                 echo = ""
         except Exception as error:  # the stream already started: report in-band, then end
             yield as_openai_error(error, self.request_id).body()
@@ -138,6 +139,14 @@ class HttpReply:
                 self.request_id, self.model, delta, finish_reason, logprobs
             )
         body["choices"][0]["index"] = self.index
+        return body
+
+    def _with_chunk_usage(self, body: dict) -> dict:
+        """With `stream_options.continuous_usage_stats` (as vLLM's), the chunk carries this
+        choice's usage so far: a token whose text is empty (part of a character, a special
+        token) still shows as `completion_tokens` going up."""
+        if self.request.include_chunk_usage:
+            body["usage"] = protocol.usage_body(self.num_prompt_tokens, self.num_tokens)
         return body
 
     def _echoed_logprobs(self, delta: Delta) -> list:

@@ -167,6 +167,31 @@ def test_chat_stream_events():
     assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
 
 
+async def deltas_with_an_empty_text():
+    yield Delta("", [9], None)  # e.g. the first byte of a character: no text yet
+    yield Delta("é", [10], "length")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_counts_every_token_even_an_empty_one(chat):
+    fields = CHAT if chat else {"prompt": "x"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    request = (ChatCompletionRequest if chat else CompletionRequest)(
+        **fields, stream=True, stream_options=options
+    )
+    reply = HttpReply("id-1", "tiny", chat, request, 3)
+    bodies = collect_events(reply, deltas_with_an_empty_text())
+    counts = [b["usage"]["completion_tokens"] for b in bodies]
+    assert counts == ([0, 1, 2, 2] if chat else [1, 2, 2])  # role chunk, tokens, usage chunk
+    assert bodies[-1]["choices"] == []
+
+
+def test_usage_only_at_the_end_without_continuous_usage():
+    request = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
+    bodies = collect_events(HttpReply("id-1", "tiny", False, request, 3), deltas_then())
+    assert ["usage" in b for b in bodies] == [False, False, False, True]
+
+
 def test_stream_error_is_reported_in_band_then_done():
     request = CompletionRequest(prompt="x", stream=True, rayinfer_timings=True)
     reply = HttpReply("cmpl-1", "tiny", False, request, 1)

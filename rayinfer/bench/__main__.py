@@ -8,7 +8,8 @@ import sys
 
 COMMANDS = {
     "engine": "offline engine prefill and decode tokens/s",
-    "serve": "concurrent HTTP requests against a running server (vllm bench serve style)",
+    "serve": "streaming HTTP requests against a running server (vllm bench serve style)",
+    "throughput": "the serve bench's requests through the offline engine, all at once",
     "comm": "all-to-all schedules and transports against NCCL",
     "kernels": "Triton kernels against their torch baselines",
     "parallel": "prefill/decode per parallel plan across GPUs vs transformers on one GPU",
@@ -19,7 +20,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        lines = [f"  {name:8s} {what}" for name, what in COMMANDS.items()]
+        lines = [f"  {name:12s} {what}" for name, what in COMMANDS.items()]
         print("usage: python -m rayinfer.bench COMMAND [options]\n" + "\n".join(lines))
         return 2
     module = importlib.import_module(f"rayinfer.bench.{argv[0]}")

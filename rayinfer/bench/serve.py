@@ -1,12 +1,27 @@
-"""Concurrent streaming requests against a running server, reported as `vllm bench serve` does
-(request throughput, input/output tokens/s, TTFT, TPOT and ITL at mean/P50/P95/P99), plus the KV
-hand-off: bytes per request, export and import times, and the export's share of TTFT.
+"""Streaming requests against a running OpenAI-compatible server, reported as `vllm bench serve`
+does: request throughput, input/output tokens/s, TTFT, TPOT, ITL and end-to-end latency at
+mean/P50/P95/P99, goodput under SLOs; against rayinfer also the KV hand-off (bytes, export and
+import times, the export's share of TTFT).
 
     serve run rayinfer.app:build &
-    python -m rayinfer.bench serve --url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 8
+    python -m rayinfer.bench serve --num-prompts 64 --max-concurrency 16
+    python -m rayinfer.bench serve --request-rate 1,2,4,inf --goodput ttft:2000 tpot:50 \\
+        --json sweep.json --plot sweep.png
+    transformers serve --port 8001 &
+    python -m rayinfer.bench serve --url http://127.0.0.1:8001 --backend transformers \\
+        --model /path/to/checkpoint
 
-Prompts are random words (seeded) so the prefix cache cannot serve them; token counts come from
-the server's `usage`. Each request sets `ignore_eos` so it generates exactly `--output-len` tokens.
+Arrivals: `--request-rate R` sends requests as a Poisson process of R requests/s (exponential
+gaps from the seeded RNG; `--burstiness B` makes them gamma with shape B); `inf`, the default,
+sends them all at once. `--max-concurrency N` caps the requests in flight whatever the rate; by
+default there is no cap (as vllm bench serve). A list of rates runs one pass per rate, each on
+fresh prompts (seed, seed+1, ...) so the server's prefix cache cannot serve a later pass.
+
+Every request is greedy and generates exactly its output length (`ignore_eos`; for transformers
+serve, `min_new_tokens` in its `generation_config`). TTFT is taken at the first chunk that
+carries a generated token, even one with empty text (rayinfer/bench/serve_client.py). Datasets
+and how lengths count tokens: rayinfer/bench/serve_dataset.py. The offline engine on the same
+prompts: `python -m rayinfer.bench throughput`.
 """
 
 from __future__ import annotations
@@ -14,230 +29,200 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import aiohttp
 
-WORDS = (
-    "river mountain garden window teacher market bread apple cheese music letter light engine "
-    "cloud winter summer forest library station train city ocean silver paper story number "
-    "people morning evening kitchen coffee butter orange planet galaxy telescope desert village"
-).split()
-PERCENTILES = (50, 95, 99)
+from rayinfer.bench.serve_client import BACKENDS, ENDPOINTS, request_body, send_one
+from rayinfer.bench.serve_dataset import (
+    WORDS,
+    SampleRequest,
+    add_dataset_args,
+    build_requests,
+    check_dataset_args,
+    load_tokenizer,
+)
+from rayinfer.bench.serve_metrics import (
+    format_report,
+    format_sweep,
+    parse_goodput,
+    plot_sweep,
+    summarize,
+)
+
+NUM_WARMUP_WORDS = 64  # the warm-up prompt, which also measures the server's tokens per word
 
 
-@dataclass
-class RequestResult:
-    ok: bool
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    chunk_gaps_s: list[float] = field(default_factory=list)  # between streamed chunks
-    kv_export_s: float = 0.0
-    kv_import_s: float = 0.0
-    kv_bytes: float = 0.0
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--request-rate {text!r}: use numbers or inf, e.g. 1,2,4,inf") from None
+    if any(rate <= 0 for rate in rates):
+        raise SystemExit(f"--request-rate {text!r}: every rate must be > 0 (inf: all at once)")
+    return rates
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m rayinfer.bench serve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m rayinfer.bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=128, help="words per prompt")
-    parser.add_argument("--output-len", type=int, default=32, help="tokens per reply")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model", default=None, help="the request's model (default: the first of /v1/models)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="rayinfer",
+        help="the server's dialect: rayinfer and vllm take ignore_eos and count tokens on every "
+        "chunk; openai sends no extension; transformers: `transformers serve`",
+    )
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
+    parser.add_argument(
+        "--request-rate",
+        type=parse_rates,
+        default=[math.inf],
+        help="requests/s, Poisson arrivals; a list (1,2,4,inf) runs a sweep; inf: all at once",
+    )
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="default: no cap")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:50 e2el:10000",
+    )
+    add_dataset_args(parser)
+    parser.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="random prompts as text even where token ids would do (to send a peer that takes "
+        "only text the same prompts)",
+    )
     parser.add_argument("--timeout-s", type=float, default=600, help="per request")
     parser.add_argument("--json", default=None, help="write the results to this file")
-    return parser.parse_args(argv)
+    parser.add_argument("--plot", default=None, help="write throughput and TTFT to this PNG")
+    args = parser.parse_args(argv)
+    check_dataset_args(args)
+    args.goodput = parse_goodput(args.goodput)
+    if args.burstiness <= 0:
+        raise SystemExit(f"--burstiness={args.burstiness} must be > 0")
+    return args
 
 
-def make_prompts(num: int, num_words: int, seed: int) -> list[str]:
+def arrival_times(num: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send times in seconds from the pass's start: the first at 0, then gaps drawn from a gamma
+    distribution of mean 1/rate and shape `burstiness` (1: exponential, a Poisson process)."""
+    if math.isinf(rate):
+        return [0.0] * num
     rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=num_words)) for _ in range(num)]
+    times, now = [], 0.0
+    for _ in range(num):
+        times.append(now)
+        now += rng.gammavariate(burstiness, 1 / (rate * burstiness))
+    return times
 
 
 async def first_model(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(f"{url}/v1/models") as reply:
         reply.raise_for_status()
-        return (await reply.json())["data"][0]["id"]
+        models = (await reply.json())["data"]
+    if not models:
+        raise SystemExit(f"{url}/v1/models lists no model; name one with --model")
+    return models[0]["id"]
 
 
-async def send_one(session, url: str, model: str, prompt: str, args) -> RequestResult:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": args.output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "rayinfer_timings": True,
-    }
-    result = RequestResult(ok=False)
+async def run_pass(session, args, model: str, requests: list[SampleRequest], rate: float):
+    """One pass at one request rate: (results in request order, duration in seconds)."""
+    send_at = arrival_times(len(requests), rate, args.seed, args.burstiness)
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     start = time.perf_counter()
-    last_chunk_at: float | None = None
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as reply:
-            if reply.status != 200:
-                result.error = f"HTTP {reply.status}: {await reply.text()}"
-                return result
-            async for raw_line in reply.content:
-                line = raw_line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                last_chunk_at = record_event(result, json.loads(line[6:]), start, last_chunk_at)
-                if result.error:
-                    return result
-    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-        result.error = repr(error)
-        return result
-    result.latency_s = time.perf_counter() - start
-    result.ok = result.output_tokens > 0
-    return result
+
+    async def timed(request: SampleRequest, at_s: float):
+        await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - start)))
+        if limit is not None:
+            await limit.acquire()
+        try:
+            sent_s = time.perf_counter() - start
+            body = request_body(request, model, args.endpoint, args.backend)
+            result = await send_one(session, args.url, body, request, args.endpoint)
+            result.sent_s = sent_s
+            return result
+        finally:
+            if limit is not None:
+                limit.release()
+
+    results = await asyncio.gather(*(timed(r, t) for r, t in zip(requests, send_at)))
+    return list(results), time.perf_counter() - start
 
 
-def record_event(result: RequestResult, event: dict, start: float, last: float | None):
-    """Fold one SSE event into result; returns when the last text chunk arrived."""
-    now = time.perf_counter()
-    if "error" in event:
-        result.error = event["error"]["message"]
-    if event.get("choices") and event["choices"][0].get("text"):
-        if last is None:
-            result.ttft_s = now - start
-        else:
-            result.chunk_gaps_s.append(now - last)
-        last = now
-    if event.get("usage"):
-        result.prompt_tokens = event["usage"]["prompt_tokens"]
-        result.output_tokens = event["usage"]["completion_tokens"]
-    timings = event.get("rayinfer_timings") or {}
-    result.kv_export_s = timings.get("kv_export_s", result.kv_export_s)
-    result.kv_import_s = timings.get("kv_import_s", result.kv_import_s)
-    result.kv_bytes = timings.get("kv_bytes", result.kv_bytes)
-    return last
+async def warm_up(session, args, model: str) -> float:
+    """One request outside the timing; returns the server's words per token (1.0 if unknown)."""
+    text = " ".join(random.Random(args.seed - 1).choices(WORDS, k=NUM_WARMUP_WORDS))
+    request = SampleRequest(text, NUM_WARMUP_WORDS, 4)
+    body = request_body(request, model, args.endpoint, args.backend)
+    result = await send_one(session, args.url, body, request, args.endpoint)
+    if not result.ok:
+        raise SystemExit(f"the warm-up request failed: {result.error}")
+    return NUM_WARMUP_WORDS / result.prompt_tokens if result.prompt_tokens else 1.0
 
 
-async def run(args) -> tuple[list[RequestResult], float, str]:
+async def run(args) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model or await first_model(session, args.url)
-        prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-        await send_one(session, args.url, model, prompts[0], args)  # warm-up, not counted
-        limit = asyncio.Semaphore(args.max_concurrency)
-
-        async def limited(prompt):
-            async with limit:
-                return await send_one(session, args.url, model, prompt, args)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
-        return list(results), time.perf_counter() - start, model
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def latency_stats(name: str, values_s: list[float]) -> dict[str, float]:
-    values_ms = [v * 1000 for v in values_s]
-    stats = {f"mean_{name}_ms": sum(values_ms) / len(values_ms) if values_ms else float("nan")}
-    for q in PERCENTILES:
-        stats[f"p{q}_{name}_ms"] = percentile(values_ms, q)
-    return stats
-
-
-def summarize(results: list[RequestResult], duration_s: float) -> dict[str, float]:
-    done = [r for r in results if r.ok]
-    input_tokens = sum(r.prompt_tokens for r in done)
-    output_tokens = sum(r.output_tokens for r in done)
-    summary = {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "duration_s": duration_s,
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration_s,
-        "input_throughput": input_tokens / duration_s,
-        "output_throughput": output_tokens / duration_s,
-        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-    }
-    summary |= latency_stats("ttft", [r.ttft_s for r in done])
-    summary |= latency_stats("tpot", [r.tpot_s for r in done if r.tpot_s is not None])
-    summary |= latency_stats("itl", [gap for r in done for gap in r.chunk_gaps_s])
-    summary |= latency_stats("kv_export", [r.kv_export_s for r in done])
-    summary |= latency_stats("kv_import", [r.kv_import_s for r in done])
-    shares = [r.kv_export_s / r.ttft_s for r in done if r.ttft_s > 0]
-    summary["mean_kv_bytes"] = sum(r.kv_bytes for r in done) / max(len(done), 1)
-    summary["mean_handoff_share_of_ttft_pct"] = 100 * sum(shares) / max(len(shares), 1)
-    summary["p50_handoff_share_of_ttft_pct"] = 100 * percentile(shares, 50)
-    return summary
-
-
-def format_report(s: dict[str, float]) -> str:
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-
-    def row(label: str, value, digits: int = 2) -> None:
-        text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-        lines.append(f"{label:<40}{text:<10}")
-
-    row("Successful requests:", s["completed"])
-    row("Failed requests:", s["failed"])
-    row("Benchmark duration (s):", s["duration_s"])
-    row("Total input tokens:", s["total_input_tokens"])
-    row("Total generated tokens:", s["total_output_tokens"])
-    row("Request throughput (req/s):", s["request_throughput"])
-    row("Input token throughput (tok/s):", s["input_throughput"])
-    row("Output token throughput (tok/s):", s["output_throughput"])
-    row("Total Token throughput (tok/s):", s["total_token_throughput"])
-    sections = (
-        ("Time to First Token", "ttft", "TTFT"),
-        ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-        ("Inter-token Latency", "itl", "ITL"),
-        ("KV hand-off export (prefill, in TTFT)", "kv_export", "export"),
-        ("KV hand-off import (decode)", "kv_import", "import"),
-    )
-    for title, key, short in sections:
-        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        row(f"Mean {short} (ms):", s[f"mean_{key}_ms"])
-        for q in PERCENTILES:
-            row(f"P{q} {short} (ms):", s[f"p{q}_{key}_ms"])
-    lines.append("{s:{c}^{n}}".format(s="KV hand-off through the object store", n=50, c="-"))
-    row("Mean KV bytes per request:", s["mean_kv_bytes"], 0)
-    row("Mean hand-off share of TTFT (%):", s["mean_handoff_share_of_ttft_pct"])
-    row("Median hand-off share of TTFT (%):", s["p50_handoff_share_of_ttft_pct"])
-    lines.append("=" * 50)
-    return "\n".join(lines)
+        tokenizer = load_tokenizer(args.tokenizer or args.model or model)
+        as_text = args.text_prompts or args.endpoint == "chat" or args.backend == "transformers"
+        words_per_token = await warm_up(session, args, model)
+        passes = []
+        for index, rate in enumerate(args.request_rate):
+            requests = build_requests(args, args.seed + index, tokenizer, as_text,
+                                      1.0 if tokenizer else words_per_token)  # fmt: skip
+            results, duration_s = await run_pass(session, args, model, requests, rate)
+            summary = summarize(results, duration_s, args.goodput)
+            passes.append({"request_rate": rate, "seed": args.seed + index,
+                           "summary": summary, "results": results})  # fmt: skip
+            title = f"Serving Benchmark Result (rate {rate:g} req/s)"
+            print(format_report(summary, title, args.goodput), flush=True)
+    return {"model": model, "has_client_tokenizer": tokenizer is not None, "passes": passes}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results, duration_s, model = asyncio.run(run(args))
-    summary = summarize(results, duration_s)
-    print(format_report(summary))
-    errors = sorted({r.error for r in results if not r.ok})
+    record = asyncio.run(run(args))
+    passes = record["passes"]
+    if len(passes) > 1:
+        print(format_sweep(passes))
+    errors = sorted({r.error for p in passes for r in p["results"] if not r.ok})
     for error in errors[:5]:
         print(f"error: {error}")
+    for p in passes:
+        p["requests"] = [asdict(r) | {"tpot_s": r.tpot_s} for r in p.pop("results")]
+    if args.plot:
+        plot_sweep(passes, args.plot)
     if args.json:
-        record = {"model": model, "args": vars(args), "summary": summary}
-        record["requests"] = [asdict(r) for r in results]
+        record["args"] = vars(args)
         with open(args.json, "w") as out:
-            json.dump(record, out, indent=1)
+            json.dump(strict_json(record), out, indent=1)
     return 0 if not errors else 1
+
+
+def strict_json(value):
+    """JSON has no inf or NaN: a rate of inf is written "inf", a statistic of no values null."""
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value

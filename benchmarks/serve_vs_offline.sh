@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# `serve run rayinfer.app:build` against the offline engine on the same prompts (issue 28), then
+# optionally `transformers serve` with the same client, and a table of ratios last:
+#   1. offline: `python -m rayinfer.bench throughput` (all requests at once, --seed 0);
+#   2. `serve run rayinfer.app:build model=$MODEL "$@"`, then `python -m rayinfer.bench serve` at
+#      concurrency 16 (--seed 0: the offline run's prompts) and 64 (--seed 1: fresh prompts, so
+#      the server's prefix cache cannot serve them), then a Poisson sweep over $RATES with goodput;
+#   3. with WITH_TRANSFORMERS=1: rayinfer at concurrency 16 on text prompts (--seed 50), then
+#      `transformers serve` on the same folder, same client, same prompts.
+# Arguments go to `build`, e.g. `disaggregate=false load_format=dummy` or `disaggregate=true`;
+# with load_format=dummy the offline engine draws random weights too (transformers serve needs
+# real weights in the folder: without *.safetensors it is skipped). Run through the device tool
+# with carry [".device"] (the Ray bundle, see shared/device/README.md); results under $OUT:
+#   MODEL=/path/to/ckpt bash benchmarks/serve_vs_offline.sh disaggregate=false load_format=dummy
+# transformers serve needs `accelerate` (it loads with a device map); 5.24's continuous batching
+# failed on a DeepSeek-V3 (MLA) checkpoint on the CPU, so TRANSFORMERS_ARGS may need to drop it.
+set -uo pipefail
+[ -n "${NO_BUNDLE:-}" ] || source .device/ray/use-ray-bundle.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp}
+: "${MODEL:?set MODEL to a checkpoint folder}"
+NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-3700} OUTPUT_LEN=${OUTPUT_LEN:-128}
+RATES=${RATES:-1,2,4,8,inf} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
+OFFLINE_ARGS=${OFFLINE_ARGS:---max-num-batched-tokens 8192}
+TRANSFORMERS_ARGS=${TRANSFORMERS_ARGS:---continuous-batching --dtype bfloat16}
+PORT=8000 TF_PORT=8001
+DATASET=(--num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL")
+LOAD_FORMAT=safetensors
+for arg in "$@"; do [ "$arg" = load_format=dummy ] && LOAD_FORMAT=dummy; done
+SERVE=(serve)
+command -v serve >/dev/null || SERVE=(python -c 'import sys; from ray.serve.scripts import cli; sys.argv[0] = "serve"; cli()')
+bench() {  # bench NAME URL [bench args...]: one `bench serve` run, its JSON at $OUT/NAME.json
+  local name=$1 url=$2; shift 2
+  echo "== $name"
+  timeout "${BENCH_TIMEOUT:-900}" python -m rayinfer.bench serve --url "$url" "${DATASET[@]}" \
+    --json "$OUT/$name.json" "$@" 2>&1 | grep -e "throughput" -e "Mean T" -e "P95 TTFT" \
+    -e "Successful" -e "Failed" -e "rate req/s" -e "^ *[0-9.inf]* |" -e "error" -e "plot"
+}
+wait_up() {  # wait_up URL SECONDS
+  for _ in $(seq 1 "$2"); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
+  echo "no server at $1 after $2 s"; return 1
+}
+
+echo "== offline engine ($LOAD_FORMAT weights)"
+# shellcheck disable=SC2086
+timeout "${OFFLINE_TIMEOUT:-900}" python -m rayinfer.bench throughput --model "$MODEL" \
+  --load-format "$LOAD_FORMAT" "${DATASET[@]}" --seed 0 $OFFLINE_ARGS --json "$OUT/offline.json" \
+  2>&1 | grep -e "throughput" -e "Mean T" -e "Successful" -e "Error" | head -12
+
+timeout "${SERVE_TIMEOUT:-2400}" "${SERVE[@]}" run rayinfer.app:build model="$MODEL" "$@" \
+  >"$OUT/serve_vs_offline_serve.log" 2>&1 &
+if wait_up "http://127.0.0.1:$PORT" "${UP_TIMEOUT:-600}"; then
+  URL=http://127.0.0.1:$PORT
+  bench serve_c16 "$URL" --max-concurrency 16 --seed 0
+  bench serve_c64 "$URL" --max-concurrency 64 --seed 1
+  # shellcheck disable=SC2086
+  bench serve_sweep "$URL" --request-rate "$RATES" --seed 10 --goodput $GOODPUT \
+    --plot "$OUT/serve_sweep.png"
+  [ -n "${WITH_TRANSFORMERS:-}" ] && bench serve_c16_text "$URL" --max-concurrency 16 --seed 50 --text-prompts
+else
+  tail -40 "$OUT/serve_vs_offline_serve.log"
+fi
+"${SERVE[@]}" shutdown -y >/dev/null 2>&1 || true
+
+if [ -n "${WITH_TRANSFORMERS:-}" ]; then
+  if ! ls "$MODEL"/*.safetensors >/dev/null 2>&1; then
+    echo "== transformers serve skipped: $MODEL has no *.safetensors (load_format=dummy?)"
+  elif ! python -c "import accelerate" 2>/dev/null; then
+    echo "== transformers serve skipped: it needs accelerate (pip install accelerate)"
+  else
+    # shellcheck disable=SC2086
+    timeout "${SERVE_TIMEOUT:-2400}" transformers serve --port "$TF_PORT" --device cuda \
+      $TRANSFORMERS_ARGS >"$OUT/serve_vs_offline_transformers.log" 2>&1 &
+    TF_PID=$!
+    if wait_up "http://127.0.0.1:$TF_PORT" 300; then
+      bench transformers_c16 "http://127.0.0.1:$TF_PORT" --backend transformers --model "$MODEL" \
+        --max-concurrency 16 --seed 50
+    fi
+    kill "$TF_PID" 2>/dev/null
+    grep -iE "error|continuous batching" "$OUT/serve_vs_offline_transformers.log" | head -5
+  fi
+fi
+
+echo "== ratios"
+python - "$OUT" <<'EOF'
+import json, pathlib, sys
+
+out = pathlib.Path(sys.argv[1])
+def summary(name):
+    path = out / f"{name}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return record["summary"] if "summary" in record else record["passes"][0]["summary"]
+
+def ratio(a, b, key, invert=False):
+    if not a or not b or not a.get(key) or not b.get(key):
+        return "n/a"
+    return f"{(b[key] / a[key]) if invert else (a[key] / b[key]):.2f}x"
+
+offline = summary("offline")
+rows = [("serve c16 / offline", summary("serve_c16"), offline),
+        ("serve c64 / offline", summary("serve_c64"), offline),
+        ("transformers c16 / rayinfer c16 (text)", summary("transformers_c16"),
+         summary("serve_c16_text"))]
+print(f"{'':40} {'input tok/s':>12} {'output tok/s':>13} {'P50 TPOT':>9} {'P50 TTFT':>9}")
+for label, a, b in rows:
+    if a is None or b is None:
+        continue
+    print(f"{label:40} {ratio(a, b, 'input_throughput'):>12} {ratio(a, b, 'output_throughput'):>13} "
+          f"{ratio(a, b, 'p50_tpot_ms'):>9} {ratio(a, b, 'p50_ttft_ms'):>9}")
+sweep = out / "serve_sweep.json"
+if sweep.is_file():
+    for p in json.loads(sweep.read_text())["passes"]:
+        s = p["summary"]
+        print(f"rate {p['request_rate']:>5}: {s['request_throughput']:.2f} req/s, goodput "
+              f"{100 * s['goodput_fraction']:.0f}% ({s['request_goodput']:.2f} req/s), "
+              f"P95 TTFT {s['p95_ttft_ms']:.0f} ms")
+EOF

@@ -1,0 +1,99 @@
+"""The serve bench's requests through the offline engine, all at once (as `vllm bench
+throughput`): requests/s, input and output tokens/s, and each request's TTFT and TPOT counted
+from the start. Same dataset flags and seed as `python -m rayinfer.bench serve`, so both see the
+same prompts (a serve pass at --seed S sends what this sends at --seed S).
+
+    python -m rayinfer.bench throughput --model DIR --num-prompts 64 --input-len 3700 \\
+        --output-len 128 --max-num-batched-tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rayinfer import LLM, SamplingParams
+from rayinfer.bench.serve import strict_json
+from rayinfer.bench.serve_client import RequestResult, mark_token
+from rayinfer.bench.serve_dataset import add_dataset_args, build_requests, check_dataset_args
+from rayinfer.bench.serve_metrics import format_report, summarize
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m rayinfer.bench throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--load-format", default="safetensors", help="dummy: random weights")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    add_dataset_args(parser)
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    args = parser.parse_args(argv)
+    check_dataset_args(args)
+    return args
+
+
+def make_llm(args) -> LLM:
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer if args.tokenizer != "tiny" else None,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
+    )
+
+
+def run_all(llm: LLM, requests, tag: str) -> tuple[list[RequestResult], float]:
+    """Every request added at once, then engine steps until all finish; times from the start."""
+    results = {f"{tag}-{i}": RequestResult() for i in range(len(requests))}
+    start = time.perf_counter()
+    for request_id, request in zip(results, requests):
+        params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
+        llm.engine.add_request(request_id, request.prompt, params)
+    unfinished = set(results)
+    while unfinished:
+        for output in llm.engine.step():
+            result = results.get(output.request_id)
+            if result is None or output.request_id not in unfinished:
+                continue
+            now = time.perf_counter() - start
+            if output.new_token_ids:
+                mark_token(result, now)
+            if output.finished:
+                unfinished.discard(output.request_id)
+                result.ok = output.finish_reason in ("stop", "length")
+                result.error = output.error or ""
+                result.latency_s = now
+                result.prompt_tokens = len(output.prompt_token_ids)
+                result.output_tokens = len(output.token_ids)
+    return list(results.values()), time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    llm = make_llm(args)
+    requests = build_requests(args, args.seed, llm.tokenizer)
+    warmup = build_requests(args, args.seed - 1, llm.tokenizer)[:2]
+    run_all(llm, warmup, "warmup")  # compiles, captures graphs; not counted
+    results, duration_s = run_all(llm, requests, "timed")
+    summary = summarize(results, duration_s)
+    print(format_report(summary, f"Offline engine ({args.model}, all at once)"))
+    if args.json:
+        record = {"model": args.model, "args": vars(args), "summary": summary}
+        with open(args.json, "w") as out:
+            json.dump(strict_json(record), out, indent=1)
+    return 0 if summary["failed"] == 0 else 1

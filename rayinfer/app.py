@@ -1,11 +1,17 @@
-"""`serve run rayinfer.app:build [key=value ...]`: the disaggregated prefill/decode server.
+"""`serve run rayinfer.app:build [key=value ...]`: the MoE server on Ray Serve.
 
     serve run rayinfer.app:build
     serve run rayinfer.app:build model=/path/to/checkpoint decode.autoscaling.max_replicas=2
+    serve run rayinfer.app:build disaggregate=false engine.max_num_batched_tokens=8192
 
-Three deployments: `Ingress` (OpenAI API over HTTP, Python-handle API), `Prefill` and `Decode`,
-each replica of the last two holding its own WorkerGroup; they autoscale independently.
-Arguments are validated by `AppConfig` (rayinfer/deployments/config.py).
+Disaggregated (`disaggregate=true`): three deployments, `Ingress` (OpenAI API over HTTP,
+Python-handle API), `Prefill` and `Decode`, each replica of the last two holding its own
+WorkerGroup; they autoscale independently and the KV moves between them through the object
+store. Colocated (`disaggregate=false`): `Ingress` and `Engine`, whose replicas prefill and
+decode in mixed batches. `auto` (the default) is colocated where the two phases would share GPUs
+(gpu_sharing.serves_disaggregated). Arguments are validated by `AppConfig`
+(rayinfer/deployments/config.py); the checks of a phase's section (plan, FP8 weights, GPU
+shares) apply to the sections the chosen mode serves with.
 """
 
 from __future__ import annotations
@@ -14,57 +20,73 @@ from typing import Any
 
 from ray.serve import Application
 
-from rayinfer.deployments.config import AppConfig, PhaseConfig
-from rayinfer.deployments.gpu_sharing import resolve_gpu_shares
+from rayinfer.deployments.config import (
+    COLOCATED_PHASES,
+    DISAGGREGATED_PHASES,
+    AppConfig,
+    PhaseConfig,
+)
+from rayinfer.deployments.gpu_sharing import resolve_gpu_shares, serves_disaggregated
 from rayinfer.deployments.runtime import ModelSource, available_gpus, uses_gpus
 from rayinfer.workers.group import REPLICA_CPUS, placement_bundles
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
     from rayinfer.deployments.decode import Decode
+    from rayinfer.deployments.engine import Engine
     from rayinfer.deployments.ingress import Ingress
     from rayinfer.deployments.prefill import Prefill
 
     config = AppConfig.from_args(args)
     source = ModelSource.resolve(config)
     model_config = source.model_config.with_index_cache_dtype(config.index_cache_dtype)
-    config.prefill.plan.check_fits(model_config, "prefill")
-    config.decode.plan.check_fits(model_config, "decode")
-    check_phase_fp8_weights(config, model_config, source.path)
     use_gpus = uses_gpus(config)
+    num_gpus = available_gpus() if use_gpus else 0
+    disaggregate = serves_disaggregated(config, use_gpus, num_gpus)
+    phases = DISAGGREGATED_PHASES if disaggregate else COLOCATED_PHASES
+    config = AppConfig.model_validate({**config.model_dump(), "disaggregate": disaggregate})
+    for phase in phases:
+        getattr(config, phase).plan.check_fits(model_config, phase)
+    check_phase_fp8_weights(config, model_config, source.path, phases)
     if use_gpus:
-        config = resolve_gpu_shares(config, available_gpus())
+        config = resolve_gpu_shares(config, num_gpus, phases)
     config_dict = config.model_dump()
-    prefill = Prefill.options(**phase_options(config, config.prefill, use_gpus)).bind(
-        config_dict, source
-    )
-    decode = Decode.options(**phase_options(config, config.decode, use_gpus)).bind(
-        config_dict, source
-    )
+    deployments = {"prefill": Prefill, "decode": Decode, "engine": Engine}
+    handles = {
+        phase: deployments[phase]
+        .options(**phase_options(config, getattr(config, phase), use_gpus))
+        .bind(config_dict, source)
+        for phase in phases
+    }
     ingress_options = dict(
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return Ingress.options(**ingress_options).bind(config_dict, source, prefill, decode)
+    return Ingress.options(**ingress_options).bind(config_dict, source, **handles)
 
 
-def check_phase_fp8_weights(config: AppConfig, model_config, path) -> None:
-    """Each phase with fp8_weights on: a checkpoint with FP8 weights and a tp keeping blocks
-    whole (ConfigError naming `<phase>.fp8_weights` and `<phase>.tp`), before any replica starts."""
+def check_phase_fp8_weights(
+    config: AppConfig, model_config, path, phases: tuple[str, ...] = DISAGGREGATED_PHASES
+) -> None:
+    """Each served phase with fp8_weights on: a checkpoint with FP8 weights (unless its weights
+    are drawn, load_format=dummy) and a tp keeping blocks whole (ConfigError naming
+    `<phase>.fp8_weights` and `<phase>.tp`), before any replica starts."""
     from rayinfer.models.fp8 import check_fp8_weights
     from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
 
-    for phase in ("prefill", "decode"):
+    for phase in phases:
         phase_config: PhaseConfig = getattr(config, phase)
         if phase_config.uses_fp8_weights(config.fp8_weights):
             key = f"{phase}.fp8_weights" if phase_config.fp8_weights else "fp8_weights"
             check_fp8_weights(model_config, phase_config.tp, key, f"{phase}.tp")
-            check_has_fp8_weights(checkpoint_files(path), path, key)
+            if config.load_format != "dummy":
+                check_has_fp8_weights(checkpoint_files(path), path, key)
 
 
 def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict[str, Any]:
-    """Serve options of a Prefill or Decode deployment: its worker bundles and autoscaling."""
+    """Serve options of a Prefill, Decode or Engine deployment: its worker bundles and
+    autoscaling."""
     return dict(
         max_ongoing_requests=phase.max_ongoing_requests,
         max_queued_requests=phase.max_queued_requests,

@@ -374,9 +374,14 @@ class KVMemoryConfig:
     max_model_len: int  # the cache must hold at least one sequence this long
     max_num_seqs: int = 1  # rows of logits the profiling step computes
     key: str = "gpu_memory_utilization"  # how errors name the setting (`decode.` in Serve)
+    # The worker's share of its GPU (Serve's gpus_per_worker): below 1 the budget is this share
+    # of the GPU minus the worker's own usage, not the whole GPU minus everything in use.
+    gpu_share: float = 1.0
 
     def __post_init__(self):
         check_gpu_memory_utilization(self.gpu_memory_utilization, self.key)
+        if not 0 < self.gpu_share <= 1:
+            raise ConfigError(f"gpu_share={self.gpu_share} must be a fraction in (0, 1]")
         for key in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be positive")

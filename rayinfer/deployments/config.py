@@ -24,6 +24,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def parse_bool_or_auto(value: Any) -> bool | str:
+    """CLI strings and YAML values alike: true/false (1/0, on/off, yes/no) or auto."""
+    if isinstance(value, bool) or value is None:
+        return "auto" if value is None else value
+    words = {"true": True, "1": True, "on": True, "yes": True, "false": False, "0": False,
+             "off": False, "no": False, "auto": "auto"}  # fmt: skip
+    parsed = words.get(str(value).strip().lower())
+    if parsed is None:
+        raise ValueError("use true, false or auto")
+    return parsed
+
+
 class AutoscalingConfig(_Strict):
     """Serve's `autoscaling_config` for one deployment; on one machine the default is 1 replica."""
 
@@ -88,7 +100,8 @@ class AllToAllConfig(_Strict):
 
 
 class PhaseConfig(_Strict):
-    """One phase (prefill or decode): its workers per replica, batching limits and autoscaling."""
+    """One phase (prefill, decode, or the colocated engine that does both): its workers per
+    replica, batching limits and autoscaling."""
 
     tp: int = Field(1, ge=1, description="tensor-parallel workers per replica")
     dp: int = Field(1, ge=1, description="data-parallel attention workers per replica")
@@ -114,9 +127,10 @@ class PhaseConfig(_Strict):
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks per replica")
     gpu_memory_utilization: float | None = Field(
         None,
-        description="size the KV cache to fill this fraction in (0, 1] of each GPU's memory "
-        "(after a profiling step); default: max(4 x max_model_len, 16384) tokens. "
-        "num_kv_blocks wins when both are set; needs whole GPUs per worker",
+        description="on GPUs, size the KV cache to fill this fraction in (0, 1] of each "
+        "worker's GPU memory (after a profiling step; default 0.9): of the whole GPU, or of its "
+        "gpus_per_worker share when workers share one. num_kv_blocks wins when set; on the CPU "
+        "the cache holds max(4 x max_model_len, 16384) tokens",
     )
     cpus_per_worker: float = Field(
         0.5, gt=0, description="CPUs a worker reserves on a machine without GPUs"
@@ -135,7 +149,8 @@ class PhaseConfig(_Strict):
         None,
         ge=0,
         description="longest new prompt (tokens per replica) prefilled from a CUDA graph, capped "
-        "by max_num_batched_tokens; 0: none; default: 8192 for the prefill phase, 0 for decode",
+        "by max_num_batched_tokens; 0: none; default: 8192 for the prefill and engine phases, 0 "
+        "for decode",
     )
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
@@ -146,15 +161,7 @@ class PhaseConfig(_Strict):
     @field_validator("cuda_graphs", mode="before")
     @classmethod
     def _parse_cuda_graphs(cls, value: Any) -> bool | str:
-        """CLI strings and YAML values alike: true/false (1/0, on/off, yes/no) or auto."""
-        if isinstance(value, bool) or value is None:
-            return "auto" if value is None else value
-        words = {"true": True, "1": True, "on": True, "yes": True, "false": False, "0": False,
-                 "off": False, "no": False, "auto": "auto"}  # fmt: skip
-        parsed = words.get(str(value).strip().lower())
-        if parsed is None:
-            raise ValueError("use true, false or auto")
-        return parsed
+        return parse_bool_or_auto(value)
 
     @field_validator("gpu_memory_utilization")
     @classmethod
@@ -198,6 +205,23 @@ def _default_decode() -> PhaseConfig:
     return PhaseConfig(max_ongoing_requests=128, max_num_seqs=128, max_num_batched_tokens=1024)
 
 
+def _default_engine() -> PhaseConfig:
+    """Decode's batch width with the offline engine's 8192-token prefill budget: a colocated
+    replica runs mixed steps of both."""
+    return PhaseConfig(max_ongoing_requests=128, max_num_seqs=128, max_num_batched_tokens=8192)
+
+
+DISAGGREGATED_PHASES = ("prefill", "decode")
+COLOCATED_PHASES = ("engine",)
+
+
+def phases_of(disaggregate: bool | str) -> tuple[str, ...]:
+    """The config sections a mode serves with ('auto': either pair, until resolved at build)."""
+    if disaggregate == "auto":
+        return DISAGGREGATED_PHASES + COLOCATED_PHASES
+    return DISAGGREGATED_PHASES if disaggregate else COLOCATED_PHASES
+
+
 class AppConfig(_Strict):
     """Everything `rayinfer.app.build` accepts."""
 
@@ -218,18 +242,45 @@ class AppConfig(_Strict):
         "('fp8_e4m3', the production format: 132 bytes per token and layer instead of 256 in "
         "bf16); both phases share it, as the KV hand-off moves whole cache rows",
     )
+    load_format: Literal["safetensors", "dummy"] = Field(
+        "safetensors",
+        description="dummy: random weights instead of the checkpoint's safetensors (a folder "
+        "with config.json is enough; for benchmarks), as LLM(load_format=...)",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="longest prompt plus output")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")
     enable_prefix_caching: bool = True
     health_check_period_s: float = Field(10.0, gt=0, description="how often replicas are probed")
-    prefill: PhaseConfig = Field(default_factory=PhaseConfig)
-    decode: PhaseConfig = Field(default_factory=_default_decode)
+    disaggregate: bool | Literal["auto"] = Field(
+        "auto",
+        description="true: Prefill and Decode deployments (the KV handed off between them); "
+        "false: one Engine deployment whose replicas prefill and decode in mixed batches "
+        "(the `engine` section); auto: colocated where prefill's and decode's workers at "
+        "their minimum replicas need more GPUs than the cluster has (they would share GPUs), "
+        "else disaggregated, and disaggregated on machines without GPUs",
+    )
+    prefill: PhaseConfig = Field(
+        default_factory=PhaseConfig, description="the Prefill deployment (disaggregated)"
+    )
+    decode: PhaseConfig = Field(
+        default_factory=_default_decode, description="the Decode deployment (disaggregated)"
+    )
+    engine: PhaseConfig = Field(
+        default_factory=_default_engine,
+        description="the colocated Engine deployment (disaggregate=false): one worker per GPU, "
+        "prefill graphs as the prefill phase's, decode graphs as decode's",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @field_validator("disaggregate", mode="before")
+    @classmethod
+    def _parse_disaggregate(cls, value: Any) -> bool | str:
+        return parse_bool_or_auto(value)
 
     @model_validator(mode="after")
     def _check_plans(self) -> AppConfig:
-        for phase in ("prefill", "decode"):
+        for phase in phases_of(self.disaggregate):
             phase_config: PhaseConfig = getattr(self, phase)
             try:
                 phase_config.plan  # noqa: B018  (constructing the plan validates it)
@@ -243,9 +294,6 @@ class AppConfig(_Strict):
                     f"{phase}.cuda_graphs=true cannot capture this forward: {blocker}; or use "
                     "false or auto"
                 )
-            shares_gpus = (phase_config.gpus_per_worker or 1.0) < 1
-            if phase_config.gpu_memory_utilization is not None and shares_gpus:
-                raise ValueError(gpu_sharing_conflict(phase, phase_config.gpus_per_worker))
         return self
 
     @classmethod
@@ -256,15 +304,6 @@ class AppConfig(_Strict):
             return cls.model_validate(nested)
         except ValidationError as error:
             raise ConfigError(describe_validation_error(error, cls)) from None
-
-
-def gpu_sharing_conflict(phase: str, gpus_per_worker: float) -> str:
-    """Why a phase sizing its cache from GPU memory cannot share GPUs."""
-    return (
-        f"{phase}.gpu_memory_utilization needs whole GPUs per worker, but {phase}.gpus_per_worker"
-        f"={gpus_per_worker:g}: workers sharing a GPU start together and would each count on the "
-        f"same free memory; set {phase}.num_kv_blocks instead, or give each worker a GPU"
-    )
 
 
 def nest_dotted_keys(args: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The Ingress deployment: the OpenAI-compatible HTTP API and the Python-handle API.
 
 It tokenizes (applying the chat template), checks the request against the model, runs it through
-Prefill then Decode (`Pipeline`) and streams the detokenized text as SSE or returns it whole.
+Prefill then Decode, or through one colocated Engine (deployments/pipeline.py), and streams the
+detokenized text as SSE or returns it whole.
 """
 
 import asyncio
@@ -22,7 +23,13 @@ from rayinfer.deployments.choices import choice_params, stream_of_choices, whole
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.metrics import ServeMetrics
-from rayinfer.deployments.pipeline import Pipeline, first_delta, prepend
+from rayinfer.deployments.pipeline import (
+    ColocatedPipeline,
+    DisaggregatedPipeline,
+    Pipeline,
+    first_delta,
+    prepend,
+)
 from rayinfer.deployments.prompts import PromptBuilder
 from rayinfer.deployments.protocol import (
     ChatCompletionRequest,
@@ -33,9 +40,7 @@ from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import GenerateChunk, GenerateRequest, GenerateResponse, Timings
 
-app = FastAPI(
-    title="rayinfer", description="OpenAI-compatible API over disaggregated prefill/decode"
-)
+app = FastAPI(title="rayinfer", description="OpenAI-compatible API over MoE engines on Ray Serve")
 
 
 REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -86,14 +91,24 @@ async def _unexpected(request: Request, error: Exception) -> JSONResponse:
 @serve.ingress(app)
 class Ingress:
     def __init__(
-        self, config: dict, source: ModelSource, prefill: DeploymentHandle, decode: DeploymentHandle
+        self,
+        config: dict,
+        source: ModelSource,
+        prefill: DeploymentHandle | None = None,
+        decode: DeploymentHandle | None = None,
+        engine: DeploymentHandle | None = None,
     ):
+        """Disaggregated: the prefill and decode handles; colocated: the engine's alone."""
         self.config = AppConfig.model_validate(config)
         self.source = source
         self.metrics = ServeMetrics("ingress")
         self.prompts = PromptBuilder(source)
         admission = Admission(self.config.ingress.max_queue_wait_s)
-        self.pipeline = Pipeline(prefill, decode, self.metrics, admission)
+        self.pipeline: Pipeline = (
+            ColocatedPipeline(engine, self.metrics, admission)
+            if engine is not None
+            else DisaggregatedPipeline(prefill, decode, self.metrics, admission)
+        )
 
     # --- HTTP --------------------------------------------------------------------------------
     @app.get("/health")

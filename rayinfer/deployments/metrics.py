@@ -1,6 +1,7 @@
 """rayinfer's Serve metrics, through `ray.util.metrics` (Prometheus: `ray_rayinfer_*`).
 
-Every metric is tagged with `phase` (ingress, prefill or decode) so the dashboard can split them.
+Every metric is tagged with `phase` (ingress, prefill, decode or the colocated engine) so the
+dashboard can split them.
 Create one `ServeMetrics` per replica; metric objects are cheap handles onto Ray's metrics agent.
 """
 
@@ -32,6 +33,12 @@ METRICS = {
     "queue_length": ("gauge", "rayinfer_queue_length", "Requests waiting in an engine.", ()),
     "running_requests": ("gauge", "rayinfer_running_requests", "Requests an engine runs.", ()),
     "kv_cache_usage": ("gauge", "rayinfer_kv_cache_usage", "KV cache blocks in use (0..1).", ()),
+    "kv_cache_capacity_tokens": (
+        "gauge",
+        "rayinfer_kv_cache_capacity_tokens",
+        "Tokens one replica's KV cache holds (all its data-parallel partitions).",
+        (),
+    ),
     "kv_handoff_bytes": (
         "counter",
         "rayinfer_kv_handoff_bytes",
@@ -81,10 +88,13 @@ class ServeMetrics:
     def count_request(self, status: str) -> None:
         self.requests.inc(1, tags={**self.tags, "status": status})
 
-    def observe_engine(self, num_waiting: int, num_running: int, kv_usage: float) -> None:
+    def observe_engine(
+        self, num_waiting: int, num_running: int, kv_usage: float, kv_capacity_tokens: int
+    ) -> None:
         self.queue_length.set(num_waiting, tags=self.tags)
         self.running_requests.set(num_running, tags=self.tags)
         self.kv_cache_usage.set(kv_usage, tags=self.tags)
+        self.kv_cache_capacity_tokens.set(kv_capacity_tokens, tags=self.tags)
 
     def observe_handoff(self, seconds: float, num_bytes: int = 0) -> None:
         self.kv_handoff_seconds.observe(seconds, tags=self.tags)

@@ -1,11 +1,12 @@
-"""One request's path through the disaggregated server: prefill, hand-off, decode stream.
+"""One request's path through the server: prefill, hand-off and decode stream (disaggregated),
+or one engine stream that does both (colocated).
 
-Yields text deltas as they become safe to show. A prefill replica that dies is retried once on
-another replica. A decode replica that dies mid-stream is resumed once on another one from the
-tokens already sent: the sent tokens join the prompt (greedy output continues exactly; a stop
-string spanning the cut is not matched). Any other decode failure ends the stream with the error,
-never a hang. Leaving the iterator early (client disconnect) cancels the decode stream, which
-aborts the request there.
+Yields text deltas as they become safe to show. A prefill replica (or a colocated engine replica
+before its first token) that dies is retried once on another replica. A decode or engine replica
+that dies mid-stream is resumed once on another one from the tokens already sent: the sent tokens
+join the prompt (greedy output continues exactly; a stop string spanning the cut is not matched).
+Any other failure ends the stream with the error, never a hang. Leaving the iterator early
+(client disconnect) cancels the replica's stream, which aborts the request there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from ray.serve.handle import DeploymentHandle
 from rayinfer.deployments.admission import Admission, Refusal
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.protocol import OpenAIError
-from rayinfer.deployments.types import DecodeRequest, PrefillRequest, PrefillResult, Timings
+from rayinfer.deployments.types import (
+    DecodeChunk,
+    DecodeRequest,
+    EngineRequest,
+    PrefillRequest,
+    PrefillResult,
+    Timings,
+)
 from rayinfer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,16 +61,11 @@ class Delta:
 
 
 class Pipeline:
-    def __init__(
-        self,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
-        metrics: ServeMetrics,
-        admission: Admission | None = None,
-    ):
+    """What both modes share: admission, the ingress's metrics and the resume after a replica
+    died mid-stream. A subclass's `_attempt` runs the request once on the engines."""
+
+    def __init__(self, metrics: ServeMetrics, admission: Admission | None = None):
         """admission: which requests are taken (deployments/admission.py; default: all)."""
-        self.prefill_handle = prefill
-        self.decode_handle = decode.options(stream=True)
         self.metrics = metrics
         self.admission = admission or Admission(max_wait_s=None)
 
@@ -105,7 +108,7 @@ class Pipeline:
             self.metrics.add_tokens(len(prompt_ids), num_generated)
 
     async def _run(self, request_id, prompt_ids, params, timings: Timings) -> AsyncIterator[Delta]:
-        """Prefill then decode; if the decode replica dies mid-stream, resume once elsewhere."""
+        """One attempt; if its replica dies mid-stream, resume once elsewhere."""
         sent: list[int] = []  # token ids already given to the caller
         try:
             async for delta in self._attempt(request_id, prompt_ids, params, timings):
@@ -116,8 +119,9 @@ class Pipeline:
             if not sent:
                 raise
             logger.warning(
-                "decode of %s died after %d tokens (%r); resuming", request_id, len(sent), error
-            )
+                "the replica streaming %s died after %d tokens (%r); resuming",
+                request_id, len(sent), error,
+            )  # fmt: skip
         remaining = params.max_tokens - len(sent)
         if remaining <= 0:
             yield Delta("", [], "length")
@@ -128,6 +132,24 @@ class Pipeline:
             f"{request_id}-resumed", prompt_ids + sent, resumed, timings
         ):
             yield delta
+
+    def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
+        raise NotImplementedError
+
+
+class DisaggregatedPipeline(Pipeline):
+    """Prefill on a Prefill replica, then the hand-off streamed by a Decode replica."""
+
+    def __init__(
+        self,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        metrics: ServeMetrics,
+        admission: Admission | None = None,
+    ):
+        super().__init__(metrics, admission)
+        self.prefill_handle = prefill
+        self.decode_handle = decode.options(stream=True)
 
     async def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
         start = time.perf_counter()
@@ -143,18 +165,11 @@ class Pipeline:
         yield Delta(result.first_text, [result.first_token_id], None, first_logprobs,
                     result.prompt_logprobs)  # fmt: skip
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
-        finished = False
-        try:
-            async for chunk in _backpressure_as_503(stream, "decode"):
-                if chunk.kv_import_s is not None:
-                    timings.kv_import_s = chunk.kv_import_s
-                    timings.was_recomputed = chunk.was_recomputed
-                finished = chunk.finish_reason is not None
-                yield Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason,
-                            chunk.new_logprobs)  # fmt: skip
-        finally:
-            if not finished:
-                stream.cancel()
+        async for chunk in _chunks(stream, "decode"):
+            if chunk.kv_import_s is not None:
+                timings.kv_import_s = chunk.kv_import_s
+                timings.was_recomputed = chunk.was_recomputed
+            yield delta_of(chunk)
 
     async def _prefill(self, request: PrefillRequest) -> PrefillResult:
         try:
@@ -164,6 +179,65 @@ class Pipeline:
         except REPLICA_GONE_ERRORS as error:
             logger.warning("prefill of %s failed (%r); retrying once", request.request_id, error)
             return await self.prefill_handle.prefill.remote(request)
+
+
+class ColocatedPipeline(Pipeline):
+    """The whole request streamed by one Engine replica (prefill and decode in mixed batches)."""
+
+    def __init__(
+        self, engine: DeploymentHandle, metrics: ServeMetrics, admission: Admission | None = None
+    ):
+        super().__init__(metrics, admission)
+        self.engine_handle = engine.options(stream=True)
+
+    async def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
+        request = EngineRequest(request_id, prompt_ids, params)
+        start = time.perf_counter()
+        stream, first = await self._start(request)
+        timings.prefill_s = time.perf_counter() - start
+        async for chunk in _chunks(stream, "engine", first):
+            yield delta_of(chunk)
+
+    async def _start(self, request: EngineRequest):
+        """The engine stream and its first chunk (the prefill's token); a replica gone before
+        it is retried once, as a prefill is."""
+        try:
+            return await _first_chunk(self.engine_handle.generate.remote(request))
+        except REPLICA_GONE_ERRORS as error:
+            logger.warning("engine of %s failed (%r); retrying once", request.request_id, error)
+            return await _first_chunk(self.engine_handle.generate.remote(request))
+
+
+async def _first_chunk(stream) -> tuple[object, DecodeChunk]:
+    try:
+        return stream, await anext(stream)
+    except BackPressureError:
+        raise overloaded("engine") from None
+    except BaseException:
+        stream.cancel()
+        raise
+
+
+async def _chunks(stream, phase: str, first: DecodeChunk | None = None):
+    """A replica's stream (after its `first` chunk, when already read); cancelled there unless
+    it ran to its last chunk."""
+    finished = False
+    try:
+        if first is not None:
+            finished = first.finish_reason is not None
+            yield first
+        if not finished:
+            async for chunk in _backpressure_as_503(stream, phase):
+                finished = chunk.finish_reason is not None
+                yield chunk
+    finally:
+        if not finished:
+            stream.cancel()
+
+
+def delta_of(chunk: DecodeChunk) -> Delta:
+    return Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason,
+                 chunk.new_logprobs, chunk.prompt_logprobs)  # fmt: skip
 
 
 async def _backpressure_as_503(stream, phase: str):

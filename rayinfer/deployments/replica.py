@@ -1,8 +1,10 @@
-"""What a Prefill or Decode replica shares: its engine, the loop thread, metrics, health."""
+"""What a Prefill, Decode or Engine replica shares: its engine, the loop thread, metrics,
+health, and the start-up line saying how many tokens its KV cache holds."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from ray import serve
@@ -10,7 +12,9 @@ from ray import serve
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineLoop
 from rayinfer.deployments.metrics import ServeMetrics
-from rayinfer.deployments.runtime import ModelSource, build_engine
+from rayinfer.deployments.runtime import ModelSource, build_engine, kv_capacity
+
+logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
 GAUGE_REFRESH_S = 0.5
 
@@ -36,6 +40,8 @@ class PhaseReplica:
         self.metrics = ServeMetrics(self.phase)
         name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
         self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)
+        self.kv_capacity = kv_capacity(self.config, source, self.phase, self.engine)
+        logger.info("%s", self.kv_capacity.describe(self.phase))
         self._num_kv_recomputes = 0
         self._steps_reported = dict(self.workers.step_counts)  # mode -> steps already counted
         self._last_report = 0.0
@@ -48,7 +54,10 @@ class PhaseReplica:
             return
         self._last_report = now
         stats = self.loop.stats()
-        self.metrics.observe_engine(stats["num_waiting"], stats["num_running"], stats["kv_usage"])
+        self.metrics.observe_engine(
+            stats["num_waiting"], stats["num_running"], stats["kv_usage"],
+            self.kv_capacity.num_tokens,
+        )  # fmt: skip
         new_recomputes = stats["num_kv_recomputes"] - self._num_kv_recomputes
         if new_recomputes:
             self.metrics.kv_recomputes.inc(new_recomputes, tags=self.metrics.tags)

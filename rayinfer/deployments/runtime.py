@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig, SchedulerConfig
 from rayinfer.deployments.config import AppConfig, PhaseConfig
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.model_source import DTYPES, resolve_model_path
+from rayinfer.engine.model_source import DTYPES, resolve_dtype, resolve_model_path
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
 from rayinfer.graph_config import (
     DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
@@ -19,6 +21,7 @@ from rayinfer.workers.group import WorkerGroup
 from rayinfer.workers.worker import WorkerSpec
 
 MAX_DEFAULT_MODEL_LEN = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of each worker's GPU (share), as vLLM's default
 
 
 @dataclass(frozen=True)
@@ -104,15 +107,6 @@ def build_engine(
     scheduler_config = SchedulerConfig(
         phase_config.max_num_seqs, phase_config.max_num_batched_tokens, source.max_model_len
     )
-    kv_memory = None  # num_kv_blocks, when given, wins
-    if phase_config.gpu_memory_utilization is not None and phase_config.num_kv_blocks is None:
-        kv_memory = KVMemoryConfig(
-            phase_config.gpu_memory_utilization,
-            phase_config.max_num_batched_tokens,
-            source.max_model_len,
-            phase_config.max_num_seqs,
-            key=f"{phase}.gpu_memory_utilization",
-        )
     use_gpus = uses_gpus(config)
     spec = WorkerSpec(
         model_config=model_config,
@@ -124,7 +118,8 @@ def build_engine(
         two_batch_overlap=phase_config.two_batch_overlap,
         all_to_all=phase_config.all_to_all.options(),
         cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len, model_config),
-        kv_memory=kv_memory,
+        load_format=config.load_format,
+        kv_memory=kv_memory_config(phase_config, phase, use_gpus, source.max_model_len),
         fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),
     )
     group = WorkerGroup(
@@ -139,6 +134,71 @@ def build_engine(
     return engine, group
 
 
+def kv_memory_config(
+    phase_config: PhaseConfig, phase: str, use_gpus: bool, max_model_len: int
+) -> KVMemoryConfig | None:
+    """How a replica's workers size their KV cache: None keeps the CacheConfig's count
+    (num_kv_blocks when given, which wins; on the CPU max(4 x max_model_len, 16384) tokens);
+    on GPUs from memory, `gpu_memory_utilization` (default 0.9, as vLLM) of each worker's share
+    of its GPU (engine/kv_memory.py)."""
+    if phase_config.num_kv_blocks is not None or not use_gpus:
+        return None
+    return KVMemoryConfig(
+        phase_config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+        phase_config.max_num_batched_tokens,
+        max_model_len,
+        phase_config.max_num_seqs,
+        key=f"{phase}.gpu_memory_utilization",
+        gpu_share=phase_config.gpus_per_worker or 1.0,
+    )
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What a replica's KV cache holds, for its start-up log line and the capacity gauge."""
+
+    num_blocks: int  # per data-parallel partition
+    num_partitions: int
+    block_size: int
+    bytes_per_token: int  # every layer's cache row of one token, on one worker
+    rule: str  # how the block count was decided
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size * self.num_partitions
+
+    def describe(self, phase: str) -> str:
+        partitions = f" x {self.num_partitions} partitions" if self.num_partitions > 1 else ""
+        return (
+            f"{phase} KV cache: {self.num_blocks} blocks{partitions} of {self.block_size} tokens "
+            f"= {self.num_tokens} tokens, {self.bytes_per_token} bytes per token per worker; "
+            f"{self.rule}"
+        )
+
+
+def kv_capacity(
+    config: AppConfig, source: ModelSource, phase: str, engine: LLMEngine
+) -> KVCapacity:
+    """The capacity of a built replica's cache (the engine holds the count its workers chose)."""
+    from rayinfer.engine.kv_memory import kv_bytes_per_block
+
+    phase_config: PhaseConfig = getattr(config, phase)
+    use_gpus = uses_gpus(config)
+    memory = kv_memory_config(phase_config, phase, use_gpus, source.max_model_len)
+    if phase_config.num_kv_blocks is not None:
+        rule = f"{phase}.num_kv_blocks={phase_config.num_kv_blocks}"
+    elif memory is None:
+        rule = f"max(4 x max_model_len, 16384) tokens (max_model_len={source.max_model_len})"
+    else:
+        share = f" of a {memory.gpu_share:g} GPU share" if memory.gpu_share < 1 else ""
+        rule = f"{memory.key}={memory.gpu_memory_utilization:g}{share}, after a profiling step"
+    dtype = resolve_dtype(DTYPES.get(config.dtype), torch.device("cuda" if use_gpus else "cpu"))
+    cache = engine.cache_config
+    bytes_per_token = kv_bytes_per_block(engine.model_config, phase_config.tp, dtype.itemsize, 1)
+    num_partitions = engine.executor.num_kv_partitions
+    return KVCapacity(cache.num_blocks, num_partitions, cache.block_size, bytes_per_token, rule)
+
+
 def phase_graphs(
     phase_config: PhaseConfig,
     phase: str,
@@ -148,12 +208,13 @@ def phase_graphs(
 ) -> CudaGraphConfig | None:
     """The phase's graphs; `auto` captures them on GPUs where the forward can be captured
     (graph_config.graph_blocker). The decode phase replays its decode steps; the prefill phase,
-    whose replicas stop after the first token, its new prompts (and one decode bucket of 1)."""
+    whose replicas stop after the first token, its new prompts (and one decode bucket of 1); a
+    colocated engine both."""
     requested = None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs
     is_prefill = phase == "prefill"
     prefill_tokens = phase_config.max_graph_prefill_tokens
-    if prefill_tokens is None:
-        prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if is_prefill else 0
+    if prefill_tokens is None:  # a colocated engine prefills too
+        prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if phase != "decode" else 0
     return cuda_graph_config(
         requested,
         is_cuda=use_gpus,

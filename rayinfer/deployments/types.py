@@ -100,13 +100,25 @@ class DecodeRequest:
 
 
 @dataclass
+class EngineRequest:
+    """A whole request for a colocated Engine replica: it prefills and decodes it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
 class DecodeChunk:
+    """What a Decode (or colocated Engine) replica streams: the tokens of one engine step."""
+
     new_text: str
     new_token_ids: list[int]
     finish_reason: str | None
     kv_import_s: float | None = None  # set on the first chunk
     was_recomputed: bool = False  # the KV was lost and decode recomputed the prompt
     new_logprobs: list | None = None  # engine.outputs.TokenLogprobs of new_token_ids, if asked
+    prompt_logprobs: list | None = None  # an Engine's first chunk, with prompt_logprobs asked
 
 
 @dataclass

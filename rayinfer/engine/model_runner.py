@@ -27,9 +27,9 @@ from rayinfer.engine.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     SAFETY_MARGIN_BYTES,
     activation_peak_bytes,
-    device_memory,
     kv_bytes_per_block,
     num_kv_blocks_for_memory,
+    worker_memory,
 )
 from rayinfer.engine.kv_transfer import (
     KVPayload,
@@ -160,7 +160,8 @@ class ModelRunner:
             return None
         block_size = self.cache_config.block_size
         peak = self._profile_activation_peak(kv_memory)
-        total, in_use = device_memory(self.device)  # the profiling cache is freed by now
+        share = kv_memory.gpu_share  # the profiling cache is freed by now
+        total, in_use = worker_memory(self.device, share)
         reserve = SAFETY_MARGIN_BYTES
         if self.captures_decode_graphs:
             reserve += CUDA_GRAPH_RESERVE_BYTES
@@ -178,6 +179,7 @@ class ModelRunner:
             max_model_len=kv_memory.max_model_len,
             reserve_bytes=reserve,
             key=kv_memory.key,
+            gpu_share=share,
         )
 
     def _profile_activation_peak(self, kv_memory: KVMemoryConfig) -> int:

@@ -88,8 +88,9 @@ class RequestOutput:
     # finished, a view while running) and the last step's; None otherwise.
     logprobs: list[TokenLogprobs] | GeneratedTokens | None = None
     new_logprobs: list[TokenLogprobs] | None = None
-    # With SamplingParams.prompt_logprobs, once the request ends (a prefill-only one included):
-    # one entry per prompt token, the first's logprob None.
+    # With SamplingParams.prompt_logprobs, on the output of the first generated token and once
+    # the request ends (a prefill-only one included): one entry per prompt token, the first's
+    # logprob None.
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": why, in a sentence
 

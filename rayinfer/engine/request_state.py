@@ -118,7 +118,8 @@ class RequestState:
             num_cached_tokens=seq.num_cached_tokens,
             error=self.error,
         )
-        if self.prompt_logprobs is not None and self.finish_reason:
+        is_first = self._num_tokens_reported == 0  # the prompt is complete from its first token
+        if self.prompt_logprobs is not None and (self.finish_reason or is_first):
             output.prompt_logprobs = list(self.prompt_logprobs)
         if self.logprobs is not None:
             count = len(self.logprobs)

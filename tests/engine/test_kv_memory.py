@@ -16,16 +16,21 @@ from rayinfer.config import (
     ModelConfig,
     check_gpu_memory_utilization,
 )
-from rayinfer.engine import model_runner
+from rayinfer.engine import kv_memory, model_runner
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_memory import (
+    CUDA_CONTEXT_ESTIMATE_BYTES,
     CUDA_GRAPH_RESERVE_BYTES,
     GIB,
     SAFETY_MARGIN_BYTES,
     activation_peak_bytes,
     device_memory,
     kv_bytes_per_block,
+    non_kv_bytes,
     num_kv_blocks_for_memory,
+    own_process_bytes,
+    process_bytes_from_smi,
+    worker_memory,
 )
 from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.graph_config import CudaGraphConfig
@@ -99,6 +104,73 @@ def test_partial_last_block_of_max_model_len_counts_as_a_block():
         blocks(reserve_bytes=reserve, max_model_len=4096 + 17)
 
 
+def test_a_gpu_share_gets_its_fraction_of_the_budget():
+    """Two workers of 0.5 on one 80 GiB GPU: 36 GiB each, minus each one's own 20 GiB."""
+    assert blocks(gpu_share=0.5) == (36 - 20 - 2 - 1) * 1024
+    assert blocks(gpu_share=1.0) == blocks()
+    with pytest.raises(ConfigError, match=r"0\.5 GPU share x 0\.9 = 36\.00 GiB") as error:
+        blocks(gpu_share=0.5, non_kv_bytes=34 * GIB, key="decode.gpu_memory_utilization")
+    assert "this worker's weights and CUDA context" in str(error.value)
+    with pytest.raises(ValueError, match="gpu_share"):
+        blocks(gpu_share=0)
+
+
+def test_sharers_subtract_their_own_usage_and_whole_gpus_everything_in_use():
+    """Starting together, sharers must not each count the other's usage as theirs to take:
+    each subtracts what its own process holds; a whole-GPU worker everything on the device."""
+    assert non_kv_bytes(gpu_share=1.0, device_in_use_bytes=30 * GIB, own_bytes=18 * GIB) == (
+        30 * GIB
+    )
+    assert non_kv_bytes(gpu_share=0.5, device_in_use_bytes=30 * GIB, own_bytes=18 * GIB) == (
+        18 * GIB
+    )
+
+
+def test_own_usage_is_nvmls_figure_or_the_allocator_plus_a_context_estimate():
+    assert own_process_bytes(nvml_bytes=19 * GIB, allocator_reserved_bytes=18 * GIB) == 19 * GIB
+    # NVML never reports less than the allocator holds (a stale sample)
+    assert own_process_bytes(nvml_bytes=GIB, allocator_reserved_bytes=18 * GIB) == 18 * GIB
+    fallback = own_process_bytes(nvml_bytes=None, allocator_reserved_bytes=18 * GIB)
+    assert fallback == 18 * GIB + CUDA_CONTEXT_ESTIMATE_BYTES
+
+
+SMI = """4242, GPU-1a2b3c4d-0000-1111-2222-333344445555, 20480
+4243, GPU-1a2b3c4d-0000-1111-2222-333344445555, 18000
+4242, GPU-99999999-0000-1111-2222-333344445555, 500
+[N/A], GPU-99999999-0000-1111-2222-333344445555, [N/A]
+"""
+
+
+def test_nvidia_smi_rows_are_matched_on_pid_and_gpu():
+    uuid = "1a2b3c4d-0000-1111-2222-333344445555"  # torch's form: no GPU- prefix
+    assert process_bytes_from_smi(SMI, 4242, uuid) == 20480 * MIB
+    assert process_bytes_from_smi(SMI, 4242) == (20480 + 500) * MIB  # any GPU
+    assert process_bytes_from_smi(SMI, 4243, "GPU-" + uuid.upper()) == 18000 * MIB
+    assert process_bytes_from_smi(SMI, 7, uuid) is None  # not listed (another pid namespace)
+    assert process_bytes_from_smi("", 4242) is None
+
+
+def test_worker_memory_of_a_share_probes_this_process(monkeypatch):
+    FakeCuda(monkeypatch, total=80 * GIB, in_use=50 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 18 * GIB)
+
+    class Properties:
+        uuid = "1a2b3c4d-0000-1111-2222-333344445555"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties)
+    seen = []
+    monkeypatch.setattr(
+        kv_memory, "process_gpu_bytes", lambda pid, uuid: seen.append(uuid) or 19 * GIB
+    )
+    cpu = torch.device("cpu")
+    assert worker_memory(cpu, 1.0) == (80 * GIB, 50 * GIB)  # whole GPU: everything in use
+    assert seen == []
+    assert worker_memory(cpu, 0.5) == (80 * GIB, 19 * GIB)
+    assert seen == [Properties.uuid]
+    monkeypatch.setattr(kv_memory, "process_gpu_bytes", lambda pid, uuid: None)
+    assert worker_memory(cpu, 0.5) == (80 * GIB, 18 * GIB + CUDA_CONTEXT_ESTIMATE_BYTES)
+
+
 @pytest.mark.parametrize("utilization", [0, -0.1, 1.01])
 def test_utilization_outside_zero_to_one_is_refused(utilization):
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=.* \(0, 1\]"):
@@ -132,6 +204,8 @@ def test_kv_memory_config_validates_with_its_key():
         KVMemoryConfig(2, 2048, 4096, key="decode.gpu_memory_utilization")
     with pytest.raises(ConfigError, match="max_model_len=0"):
         KVMemoryConfig(0.5, 2048, 0)
+    with pytest.raises(ConfigError, match="gpu_share=1.5"):
+        KVMemoryConfig(0.5, 2048, 4096, gpu_share=1.5)
 
 
 # --- bytes per block --------------------------------------------------------------------------
@@ -272,6 +346,15 @@ def test_ranks_whose_exchange_cannot_be_replayed_take_no_graph_reserve(checkpoin
         ep_rank=0, ep_size=2, ep_group=dedup, tokens_differ_across_ep=True
     )  # sized from the routing on the host: eager
     assert not runner.captures_decode_graphs
+
+
+def test_a_runner_with_a_gpu_share_sizes_from_its_share(checkpoint, monkeypatch):
+    FakeCuda(monkeypatch, total=80 * GIB, in_use=50 * GIB)
+    monkeypatch.setattr(model_runner, "worker_memory", lambda device, share: (80 * GIB, 4 * GIB))
+    runner = make_runner(checkpoint)
+    per_block = kv_bytes_per_block(runner.model_config, 1, 4, 16)
+    num_blocks = runner.kv_blocks_that_fit(KVMemoryConfig(0.5, 64, 256, gpu_share=0.25))
+    assert num_blocks == (10 * GIB - 4 * GIB - SAFETY_MARGIN_BYTES) // per_block
 
 
 def test_a_device_too_small_for_one_sequence_fails_naming_the_setting(checkpoint, monkeypatch):

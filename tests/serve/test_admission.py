@@ -120,7 +120,7 @@ def test_the_window_keeps_the_last_starts():
 
 def test_a_refused_request_answers_503_with_its_retry_after_and_does_no_work():
     from rayinfer.deployments.ingress import error_response
-    from rayinfer.deployments.pipeline import Pipeline
+    from rayinfer.deployments.pipeline import DisaggregatedPipeline
     from rayinfer.deployments.protocol import OpenAIError
 
     class NoHandle:
@@ -144,7 +144,8 @@ def test_a_refused_request_answers_503_with_its_retry_after_and_does_no_work():
         admission.try_admit()
     admission.max_wait_s = 1.0
     metrics = Counts()
-    pipeline = Pipeline(NoHandle(), NoHandle(), metrics, admission)  # any call would fail
+    # any call to a handle would fail
+    pipeline = DisaggregatedPipeline(NoHandle(), NoHandle(), metrics, admission)
 
     async def first():
         return await anext(pipeline.run("req-1", [1, 2], None, None))

@@ -127,17 +127,74 @@ def test_gpu_memory_utilization_outside_zero_to_one_names_the_key_and_range(valu
         assert "(0, 1]" in str(error.value)
 
 
-def test_gpu_memory_utilization_is_opt_in_per_phase():
+def test_gpu_memory_utilization_is_per_phase_and_defaults_on_gpus_only():
     config = AppConfig.from_args({"prefill.gpu_memory_utilization": "0.85"})
     assert config.prefill.gpu_memory_utilization == 0.85
-    assert config.decode.gpu_memory_utilization is None  # default: size by token count
+    assert config.decode.gpu_memory_utilization is None  # default: 0.9 on GPUs (runtime.py)
 
 
-def test_gpu_memory_utilization_refuses_a_shared_gpu():
-    with pytest.raises(ConfigError, match=r"decode\.gpu_memory_utilization needs whole GPUs"):
-        AppConfig.from_args(
-            {"decode.gpu_memory_utilization": "0.9", "decode.gpus_per_worker": "0.5"}
-        )
+def test_gpu_memory_utilization_with_a_shared_gpu_is_a_fraction_of_the_share():
+    config = AppConfig.from_args(
+        {"decode.gpu_memory_utilization": "0.9", "decode.gpus_per_worker": "0.5"}
+    )
+    assert (config.decode.gpu_memory_utilization, config.decode.gpus_per_worker) == (0.9, 0.5)
+
+
+@pytest.mark.parametrize(
+    "value, parsed", [("true", True), ("off", False), ("AUTO", "auto"), (False, False)]
+)
+def test_disaggregate_takes_true_false_or_auto(value, parsed):
+    assert AppConfig.from_args({"disaggregate": value}).disaggregate == parsed
+    assert AppConfig.from_args({}).disaggregate == "auto"
+
+
+def test_the_colocated_engine_defaults_to_mixed_batches_with_both_kinds_of_graphs():
+    from rayinfer.deployments.runtime import phase_graphs
+    from rayinfer.graph_config import CudaGraphConfig
+
+    engine = AppConfig.from_args({}).engine
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (128, 8192)
+    assert engine.max_ongoing_requests == 128
+    graphs = phase_graphs(engine, "engine", use_gpus=True, max_model_len=8192)
+    assert graphs == CudaGraphConfig(
+        max_batch_size=128, max_model_len=8192, max_prefill_tokens=8192
+    )
+    assert phase_graphs(engine, "engine", use_gpus=False, max_model_len=4096) is None
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"disaggregate": "false", "engine.ep": "2"}, "engine.ep=2 must divide"),
+        ({"engine.ep": "2"}, "engine.ep=2 must divide"),  # auto may serve with it
+        ({"disaggregate": "maybe"}, "disaggregate='maybe': use true, false or auto"),
+        ({"engine.max_num_seq": "4"}, "engine.max_num_seq: unknown key"),
+        ({"load_format": "pt"}, "load_format='pt'"),
+        (
+            {"disaggregate": "false", "engine.cuda_graphs": "true", "engine.dp": "2",
+             "engine.ep": "2", "engine.all_to_all.dedup": "true"},
+            "engine.cuda_graphs=true cannot capture this forward: engine.all_to_all.dedup=true",
+        ),
+    ],
+)  # fmt: skip
+def test_engine_section_errors_name_its_keys(args, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        AppConfig.from_args(args)
+
+
+def test_sections_a_mode_does_not_serve_are_not_checked():
+    config = AppConfig.from_args({"disaggregate": "true", "engine.ep": "2"})
+    assert config.engine.ep == 2  # never started: Prefill and Decode serve
+    assert AppConfig.from_args({"disaggregate": "false", "prefill.ep": "2"}).prefill.ep == 2
+
+
+def test_build_checks_the_served_sections_against_the_model():
+    with pytest.raises(ConfigError, match=r"engine\.tp=3 does not divide num_attention_heads"):
+        build({"disaggregate": "false", "engine.tp": "3"})
+    with pytest.raises(ConfigError, match=r"decode\.tp=3 does not divide num_attention_heads"):
+        build({"engine.tp": "3", "decode.tp": "3"})  # auto on the CPU: disaggregated
+    with pytest.raises(ConfigError, match=r"engine\.fp8_weights"):
+        build({"disaggregate": "false", "engine.fp8_weights": "true"})  # tiny has no FP8
 
 
 def test_each_phase_chooses_its_token_exchange():

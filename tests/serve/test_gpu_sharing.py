@@ -1,12 +1,14 @@
 """GPU shares per worker: whole GPUs when there are enough, shared on a one-GPU machine so that
-the default app (one prefill and one decode worker) starts, and a clear refusal otherwise."""
+the disaggregated app (one prefill and one decode worker) starts, and a clear refusal otherwise;
+and `disaggregate=auto`: colocated exactly where the two phases would share GPUs."""
 
 import pytest
 
 from rayinfer.app import phase_options
 from rayinfer.config import ConfigError
-from rayinfer.deployments.config import AppConfig
-from rayinfer.deployments.gpu_sharing import gpus_needed, resolve_gpu_shares
+from rayinfer.deployments.config import COLOCATED_PHASES, AppConfig
+from rayinfer.deployments.gpu_sharing import gpus_needed, resolve_gpu_shares, serves_disaggregated
+from rayinfer.deployments.runtime import kv_memory_config
 
 
 def shares(config: AppConfig) -> tuple:
@@ -50,9 +52,53 @@ def test_share_must_be_a_fraction_of_one_gpu():
         AppConfig.from_args({"decode.gpus_per_worker": 2})
 
 
-def test_sizing_the_cache_from_memory_does_not_share_a_gpu():
-    """Workers sharing a GPU would each count on the same free memory: set num_kv_blocks."""
-    config = AppConfig.from_args({"decode.gpu_memory_utilization": "0.9"})
-    with pytest.raises(ConfigError, match=r"decode\.gpu_memory_utilization.*num_kv_blocks"):
-        resolve_gpu_shares(config, num_gpus=1)
-    assert shares(resolve_gpu_shares(config, num_gpus=2)) == (1.0, 1.0)
+def test_a_shared_gpu_sizes_each_cache_from_its_share():
+    """Workers sharing a GPU each take utilization x their share, minus their own usage
+    (engine/kv_memory.py), so the setting no longer needs whole GPUs."""
+    config = resolve_gpu_shares(
+        AppConfig.from_args({"decode.gpu_memory_utilization": "0.8"}), num_gpus=1
+    )
+    assert shares(config) == (0.5, 0.5)
+    decode = kv_memory_config(config.decode, "decode", use_gpus=True, max_model_len=256)
+    assert (decode.gpu_memory_utilization, decode.gpu_share) == (0.8, 0.5)
+    prefill = kv_memory_config(config.prefill, "prefill", use_gpus=True, max_model_len=256)
+    assert (prefill.gpu_memory_utilization, prefill.gpu_share) == (0.9, 0.5)  # the default
+
+
+@pytest.mark.parametrize(
+    "args, use_gpus, num_gpus, disaggregated",
+    [
+        ({}, False, 0, True),  # no GPUs: Prefill + Decode on the CPU, as before
+        ({}, True, 1, False),  # one GPU: the phases would share it, so one engine
+        ({}, True, 2, True),  # a GPU each
+        ({"prefill.tp": "2"}, True, 2, False),  # 3 workers on 2 GPUs
+        ({"prefill.tp": "2"}, True, 3, True),
+        ({"decode.autoscaling.min_replicas": "2", "decode.autoscaling.max_replicas": "2"},
+         True, 2, False),
+        ({"disaggregate": "true"}, True, 1, True),  # asked for: shares the GPU
+        ({"disaggregate": "false"}, False, 0, False),  # asked for: colocated on the CPU too
+        ({"disaggregate": "false"}, True, 8, False),
+    ],
+)  # fmt: skip
+def test_auto_is_colocated_exactly_where_the_phases_would_share_gpus(
+    args, use_gpus, num_gpus, disaggregated
+):
+    config = AppConfig.from_args(args)
+    assert serves_disaggregated(config, use_gpus, num_gpus) is disaggregated
+
+
+def test_a_colocated_engine_takes_whole_gpus_and_never_shares_unasked():
+    config = resolve_gpu_shares(AppConfig.from_args({}), 1, COLOCATED_PHASES)
+    assert config.engine.gpus_per_worker == 1.0
+    assert config.prefill.gpus_per_worker is None  # not served
+    assert gpus_needed(config, COLOCATED_PHASES) == {"engine": 1}
+    two = AppConfig.from_args({"engine.tp": "2"})
+    with pytest.raises(ConfigError, match=r"engine 2 GPUs .* has 1; lower engine\.tp"):
+        resolve_gpu_shares(two, 1, COLOCATED_PHASES)
+    replicas = AppConfig.from_args(
+        {"engine.autoscaling.min_replicas": "2", "engine.autoscaling.max_replicas": "2"}
+    )
+    with pytest.raises(ConfigError, match="engine.gpus_per_worker"):
+        resolve_gpu_shares(replicas, 1, COLOCATED_PHASES)
+    asked = AppConfig.from_args({"engine.gpus_per_worker": "0.5"})
+    assert resolve_gpu_shares(asked, 1, COLOCATED_PHASES).engine.gpus_per_worker == 0.5

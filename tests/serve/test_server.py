@@ -17,10 +17,12 @@ import openai
 import pytest
 
 from tests.serve.cluster import REPO_ROOT, ServeCluster, wait_for
+from tests.serve.offline_reference import metric_samples, offline_replies, served_replies
 
 pytestmark = pytest.mark.slow
 
 APP_ARGS = [
+    "disaggregate=true",
     "max_model_len=256",
     "health_check_period_s=2",
     "decode.autoscaling.max_replicas=2",
@@ -80,6 +82,12 @@ def test_completion_equals_offline_llm(client):
     assert reply.choices[0].text == offline.text
     assert reply.usage.completion_tokens == len(offline.token_ids)
     assert reply.choices[0].finish_reason == offline.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_text_of_several_prompts_equals_the_offline_engine(server, stream):
+    """As the colocated server must (test_colocated_serve.py): both modes stream the same."""
+    assert served_replies(server.http_url, stream=stream) == offline_replies()
 
 
 def test_logprobs_over_http_equal_the_offline_llm(client):
@@ -187,6 +195,9 @@ def test_prometheus_lists_rayinfer_metrics(server):
     text = server.metrics_text()
     for name in ("requests_total", "kv_cache_usage", "queue_length", "generation_tokens_total"):
         assert f"ray_rayinfer_{name}" in text
+    for phase in ("prefill", "decode"):  # the CPU rule: max(4 x 256, 16384) tokens per replica
+        capacity = metric_samples(text, "ray_rayinfer_kv_cache_capacity_tokens", phase=phase)
+        assert capacity and set(capacity) == {16384.0}
     wait_for(
         lambda: server.metric_sum("ray_rayinfer_engine_steps_total") > 0,
         timeout_s=30,

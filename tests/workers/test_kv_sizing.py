@@ -107,19 +107,43 @@ def test_serve_phase_setting_becomes_the_workers_kv_memory(monkeypatch):
             specs.append(spec)
 
     monkeypatch.setattr("rayinfer.deployments.runtime.WorkerGroup", FakeGroup)
+    monkeypatch.setattr("rayinfer.deployments.runtime.uses_gpus", lambda config: True)
     config = AppConfig(
         max_model_len=128,
         prefill={"gpu_memory_utilization": 0.8, "num_kv_blocks": 40},
-        decode={"gpu_memory_utilization": 0.9, "max_num_seqs": 8},
+        decode={"gpu_memory_utilization": 0.7, "max_num_seqs": 8, "gpus_per_worker": 0.5},
     )
     source = ModelSource.resolve(config)
     decode_engine, _ = build_engine(config, source, "decode", "d")
     assert specs[0].kv_memory == KVMemoryConfig(
-        0.9, 2048, 128, 8, key="decode.gpu_memory_utilization"
-    )
+        0.7, 2048, 128, 8, key="decode.gpu_memory_utilization", gpu_share=0.5
+    )  # 0.7 of the worker's half of its GPU
     assert decode_engine.cache_config.num_blocks == 300  # the engine takes the group's count
     build_engine(config, source, "prefill", "p")
     assert specs[1].kv_memory is None  # num_kv_blocks given: it wins
+    build_engine(AppConfig(max_model_len=128), source, "engine", "e")
+    assert specs[2].kv_memory == KVMemoryConfig(
+        0.9, 8192, 128, 128, key="engine.gpu_memory_utilization"
+    )  # on GPUs, by default: 0.9 of a whole GPU
+
+
+def test_the_cpu_keeps_the_token_count_rule(monkeypatch):
+    from rayinfer.deployments.runtime import kv_capacity, kv_memory_config
+
+    config = AppConfig.from_args({"max_model_len": "128", "decode.gpu_memory_utilization": "0.9"})
+    assert kv_memory_config(config.decode, "decode", use_gpus=False, max_model_len=128) is None
+
+    class Engine:
+        cache_config = CacheConfig(16, 16384 // 16)
+        model_config = ModelConfig.from_pretrained(ModelSource.resolve(config).path)
+        executor = type("Group", (), {"num_kv_partitions": 2})
+
+    capacity = kv_capacity(config, ModelSource.resolve(config), "decode", Engine)
+    assert capacity.num_tokens == 2 * 16384
+    assert capacity.bytes_per_token == kv_bytes_per_block(Engine.model_config, 1, 4, 1)
+    line = capacity.describe("decode")
+    assert "1024 blocks x 2 partitions of 16 tokens = 32768 tokens" in line
+    assert "max(4 x max_model_len, 16384) tokens" in line
 
 
 def test_serve_phase_setting_reaches_the_workers(ray_cluster):

@@ -12,8 +12,9 @@
 # real weights in the folder: without *.safetensors it is skipped). Run through the device tool
 # with carry [".device"] (the Ray bundle, see shared/device/README.md); results under $OUT:
 #   MODEL=/path/to/ckpt bash benchmarks/serve_vs_offline.sh disaggregate=false load_format=dummy
-# transformers serve needs `accelerate` (it loads with a device map); 5.24's continuous batching
-# failed on a DeepSeek-V3 (MLA) checkpoint on the CPU, so TRANSFORMERS_ARGS may need to drop it.
+# transformers serve needs `accelerate` (it loads with a device map). Its continuous batching
+# (5.24) ran a Llama checkpoint on the CPU but failed on a DeepSeek-V3 (MLA) one (index_copy_
+# shapes), so the script falls back to plain generate ($TRANSFORMERS_FALLBACK_ARGS) if it fails.
 set -uo pipefail
 [ -n "${NO_BUNDLE:-}" ] || source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
@@ -27,6 +28,8 @@ PORT=8000 TF_PORT=8001
 DATASET=(--num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL")
 LOAD_FORMAT=safetensors
 for arg in "$@"; do [ "$arg" = load_format=dummy ] && LOAD_FORMAT=dummy; done
+TRANSFORMERS=(transformers)  # the CLI; through Python where no console script is installed
+command -v transformers >/dev/null || TRANSFORMERS=(python -m transformers.cli.transformers)
 SERVE=(serve)
 command -v serve >/dev/null || SERVE=(python -c 'import sys; from ray.serve.scripts import cli; sys.argv[0] = "serve"; cli()')
 bench() {  # bench NAME URL [bench args...]: one `bench serve` run, its JSON at $OUT/NAME.json
@@ -68,16 +71,21 @@ if [ -n "${WITH_TRANSFORMERS:-}" ]; then
   elif ! python -c "import accelerate" 2>/dev/null; then
     echo "== transformers serve skipped: it needs accelerate (pip install accelerate)"
   else
-    # shellcheck disable=SC2086
-    timeout "${SERVE_TIMEOUT:-2400}" transformers serve --port "$TF_PORT" --device cuda \
-      $TRANSFORMERS_ARGS >"$OUT/serve_vs_offline_transformers.log" 2>&1 &
-    TF_PID=$!
-    if wait_up "http://127.0.0.1:$TF_PORT" 300; then
-      bench transformers_c16 "http://127.0.0.1:$TF_PORT" --backend transformers --model "$MODEL" \
-        --max-concurrency 16 --seed 50
-    fi
-    kill "$TF_PID" 2>/dev/null
-    grep -iE "error|continuous batching" "$OUT/serve_vs_offline_transformers.log" | head -5
+    # Continuous batching first; where it fails (as on MLA checkpoints), plain generate.
+    for args in "$TRANSFORMERS_ARGS" "${TRANSFORMERS_FALLBACK_ARGS:---dtype bfloat16}"; do
+      echo "== transformers serve $args"
+      # shellcheck disable=SC2086
+      timeout "${SERVE_TIMEOUT:-2400}" "${TRANSFORMERS[@]}" serve --port "$TF_PORT" --device cuda $args \
+        >"$OUT/serve_vs_offline_transformers.log" 2>&1 &
+      TF_PID=$!
+      if wait_up "http://127.0.0.1:$TF_PORT" 300; then
+        bench transformers_c16 "http://127.0.0.1:$TF_PORT" --backend transformers \
+          --model "$MODEL" --max-concurrency 16 --seed 50
+      fi
+      kill "$TF_PID" 2>/dev/null; wait "$TF_PID" 2>/dev/null
+      grep -m3 -iE "error|CB:" "$OUT/serve_vs_offline_transformers.log"
+      [ -s "$OUT/transformers_c16.json" ] && break
+    done
   fi
 fi
 

@@ -14,6 +14,7 @@ COMMANDS = {
     "kernels": "Triton kernels against their torch baselines",
     "parallel": "prefill/decode per parallel plan across GPUs vs transformers on one GPU",
     "long_context": "one long prompt's prefill and long contexts' decode, DSA vs dense MLA",
+    "handoff": "the KV hand-off's copies between two actors, chunked vs per-layer",
 }
 
 

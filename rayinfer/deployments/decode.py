@@ -43,9 +43,14 @@ class Decode(PhaseReplica):
             if is_first:
                 stats = self.workers.stats
                 chunk.kv_import_s = stats.import_seconds.pop(handoff.request_id, 0.0)
+                chunk.kv_timings = stats.handoff_timings.pop(handoff.request_id, None)
                 chunk.was_recomputed = handoff.request_id in stats.lost_request_ids
                 stats.lost_request_ids.discard(handoff.request_id)
                 self.metrics.observe_handoff(chunk.kv_import_s)
+                if chunk.kv_timings:  # the export, timed by the prefill worker that ran it
+                    export_s = chunk.kv_timings["export"].get("export_s", 0.0)
+                    prefill_tags = {**self.metrics.tags, "phase": "prefill"}
+                    self.metrics.kv_handoff_seconds.observe(export_s, tags=prefill_tags)
                 is_first = False
             else:
                 self.metrics.inter_token_latency.observe(now - last, tags=self.metrics.tags)

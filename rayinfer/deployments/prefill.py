@@ -1,7 +1,9 @@
 """The Prefill deployment: batches prompts, computes their KV and first token, hands the KV off.
 
-The KV goes into the object store from the worker that holds it (`WorkerGroup.export_kv`); the
-returned `PrefillResult` carries the ObjectRefs nested in its hand-off, so they travel by reference.
+The KV goes into the object store from the worker that holds it (`WorkerGroup.export_kv`), on the
+worker's transfer thread while its next steps run; the `PrefillResult` returns at once with the
+export's ObjectRefs nested in its hand-off (they travel by reference, and decode waits for them),
+so the first token streams before the copy has finished.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class Prefill(PhaseReplica):
                 continue
             output = event.output
             self.metrics.add_tokens(len(request.prompt_token_ids), len(output.token_ids))
-            if event.handoff is not None:
-                self.metrics.observe_handoff(event.export_s, event.handoff.num_bytes)
+            if event.handoff is not None:  # its seconds: timed by the worker, seen by decode
+                self.metrics.kv_handoff_bytes.inc(event.handoff.num_bytes, tags=self.metrics.tags)
             first_text = output.text
             if output.finish_reason == "prefilled":
                 first_text = output.text[: streamable_length(output.text, params.stop)]

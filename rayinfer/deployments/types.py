@@ -116,6 +116,7 @@ class DecodeChunk:
     new_token_ids: list[int]
     finish_reason: str | None
     kv_import_s: float | None = None  # set on the first chunk
+    kv_timings: dict | None = None  # the first chunk's: the hand-off's copies (Timings.add_handoff)
     was_recomputed: bool = False  # the KV was lost and decode recomputed the prompt
     new_logprobs: list | None = None  # engine.outputs.TokenLogprobs of new_token_ids, if asked
     prompt_logprobs: list | None = None  # an Engine's first chunk, with prompt_logprobs asked
@@ -127,11 +128,29 @@ class Timings:
 
     ttft_s: float = 0.0
     prefill_s: float = 0.0
-    kv_export_s: float = 0.0
-    kv_import_s: float = 0.0
+    kv_export_s: float = 0.0  # the prefill worker's export, beside its steps: copies and puts
+    kv_import_s: float = 0.0  # the decode worker's import: object-store get and copies in
     kv_bytes: int = 0
+    # Where the hand-off's time went: device -> pinned host copies and object-store puts on
+    # export; object-store get and host -> device copies on import.
+    kv_export_copy_s: float = 0.0
+    kv_put_s: float = 0.0
+    kv_get_s: float = 0.0
+    kv_import_copy_s: float = 0.0
     was_recomputed: bool = False
     was_resumed: bool = False  # a decode replica died mid-stream and another one finished it
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
+
+    def add_handoff(self, kv_timings: dict | None) -> None:
+        """A decode worker's import timings (WorkerGroup.finish_import), the export's inside."""
+        if not kv_timings:
+            return
+        export = kv_timings.get("export", {})
+        self.kv_export_s = export.get("export_s", 0.0)
+        self.kv_export_copy_s = export.get("copy_s", 0.0)
+        self.kv_put_s = export.get("put_s", 0.0)
+        self.kv_get_s = kv_timings.get("get_s", 0.0)
+        self.kv_import_copy_s = kv_timings.get("copy_s", 0.0)
+        self.kv_import_s = self.kv_get_s + self.kv_import_copy_s

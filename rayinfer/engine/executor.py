@@ -38,15 +38,28 @@ class Executor(ABC):
     def export_kv(
         self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
     ) -> Any:
-        """The KV of a request's first num_tokens tokens, as a payload decode can import."""
+        """Start copying out the KV of a request's first num_tokens tokens; returns the payload
+        decode can import (a reference while the copy runs). The blocks may be reused once
+        `transfers_done` reports it done."""
 
     @abstractmethod
     def import_kv(
         self, request_id: str, block_table: list[int], payload: Any, partition: int = 0
-    ) -> None:
-        """Write a payload from `export_kv` (or a reference to it) into these blocks.
+    ) -> Any:
+        """Start writing a payload from `export_kv` (or a reference to it) into these blocks;
+        returns a handle for `transfers_done` and then `finish_import` (None: already written).
 
         Raises KVLostError when the payload can no longer be read."""
+
+    def transfers_done(self, transfers: list[Any]) -> list[bool]:
+        """Whether each export or import handle's copy has finished (without waiting)."""
+        return [True] * len(transfers)
+
+    def wait_for_transfers(self, transfers: list[Any], timeout_s: float) -> None:
+        """Return when one of the copies has finished, or after timeout_s."""
+
+    def finish_import(self, transfer: Any) -> None:
+        """After `transfers_done`: raise KVLostError if the import found its payload gone."""
 
     @abstractmethod
     def free_requests(self, request_ids: list[str]) -> None:

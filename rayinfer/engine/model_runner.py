@@ -14,6 +14,8 @@ worker's cache with the smallest count any worker found (`allocate_kv=False`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import replace
 from itertools import accumulate, chain
 
@@ -23,6 +25,7 @@ import torch
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
+from rayinfer.engine.kv_copy import KVCopier
 from rayinfer.engine.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     SAFETY_MARGIN_BYTES,
@@ -33,8 +36,8 @@ from rayinfer.engine.kv_memory import (
 )
 from rayinfer.engine.kv_transfer import (
     KVPayload,
-    pack_kv,
-    select_kv_heads,
+    check_layout,
+    payload_for_heads,
     token_slots,
     unpack_kv,
 )
@@ -114,6 +117,7 @@ class ModelRunner:
         # CacheConfig's count stands.
         self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_copier: KVCopier | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
@@ -126,6 +130,7 @@ class ModelRunner:
         if num_blocks != self.cache_config.num_blocks:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
         self.kv_caches = self._new_kv_caches(num_blocks)
+        self._kv_copier = None  # over the new cache
         self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
 
@@ -454,12 +459,39 @@ class ModelRunner:
             self.generators[request_id] = generator
         return self.generators[request_id]
 
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Every layer's cache row of one token on this rank."""
+        return self.model_config.num_layers * math.prod(self.kv_shape) * self.dtype.itemsize
+
+    @property
+    def kv_copier(self) -> KVCopier:
+        """The hand-off's chunked copies over this cache (made at first use)."""
+        if self._kv_copier is None:
+            self._kv_copier = KVCopier(self.kv_caches)
+        return self._kv_copier
+
+    def export_kv_chunks(
+        self, request_id: str, block_table: list[int], num_tokens: int
+    ) -> tuple[KVPayload, Iterator[np.ndarray]]:
+        """A request's first num_tokens tokens of KV: the payload without its chunks, and the
+        chunks as they are copied out (each valid until the next is taken; kv_copy.py)."""
         slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
         generator = self.generators.get(request_id)
-        state = generator.get_state() if generator is not None else None
-        kv = pack_kv(self.kv_caches, slots)
-        return KVPayload.from_tensors(kv, generator_state=state, kv_heads=self.kv_heads)
+        header = KVPayload(
+            chunks=[],
+            num_layers=len(self.kv_caches),
+            shape=(num_tokens, *self.kv_caches[0].shape[2:]),
+            dtype=self.kv_caches[0].dtype,
+            generator_state=generator.get_state() if generator is not None else None,
+            kv_heads=self.kv_heads,
+        )
+        return header, self.kv_copier.export(slots, header.timings)
+
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+        """The KV as an in-memory payload (the chunks copied out of the reused buffers)."""
+        header, chunks = self.export_kv_chunks(request_id, block_table, num_tokens)
+        return header.with_chunks([chunk.copy() for chunk in chunks])
 
     def import_kv(
         self, request_id: str, block_table: list[int], payload: KVPayload | list[KVPayload]
@@ -467,13 +499,16 @@ class ModelRunner:
         """Write a hand-off into these blocks; a list holds the shards of every prefill rank,
         from which this rank takes its own K/V heads (any prefill plan to any decode plan)."""
         payloads = payload if isinstance(payload, list) else [payload]
-        kv = select_kv_heads(payloads, self.kv_heads)
-        num_tokens = kv[0].shape[0] if kv else 0
-        slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
-        unpack_kv(self.kv_caches, slots, kv)
-        if payloads[0].generator_state is not None:
+        mine = payload_for_heads(payloads, self.kv_heads)
+        slots = token_slots(block_table, mine.num_tokens, self.cache_config.block_size)
+        check_layout(self.kv_caches, mine.num_layers, mine.shape[1:])
+        if mine.dtype == self.kv_caches[0].dtype:
+            self.kv_copier.import_(slots, mine.chunks)
+        else:  # another dtype (a float32 prefill into a bfloat16 decode): convert on the way
+            unpack_kv(self.kv_caches, slots, mine.kv)
+        if mine.generator_state is not None:
             generator = torch.Generator()
-            generator.set_state(payloads[0].generator_state)
+            generator.set_state(mine.generator_state)
             self.generators[request_id] = generator
 
     def free_requests(self, request_ids: list[str]) -> None:

@@ -32,7 +32,7 @@ from rayinfer.engine.prefill_graphs import shared_prefill_bucket
 from rayinfer.engine.step_timeline import KEPT_STEPS
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.placement import WorkerPlacement
-from rayinfer.workers.worker import KVShard, Worker, WorkerSpec
+from rayinfer.workers.worker import KV_IO, Worker, WorkerSpec
 
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
 
@@ -47,14 +47,21 @@ def placement_bundles(
 
 @dataclass
 class KVRefs:
-    """A request's KV in the object store: one shard per prefill worker (rank order)."""
+    """A request's KV in the object store: per exporting worker (rank order) the ObjectRef of
+    its `export_kv` call, which resolves to a KVPayload whose chunks that worker owns."""
 
-    shards: list[KVShard]
+    shards: list[ray.ObjectRef]
     num_bytes: int
+    owners: list[str]  # the exporting workers' actor names
 
-    @property
-    def owners(self) -> list[str]:
-        return [shard.owner for shard in self.shards]
+
+@dataclass
+class PendingImport:
+    """An import in flight: per holding worker the ObjectRef of its `import_kv` call."""
+
+    request_id: str
+    calls: list[ray.ObjectRef]
+    owners: list[str]
 
 
 @dataclass
@@ -62,6 +69,8 @@ class TransferStats:
     """Hand-off timings the group measured, drained by the replica into metrics."""
 
     import_seconds: dict[str, float] = field(default_factory=dict)  # request_id -> seconds
+    # request_id -> the workers' copy timings (get_s, copy_s; the export's put_s, copy_s, ...)
+    handoff_timings: dict[str, dict] = field(default_factory=dict)
     lost_request_ids: set[str] = field(default_factory=set)  # hand-offs whose KV was gone
 
 
@@ -124,7 +133,11 @@ class WorkerGroup(Executor):
         return self._num_kv_blocks
 
     def _start_worker(self, rank, spec, use_gpus, cpus_per_worker, placement_group):
-        options = {"name": self.worker_names[rank], "max_restarts": 0, "max_concurrency": 1}
+        options = {
+            "name": self.worker_names[rank],
+            "max_restarts": 0,
+            "max_concurrency": 1,  # execute and the rest one at a time; hand-off copies beside
+        }
         if use_gpus:
             options.update(num_gpus=self.gpus_per_worker, num_cpus=1)
         else:
@@ -133,7 +146,7 @@ class WorkerGroup(Executor):
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=1 + rank
             )
-        actor_class = ray.remote(Worker)
+        actor_class = ray.remote(concurrency_groups={KV_IO: 1})(Worker)
         return actor_class.options(**options).remote(
             self.worker_names[rank], rank, self.num_workers, spec
         )
@@ -226,38 +239,59 @@ class WorkerGroup(Executor):
     def export_kv(
         self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
     ) -> KVRefs:
+        """Starts the workers' exports (their KV transfer threads) and returns at once."""
         exporters = self._holders(partition)
         if self.kv_is_replicated:
             exporters = exporters[:1]
-        shards = ray.get(
-            [
-                self.workers[rank].export_kv.remote(request_id, block_table, num_tokens)
-                for rank in exporters
-            ]
-        )
-        return KVRefs(shards=shards, num_bytes=sum(shard.num_bytes for shard in shards))
+        shards = [
+            self.workers[rank].export_kv.remote(request_id, block_table, num_tokens)
+            for rank in exporters
+        ]
+        per_token = sum(self.descriptions[rank]["kv_bytes_per_token"] for rank in exporters)
+        owners = [self.worker_names[rank] for rank in exporters]
+        return KVRefs(shards=shards, num_bytes=per_token * num_tokens, owners=owners)
 
     def import_kv(
         self, request_id: str, block_table: list[int], payload, partition: int = 0
-    ) -> None:
-        """`payload`: KVRefs from another group, or a KVPayload from an in-process engine."""
+    ) -> PendingImport:
+        """`payload`: KVRefs from another group, or a KVPayload from an in-process engine.
+        Starts the holders' imports (their KV transfer threads) and returns at once."""
         if isinstance(payload, KVPayload):
-            shard = KVShard(ray.put(payload), payload.num_bytes, "driver", payload.kv_heads)
-            payload = KVRefs([shard], payload.num_bytes)
-        start = time.perf_counter()
-        imported = ray.get(
-            [
-                self.workers[rank].import_kv.remote(request_id, block_table, payload.shards)
-                for rank in self._holders(partition)
-            ]
-        )
-        self.stats.import_seconds[request_id] = time.perf_counter() - start
-        if not all(imported):
+            payload = KVRefs([ray.put(payload)], payload.num_bytes, ["driver"])
+        calls = [
+            self.workers[rank].import_kv.remote(request_id, block_table, payload.shards)
+            for rank in self._holders(partition)
+        ]
+        return PendingImport(request_id, calls, payload.owners)
+
+    def transfers_done(self, transfers: list) -> list[bool]:
+        calls = [call for transfer in transfers for call in _calls_of(transfer)]
+        if not calls:
+            return [True] * len(transfers)
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0, fetch_local=False)
+        ready = set(ready)
+        return [all(call in ready for call in _calls_of(t)) for t in transfers]
+
+    def wait_for_transfers(self, transfers: list, timeout_s: float) -> None:
+        calls = [call for transfer in transfers for call in _calls_of(transfer)]
+        if calls:
+            ray.wait(calls, num_returns=1, timeout=timeout_s, fetch_local=False)
+
+    def finish_import(self, transfer: PendingImport) -> None:
+        request_id = transfer.request_id
+        try:
+            results = ray.get(transfer.calls)
+        except REPLICA_WORKER_ERRORS as error:  # a holding worker died: the step will fail too
+            raise KVLostError(f"request {request_id!r}: import failed ({error!r})") from None
+        if not all(results):
             self.stats.lost_request_ids.add(request_id)
             raise KVLostError(
                 f"request {request_id!r}: its KV in the object store is gone (owners "
-                f"{payload.owners} died or the object was evicted); decode recomputes the prompt"
+                f"{transfer.owners} died or the object was evicted); decode recomputes the prompt"
             )
+        slowest = max(results, key=lambda timings: timings["get_s"] + timings["copy_s"])
+        self.stats.import_seconds[request_id] = slowest["get_s"] + slowest["copy_s"]
+        self.stats.handoff_timings[request_id] = slowest
 
     def _holders(self, partition: int) -> list[int]:
         """Ranks of the workers caching a partition's KV (its DP replica's TP group)."""
@@ -288,3 +322,15 @@ class WorkerGroup(Executor):
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+REPLICA_WORKER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+
+def _calls_of(transfer) -> list[ray.ObjectRef]:
+    """The pending calls behind an export (KVRefs) or import (PendingImport) handle."""
+    if isinstance(transfer, KVRefs):
+        return transfer.shards
+    if isinstance(transfer, PendingImport):
+        return transfer.calls
+    return []

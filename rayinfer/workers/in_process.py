@@ -7,7 +7,7 @@ import torch
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
-from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads
 from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
@@ -57,11 +57,10 @@ class InProcessExecutor(Executor):
     def import_kv(
         self, request_id: str, block_table: list[int], payload, partition: int = 0
     ) -> None:
-        """`payload`: a KVPayload, or a WorkerGroup's KVRefs (fetched from the object store)."""
+        """`payload`: a KVPayload, or a WorkerGroup's KVRefs (fetched from the object store);
+        written before this returns."""
         if hasattr(payload, "shards"):
-            import ray
-
-            payload = ray.get([shard.ref for shard in payload.shards])
+            payload = fetch_payloads(payload.shards)
         self.runner.import_kv(request_id, block_table, payload)
 
     def free_requests(self, request_ids: list[str]) -> None:

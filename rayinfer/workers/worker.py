@@ -1,13 +1,17 @@
 """A Ray actor on exactly one GPU (or the CPU) holding one ModelRunner.
 
-KV hand-off: `export_kv` puts the packed KV into the object store from inside this actor, so the
-actor owns the object, and returns the ObjectRef nested in a `KVShard` (a reference, not a copy).
-`import_kv` resolves a shard's ref here; a shard whose owner died reads as lost (False).
+KV hand-off: `export_kv` and `import_kv` run on the actor's own KV transfer thread (the `kv_io`
+concurrency group), beside `execute`, so a step never waits for a copy. `export_kv` puts the KV
+into the object store chunk by chunk from inside this actor, which owns those objects, and
+returns the KVPayload with the chunks' ObjectRefs (references, not copies). `import_kv`
+resolves them here; a payload whose owner died reads as lost (None).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import ray
@@ -16,29 +20,25 @@ import torch
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.gc_freeze import freeze_after_startup
-from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads
 from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
 
-# The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError).
+logger = logging.getLogger(__name__)
+
+# The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError); an export
+# whose worker died before it finished, or that failed, reads the same: decode recomputes.
 LOST_OBJECT_ERRORS = (
     ray.exceptions.ObjectLostError,
     ray.exceptions.ObjectFetchTimedOutError,
     ray.exceptions.GetTimeoutError,
+    ray.exceptions.RayActorError,
+    ray.exceptions.RayTaskError,
 )
-
-
-@dataclass
-class KVShard:
-    """One worker's part of a request's KV in the object store."""
-
-    ref: ray.ObjectRef  # -> KVPayload, owned by the worker named `owner`
-    num_bytes: int
-    owner: str  # the worker actor's name
-    kv_heads: tuple[int, int] | None = None  # (first, count) of K/V heads; None: all of them
+KV_IO = "kv_io"  # the concurrency group (one thread) of the hand-off's copies
 
 
 @dataclass
@@ -136,6 +136,7 @@ class Worker:
             "decode_graphs": self.runner.captures_decode_graphs,
             "prefill_graph_sizes": self.runner.prefill_graph_sizes,
             "numa": None if self.numa is None else self.numa.reason,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
         }
 
     def execute(self, batch: ModelBatch) -> SampledTokens:
@@ -184,22 +185,41 @@ class Worker:
     def stop_profile(self) -> str:
         return self.profiler.stop()
 
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVShard:
-        payload = self.runner.export_kv(request_id, block_table, num_tokens)
-        return KVShard(ray.put(payload), payload.num_bytes, self.name, payload.kv_heads)
+    @ray.method(concurrency_group=KV_IO)
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+        """The request's KV put into the object store, chunk by chunk as the copies land (the
+        next chunk copies while this one is put); returns it with the chunks' ObjectRefs."""
+        start = time.perf_counter()
+        header, chunks = self.runner.export_kv_chunks(request_id, block_table, num_tokens)
+        refs, put_s = [], 0.0
+        for chunk in chunks:
+            begin = time.perf_counter()
+            refs.append(ray.put(chunk))
+            put_s += time.perf_counter() - begin
+        header.timings.update(put_s=put_s, export_s=time.perf_counter() - start)
+        return header.with_chunks(refs)
 
-    def import_kv(self, request_id: str, block_table: list[int], shards: list[KVShard]) -> bool:
-        """Write this rank's part of a hand-off (from any prefill plan) into the cache; False
-        when an object it needs is gone."""
-        needed = [shard for shard in shards if self._needs(shard.kv_heads)]
+    @ray.method(concurrency_group=KV_IO)
+    def import_kv(self, request_id: str, block_table: list[int], shards: list) -> dict | None:
+        """Write this rank's part of a hand-off (from any prefill plan) into the cache: shards
+        are per prefill worker an ObjectRef to (or a) KVPayload. Returns the timings in seconds
+        ("get_s", "copy_s", and the export's under "export"), or None when an object it needs
+        is gone."""
+        start = time.perf_counter()
         try:
-            payloads: list[KVPayload] = ray.get(
-                [shard.ref for shard in needed], timeout=self.spec.import_timeout_s
+            payloads = fetch_payloads(
+                shards, lambda p: self._needs(p.kv_heads), self.spec.import_timeout_s
             )
-        except LOST_OBJECT_ERRORS:
-            return False
+        except LOST_OBJECT_ERRORS as error:
+            logger.warning("KV of %s cannot be read (%s)", request_id, type(error).__name__)
+            return None
+        fetched = time.perf_counter()
         self.runner.import_kv(request_id, block_table, payloads)
-        return True
+        return {
+            "get_s": fetched - start,
+            "copy_s": time.perf_counter() - fetched,
+            "export": dict(payloads[0].timings),
+        }
 
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

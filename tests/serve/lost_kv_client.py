@@ -1,6 +1,6 @@
 """Run by test_server.py inside the test cluster: lose a hand-off's KV, decode must recompute.
 
-Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV object
+Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV's chunks
 before anyone read it, then decodes the hand-off. Prints JSON: the decoded text, whether decode
 reported a recompute, and the greedy text of the same prompt through the normal path. With the
 server's URL as argument, also what an HTTP request answered while the Prefill replica's worker
@@ -36,13 +36,14 @@ def kill_and_wait(actor, timeout_s: float = 30) -> None:
     raise TimeoutError(f"actor still alive {timeout_s}s after ray.kill")
 
 
-def wait_until_lost(ref, timeout_s: float = 30) -> None:
-    """Ray notices an owner's death within about a second; until then the object still reads."""
+def wait_until_lost(shard, timeout_s: float = 30) -> None:
+    """Ray notices an owner's death within about a second; until then the chunks still read.
+    An export the killed worker had not finished reads as its death."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get(ref, timeout=5)
-        except ray.exceptions.ObjectLostError:
+            ray.get(ray.get(shard, timeout=5).chunks, timeout=5)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
             return
         time.sleep(0.2)
     raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
@@ -76,7 +77,7 @@ def main() -> None:
     for owner in owners:
         kill_and_wait(ray.get_actor(owner, namespace="serve"))
     during_death = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else None
-    wait_until_lost(result.handoff.payload.shards[0].ref)
+    wait_until_lost(result.handoff.payload.shards[0])
 
     decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)
     text, token_ids, chunks = result.first_text, [result.first_token_id], []

@@ -1,5 +1,6 @@
-"""WorkerGroup hand-off through the Ray object store: by reference, owned by the prefill worker;
-a lost object (owner killed) reads as KVLostError and the decode engine recomputes the prompt."""
+"""WorkerGroup hand-off through the Ray object store: by reference, the KV's chunks owned by the
+prefill worker; a lost object (owner killed) reads as KVLostError and the decode engine
+recomputes the prompt."""
 
 from __future__ import annotations
 
@@ -59,10 +60,13 @@ def test_handoff_by_reference_between_worker_groups(setup, ray_cluster):
     try:
         handoff = prefill_handoff(prefill, "h0")
         [shard] = handoff.payload.shards
-        assert isinstance(shard.ref, ray.ObjectRef)
-        assert shard.owner == prefill_group.worker_names[0]
-        assert shard.owner.startswith("rayinfer-test-prefill-") and shard.owner.endswith("-r0")
-        assert handoff.num_bytes == shard.num_bytes > 0
+        assert isinstance(shard, ray.ObjectRef)
+        [owner] = handoff.payload.owners
+        assert owner == prefill_group.worker_names[0]
+        assert owner.startswith("rayinfer-test-prefill-") and owner.endswith("-r0")
+        payload = ray.get(shard)
+        assert all(isinstance(chunk, ray.ObjectRef) for chunk in payload.chunks)
+        assert handoff.num_bytes == payload.num_bytes > 0
         decode.add_prefilled_request(handoff, GREEDY)
         assert run_to_end(decode, "h0") == setup[2]
         assert decode.num_kv_recomputes == 0
@@ -78,10 +82,12 @@ def test_lost_owner_is_recomputed(setup, ray_cluster):
     decode, decode_group = engine_for(setup, "decode")
     try:
         handoff = prefill_handoff(prefill, "lost")
-        prefill_group.shutdown()  # kills the worker that owns the KV object
-        wait_until_lost(ray, handoff.payload.shards[0].ref)
+        payload = ray.get(handoff.payload.shards[0])  # the export finished: its chunks exist
+        prefill_group.shutdown()  # kills the worker that owns the KV's chunks
+        wait_until_lost(ray, payload.chunks[0])
+        pending = decode_group.import_kv("probe", [0], handoff.payload)
         with pytest.raises(KVLostError, match="rayinfer-test-prefill-"):
-            decode_group.import_kv("probe", [0], handoff.payload)
+            decode_group.finish_import(pending)
         decode.add_prefilled_request(handoff, GREEDY)
         assert run_to_end(decode, "lost") == setup[2]
         assert decode.num_kv_recomputes == 1

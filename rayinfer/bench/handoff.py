@@ -1,0 +1,216 @@
+"""The KV hand-off's data movement between two Ray actors (prefill -> decode), new path against
+the old one in the same run.
+
+    python -m rayinfer.bench handoff [--tokens 3700 --layers 27 --row 576 --dtype bfloat16]
+
+Each actor holds a paged cache of `--layers` layers of `--row`-element rows (default: a 3.7k-token
+DeepSeek-V2-Lite request, 27 x 576 bf16 = 115 MB) on the GPU (both actors on one GPU, as the
+disaggregated server on one GPU runs them) or the CPU. Export: the rows at a request's slots into
+the object store; import: from there into the other actor's cache at other slots.
+- `chunked` (engine/kv_copy.py): gather into device staging, one asynchronous copy per chunk into
+  pinned memory, one object-store put per chunk while the next copies; import through pinned
+  memory with a parallel memcpy and one host -> device copy per chunk, then a scatter;
+- `per-layer` (the path before issue 28): a synchronous `.cpu()` of each layer's rows into
+  pageable memory, one put of the list; import with one `.to(device)` per layer.
+Times are medians over `--repeats` after one warm-up, measured inside the actors; every run checks
+that the importer's rows equal the exporter's byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+
+import ray
+import torch
+
+from rayinfer.engine.kv_copy import CHUNK_BYTES, KVCopier
+from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads, pack_kv, token_slots
+
+BLOCK_SIZE = 64
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CacheHolder:
+    """One side of the hand-off: a random paged cache and both paths' copies over it."""
+
+    def __init__(self, layers: int, row: int, dtype: str, num_blocks: int, seed: int):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        shape = (num_blocks, BLOCK_SIZE, row)
+        self.caches = [
+            torch.randn(shape, generator=generator, device=self.device).to(DTYPES[dtype])
+            for _ in range(layers)
+        ]
+        self.copiers: dict[int, KVCopier] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def export_chunked(self, table: list[int], num_tokens: int, chunk_bytes: int) -> KVPayload:
+        copier = self.copiers.setdefault(chunk_bytes, KVCopier(self.caches, chunk_bytes))
+        self._sync()
+        start = time.perf_counter()
+        slots = token_slots(table, num_tokens, BLOCK_SIZE)
+        timings: dict = {}
+        refs, put_s = [], 0.0
+        for chunk in copier.export(slots, timings):
+            begin = time.perf_counter()
+            refs.append(ray.put(chunk))
+            put_s += time.perf_counter() - begin
+        header = KVPayload(
+            [], len(self.caches), (num_tokens, self.caches[0].shape[2]), self.caches[0].dtype,
+            None, timings=dict(timings, put_s=put_s, total_s=time.perf_counter() - start),
+        )  # fmt: skip
+        return header.with_chunks(refs)
+
+    def import_chunked(self, shard, table: list[int], chunk_bytes: int) -> dict:
+        copier = self.copiers.setdefault(chunk_bytes, KVCopier(self.caches, chunk_bytes))
+        self._sync()
+        start = time.perf_counter()
+        [payload] = fetch_payloads([shard])
+        fetched = time.perf_counter()
+        copier.import_(token_slots(table, payload.num_tokens, BLOCK_SIZE), payload.chunks)
+        end = time.perf_counter()
+        return {"get_s": fetched - start, "copy_s": end - fetched, "total_s": end - start}
+
+    def export_per_layer(self, table: list[int], num_tokens: int) -> tuple[ray.ObjectRef, dict]:
+        self._sync()
+        start = time.perf_counter()
+        slots = token_slots(table, num_tokens, BLOCK_SIZE)
+        layers = pack_kv(self.caches, slots)  # one synchronous .cpu() per layer
+        copied = time.perf_counter()
+        ref = ray.put([layer.view(torch.uint8).numpy() for layer in layers])
+        end = time.perf_counter()
+        return [ref], {"copy_s": copied - start, "put_s": end - copied, "total_s": end - start}
+
+    def import_per_layer(self, refs: list, table: list[int], num_tokens: int) -> dict:
+        self._sync()
+        start = time.perf_counter()
+        layers = ray.get(refs[0])
+        fetched = time.perf_counter()
+        slots = token_slots(table, num_tokens, BLOCK_SIZE).to(self.device)
+        for cache, raw in zip(self.caches, layers):
+            flat = cache.view(-1, cache.shape[2])
+            flat[slots] = (
+                torch.from_numpy(raw).view(cache.dtype).view(num_tokens, -1).to(self.device)
+            )
+        self._sync()
+        end = time.perf_counter()
+        return {"get_s": fetched - start, "copy_s": end - fetched, "total_s": end - start}
+
+    def digest(self, table: list[int], num_tokens: int) -> str:
+        """sha256 of the rows at the request's slots, every layer."""
+        rows = pack_kv(self.caches, token_slots(table, num_tokens, BLOCK_SIZE))
+        sha = hashlib.sha256()
+        for layer in rows:
+            sha.update(layer.view(torch.uint8).numpy().tobytes())
+        return sha.hexdigest()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m rayinfer.bench handoff", description=__doc__)
+    parser.add_argument("--tokens", type=int, default=3700)
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--row", type=int, default=576, help="elements per token and layer")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--chunk-mb", default=f"{CHUNK_BYTES >> 20}", help="comma-separated chunk sizes (MiB)"
+    )
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def run_variant(exporter, importer, name: str, args, export_table, import_table, chunk_bytes):
+    samples = []
+    for _ in range(args.repeats + 1):  # the first is a warm-up
+        if name == "per-layer":
+            refs, export = ray.get(exporter.export_per_layer.remote(export_table, args.tokens))
+            landed = ray.get(importer.import_per_layer.remote(refs, import_table, args.tokens))
+        else:
+            shard = exporter.export_chunked.remote(export_table, args.tokens, chunk_bytes)
+            export = ray.get(shard).timings
+            landed = ray.get(importer.import_chunked.remote(shard, import_table, chunk_bytes))
+        samples.append((export, landed))
+    exact = ray.get(exporter.digest.remote(export_table, args.tokens)) == ray.get(
+        importer.digest.remote(import_table, args.tokens)
+    )
+    samples = samples[1:]
+
+    def median(side: int, key: str) -> float:
+        return statistics.median(sample[side].get(key, 0.0) for sample in samples)
+
+    return {
+        "variant": name,
+        "chunk_mb": chunk_bytes >> 20 if name != "per-layer" else None,
+        "exact": exact,
+        "export_s": median(0, "total_s"),
+        "export_copy_s": median(0, "copy_s"),
+        "export_put_s": median(0, "put_s"),
+        "import_s": median(1, "total_s"),
+        "import_get_s": median(1, "get_s"),
+        "import_copy_s": median(1, "copy_s"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    num_blocks = 2 * -(-args.tokens // BLOCK_SIZE) + 2
+    holder = ray.remote(CacheHolder).options(
+        num_cpus=0, num_gpus=0.5 if use_gpu else 0, max_concurrency=1
+    )
+    shape = (args.layers, args.row, args.dtype, num_blocks)
+    exporter, importer = holder.remote(*shape, seed=1), holder.remote(*shape, seed=2)
+    used = -(-args.tokens // BLOCK_SIZE)
+    export_table = list(range(num_blocks - 1, num_blocks - 1 - used, -1))  # scattered, reversed
+    import_table = list(range(1, 1 + used))
+    num_bytes = args.layers * args.tokens * args.row * DTYPES[args.dtype].itemsize
+    rows = [run_variant(exporter, importer, "per-layer", args, export_table, import_table, 0)]
+    for chunk_mb in (int(c) for c in args.chunk_mb.split(",")):
+        rows.append(
+            run_variant(
+                exporter, importer, "chunked", args, export_table, import_table, chunk_mb << 20
+            )
+        )
+    device = "cuda" if use_gpu else "cpu"
+    print(f"hand-off of {num_bytes / 1e6:.1f} MB ({args.tokens} tokens x {args.layers} layers x "
+          f"{args.row} {args.dtype}) between two actors on {device}")  # fmt: skip
+    print(f"{'variant':10s} {'chunk':>6s} {'export ms':>10s} {'GB/s':>6s} {'(copy/put)':>14s}"
+          f" {'import ms':>10s} {'GB/s':>6s} {'(get/copy)':>14s} exact")  # fmt: skip
+    for row in rows:
+        row["export_gb_s"] = num_bytes / row["export_s"] / 1e9
+        row["import_gb_s"] = num_bytes / row["import_s"] / 1e9
+        chunk = "-" if row["chunk_mb"] is None else f"{row['chunk_mb']}M"
+        print(
+            f"{row['variant']:10s} {chunk:>6s} {row['export_s'] * 1e3:10.2f} "
+            f"{row['export_gb_s']:6.1f} "
+            f"{row['export_copy_s'] * 1e3:6.2f}/{row['export_put_s'] * 1e3:<7.2f}"
+            f" {row['import_s'] * 1e3:10.2f} {row['import_gb_s']:6.1f} "
+            f"{row['import_get_s'] * 1e3:6.2f}/{row['import_copy_s'] * 1e3:<7.2f} {row['exact']}"
+        )
+    base = rows[0]
+    for row in rows[1:]:
+        export_ratio = base["export_s"] / row["export_s"]
+        import_ratio = base["import_s"] / row["import_s"]
+        print(
+            f"chunked {row['chunk_mb']}M vs per-layer: export {export_ratio:.1f}x, "
+            f"import {import_ratio:.1f}x"
+        )
+    if args.json:
+        report = {"num_bytes": num_bytes, "device": device, "args": vars(args), "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    for actor in (exporter, importer):
+        ray.kill(actor)
+    if started_ray:
+        ray.shutdown()
+    return 0 if all(row["exact"] for row in rows) else 1

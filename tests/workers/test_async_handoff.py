@@ -1,0 +1,149 @@
+"""The hand-off runs beside the steps: an import still waiting for its KV does not hold up the
+decode steps of other requests, and joins the batch once the KV lands; an export returns before
+its copy ends and frees its blocks only after. Bytes stay exact through export -> put -> get ->
+import into a cache of another block size."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import rayinfer
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.runtime import ModelSource, build_engine
+from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.group import KVRefs
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8, 250, 31, 77]
+OTHER_IDS = [9, 8, 7, 6, 5, 4]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    llm = rayinfer.LLM("tiny", max_model_len=128)
+    return {
+        "prompt": llm.generate(PROMPT_IDS, GREEDY)[0].token_ids,
+        "other": llm.generate(OTHER_IDS, GREEDY)[0].token_ids,
+        "handoff": llm.prefill(PROMPT_IDS, GREEDY)[0],  # an in-process payload
+    }
+
+
+def engine_for(phase: str, block_size: int = 16):
+    config = AppConfig(
+        max_model_len=128,
+        block_size=block_size,
+        prefill={"num_kv_blocks": 64},
+        decode={"num_kv_blocks": 64},
+    )
+    source = ModelSource.resolve(config)
+    return build_engine(config, source, phase, f"rayinfer-test-{phase}-{uuid.uuid4().hex[:6]}")
+
+
+def step_until(engine, done, timeout_s: float = 120) -> list:
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    while not done(outputs):
+        assert time.monotonic() < deadline, "timed out"
+        outputs += engine.step()
+    return outputs
+
+
+def tokens_of(outputs, request_id: str) -> list[int]:
+    return next(o.token_ids for o in outputs if o.request_id == request_id and o.finished)
+
+
+def finished(request_id: str):
+    return lambda outputs: any(o.request_id == request_id and o.finished for o in outputs)
+
+
+def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Gate:  # releases the KV only when told to
+        def __init__(self):
+            import threading
+
+            self.opened = threading.Event()
+
+        def open(self):
+            self.opened.set()
+
+        def payload(self, payload):
+            self.opened.wait(120)
+            return payload
+
+    gate = Gate.options(max_concurrency=2).remote()
+    decode, group = engine_for("decode")
+    try:
+        held = expected["handoff"]
+        late_kv = KVRefs([gate.payload.remote(held.payload)], held.payload.num_bytes, ["gate"])
+        late = KVHandoff(held.request_id, held.prompt_token_ids, held.first_token_id, late_kv)
+        decode.add_prefilled_request(late, GREEDY)
+        decode.add_request("other", OTHER_IDS, GREEDY)
+        outputs = step_until(decode, finished("other"))  # decodes while the KV is held back
+        assert tokens_of(outputs, "other") == expected["other"]
+        assert [p.state.seq.request_id for p in decode.imports_in_flight] == [held.request_id]
+        assert not any(o.request_id == held.request_id and o.token_ids for o in outputs)
+        ray.get(gate.open.remote())
+        outputs = step_until(decode, finished(held.request_id))
+        assert tokens_of(outputs, held.request_id) == expected["prompt"]
+        assert decode.num_kv_recomputes == 0 and not decode.imports_in_flight
+        assert decode.kv_usage == 0
+    finally:
+        group.shutdown()
+
+
+def test_export_frees_its_blocks_once_copied(ray_cluster, expected):
+    prefill, prefill_group = engine_for("prefill")
+    decode, decode_group = engine_for("decode", block_size=8)  # another block size
+    try:
+        prefill.add_request("h", PROMPT_IDS, GREEDY, prefill_only=True)
+        step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
+        handoff = prefill.take_handoff("h")
+        assert handoff.num_bytes > 0
+        # The blocks stay held until the engine sees the export done (at a later step).
+        step_until(prefill, lambda outs: not prefill.exports_in_flight)
+        assert prefill.kv_usage == 0
+
+        decode.add_prefilled_request(handoff, GREEDY)
+        outputs = step_until(decode, finished("h"))
+        assert tokens_of(outputs, "h") == expected["prompt"]
+        timings = decode_group.stats.handoff_timings["h"]
+        assert {"get_s", "copy_s"} <= timings.keys()
+        assert {"export_s", "put_s", "copy_s"} <= timings["export"].keys()
+    finally:
+        prefill_group.shutdown()
+        decode_group.shutdown()
+
+
+def test_bytes_survive_export_put_get_import(ray_cluster):
+    ray = ray_cluster
+    prefill, prefill_group = engine_for("prefill")
+    decode, decode_group = engine_for("decode", block_size=8)
+    try:
+        prefill.add_request("b", PROMPT_IDS, GREEDY, prefill_only=True)
+        step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
+        handoff = prefill.take_handoff("b")
+        [shard] = handoff.payload.shards
+        sent = ray.get(shard)
+        # Into the decode cache (block size 8, blocks 3, 0, 5), then exported again from there.
+        table = [3, 0, 5]
+        pending = decode_group.import_kv("b", table, handoff.payload)
+        while decode_group.transfers_done([pending]) != [True]:
+            time.sleep(0.01)
+        decode_group.finish_import(pending)
+        [back] = decode_group.export_kv("b", table, len(PROMPT_IDS)).shards
+        received = ray.get(back)
+        assert received.shape == sent.shape and received.dtype == sent.dtype
+        before = np.concatenate(ray.get(sent.chunks), axis=1)
+        after = np.concatenate(ray.get(received.chunks), axis=1)
+        assert before.shape[1] == len(PROMPT_IDS) and np.array_equal(before, after)
+    finally:
+        prefill_group.shutdown()
+        decode_group.shutdown()

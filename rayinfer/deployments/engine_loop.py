@@ -14,7 +14,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,6 @@ class LoopEvent:
 
     output: RequestOutput | None = None
     handoff: KVHandoff | None = None
-    export_s: float = 0.0
     error: BaseException | None = None
 
 
@@ -160,10 +158,8 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             event = LoopEvent(output=output)
-            if output.finish_reason == "prefilled":
-                start = time.perf_counter()
+            if output.finish_reason == "prefilled":  # starts the export, returns at once
                 event.handoff = self.engine.take_handoff(output.request_id)
-                event.export_s = time.perf_counter() - start
             if output.request_id not in self.streams and output.finished:
                 continue  # its caller left; the hand-off's refs are dropped here
             if output.finish_reason == "error":

@@ -155,7 +155,6 @@ class DisaggregatedPipeline(Pipeline):
         start = time.perf_counter()
         result = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
         timings.prefill_s = time.perf_counter() - start
-        timings.kv_export_s = result.kv_export_s
         first_logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
         if result.finish_reason is not None:
             yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs,
@@ -168,6 +167,7 @@ class DisaggregatedPipeline(Pipeline):
         async for chunk in _chunks(stream, "decode"):
             if chunk.kv_import_s is not None:
                 timings.kv_import_s = chunk.kv_import_s
+                timings.add_handoff(chunk.kv_timings)  # the export's seconds too
                 timings.was_recomputed = chunk.was_recomputed
             yield delta_of(chunk)
 

@@ -54,7 +54,6 @@ class Prefill(PhaseReplica):
                 finish_reason=None if output.finish_reason == "prefilled" else output.finish_reason,
                 handoff=event.handoff,
                 num_cached_tokens=output.num_cached_tokens,
-                kv_export_s=event.export_s,
                 first_logprobs=output.logprobs[0] if output.logprobs else None,
                 prompt_logprobs=output.prompt_logprobs,
             )

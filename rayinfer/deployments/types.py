@@ -88,7 +88,6 @@ class PrefillResult:
     finish_reason: str | None  # None when decode continues
     handoff: KVHandoff | None
     num_cached_tokens: int = 0
-    kv_export_s: float = 0.0
     first_logprobs: Any = None  # engine.outputs.TokenLogprobs when the request asked for them
     prompt_logprobs: list | None = None  # per prompt token, with SamplingParams.prompt_logprobs
 

@@ -61,7 +61,7 @@ def test_prefill_hands_off_to_a_second_loop(llm):
     async def run():
         first = await final_output(prefill, "h0", PROMPTS[0], params, prefill_only=True)
         assert first.output.finish_reason == "prefilled"
-        assert first.handoff.num_bytes > 0 and first.export_s > 0
+        assert first.handoff.num_bytes > 0
         token_ids = list(first.output.token_ids)
         async for event in decode.continue_prefilled(first.handoff, params):
             token_ids += event.output.new_token_ids

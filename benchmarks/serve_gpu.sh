@@ -26,6 +26,6 @@ echo "bad field: $(curl -s -w ' HTTP %{http_code}' "$URL/v1/completions" \
 echo "GPU processes:"
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
 python -m rayinfer.bench serve --url "$URL" --num-prompts 32 --max-concurrency 8 \
-  --json "$OUT/serve_gpu.json" 2>&1 | grep -v -e "^-" -e "P9[59]" | tail -22
+  --json "$OUT/serve_gpu.json" 2>&1 | grep -v -e "^-" -e "P9[59]" | tail -26
 grep -iE "cuda|device|error|captured" "$OUT/serve_gpu.log" | grep -v "^\s*$" | head -12
 "${SERVE[@]}" shutdown -y >/dev/null 2>&1 || true

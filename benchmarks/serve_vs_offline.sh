@@ -24,7 +24,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-3700} OUTPUT_LEN=${OUTPUT_
 RATES=${RATES:-1,2,4,8,inf} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
 OFFLINE_ARGS=${OFFLINE_ARGS:---max-num-batched-tokens 8192}
 TRANSFORMERS_ARGS=${TRANSFORMERS_ARGS:---continuous-batching --dtype bfloat16}
-PORT=8000 TF_PORT=8001
+PORT=${PORT:-8000} TF_PORT=${TF_PORT:-8001} TRANSFORMERS_DEVICE=${TRANSFORMERS_DEVICE:-cuda}
 DATASET=(--num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL")
 LOAD_FORMAT=safetensors
 for arg in "$@"; do [ "$arg" = load_format=dummy ] && LOAD_FORMAT=dummy; done
@@ -37,7 +37,7 @@ bench() {  # bench NAME URL [bench args...]: one `bench serve` run, its JSON at 
   echo "== $name"
   timeout "${BENCH_TIMEOUT:-900}" python -m rayinfer.bench serve --url "$url" "${DATASET[@]}" \
     --json "$OUT/$name.json" "$@" 2>&1 | grep -e "throughput" -e "Mean T" -e "P95 TTFT" \
-    -e "Successful" -e "Failed" -e "rate req/s" -e "^ *[0-9.inf]* |" -e "error" -e "plot"
+    -e "Successful" -e "Failed" -e "failed" -e "rate req/s" -e "^ *[0-9.inf]* |" -e "error" -e "plot"
 }
 wait_up() {  # wait_up URL SECONDS
   for _ in $(seq 1 "$2"); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
@@ -52,6 +52,7 @@ timeout "${OFFLINE_TIMEOUT:-900}" python -m rayinfer.bench throughput --model "$
 
 timeout "${SERVE_TIMEOUT:-2400}" "${SERVE[@]}" run rayinfer.app:build model="$MODEL" "$@" \
   >"$OUT/serve_vs_offline_serve.log" 2>&1 &
+SERVE_PID=$!
 if wait_up "http://127.0.0.1:$PORT" "${UP_TIMEOUT:-600}"; then
   URL=http://127.0.0.1:$PORT
   bench serve_c16 "$URL" --max-concurrency 16 --seed 0
@@ -63,7 +64,9 @@ if wait_up "http://127.0.0.1:$PORT" "${UP_TIMEOUT:-600}"; then
 else
   tail -40 "$OUT/serve_vs_offline_serve.log"
 fi
-"${SERVE[@]}" shutdown -y >/dev/null 2>&1 || true
+# The dashboard of the cluster `serve run` started or joined (DASHBOARD_URL where it is not local).
+"${SERVE[@]}" shutdown -y --address "${DASHBOARD_URL:-http://127.0.0.1:8265}" >/dev/null 2>&1
+kill "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null
 
 if [ -n "${WITH_TRANSFORMERS:-}" ]; then
   if ! ls "$MODEL"/*.safetensors >/dev/null 2>&1; then
@@ -75,8 +78,8 @@ if [ -n "${WITH_TRANSFORMERS:-}" ]; then
     for args in "$TRANSFORMERS_ARGS" "${TRANSFORMERS_FALLBACK_ARGS:---dtype bfloat16}"; do
       echo "== transformers serve $args"
       # shellcheck disable=SC2086
-      timeout "${SERVE_TIMEOUT:-2400}" "${TRANSFORMERS[@]}" serve --port "$TF_PORT" --device cuda $args \
-        >"$OUT/serve_vs_offline_transformers.log" 2>&1 &
+      timeout "${SERVE_TIMEOUT:-2400}" "${TRANSFORMERS[@]}" serve --port "$TF_PORT" \
+        --device "$TRANSFORMERS_DEVICE" $args >"$OUT/serve_vs_offline_transformers.log" 2>&1 &
       TF_PID=$!
       if wait_up "http://127.0.0.1:$TF_PORT" 300; then
         bench transformers_c16 "http://127.0.0.1:$TF_PORT" --backend transformers \

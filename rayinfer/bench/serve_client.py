@@ -21,6 +21,9 @@ from rayinfer.bench.serve_dataset import SampleRequest
 
 BACKENDS = ("rayinfer", "vllm", "openai", "transformers")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# rayinfer_timings' parts of the hand-off: device -> pinned host copy and object-store put on
+# export, object-store get and host -> device copy on import (deployments/types.py, Timings)
+HANDOFF_PARTS = ("kv_export_copy_s", "kv_put_s", "kv_get_s", "kv_import_copy_s")
 
 
 @dataclass
@@ -40,6 +43,7 @@ class RequestResult:
     kv_export_s: float = 0.0
     kv_import_s: float = 0.0
     kv_bytes: float = 0.0
+    kv_parts_s: dict[str, float] = field(default_factory=dict)  # HANDOFF_PARTS the server sent
 
     @property
     def tpot_s(self) -> float | None:
@@ -107,6 +111,7 @@ def record_event(result: RequestResult, event: dict, elapsed_s: float) -> None:
     result.kv_export_s = timings.get("kv_export_s", result.kv_export_s)
     result.kv_import_s = timings.get("kv_import_s", result.kv_import_s)
     result.kv_bytes = timings.get("kv_bytes", result.kv_bytes)
+    result.kv_parts_s |= {part: timings[part] for part in HANDOFF_PARTS if part in timings}
 
 
 def mark_token(result: RequestResult, elapsed_s: float) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rayinfer.bench.serve_client import RequestResult
+from rayinfer.bench.serve_client import HANDOFF_PARTS, RequestResult
 
 PERCENTILES = (50, 95, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -78,6 +78,10 @@ def summarize(
     summary |= latency_stats("e2el", [r.latency_s for r in done])
     summary |= latency_stats("kv_export", [r.kv_export_s for r in done])
     summary |= latency_stats("kv_import", [r.kv_import_s for r in done])
+    for part in HANDOFF_PARTS:
+        values = [r.kv_parts_s[part] for r in done if part in r.kv_parts_s]
+        if values:
+            summary |= latency_stats(part.removesuffix("_s"), values)
     shares = [r.kv_export_s / r.ttft_s for r in done if r.ttft_s > 0]
     summary["mean_kv_bytes"] = sum(r.kv_bytes for r in done) / max(len(done), 1)
     summary["mean_handoff_share_of_ttft_pct"] = 100 * sum(shares) / max(len(shares), 1)
@@ -124,6 +128,13 @@ def format_report(s: dict, title: str = "Serving Benchmark Result", slos=None) -
             row(f"P{q} {short} (ms):", s[f"p{q}_{key}_ms"])
     if has_handoff:
         lines.append("KV hand-off through the object store".center(50, "-"))
+        for part in HANDOFF_PARTS:
+            key = part.removesuffix("_s")
+            if f"mean_{key}_ms" in s:
+                row(
+                    f"Mean / P50 {key} (ms):",
+                    f"{s[f'mean_{key}_ms']:.2f} / {s[f'p50_{key}_ms']:.2f}",
+                )
         row("Mean KV bytes per request:", s["mean_kv_bytes"], 0)
         row("Mean hand-off share of TTFT (%):", s["mean_handoff_share_of_ttft_pct"])
         row("Median hand-off share of TTFT (%):", s["p50_handoff_share_of_ttft_pct"])

@@ -152,13 +152,14 @@ def test_text_events_fill_ttft_itl_usage_and_timings():
     record_event(result, completion("a"), 0.25)
     record_event(result, completion(""), 0.30)  # no usage per chunk: an empty chunk is not a token
     record_event(result, completion("b"), 0.35)
-    handoff = {"kv_export_s": 0.01, "kv_import_s": 0.02, "kv_bytes": 640.0}
+    handoff = {"kv_export_s": 0.01, "kv_import_s": 0.02, "kv_bytes": 640.0, "kv_put_s": 0.004}
     usage = {"prompt_tokens": 7, "completion_tokens": 3}
     record_event(result, {"choices": [], "usage": usage, "rayinfer_timings": handoff}, 0.4)
     finish(result, 0.4, SampleRequest("x", 1, 3))
     assert result.ok and result.ttft_s == 0.25 and result.itl_s == [pytest.approx(0.1)]
     assert (result.prompt_tokens, result.output_tokens) == (7, 3)
     assert (result.kv_export_s, result.kv_import_s, result.kv_bytes) == (0.01, 0.02, 640.0)
+    assert result.kv_parts_s == {"kv_put_s": 0.004}
     record_event(result, {"error": {"message": "boom"}}, 0.5)
     assert result.error == "boom"
     record_event(result, {"error": "transformers says"}, 0.5)  # transformers serve's shape
@@ -222,6 +223,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     results = [recorded(0.1, 0.5), recorded(0.2, 0.6), RequestResult(error="HTTP 503")]
     for result, export_s in zip(results, (0.01, 0.02)):
         result.kv_export_s, result.kv_import_s, result.kv_bytes = export_s, 0.02, 1000.0
+        result.kv_parts_s = {"kv_get_s": export_s / 2}
     summary = summarize(results, duration_s=2.0)
     assert summary["completed"] == 2 and summary["failed"] == 1
     assert summary["request_throughput"] == 1.0
@@ -229,6 +231,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     assert summary["mean_tpot_ms"] == pytest.approx(100.0)
     assert summary["mean_e2el_ms"] == pytest.approx(550.0)
     assert summary["mean_handoff_share_of_ttft_pct"] == pytest.approx(10.0)
+    assert summary["mean_kv_get_ms"] == pytest.approx(7.5) and "mean_kv_put_ms" not in summary
     report = format_report(summary, slos={"ttft": 100.0})
     for line in (
         "Request throughput (req/s):",
@@ -240,6 +243,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
         "P50 ITL (ms):",
         "P99 E2EL (ms):",
         "Mean hand-off share of TTFT (%):",
+        "Mean / P50 kv_get (ms):",
     ):
         assert line in report
 

@@ -230,7 +230,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     assert summary["input_throughput"] == 10.0 and summary["output_throughput"] == 5.0
     assert summary["mean_tpot_ms"] == pytest.approx(100.0)
     assert summary["mean_e2el_ms"] == pytest.approx(550.0)
-    assert summary["mean_handoff_share_of_ttft_pct"] == pytest.approx(10.0)
+    assert summary["mean_handoff_share_of_ttft_pct"] == pytest.approx(25.0)  # (exp + imp) / TTFT
     assert summary["mean_kv_get_ms"] == pytest.approx(7.5) and "mean_kv_put_ms" not in summary
     report = format_report(summary, slos={"ttft": 100.0})
     for line in (

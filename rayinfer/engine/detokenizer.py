@@ -33,7 +33,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        context = _whole_characters(tokenizer, prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.token_ids: list[int] = context  # context tokens, then every generated token
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = len(context)  # tokens before this one are emitted
@@ -72,6 +72,16 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         ids = self.token_ids[start:end]
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _whole_characters(tokenizer: Tokenizer, context: Sequence[int]) -> list[int]:
+    """The context without the trailing tokens of a character the prompt leaves unfinished: seeded
+    with those, the first generated token's text would carry the context's text with it (and the
+    generated text would no longer be decode(generated ids))."""
+    context = list(context)
+    while context and tokenizer.decode(context).endswith(REPLACEMENT_CHAR):
+        context.pop()
+    return context
 
 
 def _decode_stream(tokenizer: Tokenizer, context: list[int], skip_special_tokens: bool):

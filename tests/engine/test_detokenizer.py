@@ -113,3 +113,14 @@ def test_prompt_context_keeps_the_first_tokens_leading_space():
     full_text = tokenizer.decode(prompt_ids + output_ids)
     assert "".join(stream(detokenizer, output_ids)) == " world"
     assert full_text == tokenizer.decode(prompt_ids) + " world"
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode-stream", "window"])
+def test_a_prompt_ending_inside_a_character_stays_out_of_the_text(byte_level, use_stream):
+    prompt = byte_level.encode("ends inside 🙂", add_special_tokens=False)[:-1]
+    assert byte_level.decode(prompt).endswith("\ufffd")  # its last character is unfinished
+    generated = byte_level.encode(" and then plain words", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(byte_level, prompt)
+    if not use_stream:
+        detokenizer._stream = None
+    assert "".join(stream(detokenizer, generated)) == byte_level.decode(generated)

@@ -7,12 +7,19 @@ request is estimated as
     estimated_wait_s = (num_waiting + 1) / start_rate
 
 where `start_rate` is measured, not configured: the starts of the last `num_samples` requests
-divided by the *busy* time they took (time during which at least one request was waiting). Idle
-time does not count, so a quiet server keeps its last rate; busy time without a start does, so a
-stalled server's rate falls while it stalls (one start more than measured is counted: the start
-under way). A replica admits everything until its first start gives it a rate. At low load the
-measured rate is bounded by latency (one request at a time), below what batching can start: the
-estimate errs towards shedding, never towards unbounded waiting, and rises as batches start.
+divided by the *queued* time they took (time during which at least two requests were waiting,
+so the engines had more work than one request). Only that time measures how fast the engines
+start requests: one request at a time starts at the rate its latency allows, far below what a
+batch starts (a 3.7k-token prompt alone measured 0.5 starts/s on an H200, where a burst of 16
+starts at about 5/s), and measuring it shed a burst of 16 on an idle replica (issue 28). So a
+start counts only when it left a queue (two or more waiting, or queued time passed since the
+last counted start). Time with fewer waiting does not count, so a quiet server keeps its last
+rate; queued time without a start does, so a stalled server's rate falls while it stalls (one
+start more than measured is counted: the start under way). Until a queue has given it a rate,
+a replica that has only seen requests one at a time takes their rate times `parallelism` (the
+requests its engines batch at once: as if a batch started as fast as one request does, an
+optimistic bound, so a burst on an idle replica is admitted while one far past what a batch
+holds is shed); before any start it admits everything.
 
 A request whose estimate exceeds `max_wait_s` is refused with a retry delay: the time until the
 waiting requests ahead of it have drained to what fits in the deadline. The counts are this
@@ -26,6 +33,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+QUEUED = 2  # requests waiting at once for the engines' start rate to be measured
 
 
 @dataclass(frozen=True)
@@ -42,24 +51,33 @@ class Admission:
         max_wait_s: float | None,
         num_samples: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        parallelism: int = 1,
     ):
         """max_wait_s: the deadline a new request must be estimated to start within (None: no
-        bound, every request is admitted). num_samples: starts the rate is measured over."""
+        bound, every request is admitted). num_samples: starts the rate is measured over.
+        parallelism: requests the engines run at once (the rate's bound before a queue)."""
         self.max_wait_s = max_wait_s
         self.clock = clock
         self.num_waiting = 0
-        self._busy_s = 0.0  # busy time up to _busy_mark
+        self._busy_s = 0.0  # queued time up to _busy_mark
         self._busy_mark = clock()
+        self._counted_busy_s = 0.0  # queued time at the last counted start
         self._start_stamps: deque[float] = deque(maxlen=num_samples)  # busy time at each start
         self._window_origin_s = 0.0  # busy time at the start that left the window last
+        self.parallelism = parallelism
+        self._alone_s = 0.0  # time with exactly one request waiting
+        self._alone_starts = 0  # starts not counted as queued
 
     def start_rate(self) -> float:
-        """Starts per second of busy time over the window, counting the start under way
-        (infinite before the first start: nothing measured yet)."""
+        """Starts per second of queued time over the window, counting the start under way;
+        before a queue, the one-at-a-time rate times `parallelism`; infinite before any
+        start (nothing measured yet)."""
         busy_s = self._busy_time() - self._window_origin_s
-        if not self._start_stamps or busy_s <= 0:
-            return math.inf
-        return (len(self._start_stamps) + 1) / busy_s
+        if self._start_stamps and busy_s > 0:
+            return (len(self._start_stamps) + 1) / busy_s
+        if self._alone_starts and self._alone_s > 0:
+            return self._alone_starts / self._alone_s * self.parallelism
+        return math.inf
 
     def estimated_wait_s(self) -> float:
         """How long a request admitted now would wait to start."""
@@ -74,11 +92,17 @@ class Admission:
         return None
 
     def start(self) -> None:
-        """An admitted request started: it stops waiting and its start is measured."""
-        stamps = self._start_stamps
-        if len(stamps) == stamps.maxlen:
-            self._window_origin_s = stamps[0]
-        stamps.append(self._busy_time())
+        """An admitted request started: it stops waiting; its start is measured if it left a
+        queue (see the module's docstring)."""
+        busy_s = self._busy_time()
+        if self.num_waiting >= QUEUED or busy_s > self._counted_busy_s:
+            stamps = self._start_stamps
+            if len(stamps) == stamps.maxlen:
+                self._window_origin_s = stamps[0]
+            stamps.append(busy_s)
+            self._counted_busy_s = busy_s
+        else:
+            self._alone_starts += 1
         self._set_waiting(self.num_waiting - 1)
 
     def leave(self) -> None:
@@ -86,9 +110,12 @@ class Admission:
         self._set_waiting(self.num_waiting - 1)
 
     def _busy_time(self) -> float:
+        """Queued time so far: while at least QUEUED requests were waiting."""
         now = self.clock()
-        if self.num_waiting > 0:
+        if self.num_waiting >= QUEUED:
             self._busy_s += now - self._busy_mark
+        elif self.num_waiting == 1:
+            self._alone_s += now - self._busy_mark
         self._busy_mark = now
         return self._busy_s
 

@@ -103,7 +103,10 @@ class Ingress:
         self.source = source
         self.metrics = ServeMetrics("ingress")
         self.prompts = PromptBuilder(source)
-        admission = Admission(self.config.ingress.max_queue_wait_s)
+        batching = self.config.engine if engine is not None else self.config.decode
+        admission = Admission(
+            self.config.ingress.max_queue_wait_s, parallelism=batching.max_num_seqs
+        )
         self.pipeline: Pipeline = (
             ColocatedPipeline(engine, self.metrics, admission)
             if engine is not None

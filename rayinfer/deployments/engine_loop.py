@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rayinfer.engine.engine import LLMEngine
@@ -50,6 +50,33 @@ class LoopEvent:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+
+
+def _coalesced(event: LoopEvent, queued: asyncio.Queue) -> LoopEvent:
+    """`event` merged with the ones queued behind it, up to the first error or finish: when the
+    caller falls behind the engine (64 streams yielding through Serve one token each cost a
+    replica more than the engine's step), it takes several tokens in one chunk instead of
+    queueing ever more. A caller that keeps up gets one step's tokens per event, as before."""
+    while event.error is None and not event.output.finished and not queued.empty():
+        later: LoopEvent = queued.get_nowait()
+        if later.error is not None:
+            return later  # the request failed: its tokens so far are not worth sending
+        event = LoopEvent(output=_merged(event.output, later.output), handoff=later.handoff)
+    return event
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """`then` carrying `first`'s new tokens, text and log-probabilities before its own."""
+    new_logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        new_logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
+    return replace(
+        then,
+        new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
+        new_text=first.new_text + then.new_text,
+        new_logprobs=new_logprobs,
+        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+    )
 
 
 class EngineLoop:
@@ -89,7 +116,7 @@ class EngineLoop:
         finished = False
         try:
             while not finished:
-                event: LoopEvent = await stream.events.get()
+                event = _coalesced(await stream.events.get(), stream.events)
                 if event.error is not None:
                     finished = True
                     raise event.error

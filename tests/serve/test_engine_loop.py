@@ -154,3 +154,26 @@ def test_a_request_the_engine_fails_raises_request_failed_and_the_loop_goes_on(l
     after = asyncio.run(final_output(loop, "after", PROMPTS[0], good))
     assert after.output.finish_reason == "length"
     loop.stop()
+
+
+def test_a_caller_that_falls_behind_gets_the_steps_it_missed_in_one_event(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    [expected] = llm.generate([PROMPTS[0]], params)
+    loop = new_loop(llm)
+
+    async def run():
+        events = []
+        async for event in loop.generate("slow", PROMPTS[0], params, False):
+            events.append(event)
+            await asyncio.sleep(0.05)  # the engine steps on meanwhile
+        return events
+
+    events = asyncio.run(run())
+    loop.stop()
+    tokens = [token for event in events for token in event.output.new_token_ids]
+    assert tokens == expected.token_ids
+    assert "".join(event.output.new_text for event in events) == expected.text
+    logprobs = [entry for event in events for entry in event.output.new_logprobs]
+    assert logprobs == list(expected.logprobs)
+    assert len(events) < len(tokens)  # several steps' tokens came together
+    assert events[-1].output.finished and sum(e.output.finished for e in events) == 1

@@ -53,7 +53,7 @@ def test_gpu_export_import_exact(row, dtype, num_tokens):
         busy = busy @ busy / 64
     importer.import_(target_slots, chunks)
     for layer, rows in enumerate(expected):
-        got = target[layer].view(-1, row)[target_slots]
+        got = target[layer].view(-1, row)[target_slots].cpu()
         assert torch.equal(got.view(torch.uint8), rows.view(torch.uint8))
         others = torch.ones(target[layer].shape[0] * 16, dtype=torch.bool, device="cuda")
         others[target_slots.cuda()] = False

@@ -110,12 +110,14 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_new_request(request_id, prompt_ids)
+        self._check_logit_bias(params)
         state = self._new_state(request_id, prompt_ids, params, prefill_only)
         self.scheduler.add(state.seq)
 
     def add_prefilled_request(self, handoff: KVHandoff, params: SamplingParams) -> None:
         """Continue a request whose prompt was prefilled elsewhere; its KV arrives as a payload."""
         self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
+        self._check_logit_bias(params)
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         self.pending_imports.append(_PendingImport(state, handoff.payload))
         self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
@@ -244,6 +246,14 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # builtins: 16k ids in ~0.2 ms
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        outside = [token_id for token_id, _ in params.logit_bias if token_id >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            )
 
     def _new_state(self, request_id, prompt_ids, params, prefill_only) -> RequestState:
         seq = Sequence(request_id, prompt_ids, params, self._arrivals, prefill_only)

@@ -56,6 +56,7 @@ from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import (
     NO_TOKEN,
     SampledRows,
+    apply_logit_bias,
     apply_penalties,
     gather_logprobs,
     log_probabilities,
@@ -323,6 +324,8 @@ class ModelRunner:
         """[B, V] logits (penalized in place) -> the next token of each sampling request. A
         request whose generator cannot be made (its seed) or whose row cannot be sampled fails
         alone (`errors`, by row); the others sample as they would without it."""
+        if any(r.params.logit_bias for r in sampling):
+            apply_logit_bias(logits, [r.params.logit_bias for r in sampling])
         if any(r.output_token_ids for r in sampling):
             apply_penalties(
                 logits,

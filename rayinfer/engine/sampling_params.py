@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat `top_logprobs`
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED, as vLLM's (a torch generator takes 64 bits)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI's logit_bias
 
 
 class InvalidRequestError(ValueError):
@@ -40,6 +41,9 @@ class SamplingParams:
     # None, or k: each prompt token's log-probability given the tokens before it (the first has
     # none) and its k alternatives. The prompt is then computed whole: no prefix-cache hits.
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias; -100 bans
+    # a token, +100 all but forces it); the log-probabilities reported stay the model's own
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -48,6 +52,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", ())
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -85,6 +91,20 @@ class SamplingParams:
                 )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise InvalidRequestError(
+                    "logit_bias", f"token ids must be integers >= 0, got {token_id!r}"
+                )
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    "logit_bias",
+                    f"token {token_id}: the bias must be a number in "
+                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -43,6 +43,22 @@ def apply_penalties(
     logits.index_put_((index,), logits[index] - penalty)
 
 
+def apply_logit_bias(
+    logits: torch.Tensor,  # [B, V] float32: biased in place
+    biases: list[tuple[tuple[int, float], ...]],  # [B] (token id, bias) pairs; () for none
+) -> None:
+    """logits[row, token] += bias for every pair, in one scatter for the whole batch."""
+    pairs = [(row, token, bias) for row, given in enumerate(biases) for token, bias in given]
+    if not pairs:
+        return
+    rows, tokens, values = zip(*pairs)
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))  # [N] each
+    logits.index_put_(
+        index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
+    )
+
+
 def log_probabilities(
     logits: torch.Tensor,  # [B, V] float32, raw (before penalties and temperature)
     wanted: list[int | None],  # [B] alternatives each row wants; None: no log-probabilities

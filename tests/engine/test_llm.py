@@ -228,3 +228,18 @@ def test_profile_writes_the_busiest_operators_and_a_trace(checkpoint, prompts, t
     assert (tmp_path / "steps.json").stat().st_size > 0
     with pytest.raises(RuntimeError, match="not running"):
         llm.stop_profile()
+
+
+def test_logit_bias_forces_a_token_and_survives_the_hand_off(checkpoint, prompts):
+    forced = rayinfer.SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logit_bias={7: 100.0}, logprobs=0
+    )
+    llm = rayinfer.LLM(str(checkpoint), device="cpu")
+    outputs = llm.generate(prompts, forced)
+    assert all(o.token_ids == [7] * 5 for o in outputs)
+    assert all(e.chosen.logprob < 0 for o in outputs for e in o.logprobs)  # the model's own
+    decode = rayinfer.LLM(str(checkpoint), device="cpu")
+    handed_off = decode.decode(llm.prefill(prompts, forced), forced)
+    assert [o.token_ids for o in handed_off] == [[7] * 5] * len(prompts)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate(prompts[0], rayinfer.SamplingParams(logit_bias={10**6: 1.0}))

@@ -158,3 +158,23 @@ def test_penalties_outside_the_openai_range_name_their_field(field):
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(**{field: 2.5})
     assert error.value.field == field
+
+
+def test_logit_bias_adds_to_its_rows_tokens_only():
+    from rayinfer.layers.sampler import apply_logit_bias
+
+    logits = torch.zeros(3, 6)
+    apply_logit_bias(logits, [((1, 5.0), (4, -100.0)), (), ((0, 0.5),)])
+    expected = torch.zeros(3, 6)
+    expected[0, 1], expected[0, 4], expected[2, 0] = 5.0, -100.0, 0.5
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "bias", [{-1: 1.0}, {True: 1.0}, {"3": 1.0}, {3: 100.5}, {3: float("nan")}, {3: "1"}]
+)
+def test_logit_bias_outside_openai_range_names_the_field(bias):
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(logit_bias=bias)
+    assert error.value.field == "logit_bias"
+    assert SamplingParams(logit_bias={3: -100, 4: 2.5}).logit_bias == ((3, -100), (4, 2.5))

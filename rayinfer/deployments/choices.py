@@ -1,11 +1,13 @@
-"""Requests with `n` > 1: one pipeline run per choice, merged into one OpenAI reply.
+"""Requests with `n` > 1, or a batch of prompts: one pipeline run per choice, merged into one
+OpenAI reply. Prompt p's choice i has index p * n + i, as OpenAI numbers them.
 
 Choice i samples with `seed + i` (modulo 2**63) when the request gives a seed (reproducible, and
 different per choice), else with its own random generator; the prompt is the same, so prefill serves
 the later choices from its prefix cache where the first one's blocks are already computed. Whole:
 the choices in index order, usage counting the prompt once and every choice's tokens. Stream: one
 SSE stream whose chunks carry their choice's `index`, interleaved as they come, then one usage chunk
-and [DONE]. Closing the stream (a client disconnect) aborts every choice."""
+and [DONE]. Usage counts each prompt once (its tokens and cached tokens) and every choice's
+generated tokens. Closing the stream (a client disconnect) aborts every choice."""
 
 from __future__ import annotations
 
@@ -30,10 +32,21 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
 
+def merged_usage(replies: list[HttpReply], n: int) -> dict:
+    """replies: every prompt's n choices, in index order."""
+    firsts = replies[::n]  # one per prompt
+    return protocol.usage_body(
+        sum(reply.num_prompt_tokens for reply in firsts),
+        sum(reply.num_tokens for reply in replies),
+        sum(reply.num_cached_tokens for reply in firsts),
+    )
+
+
 async def whole_of_choices(
-    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings]
+    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings], n: int
 ) -> dict:
-    """Every choice run to its end, concurrently; the first failure cancels the others."""
+    """Every choice run to its end, concurrently; the first failure cancels the others. n: the
+    choices per prompt."""
     tasks = [
         asyncio.create_task(reply.whole(run, t)) for reply, run, t in zip(replies, runs, timings)
     ]
@@ -45,13 +58,12 @@ async def whole_of_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
     merged = bodies[0]
     merged["choices"] = [body["choices"][0] for body in bodies]
-    completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
-    merged["usage"] = protocol.usage_body(replies[0].num_prompt_tokens, completion_tokens)
+    merged["usage"] = merged_usage(replies, n)
     return merged
 
 
 async def stream_of_choices(
-    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings]
+    replies: list[HttpReply], runs: list[AsyncIterator[Delta]], timings: list[Timings], n: int
 ) -> AsyncIterator[str]:
     """The choices' chunks as they come (each with its index), then the usage chunk (every
     choice's tokens) and [DONE]."""
@@ -77,6 +89,5 @@ async def stream_of_choices(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    total = sum(reply.num_tokens for reply in replies)
-    for event in replies[0].trailer(total, timings[0]):
+    for event in replies[0].trailer(merged_usage(replies, n), timings[0]):
         yield event

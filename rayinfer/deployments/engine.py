@@ -44,6 +44,7 @@ class Engine(PhaseReplica):
                                 new_logprobs=output.new_logprobs)  # fmt: skip
             if is_first:
                 chunk.prompt_logprobs = output.prompt_logprobs
+                chunk.num_cached_tokens = output.num_cached_tokens
                 self.metrics.ttft.observe(now - arrival, tags=self.metrics.tags)
                 is_first = False
             else:

@@ -46,6 +46,30 @@ app = FastAPI(title="rayinfer", description="OpenAI-compatible API over MoE engi
 REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
+def error_responses(*statuses: int) -> dict:
+    """The OpenAPI entries of a route's error answers: each carries the OpenAI error body. "4XX"
+    also stands in for FastAPI's 422, which this server never answers (a bad body is a 400)."""
+    why = {
+        400: "a field is invalid; `error.param` names it",
+        404: "an unknown model (`error.code` model_not_found) or route",
+        500: "the request failed on the server; the log has it under `error.request_id`",
+        503: "overloaded or a replica is being replaced: retry after the Retry-After header",
+        "4XX": "any other client error",
+    }
+    return {status: {"model": protocol.ErrorBody, "description": why[status]}
+            for status in (*statuses, "4XX")}  # fmt: skip
+
+
+GENERATION_RESPONSES = {
+    200: {
+        "description": "the completion as JSON, or with `stream: true` server-sent events "
+        "(`data: {chunk}` lines, then `data: [DONE]`)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **error_responses(400, 404, 500, 503),
+}
+
+
 def request_id_of(request: Request) -> str:
     """The id a request's reply, error body and log lines carry: the completion's id once the
     route made one, else one made here (a body refused before the route ran)."""
@@ -118,15 +142,24 @@ class Ingress:
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=protocol.ModelList)
     async def models(self) -> dict:
         return protocol.models_body(self.source.served_model_name, self.source.max_model_len)
 
-    @app.post("/v1/chat/completions")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=protocol.ModelCard,
+        responses=error_responses(404),
+    )
+    async def model(self, model_id: str) -> protocol.ModelCard:
+        self._check_model(model_id)
+        return protocol.ModelCard(id=model_id, max_model_len=self.source.max_model_len)
+
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, request: ChatCompletionRequest, http: Request):
         return await self._serve_http(request, http, "chatcmpl", chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, request: CompletionRequest, http: Request):
         return await self._serve_http(request, http, "cmpl", chat=False)
 
@@ -139,11 +172,14 @@ class Ingress:
 
     async def _reply(self, request, request_id: str, chat: bool):
         self._check_model(request.model)
-        # Off the event loop: a long text encodes without the GIL (engine/tokenizer.py).
-        prompt_ids, params = await asyncio.to_thread(self.prompts.build, request)
+        # One request per prompt of a completions batch, each checked and tokenized like a
+        # single prompt; off the event loop: a long text encodes without the GIL.
+        singles = [request] if chat else [request.for_prompt(p) for p in request.prompts]
+        built = await asyncio.to_thread(lambda: [self.prompts.build(one) for one in singles])
         model = self.source.served_model_name
-        if request.n > 1:
-            return await self._serve_choices(request, request_id, prompt_ids, params, chat)
+        if request.n > 1 or len(singles) > 1:
+            return await self._serve_choices(request, request_id, singles, built, chat)
+        (prompt_ids, params), request = built[0], singles[0]
         timings = Timings()
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
         reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0,
@@ -154,22 +190,23 @@ class Ingress:
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(await reply.whole(deltas, timings))
 
-    async def _serve_choices(self, request, request_id, prompt_ids, params, chat: bool):
-        """n > 1: one pipeline run per choice (deployments/choices.py). A stream starts once
-        every choice has its first token, so that overload still answers 503 up front."""
+    async def _serve_choices(self, request, request_id, singles, built, chat: bool):
+        """n > 1 or a batch of prompts: one pipeline run per choice of each prompt, index
+        prompt * n + choice (deployments/choices.py). A stream starts once every choice has
+        its first token, so that overload still answers 503 up front."""
         model, n = self.source.served_model_name, request.n
-        timings = [Timings() for _ in range(n)]
-        runs = [
-            self.pipeline.run(f"{request_id}-{i}", prompt_ids, choice, timings[i])
-            for i, choice in enumerate(choice_params(params, n))
-        ]
-        echo_text = self._echo_text(request, prompt_ids)
-        replies = [
-            HttpReply(request_id, model, chat, request, len(prompt_ids), i, echo_text)
-            for i in range(n)
-        ]
+        runs, replies, timings = [], [], []
+        for single, (prompt_ids, params) in zip(singles, built):
+            echo_text = self._echo_text(single, prompt_ids)
+            for choice in choice_params(params, n):
+                index = len(runs)
+                timings.append(Timings())
+                runs.append(self.pipeline.run(f"{request_id}-{index}", prompt_ids, choice,
+                                              timings[-1]))  # fmt: skip
+                replies.append(HttpReply(request_id, model, chat, request, len(prompt_ids),
+                                         index, echo_text))  # fmt: skip
         if not request.stream:
-            return JSONResponse(await whole_of_choices(replies, runs, timings))
+            return JSONResponse(await whole_of_choices(replies, runs, timings, n))
         firsts = await asyncio.gather(*(first_delta(run) for run in runs), return_exceptions=True)
         failed = [first for first in firsts if isinstance(first, BaseException)]
         if failed:
@@ -177,7 +214,7 @@ class Ingress:
                 await run.aclose()
             raise failed[0]
         started = [prepend(first, run) for first, run in zip(firsts, runs)]
-        events = stream_of_choices(replies, started, timings)
+        events = stream_of_choices(replies, started, timings, n)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def _echo_text(self, request, prompt_ids: list[int]) -> str:

@@ -7,6 +7,11 @@ Completions (`logprobs: k`): {"tokens": [...], "token_logprobs": [...], "top_log
 tokens and the sampled one (so up to k + 1 entries, as OpenAI and vLLM answer).
 A token without text (a model served without a tokenizer) is written "token_id:<id>". With
 `echo`, the prompt's tokens come first; the first of them has null logprob and top_logprobs.
+
+`text_offset` is where each token starts in the returned `text`: a token's own text is found
+there, so text[offset:] starts with it. A token whose text the reply does not show (BOS, EOS,
+the pieces of a character split across tokens) takes the offset of the text that follows, so
+`text[offset[i]:offset[i + 1]]` is token i's text, or "" for such a token.
 """
 
 from __future__ import annotations
@@ -34,15 +39,21 @@ def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprobs], text_offset: int = 0) -> dict[str, Any]:
-    """`text_offset`: where the first entry's text starts in the completion (a stream's chunks
-    continue from the text already sent)."""
+def completion_logprobs(
+    entries: list[TokenLogprobs], text: str, position: int = 0
+) -> tuple[dict[str, Any], int]:
+    """The logprobs object of `entries`, whose tokens spell `text` (the reply's text so far) from
+    `position` on; and the position after the last one found (where a stream's next chunk's
+    tokens continue)."""
     tokens, offsets = [], []
     for entry in entries:
-        offsets.append(text_offset)
-        tokens.append(token_text(entry.chosen))
-        text_offset += len(tokens[-1])
-    return {
+        token = token_text(entry.chosen)
+        found = text.find(token, position) if token else -1
+        offsets.append(found if found >= 0 else min(position, len(text)))
+        if found >= 0:
+            position = found + len(token)
+        tokens.append(token)
+    body = {
         "tokens": tokens,
         "token_logprobs": [e.chosen.logprob for e in entries],
         "top_logprobs": [
@@ -53,3 +64,4 @@ def completion_logprobs(entries: list[TokenLogprobs], text_offset: int = 0) -> d
         ],
         "text_offset": offsets,
     }
+    return body, position

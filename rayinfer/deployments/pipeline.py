@@ -58,6 +58,7 @@ class Delta:
     finish_reason: str | None
     logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
     prompt_logprobs: list | None = None  # the first delta's, with SamplingParams.prompt_logprobs
+    num_cached_tokens: int | None = None  # the first delta's: prompt tokens from the prefix cache
 
 
 class Pipeline:
@@ -158,11 +159,11 @@ class DisaggregatedPipeline(Pipeline):
         first_logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
         if result.finish_reason is not None:
             yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs,
-                        result.prompt_logprobs)  # fmt: skip
+                        result.prompt_logprobs, result.num_cached_tokens)  # fmt: skip
             return
         timings.kv_bytes = result.handoff.num_bytes
         yield Delta(result.first_text, [result.first_token_id], None, first_logprobs,
-                    result.prompt_logprobs)  # fmt: skip
+                    result.prompt_logprobs, result.num_cached_tokens)  # fmt: skip
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
         async for chunk in _chunks(stream, "decode"):
             if chunk.kv_import_s is not None:
@@ -237,7 +238,7 @@ async def _chunks(stream, phase: str, first: DecodeChunk | None = None):
 
 def delta_of(chunk: DecodeChunk) -> Delta:
     return Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason,
-                 chunk.new_logprobs, chunk.prompt_logprobs)  # fmt: skip
+                 chunk.new_logprobs, chunk.prompt_logprobs, chunk.num_cached_tokens)  # fmt: skip
 
 
 async def _backpressure_as_503(stream, phase: str):

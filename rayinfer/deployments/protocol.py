@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response bodies, and the OpenAI error body.
 
-Fields OpenAI defines but rayinfer does not implement (best_of > 1, logit_bias, a JSON
-response_format, suffix; n > 1 through Python handles) are accepted at their neutral values
-and refused otherwise, naming the field. Unknown fields are ignored, as the OpenAI server does.
+Fields OpenAI defines but rayinfer does not implement (best_of > 1, a JSON response_format,
+suffix; n > 1 through Python handles; content parts other than text) are accepted at their
+neutral values and refused otherwise, naming the field. Unknown fields are ignored, as the OpenAI
+server does. Types are strict where OpenAI's are: `"max_tokens": "3"`, `"stream": "true"` and a
+token id `false` are 400, not coerced. Completions take a batch of prompts (a list of strings or
+of token-id lists): each prompt is its own engine request, choice `prompt_index * n + i`.
 Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
 `top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
 deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
@@ -28,11 +31,17 @@ from pydantic import (
 
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
+# Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
 MAX_CHOICES = 16  # `n`: choices per request over HTTP (deployments/choices.py)
 MAX_STOPS = 4  # stop strings per request, as OpenAI's
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this many characters
+MAX_PROMPTS = 256  # prompts in one batched completions request, each its own engine request
+MAX_LOGIT_BIAS_TOKENS = 300  # tokens one request may bias, as OpenAI's
 # Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
+TEXT_PART_TYPES = ("text", "refusal")  # the content parts a text model reads
 
 
 class OpenAIError(Exception):
@@ -91,6 +100,8 @@ def client_message(text: str) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
     continuous_usage_stats: bool = Field(
         False,
@@ -100,7 +111,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -116,13 +127,20 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = Field(False, description="extension: keep going past EOS (benchmarks)")
     rayinfer_timings: bool = Field(False, description="extension: add hand-off timings")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="token id (as a string) -> bias in [-100, 100] added to its logit before "
+        "sampling",
+    )
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("is not supported; send no bias")
+    def _check_logit_bias(cls, value):
+        if value and len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"{len(value)} tokens; bias at most {MAX_LOGIT_BIAS_TOKENS}")
+        for key in value or {}:
+            if not key.isdecimal():
+                raise ValueError(f"keys are token ids written as decimal strings, got {key!r}")
         return value
 
     @field_validator("top_k")
@@ -175,6 +193,7 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             logprobs=self.requested_logprobs,
             prompt_logprobs=self.requested_prompt_logprobs,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
     @property
@@ -189,7 +208,7 @@ class SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # validate_default: a missing content is checked like an explicit null
@@ -201,6 +220,21 @@ class ChatMessage(BaseModel):
         role = info.data.get("role")
         if value is None and role in ROLES_WITH_CONTENT:
             raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value):
+        """A text model reads text parts; an image or audio part would be silently dropped."""
+        for index, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type")
+            if kind not in TEXT_PART_TYPES:
+                raise ValueError(
+                    f"part {index} has type {kind!r}; this model reads only text parts "
+                    f"(type {' or '.join(map(repr, TEXT_PART_TYPES))})"
+                )
+            if not isinstance(part.get(kind), str):
+                raise ValueError(f"part {index}: a {kind} part needs a string {kind!r} field")
         return value
 
     def text(self) -> str:
@@ -246,7 +280,10 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a text, token ids, or a batch of texts or of token-id lists (each prompt "
+        f"its own request, up to {MAX_PROMPTS})"
+    )
     echo: bool = Field(False, description="the prompt before the completion (and its logprobs)")
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1, le=1, description="only one candidate per request")
@@ -267,28 +304,68 @@ class CompletionRequest(SamplingFields):
     def requested_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            value = value[0]
-        if not value:
-            raise ValueError("must not be empty")
+    def _check_prompt(cls, value):
+        """One message for every wrong shape (the union's four errors would name its members)."""
+        if is_batch(value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"{len(value)} prompts; send at most {MAX_PROMPTS} per request")
+            texts = isinstance(value[0], str)  # a batch holds texts or token-id lists, not both
+            for index, prompt in enumerate(value):
+                _check_one_prompt(prompt, f"entry {index} ", texts=texts)
+        else:
+            _check_one_prompt(value, "", texts=isinstance(value, str))
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's."""
+        return list(self.prompt) if is_batch(self.prompt) else [self.prompt]
+
+    def for_prompt(self, prompt: str | list[int]) -> CompletionRequest:
+        """This request with one of its prompts (the fields already validated)."""
+        return self.model_copy(update={"prompt": prompt})
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
 
-def usage_body(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
+def is_batch(prompt) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt's token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_one_prompt(prompt, where: str, texts: bool) -> None:
+    """texts: whether the prompt must be a string (else token ids)."""
+    if texts and isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{where}must not be empty")
+        return
+    if texts or not isinstance(prompt, list) or not all(map(_is_token_id, prompt)):
+        kinds = "a string, a list of token ids (integers), or a list of either"
+        raise ValueError(f"{where}must be {kinds}; a batch holds one kind")
+    if not prompt:
+        raise ValueError(f"{where}must not be empty")
+
+
+def usage_body(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """num_cached_tokens: the prompt tokens served from the prefix cache, when known."""
+    usage: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return usage
 
 
 def chat_completion_body(
@@ -363,16 +440,35 @@ def usage_chunk_body(request_id, model, object_name: str, usage: dict) -> dict[s
     }
 
 
+class ModelCard(BaseModel):
+    """`GET /v1/models/{id}`, and each entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "rayinfer"
+    max_model_len: int = Field(description="extension (vLLM's): prompt plus completion tokens")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="one line, for the client")
+    type: str
+    param: str | None = Field(description="the request field at fault, when one is")
+    code: str | None
+    request_id: str | None = Field(description="the server log keeps the details under it")
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx answer's body, as OpenAI's (`OpenAIError.body`)."""
+
+    error: ErrorDetail
+
+
 def models_body(served_model_name: str, max_model_len: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": served_model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "rayinfer",
-                "max_model_len": max_model_len,
-            }
-        ],
-    }
+    card = ModelCard(id=served_model_name, max_model_len=max_model_len)
+    return ModelList(data=[card]).model_dump()

@@ -73,25 +73,27 @@ class HttpReply:
         self.num_prompt_tokens = num_prompt_tokens
         self.index = index
         self.echo_text = echo_text if getattr(request, "echo", False) else ""
-        self.num_tokens = 0  # generated so far (stream)
-        self._text_offset = 0  # completions' logprobs: where the next token's text starts
+        self.num_tokens = 0  # generated so far
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first delta's)
+        self._has_cached_count = False
+        self._shown_text = ""  # completions' logprobs in a stream: the text sent so far
+        self._text_offset = 0  # completions' logprobs: where the next token's text is looked for
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
-        text, num_tokens, finish_reason, entries = self.echo_text, 0, None, []
+        text, finish_reason, entries = self.echo_text, None, []
         try:
             async for delta in deltas:
                 text += delta.text
-                num_tokens += len(delta.token_ids)
+                self._count(delta)
                 finish_reason = delta.finish_reason or finish_reason
                 entries += self._echoed_logprobs(delta) + (delta.logprobs or [])
         except Exception as error:
             raise as_openai_error(error, self.request_id) from error
         finally:
             await deltas.aclose()
-        usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
         build = protocol.chat_completion_body if self.chat else protocol.completion_body
-        body = build(self.request_id, self.model, text, finish_reason, usage,
-                     self._logprobs(entries))  # fmt: skip
+        body = build(self.request_id, self.model, text, finish_reason, self.usage(),
+                     self._logprobs(entries, text))  # fmt: skip
         body["choices"][0]["index"] = self.index
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
@@ -100,8 +102,17 @@ class HttpReply:
     async def stream(self, deltas: AsyncIterator[Delta], timings: Timings) -> AsyncIterator[str]:
         async for body in self.choice_events(deltas):
             yield sse(body)
-        for event in self.trailer(self.num_tokens, timings):
+        for event in self.trailer(self.usage(), timings):
             yield event
+
+    def usage(self) -> dict:
+        """This choice's usage so far (the prompt's cached tokens from its first delta)."""
+        return protocol.usage_body(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
+
+    def _count(self, delta: Delta) -> None:
+        self.num_tokens += len(delta.token_ids)
+        if not self._has_cached_count and delta.num_cached_tokens is not None:
+            self.num_cached_tokens, self._has_cached_count = delta.num_cached_tokens, True
 
     async def choice_events(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[dict]:
         """This choice's chunk bodies; an error once streaming has started is reported in-band
@@ -111,9 +122,12 @@ class HttpReply:
                 yield self._with_chunk_usage(self._chunk({"role": "assistant", "content": ""}))
             echo = self.echo_text
             async for delta in deltas:
-                self.num_tokens += len(delta.token_ids)
-                logprobs = self._logprobs(self._echoed_logprobs(delta) + (delta.logprobs or []))
-                chunk = self._chunk(echo + delta.text, delta.finish_reason, logprobs)
+                self._count(delta)
+                text = echo + delta.text
+                entries = self._echoed_logprobs(delta) + (delta.logprobs or [])
+                chunk = self._chunk(
+                    text, delta.finish_reason, self._streamed_logprobs(entries, text)
+                )
                 yield self._with_chunk_usage(chunk)
                 echo = ""
         except Exception as error:  # the stream already started: report in-band, then end
@@ -121,11 +135,11 @@ class HttpReply:
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()
 
-    def trailer(self, num_tokens: int, timings: Timings) -> list[str]:
+    def trailer(self, usage: dict, timings: Timings) -> list[str]:
         """The events after every choice's: the usage chunk when asked for, then [DONE]."""
         events = []
         if self.request.include_usage or self.request.rayinfer_timings:
-            events.append(sse(self._usage_chunk(num_tokens, timings)))
+            events.append(sse(self._usage_chunk(usage, timings)))
         return [*events, "data: [DONE]\n\n"]
 
     def _chunk(self, content, finish_reason=None, logprobs=None) -> dict:
@@ -144,29 +158,36 @@ class HttpReply:
     def _with_chunk_usage(self, body: dict) -> dict:
         """With `stream_options.continuous_usage_stats` (as vLLM's), the chunk carries this
         choice's usage so far: a token whose text is empty (part of a character, a special
-        token) still shows as `completion_tokens` going up."""
+        token) still shows as `completion_tokens` going up. With `include_usage` alone, the
+        chunks before the usage chunk carry `usage: null`, as OpenAI's do."""
         if self.request.include_chunk_usage:
-            body["usage"] = protocol.usage_body(self.num_prompt_tokens, self.num_tokens)
+            body["usage"] = self.usage()
+        elif self.request.include_usage:
+            body["usage"] = None
         return body
 
     def _echoed_logprobs(self, delta: Delta) -> list:
         """The prompt's entries (the first delta's) when the reply echoes the prompt."""
         return (delta.prompt_logprobs or []) if self.echo_text else []
 
-    def _logprobs(self, entries: list) -> dict | None:
-        """The OpenAI logprobs object of these tokens (None when the request did not ask).
-        Completions' text offsets continue across a stream's chunks."""
+    def _logprobs(self, entries: list, text: str) -> dict | None:
+        """The OpenAI logprobs object of these tokens (None when the request did not ask);
+        completions' text offsets are positions in `text`, the reply's text so far."""
         if self.request.requested_logprobs is None:
             return None
         if self.chat:
             return chat_logprobs(entries)
-        body = completion_logprobs(entries, self._text_offset)
-        self._text_offset += sum(len(token) for token in body["tokens"])
+        body, self._text_offset = completion_logprobs(entries, text, self._text_offset)
         return body
 
-    def _usage_chunk(self, num_tokens: int, timings: Timings) -> dict:
+    def _streamed_logprobs(self, entries: list, chunk_text: str) -> dict | None:
+        """A stream chunk's logprobs: text offsets continue across the chunks."""
+        if self.request.requested_logprobs is not None and not self.chat:
+            self._shown_text += chunk_text
+        return self._logprobs(entries, self._shown_text)
+
+    def _usage_chunk(self, usage: dict, timings: Timings) -> dict:
         object_name = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = protocol.usage_body(self.num_prompt_tokens, num_tokens)
         body = protocol.usage_chunk_body(self.request_id, self.model, object_name, usage)
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()

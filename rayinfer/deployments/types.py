@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from rayinfer.deployments.protocol import SamplingFields
 from rayinfer.engine.kv_transfer import KVHandoff
@@ -19,7 +19,11 @@ class GenerateRequest(SamplingFields):
     The sampling fields are those of the OpenAI API (max_tokens, temperature, top_p, top_k, stop,
     seed, ignore_eos); `max_tokens=None` generates up to max_model_len. `logprobs=k` reports each
     generated token's log-probability and its k most likely alternatives (engine TokenLogprobs).
+    Python values convert as pydantic's lax mode does (a tuple of stops, a numpy int), unlike
+    the HTTP bodies' strict JSON types.
     """
+
+    model_config = ConfigDict(extra="ignore", strict=False)
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -119,6 +123,7 @@ class DecodeChunk:
     was_recomputed: bool = False  # the KV was lost and decode recomputed the prompt
     new_logprobs: list | None = None  # engine.outputs.TokenLogprobs of new_token_ids, if asked
     prompt_logprobs: list | None = None  # an Engine's first chunk, with prompt_logprobs asked
+    num_cached_tokens: int | None = None  # an Engine's first chunk: prompt tokens from the cache
 
 
 @dataclass

@@ -67,11 +67,49 @@ def error_for(model, body: dict) -> OpenAIError:
             {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": None}]},
             "messages[1].content",
         ),
-        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
+        (CompletionRequest, {"prompt": [[False]]}, "prompt"),
+        (CompletionRequest, {"prompt": ["a", [1]]}, "prompt"),
+        (CompletionRequest, {"prompt": [[1], []]}, "prompt"),
+        (CompletionRequest, {"prompt": ["a"] * 257}, "prompt"),
+        (CompletionRequest, {"prompt": 7}, "prompt"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": "3"}, "max_tokens"),
+        (CompletionRequest, {"prompt": "a", "stream": "true"}, "stream"),
+        (CompletionRequest, {"prompt": "a", "echo": 1}, "echo"),
+        (
+            CompletionRequest,
+            {"prompt": "a", "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content",
+        ),
         (CompletionRequest, {"prompt": "a", "logprobs": 6}, "logprobs"),
         (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of"),
         (CompletionRequest, {"prompt": "a", "suffix": "end"}, "suffix"),
-        (CompletionRequest, {"prompt": "a", "logit_bias": {"50256": -100}}, "logit_bias"),
+        (CompletionRequest, {"prompt": "a", "logit_bias": {"x": -100}}, "logit_bias"),
+        (CompletionRequest, {"prompt": "a", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+        (
+            CompletionRequest,
+            {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
+            "logit_bias",
+        ),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "body"),  # needs logprobs=true
         (
@@ -92,9 +130,25 @@ def test_invalid_fields_answer_400_naming_them(model, body, param):
     assert error.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_fields_are_ignored_and_single_prompt_lists_unwrap():
+def test_unknown_fields_are_ignored_and_prompts_list_the_batch():
     request = CompletionRequest.model_validate({"prompt": [[1, 2, 3]], "user": "me"})
-    assert request.prompt == [1, 2, 3]
+    assert request.prompts == [[1, 2, 3]]
+    assert CompletionRequest(prompt=[1, 2]).prompts == [[1, 2]]
+    batch = CompletionRequest(prompt=["a", "b"], max_tokens=3)
+    assert [one.prompt for one in map(batch.for_prompt, batch.prompts)] == ["a", "b"]
+    assert batch.for_prompt("b").max_tokens == 3
+
+
+def test_the_image_part_error_names_its_part():
+    parts = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "u"}}]
+    error = error_for(ChatCompletionRequest, {"messages": [{"role": "user", "content": parts}]})
+    assert "part 1 has type 'image_url'" in error.message
+
+
+def test_logit_bias_reaches_the_sampling_params_with_int_ids():
+    request = CompletionRequest(prompt="a", logit_bias={"5": -100, "7": 2.5})
+    assert request.sampling_params(3).logit_bias == ((5, -100.0), (7, 2.5))
+    assert CompletionRequest(prompt="a").sampling_params(3).logit_bias == ()
 
 
 def test_generate_request_needs_prompt_or_messages():
@@ -135,7 +189,7 @@ def test_chat_prompt_uses_the_template(prompts):
 
 
 async def deltas_then(error: Exception | None = None):
-    yield Delta("Hel", [1], None)
+    yield Delta("Hel", [1], None, num_cached_tokens=4)
     yield Delta("lo", [2, 3], None)
     if error is not None:
         raise error
@@ -163,7 +217,13 @@ def test_chat_stream_events():
     text = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies[1:-1])
     assert text == "Hello!"
     assert bodies[-2]["choices"][0]["finish_reason"] == "length"
-    assert bodies[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert bodies[-1]["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 4,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    assert [b["usage"] for b in bodies[:-1]] == [None] * (len(bodies) - 1)  # null, as OpenAI's
     assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
 
 
@@ -189,7 +249,10 @@ def test_continuous_usage_counts_every_token_even_an_empty_one(chat):
 def test_usage_only_at_the_end_without_continuous_usage():
     request = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
     bodies = collect_events(HttpReply("id-1", "tiny", False, request, 3), deltas_then())
-    assert ["usage" in b for b in bodies] == [False, False, False, True]
+    assert [b["usage"] is None for b in bodies] == [True, True, True, False]
+    plain = CompletionRequest(prompt="x", stream=True)  # no usage asked: no usage key at all
+    bodies = collect_events(HttpReply("id-2", "tiny", False, plain, 3), deltas_then())
+    assert not any("usage" in b for b in bodies)
 
 
 def test_stream_error_is_reported_in_band_then_done():
@@ -394,7 +457,9 @@ def test_n_choices_merge_whole_and_stream_with_their_indexes():
 
     assert [p.seed for p in choice_params(SamplingParams(seed=7), 3)] == [7, 8, 9]
     assert [p.seed for p in choice_params(SamplingParams(), 2)] == [None, None]
-    request = CompletionRequest(prompt="x", n=2, stream=True, stream_options={"include_usage": 1})
+    request = CompletionRequest(
+        prompt="x", n=2, stream=True, stream_options={"include_usage": True}
+    )
 
     async def choice(texts):
         for i, text in enumerate(texts):
@@ -404,13 +469,13 @@ def test_n_choices_merge_whole_and_stream_with_their_indexes():
         return [HttpReply("cmpl-7", "tiny", False, request, 3, i) for i in range(2)]
 
     runs = [choice(["a", "b"]), choice(["c", "d", "e"])]
-    body = asyncio.run(whole_of_choices(replies(), runs, [Timings(), Timings()]))
+    body = asyncio.run(whole_of_choices(replies(), runs, [Timings(), Timings()], 2))
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ab"), (1, "cde")]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 5
 
     async def run_stream():
         runs = [choice(["a", "b"]), choice(["c", "d", "e"])]
-        return [e async for e in stream_of_choices(replies(), runs, [Timings(), Timings()])]
+        return [e async for e in stream_of_choices(replies(), runs, [Timings(), Timings()], 2)]
 
     events = asyncio.run(run_stream())
     assert events[-1] == "data: [DONE]\n\n"
@@ -455,3 +520,48 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     assert streamed[1]["choices"][0]["logprobs"]["text_offset"] == [3]
     quiet = CompletionRequest(prompt="Hi", echo=True)  # echo without logprobs: text only
     assert quiet.sampling_params(4).prompt_logprobs is None
+
+
+def test_a_batch_of_prompts_numbers_choices_prompt_major_and_sums_usage():
+    """Two prompts x n=2: indexes p * n + i; each prompt's tokens and cached tokens once."""
+    from rayinfer.deployments.choices import whole_of_choices
+
+    request = CompletionRequest(prompt=["x", "yy"], n=2)
+
+    async def choice(text: str, cached: int):
+        yield Delta(text, [1, 2], "length", num_cached_tokens=cached)
+
+    replies = [
+        HttpReply("cmpl-b", "tiny", False, request, num_prompt, index)
+        for index, num_prompt in enumerate([3, 3, 5, 5])
+    ]
+    runs = [choice("a", 0), choice("b", 2), choice("c", 4), choice("d", 4)]
+    body = asyncio.run(whole_of_choices(replies, runs, [Timings() for _ in range(4)], 2))
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a"), (1, "b"), (2, "c"),
+                                                                    (3, "d")]  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 8,
+        "completion_tokens": 8,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+def test_text_offsets_are_positions_in_the_returned_text():
+    """BOS and EOS are not in the text, nor are the halves of a character split over two
+    tokens (each decodes alone to U+FFFD): they take the offset of the text that follows, and
+    every other token's text starts at its offset."""
+    from rayinfer.deployments.logprobs import completion_logprobs
+
+    texts = ["<|begin_of_text|>", "The", " ca", "f", "\ufffd", "\ufffd", " is", "</s>"]
+    entries = [entry(i, t, -1.0) for i, t in enumerate(texts)]
+    text = "The café is"
+    body, end = completion_logprobs(entries, text)
+    offsets = body["text_offset"]
+    assert offsets == [0, 0, 3, 6, 7, 7, 8, 11] and end == 11
+    pieces = [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)])]
+    assert pieces == ["", "The", " ca", "f", "", "é", " is", ""]
+    # a stream continues from where the last chunk's tokens ended
+    first, position = completion_logprobs(entries[:3], "The ca")
+    rest, _ = completion_logprobs(entries[3:], text, position)
+    assert first["text_offset"] + rest["text_offset"] == offsets

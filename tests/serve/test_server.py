@@ -248,7 +248,7 @@ BAD_BODIES = {
         {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
         "top_logprobs",
     ),
-    "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"100000": 5}}, "logit_bias"),
     "seed=2**64": ("completions", {"prompt": "hi", "seed": 2**64}, "seed"),
     "seed=-1": ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
     "content null": (

@@ -18,6 +18,10 @@ class ScheduledRequest:
     params: SamplingParams
     kv_partition: int = 0  # the cache partition (data-parallel attention replica) holding it
     output_token_ids: list[int] | None = None  # generated so far; sent only when penalties apply
+    # With SamplingParams.structured_output: the tokens generated so far, sent the first time
+    # the request samples on this executor, so that a runner without its grammar matcher (a
+    # decode worker after the hand-off) rebuilds it; None on later steps.
+    grammar_token_ids: list[int] | None = None
     # With SamplingParams.prompt_logprobs: the prompt tokens this chunk's rows predict (row j:
     # the prompt token at start_position + j + 1), while they are prompt tokens.
     prompt_logprob_targets: list[int] | None = None

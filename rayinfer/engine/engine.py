@@ -98,6 +98,8 @@ class LLMEngine:
         # one call at the end of the step: a worker group makes one remote call per worker per
         # free, and 256 decodes finishing together made 512.
         self._to_free: list[str] = []
+        # Structured-output requests whose history the executor's grammar matchers have had.
+        self._grammars_sent: set[str] = set()
 
     # --- requests in -------------------------------------------------------------------------
     def add_request(
@@ -142,6 +144,7 @@ class LLMEngine:
         else:
             self.scheduler.finish(state.seq, "abort")
         self.executor.free_requests([request_id])
+        self._grammars_sent.discard(request_id)
         self.states.pop(request_id, None)
 
     @property
@@ -294,6 +297,7 @@ class LLMEngine:
     def _free_finished(self) -> None:
         if self._to_free:
             finished, self._to_free = self._to_free, []
+            self._grammars_sent.difference_update(finished)
             self.executor.free_requests(finished)
 
     def _model_batch(self, scheduled: list[ScheduledSequence]) -> ModelBatch:
@@ -319,9 +323,19 @@ class LLMEngine:
                         else None
                     ),
                     prompt_logprob_targets=_prompt_logprob_targets(seq, start, item.num_new_tokens),
+                    grammar_token_ids=self._grammar_history(seq, item.samples),
                 )
             )
         return ModelBatch(requests)
+
+    def _grammar_history(self, seq: Sequence, samples: bool) -> list[int] | None:
+        """A structured request's generated tokens the first time it samples here."""
+        if not samples or seq.params.structured_output is None:
+            return None
+        if seq.request_id in self._grammars_sent:
+            return None
+        self._grammars_sent.add(seq.request_id)
+        return list(seq.output_token_ids)
 
     def _admit_pending_imports(self) -> None:
         """Give waiting hand-offs blocks and start copying their KV in (while seats last: an

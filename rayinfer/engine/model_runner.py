@@ -25,6 +25,7 @@ import torch
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
+from rayinfer.engine.grammar_matchers import GrammarMasks, GrammarMatchers
 from rayinfer.engine.kv_copy import KVCopier
 from rayinfer.engine.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -58,6 +59,7 @@ from rayinfer.layers.sampler import (
     SampledRows,
     apply_logit_bias,
     apply_penalties,
+    apply_token_bitmask,
     gather_logprobs,
     log_probabilities,
     sample_tokens,
@@ -113,6 +115,10 @@ class ModelRunner:
             two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMatchers(
+            model_config.path, model_config.vocab_size, model_config.eos_token_ids,
+            pin=self.device.type == "cuda",
+        )  # fmt: skip
         self.cuda_graphs = cuda_graphs
         # Sizing the cache from memory needs CUDA's allocator statistics; elsewhere the
         # CacheConfig's count stands.
@@ -279,13 +285,15 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, requests) if bucket is None else None
         if not last_rows:
             return SampledTokens([], prompt_logprobs=prompt_logprobs)
+        sampling = [r for r in requests if r.samples]
+        # On a GPU the forward is still running: the host fills the grammar masks meanwhile.
+        masks = self.grammars.masks(sampling) if GrammarMatchers.needed(sampling) else None
         # Every row samples in a pure decode: no index tensor to build and copy to the device.
         last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
         logits = self.model.compute_logits(last)  # [B, V] float32
-        sampling = [r for r in requests if r.samples]
         wanted = [r.params.logprobs for r in sampling]
-        raw = log_probabilities(logits, wanted)  # before penalties change the logits
-        tokens, failed = self._sample(logits, sampling)
+        raw = log_probabilities(logits, wanted)  # before penalties and masks change the logits
+        tokens, failed = self._sample(logits, sampling, masks)
         errors = {sampling[row].request_id: why for row, why in failed.items()} or None
         if raw is None:
             return SampledTokens(tokens, prompt_logprobs=prompt_logprobs, errors=errors)
@@ -320,10 +328,15 @@ class ModelRunner:
             first_row += len(request.token_ids)
         return found
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> SampledRows:
-        """[B, V] logits (penalized in place) -> the next token of each sampling request. A
-        request whose generator cannot be made (its seed) or whose row cannot be sampled fails
-        alone (`errors`, by row); the others sample as they would without it."""
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest], masks: GrammarMasks | None
+    ) -> SampledRows:
+        """[B, V] logits (penalized and masked in place) -> the next token of each sampling
+        request. A request whose generator cannot be made (its seed), whose grammar cannot be
+        used or whose row cannot be sampled fails alone (`errors`, by row); the others sample as
+        they would without it."""
+        if masks is not None:
+            apply_token_bitmask(logits, masks.bitmask, masks.rows)
         if any(r.params.logit_bias for r in sampling):
             apply_logit_bias(logits, [r.params.logit_bias for r in sampling])
         if any(r.output_token_ids for r in sampling):
@@ -349,9 +362,14 @@ class ModelRunner:
             [r.params.top_p for r in sampling],
             generators,
         )
+        if masks is not None:
+            setup_errors.update(masks.errors)
         for row in setup_errors:
             rows.token_ids[row] = NO_TOKEN
-        return SampledRows(rows.token_ids, {**rows.errors, **setup_errors})
+        errors = {**rows.errors, **setup_errors}
+        if masks is not None:
+            errors.update(self.grammars.accept(sampling, masks, rows.token_ids))
+        return SampledRows(rows.token_ids, errors)
 
     def _graph_bucket(self, batch: ModelBatch) -> int | None:
         """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk
@@ -517,3 +535,4 @@ class ModelRunner:
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+        self.grammars.free(request_ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayinfer.engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat `top_logprobs`
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED, as vLLM's (a torch generator takes 64 bits)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI's logit_bias
@@ -44,6 +46,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias; -100 bans
     # a token, +100 all but forces it); the log-probabilities reported stay the model's own
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None, or what the output must match: each sampled token is masked to the tokens its
+    # grammar allows, and the request ends ("stop") on the end-of-text token the grammar allows
+    # once the output is complete (even with ignore_eos).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,6 +95,10 @@ class SamplingParams:
                 raise InvalidRequestError(
                     name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise InvalidRequestError("structured_output", "must be a StructuredOutput or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
         self._validate_logit_bias()

@@ -8,8 +8,11 @@ from rayinfer.engine.sequence import Sequence
 def finish_reason_after_token(
     seq: Sequence, eos_token_ids: set[int], max_model_len: int
 ) -> str | None:
-    """'stop' on EOS, 'length' on max_tokens or the context limit, else None."""
-    if not seq.params.ignore_eos and seq.output_token_ids[-1] in eos_token_ids:
+    """'stop' on EOS, 'length' on max_tokens or the context limit, else None. Under a grammar,
+    EOS is sampled only where the grammar lets the output end: it ends the request always."""
+    params = seq.params
+    stops_at_eos = not params.ignore_eos or params.structured_output is not None
+    if stops_at_eos and seq.output_token_ids[-1] in eos_token_ids:
         return "stop"
     if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from rayinfer.kernels.host_lists import device_ints
+
 NO_TOKEN = -1  # the token of a row whose sampling failed
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
@@ -57,6 +59,27 @@ def apply_logit_bias(
     logits.index_put_(
         index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
     )
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [B, V] float32: masked in place
+    bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32, on the host: bit j of word w allows 32w + j
+    rows: list[int],  # [R] the row of logits each bitmask row masks
+) -> None:
+    """logits[rows[r], t] = -inf where bitmask[r] forbids token t. The mask is copied to the
+    logits' device without waiting (from page-locked memory on CUDA; the host refills it only
+    after this step's tokens have come back, which waits for the copy) and unpacked there: no
+    host sync of its own."""
+    device, vocab = logits.device, logits.shape[1]
+    mask = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((mask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [R, V]
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    index = device_ints(rows, torch.int64, device)
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [R, V]
+    logits.index_copy_(0, index, masked)
 
 
 def log_probabilities(

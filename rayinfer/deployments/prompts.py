@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rayinfer.deployments.protocol import ChatCompletionRequest, OpenAIError
 from rayinfer.deployments.runtime import ModelSource
+from rayinfer.deployments.tool_calls import template_inputs
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 
 # Slack on max_model_len x the longest token's characters: a normalizer (NFKD, accent stripping)
@@ -36,7 +37,8 @@ class PromptBuilder:
         if messages is not None:
             texts = [m.get("content") for m in messages]
             self._check_text_length(sum(len(t) for t in texts if isinstance(t, str)), field)
-            prompt_ids = self._encode_chat(messages)
+            is_chat = isinstance(request, ChatCompletionRequest)
+            prompt_ids = self._encode_chat(messages, request.template_tools() if is_chat else None)
         else:
             prompt_ids = self._encode_prompt(request.prompt)
         max_tokens = self._max_tokens(request.requested_max_tokens, len(prompt_ids), field)
@@ -46,11 +48,15 @@ class PromptBuilder:
             raise OpenAIError(400, str(error), param=error.field) from None
         return prompt_ids, params
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """tools: a chat request's tools for the template (deployments/tool_calls.py)."""
         if self.tokenizer is None:
             raise OpenAIError(400, "messages: this model has no tokenizer", param="messages")
         try:
-            return self.tokenizer.encode_chat(messages)
+            if tools:
+                reads_tools = self.tokenizer.template_reads_tools()
+                messages, tools = template_inputs(messages, tools, reads_tools)
+            return self.tokenizer.encode_chat(messages, tools=tools)
         except Exception as error:  # TokenizerError, or the template raised
             raise OpenAIError(400, f"messages: {error}", param="messages") from None
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible request and response bodies, and the OpenAI error body.
 
-Fields OpenAI defines but rayinfer does not implement (best_of > 1, a JSON response_format,
+Fields OpenAI defines but rayinfer does not implement (best_of > 1,
 suffix; n > 1 through Python handles; content parts other than text) are accepted at their
 neutral values and refused otherwise, naming the field. Unknown fields are ignored, as the OpenAI
 server does. Types are strict where OpenAI's are: `"max_tokens": "3"`, `"stream": "true"` and a
@@ -8,7 +8,8 @@ token id `false` are 400, not coerced. Completions take a batch of prompts (a li
 of token-id lists): each prompt is its own engine request, choice `prompt_index * n + i`.
 Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
 `top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
-deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
+deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py. Structured outputs
+(response_format, vLLM's structured_outputs / guided_*) and tools: deployments/structured_fields.py.
 
 Every number is checked here with OpenAI's range (vLLM's for its extensions): a value outside
 answers 400 naming the field before anything is tokenized or scheduled.
@@ -29,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayinfer.deployments.structured_fields import ChatOutputFields, GuidedFields
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 # Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
@@ -39,6 +41,7 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI's
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this many characters
 MAX_PROMPTS = 256  # prompts in one batched completions request, each its own engine request
 MAX_LOGIT_BIAS_TOKENS = 300  # tokens one request may bias, as OpenAI's
+TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 # Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 TEXT_PART_TYPES = ("text", "refusal")  # the content parts a text model reads
@@ -110,7 +113,7 @@ class StreamOptions(BaseModel):
     )
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(GuidedFields):
     model_config = STRICT
 
     model: str | None = None
@@ -194,6 +197,7 @@ class SamplingFields(BaseModel):
             logprobs=self.requested_logprobs,
             prompt_logprobs=self.requested_prompt_logprobs,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            structured_output=self.structured_output(),  # deployments/structured_fields.py
         )
 
     @property
@@ -245,20 +249,13 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatOutputFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = Field(None, description="only type text")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value and value.get("type", "text") != "text":
-            raise ValueError("only {'type': 'text'} is supported")
-        return value
+    # response_format, tools, tool_choice: ChatOutputFields (deployments/structured_fields.py)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -274,8 +271,14 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: a tool call's and a tool result's own
+        fields (tool_calls, tool_call_id, name) kept beside the text."""
+        messages = []
+        for m in self.messages:
+            extra = {k: v for k, v in (m.model_extra or {}).items() if k in TOOL_MESSAGE_FIELDS}
+            messages.append({"role": m.role, "content": m.text(), **extra})
+        return messages
 
 
 class CompletionRequest(SamplingFields):

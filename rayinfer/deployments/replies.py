@@ -11,6 +11,7 @@ from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
 from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.tool_calls import put_tool_calls, tool_call_stream
 from rayinfer.deployments.types import Timings
 
 
@@ -78,6 +79,7 @@ class HttpReply:
         self._has_cached_count = False
         self._shown_text = ""  # completions' logprobs in a stream: the text sent so far
         self._text_offset = 0  # completions' logprobs: where the next token's text is looked for
+        self.tool_calls = tool_call_stream(request) if chat else None  # None: no tools to call
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
         text, finish_reason, entries = self.echo_text, None, []
@@ -95,6 +97,8 @@ class HttpReply:
         body = build(self.request_id, self.model, text, finish_reason, self.usage(),
                      self._logprobs(entries, text))  # fmt: skip
         body["choices"][0]["index"] = self.index
+        if self.tool_calls is not None:
+            put_tool_calls(body["choices"][0], self.tool_calls, text, finish_reason)
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
         return body
@@ -125,15 +129,31 @@ class HttpReply:
                 self._count(delta)
                 text = echo + delta.text
                 entries = self._echoed_logprobs(delta) + (delta.logprobs or [])
-                chunk = self._chunk(
-                    text, delta.finish_reason, self._streamed_logprobs(entries, text)
-                )
+                logprobs = self._streamed_logprobs(entries, text)
+                if self.tool_calls is not None:
+                    for chunk in self._tool_call_chunks(delta, logprobs):
+                        yield self._with_chunk_usage(chunk)
+                    continue
+                chunk = self._chunk(text, delta.finish_reason, logprobs)
                 yield self._with_chunk_usage(chunk)
                 echo = ""
         except Exception as error:  # the stream already started: report in-band, then end
             yield as_openai_error(error, self.request_id).body()
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()
+
+    def _tool_call_chunks(self, delta: Delta, logprobs) -> list[dict]:
+        """A chat delta's chunks when tools may be called (deployments/tool_calls.py): content
+        and tool_calls deltas, the last with the finish reason ('tool_calls' after a call)."""
+        reason = delta.finish_reason
+        bodies = self.tool_calls.deltas(delta.text, reason)
+        if not bodies and (reason is not None or logprobs is not None):
+            bodies = [{"content": ""}]
+        chunks = [self._chunk(body, None, logprobs if i == 0 else None)
+                  for i, body in enumerate(bodies)]  # fmt: skip
+        if reason is not None:
+            chunks[-1]["choices"][0]["finish_reason"] = self.tool_calls.finish_reason(reason)
+        return chunks
 
     def trailer(self, usage: dict, timings: Timings) -> list[str]:
         """The events after every choice's: the usage chunk when asked for, then [DONE]."""

@@ -131,9 +131,17 @@ class Tokenizer:
             **variables,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         return self.encode(text, add_special_tokens=False)
+
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template that renders tools names them at all."""
+        return "tools" in self._select_template(None, [])
 
     def _select_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
         if chat_template is not None:

@@ -114,8 +114,8 @@ def error_for(model, body: dict) -> OpenAIError:
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "body"),  # needs logprobs=true
         (
             ChatCompletionRequest,
-            {**CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {**CHAT, "response_format": {"type": "yaml"}},  # json_object and json_schema work
+            "response_format.type",
         ),
     ],
 )

@@ -1,0 +1,150 @@
+"""End to end with the openai SDK against a real `serve run` (disaggregated, so every grammar
+crosses the prefill -> decode hand-off): JSON-schema replies that validate for 20 seeds from the
+random-weights tiny model (only the grammar makes them valid), json_object, a named-function
+tool call, streamed tool-call deltas that reassemble to the whole reply's call, and the 400s.
+
+One server for the module (starting one costs ~40 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.serve.cluster import ServeCluster
+
+pytestmark = pytest.mark.slow
+
+APP_ARGS = ["disaggregate=true", "max_model_len=512"]
+MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "ok"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ServeCluster(APP_ARGS) as cluster:
+        yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
+
+
+def _chat(client, **fields):
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, **fields)
+
+
+def test_json_schema_replies_validate_for_20_seeds(client):
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    for seed in range(20):
+        reply = _chat(client, response_format=response_format, seed=seed, max_tokens=120)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_object_reply_is_an_object(client):
+    reply = _chat(client, response_format={"type": "json_object"}, seed=1, max_tokens=200)
+    content = reply.choices[0].message.content
+    assert content.startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+def test_vllm_choice_and_regex(client):
+    reply = _chat(client, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, seed=2)
+    assert reply.choices[0].message.content in ("yes", "no")
+    reply = client.completions.create(
+        model="tiny", prompt="a b c", seed=3, max_tokens=20, extra_body={"guided_regex": "[0-9]{4}"}
+    )
+    assert len(reply.choices[0].text) == 4 and reply.choices[0].text.isdigit()
+
+
+def _named(seed: int, **fields) -> dict:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    return dict(tools=[WEATHER, CLOCK], tool_choice=choice, seed=seed, max_tokens=80, **fields)
+
+
+def test_named_tool_call_arguments_validate(client):
+    for seed in range(3):
+        choice = _chat(client, **_named(seed)).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def _streamed_calls(client, **fields):
+    calls, finish_reasons = {}, []
+    for chunk in _chat(client, stream=True, **fields):
+        for choice in chunk.choices:
+            finish_reasons.append(choice.finish_reason)
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or part.id
+                call["name"] += part.function.name or "" if part.function else ""
+                call["arguments"] += (part.function.arguments or "") if part.function else ""
+    return [calls[i] for i in sorted(calls)], [r for r in finish_reasons if r]
+
+
+@pytest.mark.parametrize("mode", ["named", "required"])
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_replys_call(client, mode):
+    fields = _named(5) if mode == "named" else dict(
+        tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, seed=5, max_tokens=80
+    )  # fmt: skip
+    whole = _chat(client, **fields).choices[0]
+    streamed, finish_reasons = _streamed_calls(client, **fields)
+    assert finish_reasons == [whole.finish_reason] == ["tool_calls"]
+    expected = [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == expected
+    assert all(c["id"] for c in streamed)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "intege"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]},
+         "tools[0].function.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice"),
+    ],
+)  # fmt: skip
+def test_bad_fields_answer_400_and_the_next_request_succeeds(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, max_tokens=4, **fields)
+    assert caught.value.body["param"] == param, caught.value.body
+    assert _chat(client, max_tokens=4).choices[0].finish_reason == "length"

@@ -18,6 +18,7 @@ from rayinfer.bench.serve import strict_json
 from rayinfer.bench.serve_client import RequestResult, mark_token
 from rayinfer.bench.serve_dataset import add_dataset_args, build_requests, check_dataset_args
 from rayinfer.bench.serve_metrics import format_report, summarize
+from rayinfer.engine.structured_output import StructuredOutput
 
 
 def parse_args(argv):
@@ -37,6 +38,10 @@ def parse_args(argv):
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     add_dataset_args(parser)
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument(
+        "--json-schema", default=None,
+        help="a JSON schema (text) every reply must match: structured output on",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     check_dataset_args(args)
     return args
@@ -57,12 +62,16 @@ def make_llm(args) -> LLM:
     )
 
 
-def run_all(llm: LLM, requests, tag: str) -> tuple[list[RequestResult], float]:
-    """Every request added at once, then engine steps until all finish; times from the start."""
+def run_all(
+    llm: LLM, requests, tag: str, structured: StructuredOutput | None = None
+) -> tuple[list[RequestResult], float]:
+    """Every request added at once, then engine steps until all finish; times from the start.
+    With `structured`, a reply ends where its grammar is complete (EOS) or at its length."""
     results = {f"{tag}-{i}": RequestResult() for i in range(len(requests))}
     start = time.perf_counter()
     for request_id, request in zip(results, requests):
-        params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True,
+                                structured_output=structured)  # fmt: skip
         llm.engine.add_request(request_id, request.prompt, params)
     unfinished = set(results)
     while unfinished:
@@ -88,8 +97,11 @@ def main(argv=None) -> int:
     llm = make_llm(args)
     requests = build_requests(args, args.seed, llm.tokenizer)
     warmup = build_requests(args, args.seed - 1, llm.tokenizer)[:2]
-    run_all(llm, warmup, "warmup")  # compiles, captures graphs; not counted
-    results, duration_s = run_all(llm, requests, "timed")
+    structured = None
+    if args.json_schema is not None:
+        structured = StructuredOutput.json_schema(json.loads(args.json_schema))
+    run_all(llm, warmup, "warmup", structured)  # compiles, captures graphs; not counted
+    results, duration_s = run_all(llm, requests, "timed", structured)
     summary = summarize(results, duration_s)
     print(format_report(summary, f"Offline engine ({args.model}, all at once)"))
     if args.json:

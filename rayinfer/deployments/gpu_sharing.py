@@ -27,10 +27,13 @@ def gpus_needed(config: AppConfig, phases: tuple[str, ...] = DISAGGREGATED_PHASE
 def serves_disaggregated(config: AppConfig, use_gpus: bool, num_gpus: int) -> bool:
     """`disaggregate` resolved: `auto` is colocated only on GPUs, where prefill's and decode's
     workers at their minimum replicas need more GPUs than the cluster's `num_gpus` (the two
-    phases would share GPUs, and one engine runs both at the offline engine's speed)."""
+    phases would share GPUs, and one engine runs both at the offline engine's speed), unless
+    a phase's `gpus_per_worker` is set: a user sharing GPUs by hand asked for the two phases."""
     if config.disaggregate != "auto":
         return config.disaggregate
     if not use_gpus:
+        return True
+    if any(getattr(config, p).gpus_per_worker is not None for p in DISAGGREGATED_PHASES):
         return True
     return sum(gpus_needed(config).values()) <= num_gpus
 

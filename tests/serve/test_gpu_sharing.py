@@ -76,6 +76,7 @@ def test_a_shared_gpu_sizes_each_cache_from_its_share():
         ({"decode.autoscaling.min_replicas": "2", "decode.autoscaling.max_replicas": "2"},
          True, 2, False),
         ({"disaggregate": "true"}, True, 1, True),  # asked for: shares the GPU
+        ({"prefill.gpus_per_worker": "0.25", "decode.gpus_per_worker": "0.75"}, True, 1, True),
         ({"disaggregate": "false"}, False, 0, False),  # asked for: colocated on the CPU too
         ({"disaggregate": "false"}, True, 8, False),
     ],

@@ -49,18 +49,21 @@ def wait_until_lost(shard, timeout_s: float = 30) -> None:
     raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
 
 
-def first_server_error(url: str, timeout_s: float = 10) -> dict | None:
+def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, list[int]]:
     """The first 5xx an HTTP completion gets while the replica is not yet replaced (Serve
-    replaces it after a few failed health checks; from then on requests succeed again)."""
+    replaces it after a few failed health checks; from then on requests succeed again), and
+    the statuses seen until then (all 200 when every request's retry found a new replica)."""
     import httpx
 
     body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    statuses = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        statuses.append(reply.status_code)
         if reply.status_code >= 500:
-            return {"status": reply.status_code, "text": reply.text}
-    return None
+            return {"status": reply.status_code, "text": reply.text}, statuses
+    return None, statuses
 
 
 def main() -> None:
@@ -76,7 +79,7 @@ def main() -> None:
     owners = result.handoff.payload.owners
     for owner in owners:
         kill_and_wait(ray.get_actor(owner, namespace="serve"))
-    during_death = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else None
+    during_death, statuses = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else (None, [])
     wait_until_lost(result.handoff.payload.shards[0])
 
     decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)
@@ -94,6 +97,7 @@ def main() -> None:
         "reference_text": reference.text,
         "reference_token_ids": reference.token_ids,
         "http_while_prefill_worker_dead": during_death,
+        "statuses_while_prefill_worker_dead": statuses,
     }
     print(json.dumps(report))
 

@@ -413,17 +413,23 @@ def test_lost_kv_is_recomputed(server, client):
     report = json.loads(output.strip().splitlines()[-1])
     # With its one worker dead, the Prefill replica fails requests until it is replaced: a 5xx
     # whose body names no actor, pid or traceback; the server log has them under the request id.
+    # Where Serve had already started the replacement, the ingress's one retry lands there and
+    # every request in the window succeeds instead (the failure policy's other outcome).
     during = report["http_while_prefill_worker_dead"]
-    assert during is not None, "no 5xx while the Prefill replica's worker was dead"
-    reply = httpx.Response(during["status"], text=during["text"])
-    error = assert_clean_error(reply)
-    assert error["type"] == "internal_server_error" or during["status"] == 503
-    assert error["request_id"].startswith("cmpl-")
-    wait_for(
-        lambda: logged_with_traceback(server, error["request_id"]),
-        timeout_s=30,
-        what="the failed request's id and traceback in the server's logs",
-    )
+    statuses = report["statuses_while_prefill_worker_dead"]
+    assert statuses, "no request was sent while the Prefill replica's worker was dead"
+    if during is None:
+        assert set(statuses) == {200}, statuses
+    else:
+        reply = httpx.Response(during["status"], text=during["text"])
+        error = assert_clean_error(reply)
+        assert error["type"] == "internal_server_error" or during["status"] == 503
+        assert error["request_id"].startswith("cmpl-")
+        wait_for(
+            lambda: logged_with_traceback(server, error["request_id"]),
+            timeout_s=30,
+            what="the failed request's id and traceback in the server's logs",
+        )
     assert report["was_recomputed"]
     assert report["token_ids"] == report["reference_token_ids"]
     assert report["text"] == report["reference_text"]

@@ -20,16 +20,8 @@ class Decode(PhaseReplica):
     phase = "decode"
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        status = "abort"
-        try:
-            async for chunk in self._generate(request):
-                yield chunk
-            status = "ok"
-        except Exception:
-            status = "error"
-            raise
-        finally:
-            self.metrics.count_request(status)
+        async for chunk in self.counted(self._generate(request)):
+            yield chunk
 
     async def _generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         handoff = request.prefill.handoff

@@ -21,16 +21,8 @@ class Engine(PhaseReplica):
     phase = "engine"
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[DecodeChunk]:
-        status = "abort"
-        try:
-            async for chunk in self._generate(request):
-                yield chunk
-            status = "ok"
-        except Exception:
-            status = "error"
-            raise
-        finally:
-            self.metrics.count_request(status)
+        async for chunk in self.counted(self._generate(request)):
+            yield chunk
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[DecodeChunk]:
         prompt_ids = request.prompt_token_ids

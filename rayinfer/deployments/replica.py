@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from ray import serve
 
@@ -65,6 +66,20 @@ class PhaseReplica:
         for mode, count in self.workers.step_counts.items():  # the loop thread counts them too
             self.metrics.add_steps(mode, count - self._steps_reported.get(mode, 0))
             self._steps_reported[mode] = count
+
+    async def counted(self, chunks: AsyncIterator) -> AsyncIterator:
+        """A request's stream passed through, the request counted by how it ended: "ok", "error",
+        or "abort" when the caller left early."""
+        status = "abort"
+        try:
+            async for chunk in chunks:
+                yield chunk
+            status = "ok"
+        except Exception:
+            status = "error"
+            raise
+        finally:
+            self.metrics.count_request(status)
 
     async def check_health(self) -> None:
         if not self.loop.is_healthy:

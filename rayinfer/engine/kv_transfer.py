@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 
@@ -154,13 +153,6 @@ def payload_for_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) 
         return exact
     merged = select_kv_heads(payloads, heads)
     return KVPayload.from_tensors(merged, generator_state=first.generator_state, kv_heads=heads)
-
-
-def as_chunk_array(chunk: Any) -> np.ndarray:
-    """A payload chunk as a [num_layers, tokens, row_bytes] uint8 array (torch or numpy)."""
-    if isinstance(chunk, torch.Tensor):
-        return chunk.numpy()
-    return np.asarray(chunk)
 
 
 def fetch_payloads(

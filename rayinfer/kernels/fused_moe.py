@@ -2,6 +2,7 @@
 
 The Triton path is a grouped GEMM over tokens sorted and padded per expert tile (moe_align):
   1. gate+up: act[slot] = silu(x[token] @ w13[e, :I].T) * (x[token] @ w13[e, I:].T)   [T*K, I]
+     (with swiglu_limit, DeepSeek-V4: gate clamped above, up both ways, before the product)
   2. down:    out_slot[slot] = topk_weight[slot] * act[slot] @ w2[e].T               [T*K, H]
   3. top-k reduction: out[t] = sum_k out_slot[t*K + k] over slots routed to a held expert.
 FP8 weights (DeepSeek-V3: float8_e4m3fn with one float32 scale per 128x128 block) multiply
@@ -88,7 +89,8 @@ def _pick_config(x, w13, num_slots):
 
 
 def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k,
-                 chunks: ExpertChunks | None = None):  # fmt: skip
+                 chunks: ExpertChunks | None = None,
+                 swiglu_limit: float | None = None):  # fmt: skip
     """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights).
 
     A tile with TAIL_M runs one program per chunk of an expert's rows (alignment made with
@@ -112,6 +114,8 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         USE_FP8=use_fp8, SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % tile["BLOCK_K"] == 0,
         USE_TMA=use_tma, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **tile,
     )  # fmt: skip
+    if swiglu_limit is not None:  # a constexpr: the default path compiles as before
+        common.update(USE_LIMIT=True, LIMIT=float(swiglu_limit))
     operands = (a, weights, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights)
     strides = (
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0) if use_fp8 else 0,
@@ -149,6 +153,8 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # [E, 2I/128, H/128] float32 for FP8 weights
     w2_scale: torch.Tensor | None = None,  # [E, H/128, I/128] float32 for FP8 weights
     config: dict | None = None,  # {"w13": tile, "w2": tile}; same TAIL_M or BLOCK_M in both
+    *,
+    swiglu_limit: float | None = None,  # DeepSeek-V4: silu(min(gate, l)) * clamp(up, -l, l)
 ) -> torch.Tensor:  # [T, H] x.dtype
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
@@ -167,7 +173,8 @@ def fused_moe(
     slot_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*K, H]
     x_in, x_scale = fp8_quant(x) if w13_scale is not None else (x, None)
     stage_args = (weights, alignment)
-    _launch_gemm(x_in, w13, act, x_scale, w13_scale, *stage_args, "w13", config, top_k, chunks)
+    _launch_gemm(x_in, w13, act, x_scale, w13_scale, *stage_args, "w13", config, top_k, chunks,
+                 swiglu_limit)  # fmt: skip
     act_in, act_scale = fp8_quant(act) if w2_scale is not None else (act, None)
     w2_chunks = chunks if config["w2"].get("BLOCK_M") == config["w13"]["BLOCK_M"] else None
     _launch_gemm(act_in, w2, slot_out, act_scale, w2_scale, *stage_args, "w2", config, 1, w2_chunks)
@@ -183,6 +190,7 @@ def fused_moe_reference(
     w2: torch.Tensor,  # [E, H, I]: down projection of each expert
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int64: expert of each (token, slot); E_local ids
+    swiglu_limit: float | None = None,  # clamp gate above and up both ways before the product
 ) -> torch.Tensor:  # [T, H]
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -197,7 +205,8 @@ def fused_moe_reference(
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            hidden = silu_and_mul_reference(x[tokens[rows]] @ w13[expert].t())  # [n, I]
+            gate_up = x[tokens[rows]] @ w13[expert].t()  # [n, 2I]
+            hidden = silu_and_mul_reference(gate_up, swiglu_limit)  # [n, I]
             slot_out[rows] = (hidden @ w2[expert].t()).float()  # [n, H]
             start += count
     weights = topk_weights.reshape(-1)[order].float()  # [S]
@@ -212,7 +221,8 @@ def dequantize_experts_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.
     return w.float() * rows.repeat_interleave(SCALE_BLOCK, 2)[:, :, : w.shape[2]]
 
 
-def fused_moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale):
+def fused_moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                            swiglu_limit=None):  # fmt: skip
     """The FP8 path in float32: activations quantized per token per 128 channels like the kernel."""
     x_q = fp8_dequant_reference(*fp8_quant_reference(x))  # [T, H] float32
     w13_full = dequantize_experts_reference(w13, w13_scale)  # [E, 2I, H]
@@ -221,7 +231,8 @@ def fused_moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_sc
     for token, (ids, weights) in enumerate(zip(topk_ids.tolist(), topk_weights.tolist())):
         for expert, weight in zip(ids, weights):
             if 0 <= expert < w13.shape[0]:
-                act = silu_and_mul_reference(x_q[token : token + 1] @ w13_full[expert].t())
+                gate_up = x_q[token : token + 1] @ w13_full[expert].t()  # [1, 2I]
+                act = silu_and_mul_reference(gate_up, swiglu_limit)
                 act = fp8_dequant_reference(*fp8_quant_reference(act))  # [1, I]
                 out[token] += weight * (act @ w2_full[expert].t())[0]
     return out.to(x.dtype)

@@ -5,6 +5,7 @@ top-k reduction (`_sum_topk_kernel`). Launched by fused_moe._launch_gemm and fus
 
 from __future__ import annotations
 
+from rayinfer.kernels.activation import clamp_gate_up
 from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import tl, triton
 
@@ -34,11 +35,13 @@ def _moe_gemm_kernel(
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
 
     A row of a is slot // SLOTS_PER_A_ROW (x for gate+up, the slot's own act row for down).
-    With FUSE_SILU, b rows n and up_offset + n are multiplied and combined as silu(gate) * up.
+    With FUSE_SILU, b rows n and up_offset + n are multiplied and combined as silu(gate) * up
+    (with USE_LIMIT, gate clamped above and up both ways at LIMIT first: DeepSeek-V4).
     """
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -83,6 +86,7 @@ def _moe_gemm_kernel(
                 acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     if FUSE_SILU:
+        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
@@ -182,7 +186,7 @@ def _chunk_k_loop(
 def _store_rows(
     acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, USE_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """c[slot, cols] = silu(gate) * up (gate+up) or topk_weight[slot] * acc (down).
 
@@ -193,6 +197,7 @@ def _store_rows(
         halves = tl.permute(tl.reshape(acc, (ROWS, 2, out_n)), (0, 2, 1))  # [R, BN/2, 2]
         acc, acc_up = tl.split(halves)  # gate, up [R, BN/2]
     if FUSE_SILU:
+        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
@@ -225,7 +230,7 @@ def _moe_chunk_gemm_kernel(
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr, WITH_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Like _moe_gemm_kernel, for one chunk of an expert's rows: BLOCK_M main rows plus up to
     TAIL_M tail rows (row tiles of TAIL_M), so an expert with 1.5 tiles' worth of rows reads each
@@ -272,9 +277,11 @@ def _moe_chunk_gemm_kernel(
     )  # fmt: skip
     if WITH_TAIL:
         _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, topk_weights_ptr, pid_n, N,
-                    stride_cm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, TAIL_M, BLOCK_N)  # fmt: skip
+                    stride_cm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, TAIL_M, BLOCK_N,
+                    USE_LIMIT, LIMIT)  # fmt: skip
     _store_rows(acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
-                FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N)  # fmt: skip
+                FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N,
+                USE_LIMIT, LIMIT)  # fmt: skip
 
 
 @triton.jit

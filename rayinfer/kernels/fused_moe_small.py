@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.kernels.activation import clamp_gate_up
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import tl, triton
 
@@ -32,9 +33,10 @@ def _gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, act_ptr, num_experts, hidden, inter,
     stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
-    """One (slot, block of I): act[slot, block] = SiLU(gate) * up of the slot's token.
+    """One (slot, block of I): act[slot, block] = SiLU(gate) * up of the slot's token (with
+    USE_LIMIT, gate clamped above and up both ways at LIMIT first).
 
     The matrix-vector products run as dots against [BLOCK_K, 16] tiles whose column 0 is the
     token (the others zero): a dot's operands are what Triton's pipeliner streams
@@ -61,6 +63,7 @@ def _gate_up_kernel(
         gate = tl.dot(w_gate, xk, gate, input_precision=DOT_PRECISION)
         up = tl.dot(w_up, xk, up, input_precision=DOT_PRECISION)
     gate_n, up_n = tl.sum(gate, 1), tl.sum(up, 1)  # column 0 (the others are zero)
+    gate_n, up_n = clamp_gate_up(gate_n, up_n, USE_LIMIT, LIMIT)
     act = gate_n * tl.sigmoid(gate_n) * up_n  # SiLU(gate) * up as the general path; 0 elsewhere
     tl.store(act_ptr + slot * stride_act + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
 
@@ -120,6 +123,8 @@ def fused_moe_small_batch(
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int: ids outside [0, E) are experts this rank does not hold
     params: dict | None = None,  # tile override (sweeps, tests); else configs/fused_moe_small.json
+    *,
+    swiglu_limit: float | None = None,  # DeepSeek-V4: silu(min(gate, l)) * clamp(up, -l, l)
 ) -> torch.Tensor:  # [T, H] x.dtype
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -140,6 +145,7 @@ def fused_moe_small_batch(
         x, w13, ids, act, num_experts, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], DOT_PRECISION=precision,
+        USE_LIMIT=swiglu_limit is not None, LIMIT=float(swiglu_limit or 0.0),
         num_warps=up["num_warps"], num_stages=up["num_stages"],
     )  # fmt: skip
     _down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](

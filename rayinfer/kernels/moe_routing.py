@@ -1,7 +1,7 @@
 """MoE routing: router logits -> each token's top-k experts and their combine weights.
 
 One op covers every family (see `rayinfer.layers.moe.RoutingMethod` for the per-family settings):
-  1. scores = softmax(logits) or sigmoid(logits)                              # [T, E] float32
+  1. scores = softmax(logits), sigmoid(logits) or sqrt(softplus(logits)) (DeepSeek-V4)  # [T, E]
   2. choice = scores + correction_bias (DeepSeek-V3 `noaux_tc`; selection only)
   3. group-limited top-k (num_groups > 1): keep the `topk_groups` best groups of E / num_groups
      experts, scored by the sum of each group's two best choice scores when a correction bias is
@@ -16,7 +16,17 @@ from typing import NamedTuple
 
 import torch
 
-SCORING_FUNCTIONS = ("softmax", "sigmoid")
+SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def routing_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """[T, E] float32 logits -> [T, E] scores (transformers' ACT2FN[scoring] for V4's
+    "sqrtsoftplus": softplus(x).sqrt(), softplus with its default threshold 20)."""
+    if scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    return torch.nn.functional.softplus(logits).sqrt()
 
 
 class MoeRouting(NamedTuple):
@@ -70,7 +80,7 @@ def moe_routing_reference(
     num_experts = router_logits.shape[-1]
     check_routing_args(num_experts, top_k, scoring, num_groups, topk_groups)
     logits = router_logits.float()
-    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()  # [T, E]
+    scores = routing_scores(logits, scoring)  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
     if num_groups > 1 and topk_groups < num_groups:
         keep = _group_mask(choice, num_groups, topk_groups, correction_bias is not None)

@@ -2,9 +2,11 @@
 
 The same five steps as `moe_routing.moe_routing_reference` (scores, correction bias, group-limited
 selection, top-k, renormalization and scaling), one program per token with all E experts in
-registers. With torch ops the steps take ~4 launches per MoE layer for softmax routers and ~15 for
-DeepSeek-V3's grouped sigmoid router; one launch each is what a decode step wants (at batch 1 a
-step is bound by its kernel count, see benchmarks/RESULTS.md).
+registers (scores: softmax, sigmoid or V4's sqrt(softplus), whose log1p is computed without
+libdevice, accurate for logits far below zero). With torch ops the steps take ~4 launches per
+MoE layer for softmax routers and ~15 for DeepSeek-V3's grouped sigmoid router; one launch each
+is what a decode step wants (at batch 1 a step is bound by its kernel count, see
+benchmarks/RESULTS.md).
 
 Top-k is taken by repeated arg-max: ties go to the lowest expert id, and the k ids come out best
 first, as `torch.topk` returns them (whose order among exact ties is unspecified).
@@ -23,6 +25,29 @@ def _best(values, offs, BLOCK: tl.constexpr):
     """(max of values, the lowest index holding it)."""
     best = tl.max(values, 0)
     return best, tl.min(tl.where(values == best, offs, BLOCK), 0)
+
+
+@triton.jit
+def _log1p(y):
+    """log(1 + y), accurate for tiny y without libdevice (Goldberg: log(u) * y / (u - 1))."""
+    u = 1.0 + y
+    is_tiny = u == 1.0
+    return tl.where(is_tiny, y, tl.log(u) * (y / tl.where(is_tiny, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _scores(logits, valid, SCORING: tl.constexpr):
+    """[BLOCK_E] float32 router logits (-inf off the valid lanes) -> scores (0 off them)."""
+    if SCORING == "sigmoid":
+        scores = tl.where(valid, tl.sigmoid(logits), 0.0)
+    elif SCORING == "sqrtsoftplus":  # softplus(x) = max(x, 0) + log1p(exp(-|x|)), then sqrt
+        x = tl.where(valid, logits, 0.0)
+        softplus = tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
+        scores = tl.where(valid, tl.sqrt_rn(softplus), 0.0)
+    else:
+        exps = tl.exp(logits - tl.max(logits, 0))  # masked lanes: exp(-inf) = 0
+        scores = exps / tl.sum(exps, 0)
+    return scores
 
 
 @triton.jit
@@ -57,7 +82,7 @@ def _kept_experts(choice, offs, valid, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.
 @triton.jit
 def _moe_routing_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, scaling,
-    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -67,11 +92,7 @@ def _moe_routing_kernel(
     valid = offs < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + offs, mask=valid, other=0.0)
     logits = tl.where(valid, logits.to(tl.float32), float("-inf"))
-    if SIGMOID:
-        scores = tl.where(valid, tl.sigmoid(logits), 0.0)
-    else:
-        exps = tl.exp(logits - tl.max(logits, 0))  # masked lanes: exp(-inf) = 0
-        scores = exps / tl.sum(exps, 0)
+    scores = _scores(logits, valid, SCORING)
     choice = scores
     if HAS_BIAS:
         choice += tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -119,7 +140,7 @@ def moe_routing(
     _moe_routing_kernel[(num_tokens,)](
         router_logits, bias, weights, ids, num_experts, router_logits.stride(0),
         float(routed_scaling_factor),
-        TOP_K=top_k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        TOP_K=top_k, SCORING=scoring, HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize, NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups,
         GROUP_SIZE=num_experts // num_groups, BLOCK_E=block_e,
         BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_K=triton.next_power_of_2(top_k),

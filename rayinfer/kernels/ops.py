@@ -75,26 +75,30 @@ def rms_norm(x, weight, eps, residual=None):
     return rms_norm_reference(x, weight, eps, residual)
 
 
-def silu_and_mul(x):
-    """[..., 2I] gate then up -> [..., I]."""
+def silu_and_mul(x, limit=None):
+    """[..., 2I] gate then up -> [..., I]; limit (DeepSeek-V4's swiglu_limit): gate clamped
+    above and up both ways first."""
     if _on_cuda(x):
-        return silu_and_mul_triton(x)
-    return silu_and_mul_reference(x)
+        return silu_and_mul_triton(x, limit)
+    return silu_and_mul_reference(x, limit)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, *,
+              swiglu_limit=None):  # fmt: skip
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
+    swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
     On CUDA with RAYINFER_SMALL_BATCH_MOE=1, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
+    limit = {"swiglu_limit": swiglu_limit}
     if _on_cuda(x):
         if SMALL_BATCH_MOE and fits_small_batch(topk_ids, w13, x):
-            return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+            return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, **limit)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **limit)
     if w13_scale is not None:
         w13 = dequantize_experts_reference(w13, w13_scale).to(x.dtype)
         w2 = dequantize_experts_reference(w2, w2_scale).to(x.dtype)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, swiglu_limit)
 
 
 def moe_combine(back, row_index, out_dtype=None, addends=()):

@@ -50,6 +50,7 @@ class FusedExperts(nn.Module):
     """This rank's routed experts, stacked.
 
     w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
+    swiglu_limit (DeepSeek-V4): the activation is silu(min(gate, l)) * clamp(up, -l, l).
     """
 
     def __init__(
@@ -59,9 +60,11 @@ class FusedExperts(nn.Module):
         intermediate_size: int,
         parallel: ParallelContext = SINGLE,
         fp8: bool = False,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
         self.num_experts = num_experts
+        self.swiglu_limit = swiglu_limit
         self.intermediate_size = intermediate_size
         self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
@@ -125,8 +128,9 @@ class FusedExperts(nn.Module):
     def run(self, x, topk_weights, local_ids):
         """The fused MoE over this rank's experts; local_ids [T, K] outside [0, E_local) skip."""
         return ops.fused_moe(
-            x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale
-        )
+            x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale,
+            swiglu_limit=self.swiglu_limit,
+        )  # fmt: skip
 
     def forward(self, x, topk_weights, topk_ids):
         """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].

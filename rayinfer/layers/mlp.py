@@ -18,7 +18,8 @@ def copy_checked(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> No
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x)); with
+    swiglu_limit (DeepSeek-V4's DeepseekV4MLP), gate clamped above and up both ways first."""
 
     def __init__(
         self,
@@ -26,8 +27,10 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         parallel: ParallelContext = SINGLE,
         fp8: bool = False,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], parallel=parallel, fp8=fp8
         )
@@ -49,4 +52,4 @@ class GatedMLP(nn.Module):
         load(param, loaded, {"gate_proj": 0, "up_proj": 1}[projection])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), self.swiglu_limit))

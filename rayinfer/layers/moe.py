@@ -10,6 +10,10 @@ Build one per MoE layer with a `RoutingMethod` that states how the family routes
                               RoutingMethod(top_k, "softmax", renormalize=norm_topk_prob,
                                   num_groups=n_group, topk_groups=topk_group,
                                   routed_scaling_factor=routed_scaling_factor)
+  DeepSeek-V4 (score-routed layers; build MoE(..., swiglu_limit=swiglu_limit)):
+                              RoutingMethod(top_k=num_experts_per_tok, scoring="sqrtsoftplus",
+                                  renormalize=True, use_correction_bias=True,
+                                  routed_scaling_factor=routed_scaling_factor)
   Qwen3-MoE:                  RoutingMethod(top_k=num_experts_per_tok, scoring="softmax",
                                   renormalize=norm_topk_prob)
   Mixtral (softmax over the top-k logits == renormalized softmax):
@@ -147,15 +151,20 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         parallel: ParallelContext = SINGLE,
         fp8: bool = False,
+        swiglu_limit: float | None = None,  # DeepSeek-V4: routed and shared experts both clamp
     ):
         super().__init__()
         self.routing = routing
         self.parallel = parallel
         self.gate = Router(hidden_size, num_experts, routing.use_correction_bias)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel, fp8)
+        self.experts = FusedExperts(
+            num_experts, hidden_size, intermediate_size, parallel, fp8, swiglu_limit
+        )
         self.shared_experts = None
         if shared_intermediate_size:
-            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, parallel, fp8)
+            self.shared_experts = GatedMLP(
+                hidden_size, shared_intermediate_size, parallel, fp8, swiglu_limit
+            )
 
     def route(self, x: torch.Tensor) -> ops.MoeRouting:  # [T, H] -> ([T, K], [T, K])
         method = self.routing

@@ -49,8 +49,10 @@ def test_small_batch_moe_flag_takes_only_few_slots(as_if_on_cuda):
     as_if_on_cuda.setattr(ops, "SMALL_BATCH_MOE", True)
     taken = []
     small = ops.fused_moe_small_batch
-    as_if_on_cuda.setattr(ops, "fused_moe_small_batch", lambda *a: taken.append(1) or small(*a))
-    as_if_on_cuda.setattr(ops, "fused_moe_triton", lambda *a: "general path")
+    as_if_on_cuda.setattr(
+        ops, "fused_moe_small_batch", lambda *a, **kw: taken.append(1) or small(*a, **kw)
+    )
+    as_if_on_cuda.setattr(ops, "fused_moe_triton", lambda *a, **kw: "general path")
     gen = torch.Generator().manual_seed(1)
     w13 = torch.randn(8, 32, 24, generator=gen) / 5
     w2 = torch.randn(8, 24, 16, generator=gen) / 4

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM",
+    "DeepseekV4ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "LlamaForCausalLM",
@@ -27,6 +28,9 @@ SUPPORTED_ARCHITECTURES = (
 # DeepSeek Sparse Attention (MLA plus a lightning indexer that picks index_topk tokens per query)
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", *DSA_ARCHITECTURES)
+# DeepSeek-V4: one shared key/value head over a sliding window plus compressed entries
+# (config_v4.py has its values and cache rows)
+V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 INDEXER_TYPES = ("full", "shared")
 # How DSA layers cache indexer keys: "auto" in the cache's dtype (the model's; what transformers
 # parity needs), "fp8_e4m3" as D FP8 e4m3 bytes plus one float32 scale per token (DeepSeek's
@@ -165,6 +169,11 @@ class ModelConfig:
         moe = _moe_fields(arch, hf)
         mla = _mla_fields(hf) if is_mla else {}
         dsa = _dsa_fields(hf) if arch in DSA_ARCHITECTURES else {}
+        if arch == V4_ARCHITECTURE:
+            from rayinfer.config_v4 import V4Config  # it builds on this module
+
+            V4Config.from_hf(hf)  # checked here, so a bad key fails before any weight loads
+            mla = dict(q_lora_rank=hf.get("q_lora_rank"))
         return cls(**common, **moe, **mla, **dsa)
 
     @property
@@ -178,6 +187,10 @@ class ModelConfig:
     @property
     def is_dsa(self) -> bool:
         return self.architecture in DSA_ARCHITECTURES
+
+    @property
+    def is_v4(self) -> bool:
+        return self.architecture == V4_ARCHITECTURE
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """DeepSeek-style layer pattern: `mlp_layer_types` when the config has it, else MoE
@@ -234,11 +247,16 @@ class ModelConfig:
         if self.is_mla:
             latent = self.kv_lora_rank + self.qk_rope_head_dim
             return (latent + self.index_key_columns(dtype_bytes),)
+        if self.is_v4:
+            from rayinfer.config_v4 import V4Config  # it builds on this module
+
+            return (V4Config.from_hf(self.hf).row.width,)
         return (2, self.num_kv_heads, self.head_dim)
 
     def kv_shape_per_token_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
-        """One tensor-parallel rank's share: K/V heads split; MLA's latent is replicated."""
-        if self.is_mla or tp_size == 1:
+        """One tensor-parallel rank's share: K/V heads split; MLA's latent and V4's one
+        key/value head are replicated."""
+        if self.is_mla or self.is_v4 or tp_size == 1:
             return self.kv_shape_per_token(dtype_bytes)
         return (2, self.num_kv_heads // tp_size, self.head_dim)
 
@@ -263,7 +281,7 @@ def _rope_scaling(hf: dict) -> dict | None:
 
 
 def _moe_fields(arch: str, hf: dict) -> dict:
-    if arch in MLA_ARCHITECTURES:
+    if arch in MLA_ARCHITECTURES or arch == V4_ARCHITECTURE:
         num_experts = hf.get("n_routed_experts") or 0
         return dict(
             num_experts=num_experts,

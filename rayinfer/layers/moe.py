@@ -179,8 +179,10 @@ class MoE(nn.Module):
             routed_scaling_factor=method.routed_scaling_factor,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        routing = self.route(x)
+    def forward(self, x: torch.Tensor, routing: ops.MoeRouting | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; routing: the experts chosen elsewhere (DeepSeek-V4's hash
+        layers), else the router's."""
+        routing = routing or self.route(x)
         if self.exchanges_tokens:
             return self._exchange_with_experts(x, routing)
         out = self.experts(x, routing.topk_weights, routing.topk_ids)  # [T, H]

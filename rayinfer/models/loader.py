@@ -84,6 +84,9 @@ def check_has_fp8_weights(file_of: dict[str, str], path, key: str = "fp8_weights
 def check_all_present(model: nn.Module, names: set[str]) -> None:
     expected_names = getattr(model, "expected_checkpoint_names", None)
     expected = expected_names() if expected_names else {n for n, _ in model.named_parameters()}
+    normalize = getattr(model, "normalize_checkpoint_name", None)  # names that vary by writer
+    if normalize is not None:
+        names = {normalize(n) for n in names}
     missing = sorted(expected - names)
     if missing:
         shown = ", ".join(missing[:5]) + (

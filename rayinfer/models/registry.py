@@ -17,6 +17,7 @@ _MODEL_CLASSES = {
     "DeepseekV3ForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV32ForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
     "GlmMoeDsaForCausalLM": ("rayinfer.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV4ForCausalLM": ("rayinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "Qwen3MoeForCausalLM": ("rayinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("rayinfer.models.qwen3_moe", "MixtralForCausalLM"),
     "LlamaForCausalLM": ("rayinfer.models.llama", "LlamaForCausalLM"),

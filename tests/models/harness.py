@@ -271,3 +271,58 @@ def make_dsa_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
     """A DeepSeek-V3.2 or GLM-5 (`model_type` deepseek_v32 or glm_moe_dsa) of TINY_DSA's sizes,
     made like make_deepseek_checkpoint's."""
     return make_deepseek_checkpoint(folder, model_type, **{**TINY_DSA, **overrides})
+
+
+# DeepSeek-V4 small enough for CPU parity tests, with every layer type and a hash layer: a
+# window (8) and compression rates (CSA 4, HCA 8) that bite within the prompts, and an indexer
+# wide enough (16 heads) that ReLU scores rarely tie, keeping 3 entries of the many a long
+# prompt has.
+TINY_V4 = dict(
+    vocab_size=128,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=32,
+    partial_rotary_factor=0.25,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=3,
+    hc_mult=2,
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    max_position_embeddings=512,
+)
+
+
+def make_v4_checkpoint(folder: Path, **overrides) -> Path:
+    """A transformers DeepSeek-V4 (TINY_V4 with `overrides`) with std-0.1 weights, a random
+    non-zero correction bias and a random hash table of distinct experts per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("deepseek_v4", **{**TINY_V4, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_weights(model, seed=0, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+            elif name.endswith("tid2eid"):
+                experts = config.n_routed_experts
+                scores = torch.rand(buffer.shape[0], experts, generator=generator)
+                buffer.copy_(scores.topk(buffer.shape[1], dim=-1).indices)
+    model.save_pretrained(folder)
+    return folder

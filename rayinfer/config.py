@@ -192,6 +192,12 @@ class ModelConfig:
     def is_v4(self) -> bool:
         return self.architecture == V4_ARCHITECTURE
 
+    @property
+    def kv_is_replicated(self) -> bool:
+        """Whether every tensor-parallel rank caches the same row per token (MLA's latent, V4's
+        one key/value head) rather than its share of the K/V heads."""
+        return self.is_mla or self.is_v4
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """DeepSeek-style layer pattern: `mlp_layer_types` when the config has it, else MoE
         from `first_k_dense_replace` on, every `moe_layer_freq`-th layer."""
@@ -256,7 +262,7 @@ class ModelConfig:
     def kv_shape_per_token_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
         """One tensor-parallel rank's share: K/V heads split; MLA's latent and V4's one
         key/value head are replicated."""
-        if self.is_mla or self.is_v4 or tp_size == 1:
+        if self.kv_is_replicated or tp_size == 1:
             return self.kv_shape_per_token(dtype_bytes)
         return (2, self.num_kv_heads // tp_size, self.head_dim)
 
@@ -461,7 +467,7 @@ class ParallelPlan:
     def check_fits(self, model: ModelConfig, key: str = "parallel") -> None:
         """Fail, naming the key and the sizes that work, when the model cannot be split so."""
         limits = [("tp", self.tp, "num_attention_heads", model.num_attention_heads)]
-        if not model.is_mla:
+        if not model.kv_is_replicated:
             limits.append(("tp", self.tp, "num_key_value_heads", model.num_kv_heads))
         if model.is_moe:
             limits.append(("ep", self.ep, "num_experts", model.num_experts))

@@ -103,7 +103,7 @@ class ModelRunner:
             check_fp8_index_device(self.device)
         self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
         self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
-        if not model_config.is_mla:
+        if not model_config.kv_is_replicated:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
         if load_format == "dummy":
             self.model = build_dummy_model(

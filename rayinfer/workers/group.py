@@ -93,7 +93,7 @@ class WorkerGroup(Executor):
         self.name_prefix = name_prefix
         self.num_workers = num_workers
         self.plan = spec.plan
-        self.kv_is_replicated = spec.model_config.is_mla  # every TP rank caches the full latent
+        self.kv_is_replicated = spec.model_config.kv_is_replicated  # every TP rank, one row
         self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
         self.stats = TransferStats()
         self.gpus_per_worker = gpus_per_worker

@@ -1,0 +1,65 @@
+"""DeepSeek-V4 in the offline engine: transformers' greedy tokens through continuous batching,
+chunked prefill, the prefix cache, preemption and the prefill -> decode hand-off into a cache of
+another block size. Every path must carry a token's whole row: its key, its compressor
+projections and the pooled entries of the windows it closes (config_v4.py)."""
+
+import pytest
+
+import rayinfer
+from tests.models.harness import make_prompts, make_v4_checkpoint, run_transformers
+
+NUM_TOKENS = 16
+GREEDY = rayinfer.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_v4_checkpoint(tmp_path_factory.mktemp("v4")))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(128, lengths=(5, 23, 3, 40, 9))
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, prompts):
+    """transformers' `generate`, each prompt alone."""
+    return run_transformers(checkpoint, prompts, NUM_TOKENS).token_ids
+
+
+def test_batch_and_chunked_prefill_give_transformers_tokens(checkpoint, prompts, expected):
+    for budget in (2048, 7):  # whole prompts; 7-token chunks over their cached prefixes
+        llm = rayinfer.LLM(checkpoint, device="cpu", max_num_batched_tokens=budget)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(checkpoint, prompts, expected):
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=64)
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_shared_prefix_reuses_cached_rows_and_their_pooled_entries(checkpoint, prompts):
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4)
+    llm.generate(prompts[3], GREEDY)  # 40 tokens: 10 full blocks enter the cache
+    variant = prompts[3][:30] + [1, 2, 3]  # the prefix ends inside a CSA group and an HCA one
+    output = llm.generate(variant, GREEDY)[0]
+    assert output.num_cached_tokens == 28
+    assert output.token_ids == run_transformers(checkpoint, [variant], NUM_TOKENS).token_ids[0]
+
+
+def test_prefill_hands_off_into_a_cache_of_another_block_size(checkpoint, prompts, expected):
+    prefill = rayinfer.LLM(checkpoint, device="cpu", block_size=8)
+    decode = rayinfer.LLM(checkpoint, device="cpu", block_size=3)
+    outputs = decode.decode(prefill.prefill(prompts, GREEDY), GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_cuda_graphs_stay_off_and_tokens_stay_the_same(checkpoint, prompts, expected):
+    """V4 attention picks its windows on the host, so no graph is captured even when asked."""
+    llm = rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True, max_graph_batch_size=8)
+    runner = llm.engine.executor.runner
+    assert runner.decode_graphs is None and runner.prefill_graphs is None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected

@@ -14,6 +14,7 @@ from tests.models.harness import (
     make_dsa_checkpoint,
     make_hf_checkpoint,
     make_prompts,
+    make_v4_checkpoint,
 )
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -40,6 +41,8 @@ def checkpoints(tmp_path_factory):
         "glm_moe_dsa": make_dsa_checkpoint(
             tmp_path_factory.mktemp("glm"), "glm_moe_dsa", indexer_types=["full", "shared", "full"]
         ),
+        # DeepSeek-V4: sliding, CSA and HCA layers, a hash-routed MoE layer
+        "deepseek_v4": make_v4_checkpoint(tmp_path_factory.mktemp("v4")),
     }
 
 
@@ -90,6 +93,8 @@ def run_plan(
         ("qwen3_moe", ParallelPlan(tp=4, ep=2)),  # 4 workers: two EP groups inside one TP group
         ("glm_moe_dsa", ParallelPlan(tp=2)),  # every rank runs the (replicated) indexer
         ("glm_moe_dsa", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers, DP attention with DSA
+        ("deepseek_v4", ParallelPlan(tp=2)),  # one K/V head: attention replicated, vocab split
+        ("deepseek_v4", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers: DP attention, EP experts
     ],
     ids=str,
 )
@@ -234,6 +239,7 @@ def test_bad_all_to_all_option_is_named_before_any_worker_starts(checkpoints, op
         ("qwen3_moe", ParallelPlan(tp=1), ParallelPlan(tp=2, ep=2)),  # split K/V heads
         ("deepseek_v3", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # latent, any layout
         ("glm_moe_dsa", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # indexer keys travel
+        ("deepseek_v4", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # pooled entries travel
     ],
     ids=str,
 )

@@ -1,7 +1,11 @@
-"""DeepSeek-V3 FP8 block-scaled weights: float8_e4m3fn values with one float32 scale per block.
+"""FP8 block-scaled weights: float8_e4m3fn values with one scale per 128x128 block.
 
-A checkpoint stores `<name>.weight` [out, in] in float8_e4m3fn and `<name>.weight_scale_inv`
-[ceil(out / 128), ceil(in / 128)] float32; the real weight is `weight * scale` block by block.
+A DeepSeek-V3 checkpoint stores `<name>.weight` [out, in] in float8_e4m3fn and
+`<name>.weight_scale_inv` [ceil(out / 128), ceil(in / 128)] float32; the real weight is
+`weight * scale` block by block (a partial block at the bottom or right edge has a scale too).
+DeepSeek-V4 stores the same blocks with UE8M0 scales (`scale_fmt="ue8m0"`): powers of two kept as
+their 8-bit biased exponent, `float8_e8m0fnu` (or those bytes as uint8), scale = 2^(e - 127);
+rayinfer/models/checkpoint_format.py says where each format names them.
 """
 
 from __future__ import annotations
@@ -12,20 +16,37 @@ FP8_BLOCK_SIZE = 128
 SCALE_SUFFIX = "_scale_inv"
 
 
+def decode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as float32: float scales as they are; UE8M0 (float8_e8m0fnu, or its bytes as
+    uint8) as the power of two 2^(e - 127) each byte holds (0xFF, UE8M0's NaN, stays NaN)."""
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    return scale.float()
+
+
+def ue8m0_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Float scales rounded up to powers of two, as float8_e8m0fnu (DeepSeek's `scale_fmt="ue8m0"`:
+    2^ceil(log2(s)), so that `x / s` stays within the format's range)."""
+    exponent = torch.ceil(torch.log2(scale.float().clamp(min=torch.finfo(torch.float32).tiny)))
+    return torch.exp2(exponent).to(torch.float8_e8m0fnu)
+
+
 def dequantize_block_fp8(
     weight: torch.Tensor,  # [out, in] float8_e4m3fn
-    scale_inv: torch.Tensor,  # [ceil(out / block), ceil(in / block)] float32
+    scale_inv: torch.Tensor,  # [ceil(out / block), ceil(in / block)] float32 or UE8M0
     dtype: torch.dtype,
     block_size: int = FP8_BLOCK_SIZE,
+    names: tuple[str, str] = ("weight", "weight_scale_inv"),  # how errors name the two tensors
 ) -> torch.Tensor:  # [out, in] dtype
     rows, cols = weight.shape
     expected = (-(-rows // block_size), -(-cols // block_size))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(
-            f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+            f"{names[1]} shape {tuple(scale_inv.shape)} does not match {names[0]} "
             f"{tuple(weight.shape)} in {block_size}x{block_size} blocks; expected {expected}"
         )
-    scale = scale_inv.float().repeat_interleave(block_size, 0)[:rows]  # [out, ceil(in / block)]
+    scale = decode_scales(scale_inv)
+    scale = scale.repeat_interleave(block_size, 0)[:rows]  # [out, ceil(in / block)]
     scale = scale.repeat_interleave(block_size, 1)[:, :cols]  # [out, in]
     return (weight.float() * scale).to(dtype)
 
@@ -33,8 +54,11 @@ def dequantize_block_fp8(
 def quantize_block_fp8(
     weight: torch.Tensor,  # [out, in] float
     block_size: int = FP8_BLOCK_SIZE,
+    scale_fmt: str = "float",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([out, in] float8_e4m3fn, [blocks_out, blocks_in])
-    """The inverse, as DeepSeek made its checkpoints: each block's max magnitude maps to 448."""
+    """The inverse, as DeepSeek made its checkpoints: each block's max magnitude maps to 448;
+    scale_fmt="ue8m0" (V4) rounds each scale up to a power of two first and returns the scales
+    as float8_e8m0fnu (float32 otherwise)."""
     rows, cols = weight.shape
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     padded_rows, padded_cols = (
@@ -48,7 +72,11 @@ def quantize_block_fp8(
     )
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [blocks_out, blocks_in]
     scale_inv = amax / fp8_max
-    quantized = (blocks / scale_inv[:, None, :, None]).view_as(padded)
+    if scale_fmt == "ue8m0":
+        scale_inv = ue8m0_scales(scale_inv)
+    elif scale_fmt != "float":
+        raise ValueError(f"scale_fmt={scale_fmt!r}; use 'float' or 'ue8m0'")
+    quantized = (blocks / scale_inv.float()[:, None, :, None]).view_as(padded)
     return quantized[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
 
 

@@ -3,9 +3,15 @@
 The model is built with its parameters in the target dtype (a few, such as DeepSeek's expert
 correction bias, stay float32). Tensors are read one at a time with `safetensors.safe_open` and
 handed to the model's `load_weights`, whose weight loaders copy them into those parameters and so
-cast them; FP8 block-scaled weights (DeepSeek-V3) are dequantized to the target dtype on the way,
-unless `fp8_weights=True`: then the layers that can keep them (see DeepseekForCausalLM) receive
-the float8_e4m3fn weights as stored plus their `weight_scale_inv` block scales.
+cast them. Scaled weights (checkpoint_format.py: DeepSeek-V3's FP8 blocks, DeepSeek-V4's FP8
+blocks with UE8M0 scales and MXFP4 experts) are dequantized to the target dtype on the way and
+their scales never reach the model, except for the weights the model keeps as stored:
+- `fp8_weights=True`: `model.fp8_checkpoint_names()` (see DeepseekForCausalLM) come as
+  float8_e4m3fn with their block scales as float32, under the scale's checkpoint name
+  (`<p>.weight_scale_inv`, or V4's `<p>.scale`);
+- a model whose experts keep MXFP4 lists them in `model.mxfp4_checkpoint_names()`: they come
+  packed as uint8 [N, K / 2] (low nibble first) with their scales as uint8 exponents [N, K / 32]
+  under `<p>.scale`.
 Before anything is read, every checkpoint tensor the model needs is checked to be present.
 """
 
@@ -23,7 +29,8 @@ from tqdm.auto import tqdm
 
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.parallel import SINGLE, ParallelContext
-from rayinfer.models.fp8 import SCALE_SUFFIX, check_fp8_weights, dequantize_block_fp8
+from rayinfer.models.checkpoint_format import CheckpointFormat, scale_names
+from rayinfer.models.fp8 import check_fp8_weights
 from rayinfer.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -45,7 +52,7 @@ def load_model(
 
     fp8_weights: keep FP8 block-scaled weights in FP8 (DeepSeek V2/V3; ConfigError when the
     checkpoint has none or the tensor-parallel split would cut a 128x128 block)."""
-    with CheckpointReader(Path(config.path)) as reader:
+    with CheckpointReader(Path(config.path), CheckpointFormat.from_hf(config.hf)) as reader:
         extra = {}
         if fp8_weights:
             check_fp8_weights(config, parallel.tp_size)
@@ -54,7 +61,17 @@ def load_model(
         with _default_dtype(dtype), torch.device(device):
             model = model_class(config)(config, parallel, **extra)
         if fp8_weights:
-            reader.keep_fp8(model.fp8_checkpoint_names())
+            reader.keep_as_stored(
+                model.fp8_checkpoint_names(),
+                "fp8_weights=true",
+                "use fp8_weights=false for this checkpoint",
+            )
+        if hasattr(model, "mxfp4_checkpoint_names"):
+            reader.keep_as_stored(
+                model.mxfp4_checkpoint_names(),
+                "the model keeps its experts in MXFP4",
+                "is config.json's expert_dtype right for these weights?",
+            )
         check_all_present(model, reader.names)
         weights = reader.weights(dtype, device)
         try:
@@ -69,15 +86,15 @@ def load_model(
 
 
 def checkpoint_has_fp8_weights(path: str | Path) -> bool:
-    """Whether the checkpoint folder stores block-scaled FP8 weights (`*.weight_scale_inv`)."""
-    return any(name.endswith(SCALE_SUFFIX) for name in checkpoint_files(Path(path)))
+    """Whether the checkpoint folder stores scaled weights (`*.weight_scale_inv`, `*.scale`)."""
+    return bool(scale_names(checkpoint_files(Path(path))))
 
 
 def check_has_fp8_weights(file_of: dict[str, str], path, key: str = "fp8_weights") -> None:
-    if not any(name.endswith(SCALE_SUFFIX) for name in file_of):
+    if not scale_names(file_of):
         raise ConfigError(
             f"{key}=true, but the checkpoint {path} has no FP8 block-scaled weights (no "
-            f"`*.weight{SCALE_SUFFIX}` tensors); use {key}=false for this checkpoint"
+            f"`*.weight_scale_inv` or `*.scale` tensors); use {key}=false for this checkpoint"
         )
 
 
@@ -111,13 +128,15 @@ def _default_dtype(dtype: torch.dtype):
 class CheckpointReader:
     """Lazy access to the tensors of one checkpoint folder, by name, across shards."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, checkpoint_format: CheckpointFormat | None = None):
         self.folder = folder
+        self.format = checkpoint_format or CheckpointFormat()
         self.file_of = checkpoint_files(folder)  # tensor name -> file
+        self.scale_of = scale_names(self.file_of)  # scaled weight -> its scale
         self.current_name: str | None = None
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
-        self._fp8_kept: set[str] = set()  # FP8 weights handed over as stored, with their scales
+        self._kept: dict[str, str] = {}  # scale -> weight, of weights handed over as stored
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -127,36 +146,37 @@ class CheckpointReader:
 
     @property
     def names(self) -> set[str]:
-        """Tensor names as the model sees them: FP8 scales folded into their weights, except the
-        scales of the weights kept in FP8 (`keep_fp8`)."""
-        kept_scales = {n + SCALE_SUFFIX for n in self._fp8_kept}
-        return {n for n in self.file_of if not n.endswith(SCALE_SUFFIX) or n in kept_scales}
+        """Tensor names as the model sees them: scales folded into their weights, except the
+        scales of the weights kept as stored (`keep_as_stored`)."""
+        folded = set(self.scale_of.values()) - set(self._kept)
+        return set(self.file_of) - folded
 
-    def keep_fp8(self, weight_names: set[str]) -> None:
-        """Hand these weights over as stored (float8_e4m3fn) and their `weight_scale_inv` too.
-        Each must be an FP8 weight with scales in the checkpoint (ConfigError names one that is
-        not); the other FP8 weights are still dequantized."""
-        unscaled = sorted(
-            n for n in weight_names if n in self.file_of and n + SCALE_SUFFIX not in self.file_of
-        )
+    def keep_as_stored(self, weight_names: set[str], reason: str, fix: str) -> None:
+        """Hand these weights over as stored, their scales too (see the module docstring).
+        Each must be a scaled weight in the checkpoint (a ConfigError with `reason` and `fix`
+        names one that is not); the other scaled weights are still dequantized."""
+        unscaled = sorted(n for n in weight_names if n in self.file_of and n not in self.scale_of)
         if unscaled:
             more = f" and {len(unscaled) - 1} more" if len(unscaled) > 1 else ""
             raise ConfigError(
-                f"fp8_weights=true, but checkpoint tensor {unscaled[0]!r}{more} has no "
-                f"{SCALE_SUFFIX.lstrip('_')} (not FP8 block-scaled) although its layer keeps FP8 "
-                "weights; use fp8_weights=false for this checkpoint"
+                f"{reason}, but checkpoint tensor {unscaled[0]!r}{more} has no scale_inv or "
+                "scale beside it (not stored quantized) although its layer keeps quantized "
+                f"weights; {fix}"
             )
-        self._fp8_kept = set(weight_names)
+        self._kept.update({self.scale_of[n]: n for n in weight_names if n in self.scale_of})
 
     def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
         file = self.file_of[name]
         if file not in self._handles:
             handle = safe_open(str(self.folder / file), framework="pt", device="cpu")
             self._handles[file] = self._stack.enter_context(handle)
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
 
     def weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in file order on `device`; FP8 weights dequantized to `dtype`."""
+        """(name, tensor) in file order on `device`; scaled weights dequantized to `dtype`."""
         names = sorted(self.names, key=lambda n: (self.file_of[n], n))
         with tqdm(names, desc=f"Loading {self.folder.name}", unit="tensor") as progress:
             for name in progress:
@@ -170,12 +190,16 @@ class CheckpointReader:
         parameter (the noaux_tc correction bias) through bfloat16 and change expert choices.
         """
         tensor = self.get(name).to(device)
-        scale_name = name + SCALE_SUFFIX
-        if name in self._fp8_kept:  # as stored; the layer checks that it is float8_e4m3fn
+        if name in self._kept:  # the scale of a kept weight
+            is_fp8 = self._handle(self._kept[name]).get_slice(self._kept[name]).get_dtype()
+            return self.format.scale_as_stored(tensor, is_fp8=is_fp8 == "F8_E4M3")
+        scale_name = self.scale_of.get(name)
+        if scale_name is None:
             return tensor
-        if tensor.dtype == torch.float8_e4m3fn and scale_name in self.file_of:
-            return dequantize_block_fp8(tensor, self.get(scale_name).to(device), dtype)
-        return tensor
+        if scale_name in self._kept:
+            return self.format.as_stored(tensor, name)
+        scale = self.get(scale_name).to(device)
+        return self.format.dequantize(tensor, scale, dtype, (name, scale_name))
 
 
 def checkpoint_files(folder: Path) -> dict[str, str]:

@@ -9,6 +9,10 @@ FP8 weights (`fp8=True`): `w13`/`w2` in float8_e4m3fn with `w13_scale` [E_local,
 ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must be a multiple of
 128: gate and up share one stacked weight); they load through the same call with `is_scale=True`.
 
+MXFP4 weights (`weight_format="mxfp4"`, DeepSeek-V4-Flash): packed e2m1 bytes and one UE8M0
+exponent byte per 32 values along K, kept packed (kernels/fused_moe_mxfp4.py); the packed tensor
+and its scale load through the same call (`is_scale=True` for the scale), shapes checked.
+
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 """
 
@@ -25,6 +29,10 @@ from rayinfer.kernels import ops
 from rayinfer.layers.linear import FP8_BLOCK
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
+WEIGHT_FORMATS = ("dense", "fp8", "mxfp4")
+MXFP4_GROUP = 32  # e2m1 values per UE8M0 scale
+_MXFP4_BYTES = (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
+_UE8M0_BYTES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -46,10 +54,25 @@ def parse_expert_weight_name(
     return ExpertWeightName(match["prefix"], int(match["expert"]), projections[match["proj"]])
 
 
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _mxfp4_bytes(loaded: torch.Tensor, is_scale: bool, what: str) -> torch.Tensor:
+    """A checkpoint's packed e2m1 or UE8M0 tensor as its uint8 bytes (a view)."""
+    allowed = _UE8M0_BYTES if is_scale else _MXFP4_BYTES
+    if loaded.dtype not in allowed:
+        raise ValueError(f"{what}: checkpoint tensor is {loaded.dtype}, expected one of {allowed}")
+    return loaded if loaded.dtype == torch.uint8 else loaded.view(torch.uint8)
+
+
 class FusedExperts(nn.Module):
     """This rank's routed experts, stacked.
 
     w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
+    weight_format: "dense" (the model's dtype), "fp8" (same as fp8=True) or "mxfp4" (packed
+    e2m1 bytes w13 [E_local, 2I, H/2], w2 [E_local, H, I/2] and UE8M0 byte scales w13_scale
+    [E_local, 2I, H/32], w2_scale [E_local, H, I/32]; DeepSeek-V4-Flash's experts as shipped).
     swiglu_limit (DeepSeek-V4): the activation is silu(min(gate, l)) * clamp(up, -l, l).
     """
 
@@ -61,20 +84,28 @@ class FusedExperts(nn.Module):
         parallel: ParallelContext = SINGLE,
         fp8: bool = False,
         swiglu_limit: float | None = None,
+        weight_format: str | None = None,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.swiglu_limit = swiglu_limit
+        self.weight_format = weight_format or ("fp8" if fp8 else "dense")
+        if self.weight_format not in WEIGHT_FORMATS or (fp8 and self.weight_format != "fp8"):
+            raise ConfigError(f"expert weight_format={weight_format!r} (fp8={fp8}); use one of "
+                              f"{WEIGHT_FORMATS}")  # fmt: skip
         self.intermediate_size = intermediate_size
         self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
+        self.w13_scale = self.w2_scale = None
+        if self.weight_format == "mxfp4":
+            self._make_mxfp4_weights(hidden_size, intermediate_size)
+            return
         shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
         shape2 = (self.num_local_experts, hidden_size, intermediate_size)
-        dtype = torch.float8_e4m3fn if fp8 else None
-        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
-        self.w13_scale = self.w2_scale = None
-        if fp8:
+        dtype = torch.float8_e4m3fn if self.weight_format == "fp8" else None
+        self.w13 = _frozen(torch.empty(shape13, dtype=dtype))
+        self.w2 = _frozen(torch.empty(shape2, dtype=dtype))
+        if self.weight_format == "fp8":
             if intermediate_size % FP8_BLOCK:
                 raise ConfigError(
                     f"fp8_weights: moe_intermediate_size={intermediate_size} is not a multiple of "
@@ -84,35 +115,52 @@ class FusedExperts(nn.Module):
             blocks = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
             scale13 = (self.num_local_experts, blocks(2 * intermediate_size), blocks(hidden_size))
             scale2 = (self.num_local_experts, blocks(hidden_size), blocks(intermediate_size))
-            self.w13_scale = nn.Parameter(
-                torch.empty(scale13, dtype=torch.float32), requires_grad=False
+            self.w13_scale = _frozen(torch.empty(scale13, dtype=torch.float32))
+            self.w2_scale = _frozen(torch.empty(scale2, dtype=torch.float32))
+
+    def _make_mxfp4_weights(self, hidden_size: int, intermediate_size: int) -> None:
+        if hidden_size % MXFP4_GROUP or intermediate_size % MXFP4_GROUP:
+            raise ConfigError(
+                f"MXFP4 experts: hidden_size={hidden_size} and moe_intermediate_size="
+                f"{intermediate_size} must be multiples of {MXFP4_GROUP} (one scale per 32)"
             )
-            self.w2_scale = nn.Parameter(
-                torch.empty(scale2, dtype=torch.float32), requires_grad=False
-            )
+        experts, inter = self.num_local_experts, intermediate_size
+        byte = torch.uint8
+        self.w13 = _frozen(torch.empty(experts, 2 * inter, hidden_size // 2, dtype=byte))
+        self.w2 = _frozen(torch.empty(experts, hidden_size, inter // 2, dtype=byte))
+        self.w13_scale = _frozen(
+            torch.empty(experts, 2 * inter, hidden_size // MXFP4_GROUP, dtype=byte)
+        )
+        self.w2_scale = _frozen(torch.empty(experts, hidden_size, inter // MXFP4_GROUP, dtype=byte))
 
     def load_expert_weight(
         self, expert_id: int, part: str, loaded: torch.Tensor, is_scale: bool = False
     ) -> bool:
         """Copy one expert's `gate`/`up` [I, H] or `down` [H, I] (is_scale: its FP8 block scales
-        [I/128, H/128] or [H/128, I/128]); False if the expert is not held on this rank."""
+        [I/128, H/128] or [H/128, I/128]; MXFP4: packed [I, H/2] or [H, I/2] bytes (int8, uint8
+        or float4_e2m1fn_x2), is_scale: UE8M0 [I, H/32] or [H, I/32] (uint8 or
+        float8_e8m0fnu)); False if the expert is not held on this rank."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} outside n_routed_experts={self.num_experts}")
         local = expert_id - self.first_local_expert
         if not 0 <= local < self.num_local_experts:
             return False
+        if is_scale and self.w13_scale is None:
+            raise ValueError("these experts keep no FP8 scales (fp8_weights is off)")
+        mxfp4 = self.weight_format == "mxfp4"
+        size = self.intermediate_size // FP8_BLOCK if is_scale and not mxfp4 else None
+        size = size or self.intermediate_size
         if is_scale:
-            if self.w13_scale is None:
-                raise ValueError("these experts keep no FP8 scales (fp8_weights is off)")
-            size = self.intermediate_size // FP8_BLOCK
             stacked = (self.w2_scale if part == "down" else self.w13_scale).data
         else:
-            size = self.intermediate_size
             stacked = (self.w2 if part == "down" else self.w13).data
         rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[part]
         target = stacked[local, rows]
+        what = f"{part} scale" if is_scale else part
+        if mxfp4:
+            what = f"MXFP4 {what}" + ("" if is_scale else " (packed, two values a byte)")
+            loaded = _mxfp4_bytes(loaded, is_scale, f"expert {expert_id} {what}")
         if target.shape != loaded.shape:
-            what = f"{part} scale" if is_scale else part
             raise ValueError(
                 f"expert {expert_id} {what}: checkpoint shape {tuple(loaded.shape)}, "
                 f"expected {tuple(target.shape)}"

@@ -152,14 +152,16 @@ class MoE(nn.Module):
         parallel: ParallelContext = SINGLE,
         fp8: bool = False,
         swiglu_limit: float | None = None,  # DeepSeek-V4: routed and shared experts both clamp
+        expert_weight_format: str | None = None,  # FusedExperts' weight_format ("mxfp4": V4)
     ):
         super().__init__()
         self.routing = routing
         self.parallel = parallel
         self.gate = Router(hidden_size, num_experts, routing.use_correction_bias)
         self.experts = FusedExperts(
-            num_experts, hidden_size, intermediate_size, parallel, fp8, swiglu_limit
-        )
+            num_experts, hidden_size, intermediate_size, parallel, fp8 and not expert_weight_format,
+            swiglu_limit, expert_weight_format,
+        )  # fmt: skip
         self.shared_experts = None
         if shared_intermediate_size:
             self.shared_experts = GatedMLP(

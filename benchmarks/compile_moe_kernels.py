@@ -1,0 +1,105 @@
+"""Whether the MoE kernels of DeepSeek-V4 build for Ampere (sm_80), Ada (sm_89) and Hopper
+(sm_90), without a GPU: compiles each with Triton's compiler for that target on this machine and
+reports the shared memory a program needs against the target's per-block limit, the registers
+per thread, the spilled ones and what the main loop became (asynchronous copies, tensor-core
+dots, synchronous loads left in the loop).
+
+    python benchmarks/compile_moe_kernels.py                 # every kernel, every target
+    python benchmarks/compile_moe_kernels.py --arch 90 --kernel mxfp4_gate_up --dump /tmp/k.ttgir
+
+Kernels: the MXFP4 fused MoE's two GEMMs (gate+up with swiglu_limit, down) with the launcher's
+default tiles (configs/fused_moe_mxfp4.json has none for these targets), the bf16 grouped GEMM
+with swiglu_limit, and the one-launch routing kernel with sqrtsoftplus scores (256 experts,
+top-6). Integer arguments are compiled as multiples of 16, as Triton specializes them at launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compile_dsa_kernels import SHARED_MEMORY_LIMITS, compile_for  # noqa: E402
+from ttgir_probe import loop_report, registers_per_thread, spill_instructions  # noqa: E402
+
+from rayinfer.kernels import fused_moe_mxfp4  # noqa: E402
+from rayinfer.kernels.fused_moe import DEFAULT_CONFIG  # noqa: E402
+from rayinfer.kernels.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
+from rayinfer.kernels.fused_moe_mxfp4_kernel import _moe_mxfp4_gemm_kernel  # noqa: E402
+from rayinfer.kernels.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
+
+GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
+                     block_expert_ids_ptr="*i32", num_padded_ptr="*i32")  # fmt: skip
+
+
+def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
+    tile = dict(tile or fused_moe_mxfp4.DEFAULT_CONFIG["w13" if is_w13 else "w2"])
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
+    constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
+                     FORMAT="bf16", EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, **tile)  # fmt: skip
+    return compile_for(_moe_mxfp4_gemm_kernel, types, constants, arch, warps, stages)
+
+
+def bf16_gate_up_with_limit(arch: int):
+    tile = dict(DEFAULT_CONFIG["w13"])
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", a_scale_ptr="*bf16",
+                 b_scale_ptr="*bf16", **GEMM_POINTERS)  # fmt: skip
+    constants = dict(SLOTS_PER_A_ROW=6, FUSE_SILU=True, MUL_WEIGHT=False, USE_FP8=False,
+                     SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False, DOT_PRECISION="tf32",
+                     USE_LIMIT=True, LIMIT=10.0, **tile)  # fmt: skip
+    return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
+
+
+def sqrtsoftplus_routing(arch: int):
+    types = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64",
+                 scaling="fp32")  # fmt: skip
+    constants = dict(TOP_K=6, SCORING="sqrtsoftplus", HAS_BIAS=True, RENORMALIZE=True,
+                     NUM_GROUPS=1, TOPK_GROUPS=1, GROUP_SIZE=256, BLOCK_E=256, BLOCK_G=1,
+                     BLOCK_K=8)  # fmt: skip
+    return compile_for(_moe_routing_kernel, types, constants, arch, 4, 1)
+
+
+KERNELS = {
+    "mxfp4_gate_up": lambda arch: mxfp4_gemm(arch, True),
+    "mxfp4_down": lambda arch: mxfp4_gemm(arch, False),
+    "bf16_gate_up_limit": bf16_gate_up_with_limit,
+    "routing_sqrtsoftplus": sqrtsoftplus_routing,
+}
+
+
+def report(kernel: str, arch: int, dump: str | None = None) -> dict:
+    compiled = KERNELS[kernel](arch)
+    if dump:
+        Path(dump).write_text(compiled.asm["ttgir"])
+    cubin, shared = compiled.asm["cubin"], compiled.metadata.shared
+    loop = loop_report(compiled.asm["ttgir"])
+    return dict(
+        kernel=kernel, arch=arch, shared_memory_bytes=shared,
+        shared_memory_limit=SHARED_MEMORY_LIMITS[arch], fits=shared <= SHARED_MEMORY_LIMITS[arch],
+        registers=registers_per_thread(cubin), spill_instructions=spill_instructions(cubin),
+        tensor_core_dots=loop["wgmma"] + loop["mma_sync_dots"], cp_async=loop["cp_async"],
+        sync_loads_in_loops=loop["sync_loads_in_loops"],
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=list(KERNELS), action="append")
+    parser.add_argument("--arch", type=int, choices=[80, 89, 90], action="append")
+    parser.add_argument("--dump", help="write the (last) kernel's TTGIR here")
+    args = parser.parse_args(argv)
+    rows = []
+    for kernel in args.kernel or list(KERNELS):
+        for arch in args.arch or [80, 89, 90]:
+            rows.append(report(kernel, arch, args.dump))
+            print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""`python -m rayinfer.bench kernels moe_mxfp4 [--tokens T ..] [--sweep] [--out FILE]`.
+
+The MXFP4 (W4A16) fused MoE at DeepSeek-V4-Flash's expert shapes (hidden 4096, 256 experts,
+intermediate 2048, top-6, swiglu_limit 10) against the bf16 fused MoE of the same run, on the
+same experts (the MXFP4 ones dequantized to bf16, exact):
+1. correctness of both against a float32 reference over the dequantized experts;
+2. with --sweep: tiles per GEMM stage for each row tile, the best kept (print / --out; copy into
+   rayinfer/kernels/configs/fused_moe_mxfp4.json);
+3. timings (`triton.testing.do_bench` medians): ms, the ratio, the bytes of the experts read
+   (the experts routed to, packed + scales) per second and TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
+from rayinfer.kernels import fused_moe_mxfp4 as mxfp4
+from rayinfer.kernels.fused_moe import fused_moe
+from rayinfer.kernels.moe_align import moe_align
+
+V4_FLASH = MoeShape(num_experts=256, hidden=4096, intermediate=2048, top_k=6)
+SWIGLU_LIMIT = 10.0
+BF16 = torch.bfloat16
+
+
+def random_mxfp4_experts(shape: MoeShape, device) -> dict:
+    """Uniform e2m1 codes (RMS ~2.9) with UE8M0 scales near 1/(2.9 sqrt(fan_in))."""
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+
+    def part(rows, cols, exponent):
+        packed = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, device=device)
+        scale = torch.randint(exponent, exponent + 2, (e, rows, cols // 32), device=device)
+        return packed, scale.to(torch.uint8)
+
+    (w13, w13_scale), (w2, w2_scale) = part(2 * i, h, 127 - 8), part(h, i, 127 - 8)
+    return dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def dequantized_bf16(experts: dict, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same experts in bf16 (exact), dequantized by chunks of experts."""
+    out = []
+    for name in ("w13", "w2"):
+        packed, scale = experts[name], experts[f"{name}_scale"]
+        full = torch.empty(*packed.shape[:2], 2 * packed.shape[2], dtype=BF16, device=packed.device)
+        for s in range(0, packed.shape[0], chunk):
+            part = slice(s, s + chunk)
+            full[part] = mxfp4.dequantize_mxfp4_reference(packed[part], scale[part]).to(BF16)
+        out.append(full)
+    return out[0], out[1]
+
+
+def float32_reference(x, w13, w2, weights, ids, limit):
+    """One expert at a time in float32 from the (exact) bf16 dequantized experts."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = ids.view(-1)
+    for expert in flat.unique().tolist():
+        slots = (flat == expert).nonzero(as_tuple=True)[0]
+        tokens = slots // ids.shape[1]
+        gate, up = (x[tokens].float() @ w13[expert].float().t()).chunk(2, dim=-1)
+        act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        out.index_add_(0, tokens, (act @ w2[expert].float().t()) * weights.view(-1)[slots, None])
+    return out
+
+
+def bench_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def tile(bm, bn, bk, warps, stages, group_m=1) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
+def candidates(num_tokens: int) -> dict[int, list[dict]]:
+    """Row tile -> stage tiles to try."""
+    if num_tokens <= 256:
+        return {16: [tile(16, n, k, w, s) for n, k, w, s in (
+            (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4),
+            (128, 256, 4, 3), (64, 128, 4, 6), (32, 128, 4, 6))]}  # fmt: skip
+    return {bm: [tile(bm, n, k, w, s, g) for n, k, w, s, g in (
+        (128, 64, 8, 3, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8), (128, 64, 4, 4, 8),
+        (256, 64, 8, 3, 8), (128, 128, 8, 4, 16))] for bm in (64, 128)}  # fmt: skip
+
+
+def sweep(x, experts, weights, ids) -> dict:
+    """The fastest tile per stage for each row tile; the best pair overall."""
+    num_tokens, top_k = ids.shape
+    inter = experts["w13"].shape[1] // 2
+    best = None
+    for bm, tiles in candidates(num_tokens).items():
+        alignment = moe_align(ids, experts["w13"].shape[0], bm)
+        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+        slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+        stage_args = {
+            "w13": (x, experts["w13"], experts["w13_scale"], act, weights, alignment),
+            "w2": (act, experts["w2"], experts["w2_scale"], slot_out, weights, alignment),
+        }
+        chosen = {}
+        for stage, args in stage_args.items():
+            is_w13 = stage == "w13"
+            launch = (top_k if is_w13 else 1, is_w13, SWIGLU_LIMIT if is_w13 else None)
+            timed = []
+            for t in tiles:
+                try:
+                    ms = bench_ms(lambda a=args, t=t, how=launch: mxfp4._launch(*a, t, *how))
+                except Exception as error:  # a tile that does not build here (shared memory)
+                    print(f"  sweep T={num_tokens} {stage} {t}: {type(error).__name__}")
+                    continue
+                timed.append((ms, t))
+                print(f"  sweep T={num_tokens} {stage} {t}: {ms:.3f} ms", flush=True)
+            chosen[stage] = min(timed, key=lambda pair: pair[0])
+        total = chosen["w13"][0] + chosen["w2"][0]
+        if best is None or total < best[0]:
+            best = (total, {stage: pair[1] for stage, pair in chosen.items()})
+    return best[1]
+
+
+def expert_bytes(experts: dict, ids: torch.Tensor) -> int:
+    """Bytes of the routed-to experts' packed weights and scales (what must be read once)."""
+    num_used = int(ids.unique().numel())
+    per_expert = sum(t[0].numel() for t in experts.values())
+    return num_used * per_expert
+
+
+def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool) -> dict:
+    shape = V4_FLASH
+    device = experts["w13"].device
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, shape.hidden, device=device, dtype=BF16, generator=gen)
+    weights, ids = random_routing(num_tokens, shape, device, seed=num_tokens)
+    config = sweep(x, experts, weights, ids) if do_sweep else None
+    args = (x, experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
+            experts["w2_scale"])  # fmt: skip
+    limit = {"swiglu_limit": SWIGLU_LIMIT}
+    ours = mxfp4.fused_moe_mxfp4(*args, config, **limit)
+    base = fused_moe(x, bf16[0], bf16[1], weights, ids, **limit)
+    ref = float32_reference(x, bf16[0], bf16[1], weights, ids, SWIGLU_LIMIT)
+    mxfp4_ms = bench_ms(lambda: mxfp4.fused_moe_mxfp4(*args, config, **limit))
+    bf16_ms = bench_ms(lambda: fused_moe(x, bf16[0], bf16[1], weights, ids, **limit))
+    flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
+    read = expert_bytes(experts, ids)
+    return dict(
+        tokens=num_tokens, mxfp4_ms=round(mxfp4_ms, 4), bf16_ms=round(bf16_ms, 4),
+        speedup=round(bf16_ms / mxfp4_ms, 3), mxfp4_rel_err=relative_error(ours, ref),
+        bf16_rel_err=relative_error(base, ref), mxfp4_expert_gb=round(read / 1e9, 3),
+        mxfp4_tb_per_s=round(read / mxfp4_ms / 1e9, 3),
+        bf16_tb_per_s=round(read * 32 / 8.5 / bf16_ms / 1e9, 3),  # bf16: 16 bits, not 4.25
+        mxfp4_tflops=round(flops / mxfp4_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1),
+        config=config or "default",
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayinfer.bench kernels moe_mxfp4")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--sweep", action="store_true", help="try tile configs first")
+    parser.add_argument("--out", default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels moe_mxfp4: needs a CUDA GPU")
+        return 0
+    experts = random_mxfp4_experts(V4_FLASH, "cuda")
+    bf16 = dequantized_bf16(experts)
+    results = dict(device=torch.cuda.get_device_name(), shape=V4_FLASH.__dict__, cases=[])
+    for num_tokens in args.tokens:
+        results["cases"].append(run_case(num_tokens, experts, bf16, args.sweep))
+        print(json.dumps(results["cases"][-1]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0

@@ -1,0 +1,137 @@
+"""The MXFP4 (W4A16) fused MoE (Triton, interpreter on CPU, fp16 activations) against the float32
+dequantized reference: one token, token counts off the row tile, experts with no tokens, top-1,
+slots of other ranks, K not a multiple of the K tile (and a K of one scale group), the
+DeepSeek-V4 swiglu_limit; the dequantization against the format's definition; ops' dispatch and
+FusedExperts(weight_format="mxfp4") loading."""
+
+import pytest
+import torch
+
+from rayinfer.kernels import ops
+from rayinfer.kernels.fused_moe_mxfp4 import (
+    dequantize_mxfp4_reference,
+    fused_moe_mxfp4,
+    fused_moe_mxfp4_reference,
+)
+from rayinfer.layers.fused_experts import FusedExperts
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
+WIDE_K = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 128, "GROUP_M": 1}
+TILES = {"small": {"w13": SMALL, "w2": SMALL}, "wide_k": {"w13": WIDE_K, "w2": WIDE_K}}
+CASES = {
+    "one_token": dict(T=1, H=64, I=32, E=4, K=2),
+    "off_the_tile": dict(T=37, H=96, I=64, E=5, K=3),  # H=96: a partial K tile in gate+up
+    "idle_experts": dict(T=6, H=64, I=32, E=12, K=2, E_routed=3),
+    "top_1": dict(T=20, H=64, I=32, E=3, K=1),
+    "k_of_one_group": dict(T=5, H=32, I=32, E=2, K=2),  # w2's K = I = 32: one scale group
+    "foreign_ids": dict(T=9, H=64, I=32, E=6, K=3, foreign=True),
+}
+
+
+def _packed_experts(num_experts, rows, cols, gen):
+    """Random e2m1 bytes [E, rows, cols/2] and UE8M0 scales 2^-6..2^-3 [E, rows, cols/32]."""
+    packed = torch.randint(0, 256, (num_experts, rows, cols // 2), generator=gen)
+    scale = torch.randint(121, 125, (num_experts, rows, cols // 32), generator=gen)
+    return packed.to(torch.uint8), scale.to(torch.uint8)
+
+
+def _problem(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, hidden, inter, experts, top_k = (case[k] for k in ("T", "H", "I", "E", "K"))
+    x = torch.randn(num_tokens, hidden, generator=gen).half()
+    w13, w13_scale = _packed_experts(experts, 2 * inter, hidden, gen)
+    w2, w2_scale = _packed_experts(experts, hidden, inter, gen)
+    routed = case.get("E_routed", experts)
+    ids = torch.stack([torch.randperm(routed, generator=gen)[:top_k] for _ in range(num_tokens)])
+    if case.get("foreign"):  # held by other ranks, below and above this one's: add nothing
+        ids[::2, 0] = -1
+        ids[1::3, -1] = experts + 2
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    return x, w13, w2, weights, ids, w13_scale, w2_scale
+
+
+def _assert_near(out, expected):
+    """fp16 activations, and act rounded to fp16 between the GEMMs as in the bf16 path."""
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=3e-3 * scale)
+
+
+@pytest.mark.parametrize("tiles", list(TILES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_the_dequantized_reference(name, tiles):
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES[name], seed=len(name))
+    out = fused_moe_mxfp4(x, w13, w2, weights, ids, w13_scale, w2_scale, config=TILES[tiles])
+    expected = fused_moe_mxfp4_reference(x.float(), w13, w2, weights, ids, w13_scale, w2_scale)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    _assert_near(out, expected)
+
+
+def test_swiglu_limit():
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["off_the_tile"], seed=3)
+    args = (x, w13, w2, weights, ids, w13_scale, w2_scale)
+    out = fused_moe_mxfp4(*args, config=TILES["small"], swiglu_limit=1.5)
+    expected = fused_moe_mxfp4_reference(x.float(), *args[1:], swiglu_limit=1.5)
+    _assert_near(out, expected)
+    unclamped = fused_moe_mxfp4_reference(x.float(), *args[1:])
+    assert (unclamped - expected).abs().max() > 0.1 * expected.abs().max()  # the limit bites
+
+
+def test_dequantization_follows_the_format():
+    """Byte 0x2F: value 0 is the low nibble 0xF (-6), value 1 the high nibble 0x2 (+1); byte
+    0x93: 1.5 then -0.5. Scale byte 128 is 2^1, 125 is 2^-2."""
+    packed = torch.tensor([[0x2F] * 16 + [0x93] * 16], dtype=torch.uint8)  # [1, 32]: K=64
+    scale = torch.tensor([[128, 125]], dtype=torch.uint8)
+    values = dequantize_mxfp4_reference(packed, scale)[0]
+    assert values[:4].tolist() == [-12.0, 2.0, -12.0, 2.0]
+    assert values[32:34].tolist() == [1.5 / 4, -0.5 / 4]
+    as_stored = dequantize_mxfp4_reference(
+        packed.view(torch.int8), scale.view(torch.float8_e8m0fnu)
+    )
+    assert torch.equal(as_stored, dequantize_mxfp4_reference(packed, scale))
+
+
+def test_ops_dispatch_on_the_weight_dtypes():
+    """On CPU ops.fused_moe takes MXFP4 experts (as stored: int8 and float8_e8m0fnu) to the
+    dequantized reference."""
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["top_1"], seed=1)
+    expected = fused_moe_mxfp4_reference(x.float(), w13, w2, weights, ids, w13_scale, w2_scale)
+    stored = (w13.view(torch.int8), w2.view(torch.int8))
+    scales = (w13_scale.view(torch.float8_e8m0fnu), w2_scale.view(torch.float8_e8m0fnu))
+    out = ops.fused_moe(x.float(), *stored, weights, ids, *scales)
+    torch.testing.assert_close(out, expected)
+
+
+def test_fused_experts_load_and_run_mxfp4():
+    case = CASES["foreign_ids"]
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(case, seed=4)
+    hidden, inter = case["H"], case["I"]
+    experts = FusedExperts(case["E"], hidden, inter, weight_format="mxfp4", swiglu_limit=2.0)
+    assert experts.w13.shape == (case["E"], 2 * inter, hidden // 2)
+    assert experts.w2_scale.shape == (case["E"], hidden, inter // 32)
+    for e in range(case["E"]):
+        for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, None))):
+            experts.load_expert_weight(e, part, w13[e, rows].view(torch.int8))
+            experts.load_expert_weight(e, part, w13_scale[e, rows], is_scale=True)
+        experts.load_expert_weight(e, "down", w2[e])
+        experts.load_expert_weight(e, "down", w2_scale[e].view(torch.float8_e8m0fnu), True)
+    args = (x.float(), w13, w2, weights, ids, w13_scale, w2_scale)
+    expected = fused_moe_mxfp4_reference(*args, swiglu_limit=2.0)
+    torch.testing.assert_close(experts(x.float(), weights, ids), expected)
+
+
+def test_fused_experts_name_wrong_mxfp4_shapes():
+    experts = FusedExperts(2, 64, 32, weight_format="mxfp4")
+    with pytest.raises(ValueError, match=r"expert 1 MXFP4 gate .*\(32, 64\).*\(32, 32\)"):
+        experts.load_expert_weight(1, "gate", torch.zeros(32, 64, dtype=torch.uint8))  # unpacked
+    with pytest.raises(ValueError, match=r"expert 0 MXFP4 down scale.*\(64, 2\).*\(64, 1\)"):
+        experts.load_expert_weight(0, "down", torch.zeros(64, 2, dtype=torch.uint8), True)
+    with pytest.raises(ValueError, match="expert 0 MXFP4 up.*bfloat16"):
+        experts.load_expert_weight(0, "up", torch.zeros(32, 32, dtype=torch.bfloat16))
+
+
+def test_kernel_names_mismatched_shapes():
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["one_token"])
+    with pytest.raises(ValueError, match=r"w2_scale \(4, 64, 2\), expected \(4, 64, 1\)"):
+        fused_moe_mxfp4(
+            x, w13, w2, weights, ids, w13_scale, torch.zeros(4, 64, 2, dtype=torch.uint8)
+        )

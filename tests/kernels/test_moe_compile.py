@@ -1,0 +1,43 @@
+"""benchmarks/compile_moe_kernels.py builds DeepSeek-V4's MoE kernels (the MXFP4 fused MoE's two
+GEMMs, the bf16 gate+up GEMM with swiglu_limit, sqrtsoftplus routing) for sm_80, sm_89 and sm_90
+on this CPU machine, within each target's shared memory and without spilled registers; the MXFP4
+GEMMs' weight loads are asynchronous copies feeding tensor-core dots. (In a subprocess: the
+kernel tests run Triton's interpreter, which cannot compile.)"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(line: str) -> dict:
+    row = {}
+    for item in line.split():
+        key, _, value = item.partition("=")
+        try:
+            row[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            row[key] = value
+    return row
+
+
+def test_moe_kernels_compile_for_sm80_sm89_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_moe_kernels.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [parse(line) for line in run.stdout.splitlines() if line.startswith("kernel=")]
+    kernels = ("mxfp4_gate_up", "mxfp4_down", "bf16_gate_up_limit", "routing_sqrtsoftplus")
+    assert {(r["kernel"], r["arch"]) for r in rows} == {
+        (k, a) for k in kernels for a in (80, 89, 90)
+    }
+    for row in rows:
+        assert row["fits"] and 0 < row["shared_memory_bytes"] <= row["shared_memory_limit"], row
+        assert row["spill_instructions"] in (0, None), row  # None: no nvdisasm to count with
+        if row["kernel"].startswith("mxfp4"):
+            assert row["cp_async"] > 0 and row["tensor_core_dots"] > 0, row

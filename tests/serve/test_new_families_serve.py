@@ -1,7 +1,11 @@
-"""`serve run rayinfer.app:build model=<GLM-5 folder>` on CPU: a tiny random GLM-5 checkpoint
-(DeepSeek Sparse Attention with full and shared indexer layers, index_topk below the prompts)
-made by transformers, with the built-in model's tokenizer and chat template beside it; the openai
-client's answers equal the offline engine's on the same folder, whole and streamed."""
+"""`serve run rayinfer.app:build model=<folder>` on CPU for the newest families: tiny random
+checkpoints made by transformers, with the built-in model's tokenizer and chat template beside
+them; the openai client's answers equal the offline engine's on the same folder, whole and
+streamed.
+- GLM-5: DeepSeek Sparse Attention with full and shared indexer layers, index_topk below the
+  prompts;
+- DeepSeek-V4: sliding-window, CSA and HCA layers with a window and compression rates the
+  prompts cross, and a hash-routed MoE layer."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 
 import rayinfer
 from rayinfer.models.tiny import VOCAB_SIZE, ensure_tiny_model
-from tests.models.harness import make_dsa_checkpoint
+from tests.models.harness import make_dsa_checkpoint, make_v4_checkpoint
 from tests.serve.cluster import ServeCluster
 
 pytestmark = pytest.mark.slow
@@ -21,16 +25,19 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("glm5")
-    make_dsa_checkpoint(
-        folder,
-        "glm_moe_dsa",
-        vocab_size=VOCAB_SIZE,
-        indexer_types=["full", "shared", "full"],
-        max_position_embeddings=512,
-    )
+@pytest.fixture(scope="module", params=["glm5", "deepseek_v4"])
+def folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "glm5":
+        make_dsa_checkpoint(
+            folder,
+            "glm_moe_dsa",
+            vocab_size=VOCAB_SIZE,
+            indexer_types=["full", "shared", "full"],
+            max_position_embeddings=512,
+        )
+    else:
+        make_v4_checkpoint(folder, vocab_size=VOCAB_SIZE)
     for name in TOKENIZER_FILES:
         shutil.copy(ensure_tiny_model() / name, folder / name)
     return folder
@@ -38,7 +45,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(folder):
-    app_args = [f"model={folder}", "served_model_name=glm5", "max_model_len=256"]
+    app_args = [f"model={folder}", "served_model_name=tiny-new", "max_model_len=256"]
     with ServeCluster(app_args) as cluster:
         yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
 
@@ -48,7 +55,7 @@ def test_completions_equal_the_offline_engine(client, folder):
     params = rayinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for prompt, expected in zip(PROMPTS, offline.generate(PROMPTS, params)):
         reply = client.completions.create(
-            model="glm5",
+            model="tiny-new",
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -60,7 +67,7 @@ def test_completions_equal_the_offline_engine(client, folder):
 
 def test_chat_streams_what_it_answers_whole(client):
     question = dict(
-        model="glm5",
+        model="tiny-new",
         messages=[{"role": "user", "content": "Tell me about the river and the mountains."}],
         max_tokens=10,
         temperature=0,

@@ -17,10 +17,17 @@ from safetensors import safe_open
 
 import rayinfer
 from rayinfer.config import ModelConfig
+from rayinfer.layers.fused_experts import FusedExperts
 from rayinfer.models.checkpoint_format import CheckpointFormat
 from rayinfer.models.loader import CheckpointReader, WeightLoadError, load_model
-from tests.models.harness import make_prompts, make_v4_checkpoint
-from tests.models.v4_shipped import rewrite_tensors, scale_name, shipped_name, write_shipped_v4
+from tests.models.harness import TINY_V4, make_prompts, make_v4_checkpoint
+from tests.models.v4_shipped import (
+    rewrite_tensors,
+    scale_name,
+    shard_scales_apart,
+    shipped_name,
+    write_shipped_v4,
+)
 
 SIZES = dict(hidden_size=256, moe_intermediate_size=128)
 EXPERT = "layers.1.ffn.experts.3.w1.weight"  # [128, 256] -> packed [128, 128], scale [128, 8]
@@ -61,7 +68,7 @@ def test_shipped_checkpoint_stores_v4_flash_dtypes_and_shapes(folders):
     for plain in ("embed.weight", "head.weight", "layers.1.attn.compressor.wkv.weight"):
         assert info[plain][0] == "F32" and scale_name(plain) not in info
     assert info["hc_head_fn"][0] == "F32"
-    num_scales = sum(name.endswith(".scale") for name in info)
+    num_scales = sum(name.endswith(".scale") and not name.startswith("mtp.") for name in info)
     assert num_scales == 4 * (5 + 3 + 8 * 3) + 2  # attention, shared, experts; 2 CSA indexers
 
 
@@ -85,7 +92,8 @@ def test_transformers_dequantizes_the_shipped_checkpoint_to_the_twin(folders, mo
 def test_reader_gives_the_twins_tensors(folders):
     shipped, twin = folders
     tensors, twin_tensors = read_all(shipped), read_all(twin)
-    assert tensors.keys() == {shipped_name(n) for n in twin_tensors}
+    mtp = {name for name in tensors if name.startswith("mtp.")}
+    assert mtp and tensors.keys() - mtp == {shipped_name(n) for n in twin_tensors}
     for name, tensor in twin_tensors.items():
         assert tensor.dtype == tensors[shipped_name(name)].dtype, name
         assert torch.equal(tensor, tensors[shipped_name(name)]), name
@@ -113,11 +121,51 @@ def test_kept_weights_come_as_stored_bytes(folders):
     assert fp8_scale.dtype == torch.float32 and torch.equal(fp8_scale, stored[3].float())
 
 
+def test_kept_experts_run_in_mxfp4_experts_like_the_twins(folders):
+    """The reader's kept bytes are what FusedExperts(weight_format="mxfp4") loads and runs."""
+    shipped, twin = folders
+    prefix, num_experts = "layers.1.ffn.experts", TINY_V4["n_routed_experts"]
+    parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    names = {
+        f"{prefix}.{e}.{w}.weight": (e, part)
+        for e in range(num_experts)
+        for w, part in parts.items()
+    }
+    packed = FusedExperts(num_experts, 256, 128, swiglu_limit=10.0, weight_format="mxfp4")
+    dense = FusedExperts(num_experts, 256, 128, swiglu_limit=10.0)
+    config = json.loads((shipped / "config.json").read_text())
+    with CheckpointReader(shipped, CheckpointFormat.from_hf(config)) as reader:
+        reader.keep_as_stored(set(names), "kept", "")
+        for name, (expert, part) in names.items():
+            assert packed.load_expert_weight(expert, part, reader.read(name, None, "cpu"))
+            scale = reader.read(scale_name(name), None, "cpu")
+            assert packed.load_expert_weight(expert, part, scale, is_scale=True)
+    twin_tensors = read_all(twin)
+    for name, (expert, part) in names.items():
+        dense.load_expert_weight(expert, part, twin_tensors["model." + name])
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=generator)
+    topk_ids = torch.randint(0, num_experts, (6, 2), generator=generator)
+    topk_weights = torch.rand(6, 2, generator=generator)
+    expected = dense(x, topk_weights, topk_ids)
+    torch.testing.assert_close(packed(x, topk_weights, topk_ids), expected)
+
+
 def test_shipped_and_twin_load_the_same_parameters(folders):
     shipped, twin = folders
     model, twin_model = load(shipped), load(twin)
     twin_params = dict(twin_model.named_parameters())
     for name, param in model.named_parameters():
+        assert torch.equal(param, twin_params[name]), name
+
+
+def test_sharded_checkpoint_with_scales_apart_loads_the_same(folders, tmp_path):
+    shipped, twin = folders
+    sharded = tmp_path / "sharded"
+    shutil.copytree(shipped, sharded)
+    shard_scales_apart(sharded)
+    twin_params = dict(load(twin).named_parameters())
+    for name, param in load(sharded).named_parameters():
         assert torch.equal(param, twin_params[name]), name
 
 

@@ -5,7 +5,8 @@
 
 `source` is a transformers save_pretrained folder. `shipped` gets the shipped names (no `model.`
 prefix, `embed.weight`, `hc_head_fn`), the dense linears in FP8 e4m3 with UE8M0 128x128 block
-scales, the routed experts in MXFP4 (int8, UE8M0 per 32), everything else as saved, and
+scales, the routed experts in MXFP4 (int8, UE8M0 per 32), everything else as saved, a
+multi-token-prediction layer (`mtp.0.*`: the last layer's tensors again, which loaders skip), and
 config.json with V4-Flash's `quantization_config` and top-level `expert_dtype`. `twin` gets the
 source's names and config.json with every quantized tensor replaced by its dequantized value.
 """
@@ -67,6 +68,9 @@ def write_shipped_v4(source: Path, shipped: Path, twin: Path) -> None:
         shipped_tensors[name], shipped_tensors[scale_name(name)] = weight, scale
         twin_tensors[saved] = dequantized
     config = json.loads((source / "config.json").read_text())
+    last_layer = f"layers.{config['num_hidden_layers'] - 1}."
+    for name in [n for n in shipped_tensors if n.startswith(last_layer)]:
+        shipped_tensors["mtp.0." + name.removeprefix(last_layer)] = shipped_tensors[name].clone()
     for folder, tensors in ((shipped, shipped_tensors), (twin, twin_tensors)):
         folder.mkdir(parents=True)
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -80,3 +84,19 @@ def rewrite_tensors(folder: Path, edit) -> None:
     path = folder / "model.safetensors"
     tensors = edit(load_file(path))
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def shard_scales_apart(folder: Path) -> None:
+    """Rewrite a single-file checkpoint as two shards with an index: the scales in the second,
+    away from their weights (a sharded checkpoint may split a pair)."""
+    tensors = load_file(folder / "model.safetensors")
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    files = list(shards)
+    for name, tensor in tensors.items():
+        shards[files[name.endswith(".scale")]][name] = tensor
+    for file, shard in shards.items():
+        save_file(shard, folder / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, shard in shards.items() for name in shard}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "model.safetensors").unlink()

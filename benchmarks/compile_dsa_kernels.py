@@ -1,9 +1,10 @@
-"""Whether the DSA kernels build for Ampere (sm_80), Ada (sm_89) and Hopper (sm_90), without a
-GPU: compiles each with Triton's compiler for that target on this machine, with the tiles its
-launcher picks on a GPU that has no entry of its own (configs' "default") at GLM-5's shapes
-(64 heads, latent 512, rope 64; indexer 32 heads x 128, cache rows 704 wide, blocks of 64), and
-reports the shared memory a program needs against the target's per-block limit, the registers
-per thread and the spilled ones.
+"""Whether the DSA kernels (and DeepSeek-V4's, which build on them) build for Ampere (sm_80),
+Ada (sm_89) and Hopper (sm_90), without a GPU: compiles each with Triton's compiler for that
+target on this machine, with the tiles its launcher picks on a GPU that has no entry of its own
+(configs' "default") at GLM-5's shapes (64 heads, latent 512, rope 64; indexer 32 heads x 128,
+cache rows 704 wide, blocks of 64) and V4-Flash's (64 heads sharing one 512-wide key; indexer
+64 heads x 128 over entries of 4 tokens), and reports the shared memory a program needs against
+the target's per-block limit, the registers per thread and the spilled ones.
 
     python benchmarks/compile_dsa_kernels.py            # every kernel, every target (the FP8
                                                         # key kernels: sm_89 and sm_90)
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
 
-from rayinfer.kernels import dsa_cache, dsa_indexer, sparse_mla  # noqa: E402
+from rayinfer.kernels import dsa_cache, dsa_indexer, sparse_mla, v4_attention  # noqa: E402
 from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
@@ -34,6 +35,7 @@ from rayinfer.kernels.triton_compat import triton  # noqa: E402
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 HEADS, LATENT_RANK, ROPE_DIM = 64, 512, 64
 INDEX_HEADS, INDEX_DIM, BLOCK_SIZE = 32, 128, 64
+V4_HEADS, V4_HEAD_DIM, V4_INDEX_HEADS, V4_CSA_RATE, V4_HCA_RATE = 64, 512, 64, 4, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -115,12 +117,49 @@ def write_cache_fp8(arch: int, dtype: str):
     return compile_for(dsa_cache._dsa_write_cache_kernel, types, constants, arch, 4, 1)
 
 
+def v4_index_scores(arch: int, dtype: str):
+    """The score kernel over V4-Flash's pooled index keys (one per 4 tokens)."""
+    params = pick_tile_config("dsa_indexer", "default", "default", 1)
+    if dtype == "fp32":
+        params = {**params, **dsa_indexer.FLOAT32_TILES}
+    constants = dsa_indexer.score_constants(params, DTYPES[dtype], V4_INDEX_HEADS, INDEX_DIM,
+                                            BLOCK_SIZE, entry_stride=V4_CSA_RATE)  # fmt: skip
+    pointer = _pointer(dtype)
+    types = dict(q_ptr=pointer, weights_ptr="*fp32", cache_ptr=pointer, block_tables_ptr="*i32",
+                 query_seq_ptr="*i32", positions_ptr="*i64", scores_ptr="*fp32")  # fmt: skip
+    return compile_for(dsa_indexer._index_scores_kernel, types, constants, arch,
+                       params["num_warps"], params["num_stages"])  # fmt: skip
+
+
+def _v4_attention(arch: int, dtype: str, entries: int, entry_stride: int):
+    constants = v4_attention.kernel_constants(DTYPES[dtype], V4_HEADS, V4_HEAD_DIM, BLOCK_SIZE,
+                                              entries, entry_stride)  # fmt: skip
+    pointer = _pointer(dtype)
+    types = dict(q_ptr=pointer, cache_ptr=pointer, tables_ptr="*i32", seq_ptr="*i64",
+                 pos_ptr="*i64", list_ptr="*i32", sinks_ptr="*fp32", out_ptr=pointer,
+                 scale="fp32")  # fmt: skip
+    return compile_for(v4_attention._v4_attention_kernel, types, constants, arch, 8, 1)
+
+
+def v4_attention_listed(arch: int, dtype: str):
+    """A CSA layer's attention: the window, then the indexer's listed entries."""
+    return _v4_attention(arch, dtype, v4_attention.LISTED_ENTRIES, 0)
+
+
+def v4_attention_every(arch: int, dtype: str):
+    """An HCA layer's attention: the window, then every entry of 128 tokens reached."""
+    return _v4_attention(arch, dtype, v4_attention.EVERY_ENTRY, V4_HCA_RATE)
+
+
 KERNELS = {
     "sparse_mla": sparse_mla_split,
     "sparse_mla_combine": sparse_mla_combine,
     "dsa_index_scores": index_scores,
     "dsa_index_scores_fp8": index_scores_fp8,
     "dsa_write_cache_fp8": write_cache_fp8,
+    "v4_index_scores": v4_index_scores,
+    "v4_attention_listed": v4_attention_listed,
+    "v4_attention_every": v4_attention_every,
 }
 # Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa_index_fp8.FP8_CAPABILITY). FP8
 # keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill

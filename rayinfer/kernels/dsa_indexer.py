@@ -13,6 +13,11 @@ with a positive factor).
 - `dsa_write_cache`: store each new token's full row (latent, rope key, indexer key).
 - `dsa_index_topk`: the selection, as cache slots (block * block_size + offset), -1 padded.
 
+DeepSeek-V4's CSA layers index pooled entries instead of tokens (`entry_stride` m): entry j
+pools positions [j * m, (j + 1) * m) and lives in the row of its last one, j * m + m - 1, which
+a query at p sees once it has passed it (j < (p + 1) // m). Every "context position" below is
+then an entry number, and m = 1 is DSA's one entry per token.
+
 On a GPU, `dsa_index_topk` scores with a Triton kernel: one program per (query, chunk of
 KEYS_PER_PROGRAM context positions) holds the query's Hi x D heads and reads the chunk's keys
 BLOCK_N at a time through the block table; the head sum is fused, so only the [T, S] float32
@@ -62,8 +67,10 @@ def context_slots(
     query_seq: torch.Tensor,  # [T] int: the sequence of each query
     block_size: int,
     max_context: int,
+    entry_stride: int = 1,
 ) -> torch.Tensor:  # [T, max_context] int64: slot of each of the query's context positions
-    positions = torch.arange(max_context, device=block_tables.device)  # [S]
+    positions = torch.arange(max_context, device=block_tables.device) * entry_stride
+    positions += entry_stride - 1  # [S]: the entries' rows
     tables = block_tables.long()[query_seq.long()]  # [T, max_blocks]
     block_index = (positions // block_size).clamp(max=tables.shape[1] - 1)  # [S]
     return tables[:, block_index] * block_size + positions % block_size  # [T, S]
@@ -93,15 +100,17 @@ def dsa_index_topk_reference(
     topk: int,
     max_context: int,  # >= every query's position + 1 (a host bound: no device sync)
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
+    entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
     """Scores in float32 over every query's context, highest `topk` kept, in no set order."""
     num_queries, head_dim = q_index.shape[0], q_index.shape[-1]
     block_size = kv_cache.shape[1]
-    slots = context_slots(block_tables, query_seq, block_size, max_context)  # [T, S]
+    slots = context_slots(block_tables, query_seq, block_size, max_context, entry_stride)
     keys = cached_keys(kv_cache, key_offset, head_dim, slots.clamp(min=0), index_fp8)  # [T, S, D]
     scores = torch.einsum("thd,tsd->ths", q_index.float(), keys).relu()  # [T, Hi, S]
     scores = torch.einsum("th,ths->ts", weights.float(), scores)  # [T, S]
-    visible = torch.arange(max_context, device=q_index.device) <= positions[:, None]  # [T, S]
+    entries = torch.arange(max_context, device=q_index.device)
+    visible = entries < torch.div(positions[:, None] + 1, entry_stride, rounding_mode="floor")
     scores = scores.masked_fill(~visible, float("-inf"))
     k = min(topk, max_context)
     chosen = scores.topk(k, dim=-1).indices  # [T, k]
@@ -119,7 +128,7 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_row, stride_table, stride_scores,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KEY_FP8: tl.constexpr,
+    KEY_FP8: tl.constexpr, ENTRY_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """One (query, chunk of context positions): scores[t, s] = sum_h w[h] * relu(q[h] . k[s])
     for the visible positions s <= the query's, -inf for the rest of the chunk.
@@ -131,7 +140,8 @@ def _index_scores_kernel(
     query = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * KEYS_PER_PROGRAM
     chunk_end = tl.minimum(first + KEYS_PER_PROGRAM, max_context)
-    visible_end = tl.minimum(tl.load(positions_ptr + query).to(tl.int32) + 1, chunk_end)
+    position = tl.load(positions_ptr + query).to(tl.int32)
+    visible_end = tl.minimum((position + 1) // ENTRY_STRIDE, chunk_end)
     score_row = scores_ptr + query * stride_scores
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,10 +152,11 @@ def _index_scores_kernel(
     table_ptr = block_tables_ptr + tl.load(query_seq_ptr + query).to(tl.int64) * stride_table
     key_base = cache_ptr + key_offset
     for start in range(first, visible_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions (entries)
         is_visible = offs_n < visible_end
-        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=is_visible, other=0)
-        rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N] slots
+        where = offs_n * ENTRY_STRIDE + ENTRY_STRIDE - 1  # their rows' positions
+        block_ids = tl.load(table_ptr + where // BLOCK_SIZE, mask=is_visible, other=0)
+        rows = block_ids.to(tl.int64) * BLOCK_SIZE + where % BLOCK_SIZE  # [BLOCK_N] slots
         k_ptrs = key_base + rows[:, None] * stride_row + offs_d[None, :]
         k_mask = is_visible[:, None] & (offs_d[None, :] < HEAD_DIM)
         keys = tl.load(k_ptrs, mask=k_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
@@ -166,14 +177,15 @@ def _index_scores_kernel(
 
 
 def score_constants(params: dict, dtype: torch.dtype, num_heads: int, head_dim: int,
-                    block_size: int, key_fp8: bool = False) -> dict:  # fmt: skip
+                    block_size: int, key_fp8: bool = False,
+                    entry_stride: int = 1) -> dict:  # fmt: skip
     """The score kernel's meta-parameters (the launcher's, and the offline compile's in
     benchmarks/compile_dsa_kernels.py)."""
     return dict(
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
         KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=block_size,
-        DOT_PRECISION=dot_precision(dtype), KEY_FP8=key_fp8,
+        DOT_PRECISION=dot_precision(dtype), KEY_FP8=key_fp8, ENTRY_STRIDE=entry_stride,
     )  # fmt: skip
 
 
@@ -188,6 +200,7 @@ def index_scores(
     scores: torch.Tensor,  # [T, max_context] float32, written
     params: dict,
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
+    entry_stride: int = 1,
 ) -> None:
     """The Triton kernel's launch over every query and context chunk."""
     num_queries, num_heads, head_dim = q_index.shape
@@ -198,7 +211,9 @@ def index_scores(
         key_offset, stride_row = key_offset * element, stride_row * element
         kv_cache = kv_cache.view(torch.float8_e4m3fn)  # [blocks, block_size, W x element]
     grid = (num_queries, triton.cdiv(max_context, params["KEYS_PER_PROGRAM"]))
-    constants = score_constants(params, q_index.dtype, num_heads, head_dim, block_size, index_fp8)
+    constants = score_constants(
+        params, q_index.dtype, num_heads, head_dim, block_size, index_fp8, entry_stride
+    )
     _index_scores_kernel[grid](
         q_index, weights, kv_cache, block_tables, query_seq, positions, scores,
         num_heads, max_context, key_offset,
@@ -227,8 +242,10 @@ def chosen_slots(
     query_seq: torch.Tensor,  # [T] int
     positions: torch.Tensor,  # [T] int64
     block_size: int,
+    entry_stride: int = 1,
 ) -> torch.Tensor:  # [T, k] int32: their cache slots, -1 where past the query's position
     """Positions to slots without a [T, max_blocks] copy of the tables (one gather of [T, k])."""
+    chosen = chosen * entry_stride + entry_stride - 1  # the entries' rows
     block_index = (chosen // block_size).clamp(max=block_tables.shape[1] - 1)  # [T, k]
     blocks = block_tables[query_seq.long()[:, None], block_index].long()  # [T, k]
     slots = blocks * block_size + chosen % block_size
@@ -248,6 +265,7 @@ def dsa_index_topk(
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
     score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
     params: dict | None = None,  # tile override; else configs/dsa_indexer.json
+    entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
     """The reference's selection: Triton scores, torch.topk over bounded chunks of queries."""
     num_queries, num_heads, head_dim = q_index.shape
@@ -273,10 +291,11 @@ def dsa_index_topk(
         rows = slice(start, min(start + chunk, num_queries))
         part = scores[: rows.stop - start]  # [n, S]
         index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
-                     query_seq[rows], positions[rows], part, params, index_fp8)  # fmt: skip
+                     query_seq[rows], positions[rows], part, params, index_fp8,
+                     entry_stride)  # fmt: skip
         # unsorted: the order is not needed; 1.05-1.34x torch's sorted topk on an H200 at
         # [1-256, 128k] (benchmarks/RESULTS.md, DeepSeek Sparse Attention)
         chosen = part.topk(k, dim=-1, sorted=False).indices  # [n, k]
         out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows], positions[rows],
-                                     kv_cache.shape[1])  # fmt: skip
+                                     kv_cache.shape[1], entry_stride)  # fmt: skip
     return out

@@ -18,19 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rayinfer.kernels.v4_attention import slots_of
 from rayinfer.layers.linear import ReplicatedLinear
 from rayinfer.layers.mlp import copy_checked
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.v4_rotary import V4Rotary
-
-
-def slots_of(block_tables, seq_ids, positions, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` [...] of sequences `seq_ids` (broadcast to them); -1 where a
-    position is negative."""
-    where = positions.clamp(min=0)
-    blocks = block_tables[seq_ids, torch.div(where, block_size, rounding_mode="floor")].long()
-    slots = blocks * block_size + where % block_size
-    return torch.where(positions >= 0, slots, -1)
 
 
 def token_seq_ids(attn) -> torch.Tensor:
@@ -88,15 +80,3 @@ class Compressor(nn.Module):
         pooled = self.norm((kv_rows * weights).sum(dim=1))  # [W, D]
         cos_sin = self.rotary.cos_sin(window * self.rate, pooled.dtype)
         rows[slots[closes], self.entry_cols] = self.rotary.rotate(pooled, cos_sin).to(rows.dtype)
-
-    def visible_entries(self, positions, seq_ids, attn, rows):
-        """Every pooled entry each query may see (windows it has reached the end of):
-        -> (entries [T, E, D], valid [T, E] bool), E the most any query of the step sees."""
-        visible = torch.div(positions + 1, self.rate, rounding_mode="floor")  # [T]
-        most = max((s // self.rate for s in attn.seq_lens_cpu), default=0)
-        window = torch.arange(most, device=positions.device)
-        ends = window * self.rate + self.rate - 1  # [E]: the rows holding them
-        entry_slots = slots_of(attn.block_tables, seq_ids[:, None], ends[None], attn.block_size)
-        valid = window[None] < visible[:, None]
-        entries = rows[entry_slots.clamp(min=0), self.entry_cols]
-        return entries, valid

@@ -12,7 +12,9 @@ The output's rope columns are rotated back at p, then the grouped projection `wo
 blocks of heads, each to o_lora_rank) and `wo_b` mix it into the hidden size.
 
 Parameter names follow the shipped checkpoints (transformers' `save_pretrained` writes the same).
-The forward is torch on any device; see issue 29 for the kernels that will replace it.
+The attention itself is `ops.v4_attention` (kernels/v4_attention.py) and the indexer's choice
+`ops.dsa_index_topk` over pooled keys; the compressors' pooling stays in torch (a step pools
+only the windows its tokens close).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch import nn
 
 from rayinfer.config import ModelConfig
 from rayinfer.config_v4 import CSA, SLIDING, V4Config
-from rayinfer.layers.compressor import Compressor, slots_of, token_seq_ids
+from rayinfer.kernels import ops
+from rayinfer.layers.compressor import Compressor, token_seq_ids
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.hyper_connection import unweighted_rms_norm
 from rayinfer.layers.linear import ReplicatedLinear
@@ -49,21 +52,21 @@ class LightningIndexer(nn.Module):
         # relu(s * x) = s * relu(x) for s > 0: both of transformers' scales fold into weights
         self.weight_scale = (self.num_heads**-0.5) * (self.dim**-0.5)
 
-    def forward(self, x, q_resid, positions, seq_ids, attn, rows, cos_sin):
-        """-> (chosen [T, k] entry numbers, chosen_valid [T, k] bool), k <= index_topk."""
+    def forward(self, x, q_resid, positions, seq_ids, attn, cache, cos_sin):
+        """-> [T, index_topk] int32: the cache slots of each query's chosen entries, -1 padded
+        (fewer entries than index_topk visible: all of them)."""
+        rows = cache.view(-1, cache.shape[-1])
         self.compressor(x, positions, attn.slot_mapping, seq_ids, attn, rows)
-        keys, valid = self.compressor.visible_entries(positions, seq_ids, attn, rows)
-        if keys.shape[1] == 0:
-            empty = torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
-            return empty, empty.bool()
+        most = max(attn.seq_lens_cpu, default=0) // self.compressor.rate  # a host bound
+        if most == 0:
+            return torch.full((x.shape[0], self.topk), -1, dtype=torch.int32, device=x.device)
         queries = self.wq_b(q_resid).view(-1, self.num_heads, self.dim)  # [T, Hi, Di]
-        queries = self.rotary.rotate(queries, cos_sin).float()
+        queries = self.rotary.rotate(queries, cos_sin).contiguous()
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, Hi]
-        scores = torch.relu(torch.einsum("thd,ted->the", queries, keys.float()))
-        scores = torch.einsum("the,th->te", scores, weights)  # [T, E]
-        scores = scores.masked_fill(~valid, float("-inf"))
-        chosen = scores.topk(min(self.topk, scores.shape[1]), dim=-1).indices  # [T, k]
-        return chosen, valid.gather(1, chosen)
+        return ops.dsa_index_topk(
+            queries, weights, cache, self.compressor.entry_cols.start, attn.block_tables,
+            seq_ids.int(), positions, self.topk, most, entry_stride=self.compressor.rate,
+        )  # fmt: skip
 
 
 class V4Attention(nn.Module):
@@ -110,36 +113,32 @@ class V4Attention(nn.Module):
         written = attn.slot_mapping >= 0
         rows[attn.slot_mapping[written], : self.head_dim] = key[written].to(rows.dtype)
         seq_ids = token_seq_ids(attn)
-        keys, valid = self._window(positions, seq_ids, attn, rows)  # [T, W, D], [T, W]
+        entry_slots, entry_stride, most, entry_col = None, 0, 0, 0
         if self.compressor is not None:
             self.compressor(x, positions, attn.slot_mapping, seq_ids, attn, rows)
-            entries, entry_valid = self.compressor.visible_entries(positions, seq_ids, attn, rows)
+            entry_col = self.compressor.entry_cols.start
             if self.indexer is not None:
-                chosen, entry_valid = self.indexer(
-                    x, q_resid, positions, seq_ids, attn, rows, cos_sin
-                )
-                entries = entries.gather(1, chosen[..., None].expand(-1, -1, self.head_dim))
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            valid = torch.cat([valid, entry_valid], dim=1)
-        out = self._attend(queries, keys, valid)  # [T, N, D]
+                entry_slots = self.indexer(x, q_resid, positions, seq_ids, attn, cache, cos_sin)
+            else:  # every entry it has reached
+                entry_stride = self.compressor.rate
+                most = max(attn.seq_lens_cpu, default=0) // entry_stride
+        out = ops.v4_attention(
+            queries.contiguous(),
+            cache,
+            attn.block_tables,
+            seq_ids,
+            positions,
+            self.window,
+            entry_col,
+            entry_slots,
+            entry_stride,
+            most,
+            self.attn_sink,
+            self.scale,
+            max(attn.seq_lens_cpu, default=1),
+        )  # fmt: skip  [T, N, D]
         out = self.rotary.rotate(out, cos_sin, inverse=True)
         grouped = out.reshape(out.shape[0], self.groups, -1)  # [T, G, N * D / G]
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, r, N * D / G]
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).flatten(1)  # [T, G * r]
         return self.wo_b(mixed)
-
-    def _window(self, positions, seq_ids, attn, rows):
-        """The raw keys of each query's window: ([T, W, D], valid [T, W])."""
-        width = min(self.window, max(attn.seq_lens_cpu, default=1))
-        where = positions[:, None] - torch.arange(width, device=positions.device)  # [T, W]
-        slots = slots_of(attn.block_tables, seq_ids[:, None], where, attn.block_size)
-        return rows[slots.clamp(min=0), : self.head_dim], slots >= 0
-
-    def _attend(self, queries, keys, valid):
-        """queries [T, N, D], keys (= values) [T, K, D], valid [T, K] -> [T, N, D], with the
-        sinks in the softmax."""
-        logits = torch.einsum("tnd,tkd->tnk", queries.float(), keys.float()) * self.scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sinks = self.attn_sink.view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks.float()], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("tnk,tkd->tnd", probs.to(keys.dtype), keys).to(queries.dtype)

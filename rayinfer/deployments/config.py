@@ -251,7 +251,12 @@ class AppConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="longest prompt plus output")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")
     enable_prefix_caching: bool = True
-    health_check_period_s: float = Field(10.0, gt=0, description="how often replicas are probed")
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often Serve probes each Prefill, Decode and Engine replica: a replica "
+        "that lost a worker kills itself at once and is replaced at its next probe",
+    )
     disaggregate: bool | Literal["auto"] = Field(
         "auto",
         description="true: Prefill and Decode deployments (the KV handed off between them); "

@@ -4,8 +4,8 @@ The engine is not thread-safe, so only the loop thread touches it: callers post 
 add prefilled, abort) to a queue and read their request's events from an asyncio queue. Every
 request ends with a finished output or an error: a request the engine failed alone (finish_reason
 "error") raises RequestFailedError in its caller while the others go on; if the engine itself
-fails, every open request gets that error, later ones EngineStoppedError, and the loop reports
-itself unhealthy.
+fails, `on_fatal` hears of it first (a replica then leaves: deployments/replica.py), every open
+request gets that error, later ones EngineStoppedError, and the loop reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -80,10 +80,18 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, name: str, on_tick: Callable[[], None] | None = None):
-        """on_tick runs on the loop thread after every step, and every IDLE_WAIT_S when idle."""
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str,
+        on_tick: Callable[[], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        """on_tick runs on the loop thread after every step, and every IDLE_WAIT_S when idle;
+        on_fatal once, on the loop thread, when the engine failed, before any request hears."""
         self.engine = engine
         self.on_tick = on_tick or (lambda: None)
+        self.on_fatal = on_fatal or (lambda error: None)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.fatal_error: BaseException | None = None
@@ -146,6 +154,10 @@ class EngineLoop:
         except BaseException as error:  # noqa: BLE001  (reported to every open request)
             logger.exception("engine loop failed")
             self.fatal_error = error
+            try:
+                self.on_fatal(error)
+            except Exception:  # noqa: BLE001  (the requests must still hear of the failure)
+                logger.exception("the engine loop's on_fatal failed")
             for request_id in list(self.streams):
                 self._send(request_id, LoopEvent(error=error))
 

@@ -2,9 +2,11 @@
 or one engine stream that does both (colocated).
 
 Yields text deltas as they become safe to show. A prefill replica (or a colocated engine replica
-before its first token) that dies is retried once on another replica. A decode or engine replica
-that dies mid-stream is resumed once on another one from the tokens already sent: the sent tokens
-join the prompt (greedy output continues exactly; a stop string spanning the cut is not matched).
+before its first token) that is lost is retried once on another replica. A decode or engine
+replica lost mid-stream is resumed once on another one from the tokens already sent: the sent
+tokens join the prompt (greedy output continues exactly; a stop string spanning the cut is not
+matched). A replica is lost when it died (a replica whose worker died kills itself, so Serve's
+router has stopped choosing it: deployments/replica.py) or answered that its engine stopped.
 Any other failure ends the stream with the error, never a hang. Leaving the iterator early
 (client disconnect) cancels the replica's stream, which aborts the request there.
 """
@@ -21,6 +23,8 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from rayinfer.deployments.admission import Admission, Refusal
+from rayinfer.deployments.engine_loop import EngineStoppedError
+from rayinfer.deployments.errors import root_cause
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import (
@@ -36,6 +40,14 @@ from rayinfer.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 REPLICA_GONE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def is_replica_lost(error: BaseException) -> bool:
+    """Whether a replica's call failed because the replica is gone or its engine stopped (a
+    worker died), not because of the request: then it is worth one more try elsewhere."""
+    return isinstance(error, REPLICA_GONE_ERRORS) or isinstance(
+        root_cause(error), (*REPLICA_GONE_ERRORS, EngineStoppedError)
+    )
 
 
 def overloaded(phase: str) -> OpenAIError:
@@ -116,8 +128,8 @@ class Pipeline:
                 sent += delta.token_ids
                 yield delta
             return
-        except REPLICA_GONE_ERRORS as error:
-            if not sent:
+        except Exception as error:
+            if not sent or not is_replica_lost(error):
                 raise
             logger.warning(
                 "the replica streaming %s died after %d tokens (%r); resuming",
@@ -177,7 +189,9 @@ class DisaggregatedPipeline(Pipeline):
             return await self.prefill_handle.prefill.remote(request)
         except BackPressureError:
             raise overloaded("prefill") from None
-        except REPLICA_GONE_ERRORS as error:
+        except Exception as error:
+            if not is_replica_lost(error):
+                raise
             logger.warning("prefill of %s failed (%r); retrying once", request.request_id, error)
             return await self.prefill_handle.prefill.remote(request)
 
@@ -204,7 +218,9 @@ class ColocatedPipeline(Pipeline):
         it is retried once, as a prefill is."""
         try:
             return await _first_chunk(self.engine_handle.generate.remote(request))
-        except REPLICA_GONE_ERRORS as error:
+        except Exception as error:
+            if not is_replica_lost(error):
+                raise
             logger.warning("engine of %s failed (%r); retrying once", request.request_id, error)
             return await _first_chunk(self.engine_handle.generate.remote(request))
 

@@ -23,11 +23,15 @@ class Prefill(PhaseReplica):
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         start = time.perf_counter()
+        await self.until_gone()  # a request routed here while this replica leaves
         status = "error"
         try:
             result = await self._prefill(request)
             status = "ok"
             return result
+        except Exception:
+            await self.until_gone()
+            raise
         finally:
             self.metrics.count_request(status)
             if status == "ok":

@@ -1,5 +1,13 @@
 """What a Prefill, Decode or Engine replica shares: its engine, the loop thread, metrics,
-health, and the start-up line saying how many tokens its KV cache holds."""
+health, the start-up line saying how many tokens its KV cache holds, and its exit on failure.
+
+A replica whose engine can no longer step (a worker died: every step runs on all of them; or
+the loop failed) leaves at once: it kills its own actor. Serve marks a crashed replica
+unhealthy at its next health check and replaces it (a failing check would need three in a
+row), and every caller sees the replica die: Serve's router stops choosing it, sends new
+requests elsewhere, and the ingress retries or resumes what it held on another replica. Until
+the kill lands, a request that meets the failure does not answer; it waits for the exit.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +16,20 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from rayinfer.deployments.config import AppConfig
-from rayinfer.deployments.engine_loop import EngineLoop
+from rayinfer.deployments.engine_loop import EngineLoop, EngineStoppedError
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.runtime import ModelSource, build_engine, kv_capacity
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
 GAUGE_REFRESH_S = 0.5
+# How long a request that met this replica's failure waits for the replica's own kill (it lands
+# in well under a second) before it answers EngineStoppedError instead.
+EXIT_WAIT_S = 10.0
 
 
 def replica_suffix() -> str:
@@ -46,7 +58,33 @@ class PhaseReplica:
         self._num_kv_recomputes = 0
         self._steps_reported = dict(self.workers.step_counts)  # mode -> steps already counted
         self._last_report = 0.0
-        self.loop = EngineLoop(self.engine, name=name_prefix, on_tick=self._report_engine)
+        self.failure: str | None = None  # why this replica is leaving; None while it serves
+        self.loop = EngineLoop(
+            self.engine, name_prefix, on_tick=self._report_engine, on_fatal=self._engine_failed
+        )
+        self.workers.watch(lambda lost: self._leave(lost.describe()))
+
+    def _engine_failed(self, error: BaseException) -> None:
+        self._leave(f"its engine loop failed ({type(error).__name__})")
+
+    def _leave(self, why: str) -> None:
+        """Runs on the loop's or the death watch's thread: mark the replica failed, then kill
+        its actor (its workers go with it; Serve starts a replacement)."""
+        if self.failure is not None:
+            return
+        self.failure = why
+        logger.error("%s replica leaving: %s", self.phase, why)
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return  # not an actor (unit tests): failing health is all there is
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    async def until_gone(self) -> None:
+        """Returns at once while this replica serves; after a failure it waits for the kill
+        (the caller then sees the replica die) and raises only if the kill never came."""
+        if self.failure is None:
+            return
+        await asyncio.sleep(EXIT_WAIT_S)
+        raise EngineStoppedError(self.failure)
 
     def _report_engine(self) -> None:
         """Runs on the loop thread. Ray drops a gauge not set for 2 report intervals: refresh."""
@@ -70,6 +108,7 @@ class PhaseReplica:
     async def counted(self, chunks: AsyncIterator) -> AsyncIterator:
         """A request's stream passed through, the request counted by how it ended: "ok", "error",
         or "abort" when the caller left early."""
+        await self.until_gone()  # a request routed here while this replica leaves
         status = "abort"
         try:
             async for chunk in chunks:
@@ -77,11 +116,14 @@ class PhaseReplica:
             status = "ok"
         except Exception:
             status = "error"
+            await self.until_gone()
             raise
         finally:
             self.metrics.count_request(status)
 
     async def check_health(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"{self.phase} replica leaving: {self.failure}")
         if not self.loop.is_healthy:
             raise RuntimeError(f"{self.phase} engine loop stopped: {self.loop.fatal_error!r}")
         await asyncio.to_thread(self.workers.check_health)

@@ -1,7 +1,8 @@
 """The engine loop: add requests, step, abort. It drives an Executor and knows no workers.
 
 One request whose token the executor could not choose (SampledTokens.errors: its seed, NaN
-logits) ends alone with finish_reason "error" and a reason; a step whose forward fails raises.
+logits), or whose own post-processing raised (detokenizing, stop strings, log-probability text),
+ends alone with finish_reason "error" and a reason; a step whose forward fails raises.
 
 A request can also run half-way: `prefill_only` requests stop after their first token and keep
 their KV until `take_handoff` exports it; `add_prefilled_request` starts a request from such a
@@ -122,9 +123,15 @@ class LLMEngine:
         self._check_logit_bias(params)
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         self.pending_imports.append(_PendingImport(state, handoff.payload))
-        self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
-        self._free_finished()
-        first = state.take_output()  # the caller already has the first token
+        try:
+            self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
+            first = state.take_output()  # the caller already has the first token
+        except Exception:  # the caller hears it; nothing of the request stays
+            self.pending_imports.pop()
+            self.states.pop(handoff.request_id, None)
+            raise
+        finally:
+            self._free_finished()
         if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
             self.pending_imports.pop()
             self.ready_outputs.append(first)
@@ -196,17 +203,29 @@ class LLMEngine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.scheduler.manager_of(seq).mark_computed(seq)
-            if seq.request_id in prompt_logprobs:  # before a last chunk's token ends the request
-                self.states[seq.request_id].add_prompt_logprobs(*prompt_logprobs[seq.request_id])
-            if item.samples:
-                state = self.states[seq.request_id]
-                token_id, token_logprobs = next(sampled), next(logprobs) if logprobs else None
-                if seq.request_id in errors:
-                    self._fail(state, errors[seq.request_id])
-                else:
-                    self._append_token(state, token_id, token_logprobs)
-                outputs.append(state.take_output())
+            state = self.states[seq.request_id]
+            token = (next(sampled), next(logprobs) if logprobs else None) if item.samples else None
+            try:
+                output = self._report(state, token, prompt_logprobs, errors)
+            except Exception as error:  # this request's own bookkeeping: it alone fails
+                output = self._fail_report(state, error)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _report(self, state: RequestState, token, prompt_logprobs, errors) -> RequestOutput | None:
+        """One scheduled request after the step: its prompt log-probabilities, then its sampled
+        token (detokenized, stop strings checked) when it sampled one."""
+        request_id = state.seq.request_id
+        if request_id in prompt_logprobs:  # before a last chunk's token ends the request
+            state.add_prompt_logprobs(*prompt_logprobs[request_id])
+        if token is None:
+            return None
+        if request_id in errors:
+            self._fail(state, errors[request_id])
+        else:
+            self._append_token(state, *token)
+        return state.take_output()
 
     def take_handoff(self, request_id: str) -> KVHandoff:
         """Start exporting the KV of a finished prefill-only request; its blocks are freed once
@@ -293,6 +312,29 @@ class LLMEngine:
         state.fail(reason)
         del self.states[seq.request_id]
         self._to_free.append(seq.request_id)
+
+    def _fail_report(self, state: RequestState, error: Exception) -> RequestOutput:
+        """End a request whose post-processing raised, wherever it stopped: running, finished,
+        or finished with its blocks kept for a hand-off. The traceback goes to the log."""
+        seq = state.seq
+        logger.exception("reporting request %s failed; it alone ends", seq.request_id)
+        reason = f"the engine failed to process its output ({type(error).__name__})"
+        self.states.pop(seq.request_id, None)
+        if self.handoffs_ready.pop(seq.request_id, None) is not None:
+            self.scheduler.release(seq)
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, "error")
+        if seq.request_id not in self._to_free:
+            self._to_free.append(seq.request_id)
+        state.fail(reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens,
+            error=reason,
+        )
 
     def _free_finished(self) -> None:
         if self._to_free:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import ray
@@ -31,8 +32,9 @@ from rayinfer.engine.kv_transfer import KVPayload
 from rayinfer.engine.prefill_graphs import shared_prefill_bucket
 from rayinfer.engine.step_timeline import KEPT_STEPS
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
+from rayinfer.workers.death_watch import DeathWatch, WorkerLost
 from rayinfer.workers.placement import WorkerPlacement
-from rayinfer.workers.worker import KV_IO, Worker, WorkerSpec
+from rayinfer.workers.worker import KV_IO, WATCH, Worker, WorkerSpec
 
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
 
@@ -115,6 +117,7 @@ class WorkerGroup(Executor):
         # worker call, past Ray's 100 KB inline limit)
         self._tables_sent: dict[str, tuple[int, list[int], int]] = {}
         self._num_kv_blocks = None
+        self._death_watch: DeathWatch | None = None
         if spec.kv_memory is not None:
             self._num_kv_blocks = self._agree_on_kv_blocks(spec.cache_config.num_blocks)
 
@@ -146,7 +149,7 @@ class WorkerGroup(Executor):
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=1 + rank
             )
-        actor_class = ray.remote(concurrency_groups={KV_IO: 1})(Worker)
+        actor_class = ray.remote(concurrency_groups={KV_IO: 1, WATCH: 1})(Worker)
         return actor_class.options(**options).remote(
             self.worker_names[rank], rank, self.num_workers, spec
         )
@@ -314,11 +317,25 @@ class WorkerGroup(Executor):
     def stop_profile(self) -> list[str]:
         return ray.get([worker.stop_profile.remote() for worker in self.workers])
 
+    def watch(self, on_lost: Callable[[WorkerLost], None]) -> None:
+        """Call on_lost once, as soon as Ray reports any of this group's workers dead (a group
+        missing a worker cannot step: every step runs on all of them)."""
+        self._death_watch = DeathWatch(self.workers, self.worker_names, on_lost)
+
+    @property
+    def lost_worker(self) -> WorkerLost | None:
+        """The first worker the watch saw die; None while all live (or nothing watches)."""
+        return self._death_watch.lost if self._death_watch is not None else None
+
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Raise if any worker is dead or does not answer within timeout_s."""
+        if self.lost_worker is not None:
+            raise RuntimeError(self.lost_worker.describe())
         ray.get([worker.describe.remote() for worker in self.workers], timeout=timeout_s)
 
     def shutdown(self) -> None:
+        if self._death_watch is not None:
+            self._death_watch.close()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ LOST_OBJECT_ERRORS = (
     ray.exceptions.RayTaskError,
 )
 KV_IO = "kv_io"  # the concurrency group (one thread) of the hand-off's copies
+WATCH = "watch"  # the concurrency group (one thread) holding `wait_until_killed` open
 
 
 @dataclass
@@ -220,6 +222,12 @@ class Worker:
             "copy_s": time.perf_counter() - fetched,
             "export": dict(payloads[0].timings),
         }
+
+    @ray.method(concurrency_group=WATCH)
+    def wait_until_killed(self) -> None:
+        """Never returns: its caller learns of this actor's death when the call fails
+        (workers/death_watch.py)."""
+        threading.Event().wait()
 
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

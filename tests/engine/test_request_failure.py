@@ -97,3 +97,48 @@ def test_a_prefill_that_fails_raises_request_failed(llm):
     with pytest.raises(rayinfer.RequestFailedError, match="seed"):
         llm.prefill([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=4, temperature=0), bad])
     assert llm.engine.kv_usage == 0 and not llm.engine.handoffs_ready
+
+
+def test_a_request_whose_detokenizing_raises_fails_alone(llm, monkeypatch):
+    """The engine's own per-request work (detokenizer, stop strings) raises for one request on
+    its 3rd token: that request ends with "error", the other's tokens are unchanged."""
+    from rayinfer.engine.request_state import RequestState
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=["zz"])
+    alone = llm.generate(PROMPTS[0], greedy)[0]
+    real_append = RequestState.append_token
+
+    def broken_append(self, token_id, *args, **kwargs):
+        if self.seq.prompt_token_ids == PROMPTS[1] and len(self.seq.output_token_ids) == 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real_append(self, token_id, *args, **kwargs)
+
+    monkeypatch.setattr(RequestState, "append_token", broken_append)
+    completed, failed = llm.generate(PROMPTS, greedy)
+    assert failed.finish_reason == "error" and "UnicodeDecodeError" in failed.error
+    assert completed.token_ids == alone.token_ids and completed.finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_usage == 0
+    monkeypatch.undo()
+    assert llm.generate(PROMPTS[1], greedy)[0].finish_reason == "length"
+
+
+def test_a_prefill_whose_report_raises_fails_alone_and_frees_its_kept_blocks(llm, monkeypatch):
+    from rayinfer.engine.request_state import RequestState
+
+    real_take = RequestState.take_output
+
+    def broken_take(self):
+        if self.seq.prompt_token_ids == PROMPTS[1]:
+            raise ValueError("corrupt state")
+        return real_take(self)
+
+    monkeypatch.setattr(RequestState, "take_output", broken_take)
+    engine, params = llm.engine, SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("kept", PROMPTS[0], params, prefill_only=True)
+    engine.add_request("broken", PROMPTS[1], params, prefill_only=True)
+    outputs = {output.request_id: output for output in engine.step()}
+    assert outputs["kept"].finish_reason == "prefilled"
+    assert outputs["broken"].finish_reason == "error" and "ValueError" in outputs["broken"].error
+    assert set(engine.handoffs_ready) == {"kept"}
+    engine.abort("kept")
+    assert engine.kv_usage == 0 and not engine.has_unfinished_requests()

@@ -11,6 +11,7 @@ import pytest
 import ray
 from ray.serve.exceptions import BackPressureError
 
+from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.pipeline import ColocatedPipeline
 from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import DecodeChunk, EngineRequest, Timings
@@ -129,6 +130,19 @@ def test_a_replica_gone_mid_stream_resumes_from_the_sent_tokens():
     assert resumed.prompt_token_ids == [1, 2, 3, 7, 8] and resumed.params.max_tokens == 2
     assert timings.was_resumed and metrics.statuses == ["ok"]
     assert engines.planned[0].cancelled  # the dead stream is let go
+
+
+def engine_stopped() -> ray.exceptions.RayTaskError:
+    """What a replica whose engine stopped (a worker died) answers, as Ray wraps it."""
+    return ray.exceptions.RayTaskError("generate", "", EngineStoppedError("ActorDiedError()"))
+
+
+def test_a_replica_whose_engine_stopped_counts_as_lost_before_and_after_the_first_token():
+    engines = Engines([Stream([], fail=engine_stopped()), Stream([7, 8], fail=engine_stopped()),
+                       Stream([9, 10])])  # fmt: skip
+    deltas, _, timings = run(engines)
+    assert [d.token_ids[0] for d in deltas] == [7, 8, 9, 10] and timings.was_resumed
+    assert [r.prompt_token_ids for r in engines.requests] == [[1, 2, 3], [1, 2, 3], [1, 2, 3, 7, 8]]
 
 
 def test_back_pressure_is_503_and_any_other_failure_ends_the_stream():

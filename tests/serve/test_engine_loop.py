@@ -20,14 +20,14 @@ def llm():
     return rayinfer.LLM("tiny", max_model_len=128, num_kv_blocks=64)
 
 
-def new_loop(llm) -> EngineLoop:
+def new_loop(llm, **callbacks) -> EngineLoop:
     from rayinfer.workers.in_process import InProcessExecutor
 
     executor = InProcessExecutor(llm.model_config, llm.cache_config, llm.device, llm.dtype)
     engine = LLMEngine(
         llm.model_config, llm.cache_config, llm.scheduler_config, executor, llm.tokenizer
     )
-    return EngineLoop(engine, name="test-loop")
+    return EngineLoop(engine, name="test-loop", **callbacks)
 
 
 async def final_output(loop, request_id, prompt, params, prefill_only=False):
@@ -109,7 +109,8 @@ def test_an_invalid_request_fails_alone(llm):
 
 
 def test_an_engine_failure_ends_every_request_and_marks_the_loop_unhealthy(llm):
-    loop = new_loop(llm)
+    heard = []  # on_fatal's error, and the requests still waiting to hear of it then
+    loop = new_loop(llm, on_fatal=lambda error: heard.append((error, len(loop.streams))))
 
     def lost_device(batch):
         raise RuntimeError("device lost")
@@ -125,6 +126,7 @@ def test_an_engine_failure_ends_every_request_and_marks_the_loop_unhealthy(llm):
 
     results = asyncio.run(run())
     assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
+    assert len(heard) == 1 and "device lost" in str(heard[0][0]) and heard[0][1] >= 1
     assert not loop.is_healthy
     with pytest.raises(RuntimeError, match="engine loop stopped"):
         asyncio.run(final_output(loop, "late", PROMPTS[0], params))

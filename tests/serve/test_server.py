@@ -2,8 +2,10 @@
 with the openai client, through Python handles, and watched through `serve status` and Prometheus.
 
 One server for the module (starting one costs ~40 s on 2 cores). Its decode deployment autoscales
-between 1 and 2 replicas with short delays so the autoscaling test fits in CI; the KV-loss test
-kills a prefill worker and runs last, after the test that kills a decode replica mid-stream.
+between 1 and 2 replicas with short delays so the autoscaling test fits in CI, and it runs two
+prefill replicas, so that a worker's death there has a replica to fail over to. The tests that
+kill things run after the rest: a decode replica mid-stream, one worker of each phase, and
+last the KV-loss test, which kills a prefill worker.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ APP_ARGS = [
     "disaggregate=true",
     "max_model_len=256",
     "health_check_period_s=2",
+    "prefill.autoscaling.min_replicas=2",
+    "prefill.autoscaling.max_replicas=2",
     "decode.autoscaling.max_replicas=2",
     "decode.autoscaling.target_ongoing_requests=1",
     "decode.autoscaling.upscale_delay_s=1",
@@ -394,6 +398,24 @@ def test_decode_replica_death_mid_stream_resumes_elsewhere(server):
     assert report["token_ids"] == report["reference_token_ids"]
     assert report["text"] == report["reference_text"]
     assert report["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_a_dead_worker_takes_its_replica_down_and_costs_no_request(server, phase):
+    """Six clients keep greedy completions going (half streamed) while one worker of a replica
+    dies (decode: ray.kill; prefill: SIGKILL): the replica leaves at once, what it held is
+    retried or resumed on the other one, Serve replaces it, and every request answers the text
+    a quiet server gave."""
+    script = str(REPO_ROOT / "tests" / "serve" / "worker_death_client.py")
+    report = json.loads(
+        server.run_python(script, server.http_url, phase, timeout_s=300).strip().splitlines()[-1]
+    )
+    requests, killed_at = report["requests"], report["killed_at"]
+    assert [r for r in requests if r["status"] != 200] == []
+    assert [r for r in requests if r["text"] != report["references"][r["prompt"]]] == []
+    assert any(r["began"] < killed_at < r["ended"] for r in requests), "none was in flight"
+    assert any(r["began"] > killed_at for r in requests), "none was sent after the kill"
+    assert report["replica_dead_s"] < 5 and report["replacement_started_s"] < 30, report
 
 
 def logged_with_traceback(server, request_id: str) -> bool:

@@ -12,7 +12,9 @@ their scales never reach the model, except for the weights the model keeps as st
 - a model whose experts keep MXFP4 lists them in `model.mxfp4_checkpoint_names()`: they come
   packed as uint8 [N, K / 2] (low nibble first) with their scales as uint8 exponents [N, K / 32]
   under `<p>.scale`.
-Before anything is read, every checkpoint tensor the model needs is checked to be present.
+Both lists may use the model's own spelling of the names (`normalize_checkpoint_name`); the
+scales then arrive under the checkpoint's. Before anything is read, every checkpoint tensor the
+model needs is checked to be present.
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ def load_model(
             model = model_class(config)(config, parallel, **extra)
         if fp8_weights:
             reader.keep_as_stored(
-                model.fp8_checkpoint_names(),
+                stored_names(model, model.fp8_checkpoint_names(), reader.file_of),
                 "fp8_weights=true",
                 "use fp8_weights=false for this checkpoint",
             )
         if hasattr(model, "mxfp4_checkpoint_names"):
             reader.keep_as_stored(
-                model.mxfp4_checkpoint_names(),
+                stored_names(model, model.mxfp4_checkpoint_names(), reader.file_of),
                 "the model keeps its experts in MXFP4",
                 "is config.json's expert_dtype right for these weights?",
             )
@@ -96,6 +98,15 @@ def check_has_fp8_weights(file_of: dict[str, str], path, key: str = "fp8_weights
             f"{key}=true, but the checkpoint {path} has no FP8 block-scaled weights (no "
             f"`*.weight_scale_inv` or `*.scale` tensors); use {key}=false for this checkpoint"
         )
+
+
+def stored_names(model: nn.Module, names: set[str], file_of: dict[str, str]) -> set[str]:
+    """The checkpoint's own spelling of `names`, for a model whose `normalize_checkpoint_name`
+    maps several spellings (`model.layers...`, `layers...`) onto the names it gives."""
+    normalize = getattr(model, "normalize_checkpoint_name", None)
+    if normalize is None:
+        return set(names)
+    return {name for name in file_of if normalize(name) in names}
 
 
 def check_all_present(model: nn.Module, names: set[str]) -> None:

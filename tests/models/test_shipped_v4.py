@@ -19,7 +19,8 @@ import rayinfer
 from rayinfer.config import ModelConfig
 from rayinfer.layers.fused_experts import FusedExperts
 from rayinfer.models.checkpoint_format import CheckpointFormat
-from rayinfer.models.loader import CheckpointReader, WeightLoadError, load_model
+from rayinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from rayinfer.models.loader import CheckpointReader, WeightLoadError, load_model, stored_names
 from tests.models.harness import TINY_V4, make_prompts, make_v4_checkpoint
 from tests.models.v4_shipped import (
     rewrite_tensors,
@@ -119,6 +120,14 @@ def test_kept_weights_come_as_stored_bytes(folders):
     assert fp8.dtype == torch.float8_e4m3fn
     assert torch.equal(fp8.view(torch.uint8), stored[2].view(torch.uint8))
     assert fp8_scale.dtype == torch.float32 and torch.equal(fp8_scale, stored[3].float())
+
+
+def test_kept_names_are_matched_in_the_checkpoints_spelling():
+    """A model asks for its names; the checkpoint may spell them with transformers' prefix."""
+    model = DeepseekV4ForCausalLM  # normalize_checkpoint_name is a staticmethod
+    file_of = dict.fromkeys(["model.layers.1.ffn.experts.3.w1.weight", "embed.weight"], "f")
+    kept = stored_names(model, {"layers.1.ffn.experts.3.w1.weight"}, file_of)
+    assert kept == {"model.layers.1.ffn.experts.3.w1.weight"}
 
 
 def test_kept_experts_run_in_mxfp4_experts_like_the_twins(folders):

@@ -75,7 +75,10 @@ class V4MoE(MoE):
         )  # fmt: skip
         self.tid2eid = None
         if is_hash:
-            table = torch.zeros(config.vocab_size, config.num_experts_per_tok, dtype=torch.int64)
+            # until the checkpoint's table loads (or for random weights): token t's k-th expert
+            # is (t * K + k) mod E, distinct experts spread evenly
+            table = torch.arange(config.vocab_size * config.num_experts_per_tok)
+            table = (table % config.num_experts).view(config.vocab_size, -1)
             self.tid2eid = nn.Parameter(table, requires_grad=False)
             self.tid2eid.weight_loader = copy_checked
 

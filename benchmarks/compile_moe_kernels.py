@@ -8,7 +8,8 @@ dots, synchronous loads left in the loop).
     python benchmarks/compile_moe_kernels.py --arch 90 --kernel mxfp4_gate_up --dump /tmp/k.ttgir
 
 Kernels: the MXFP4 fused MoE's two GEMMs (gate+up with swiglu_limit, down) with the launcher's
-default tiles (configs/fused_moe_mxfp4.json has none for these targets), the bf16 grouped GEMM
+default tiles (configs/fused_moe_mxfp4.json has none for these targets) and as the split kernel
+with the inline-asm dequantization (which the interpreter cannot run), the bf16 grouped GEMM
 with swiglu_limit, and the one-launch routing kernel with sqrtsoftplus scores (256 experts,
 top-6). Integer arguments are compiled as multiples of 16, as Triton specializes them at launch.
 """
@@ -28,7 +29,10 @@ from ttgir_probe import loop_report, registers_per_thread, spill_instructions  #
 from rayinfer.kernels import fused_moe_mxfp4  # noqa: E402
 from rayinfer.kernels.fused_moe import DEFAULT_CONFIG  # noqa: E402
 from rayinfer.kernels.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
-from rayinfer.kernels.fused_moe_mxfp4_kernel import _moe_mxfp4_gemm_kernel  # noqa: E402
+from rayinfer.kernels.fused_moe_mxfp4_kernel import (  # noqa: E402
+    _moe_mxfp4_gemm_kernel,
+    _moe_mxfp4_split_kernel,
+)
 from rayinfer.kernels.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
 
 GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
@@ -42,6 +46,16 @@ def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
                      FORMAT="bf16", EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, **tile)  # fmt: skip
     return compile_for(_moe_mxfp4_gemm_kernel, types, constants, arch, warps, stages)
+
+
+def mxfp4_split_asm(arch: int, is_w13: bool):
+    """The split kernel with its inline-asm bf16 dequantization (GPU-only: the interpreter
+    runs no PTX), on 16-row tiles of 64 weight rows."""
+    types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
+    constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
+                     USE_ASM=True, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, BLOCK_M=16,
+                     BLOCK_N=64, BLOCK_K=128, GROUP_M=1)  # fmt: skip
+    return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, 4, 4)
 
 
 def bf16_gate_up_with_limit(arch: int):
@@ -67,6 +81,8 @@ def sqrtsoftplus_routing(arch: int):
 KERNELS = {
     "mxfp4_gate_up": lambda arch: mxfp4_gemm(arch, True),
     "mxfp4_down": lambda arch: mxfp4_gemm(arch, False),
+    "mxfp4_split_asm_gate_up": lambda arch: mxfp4_split_asm(arch, True),
+    "mxfp4_split_asm_down": lambda arch: mxfp4_split_asm(arch, False),
     "bf16_gate_up_limit": bf16_gate_up_with_limit,
     "routing_sqrtsoftplus": sqrtsoftplus_routing,
 }

@@ -20,7 +20,11 @@ import torch
 
 from rayinfer.kernels.fused_moe import fused_moe_reference
 from rayinfer.kernels.fused_moe_kernels import _sum_topk_kernel
-from rayinfer.kernels.fused_moe_mxfp4_kernel import MXFP4_GROUP, _moe_mxfp4_gemm_kernel
+from rayinfer.kernels.fused_moe_mxfp4_kernel import (
+    MXFP4_GROUP,
+    _moe_mxfp4_gemm_kernel,
+    _moe_mxfp4_split_kernel,
+)
 from rayinfer.kernels.moe_align import moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import triton
@@ -81,17 +85,24 @@ def _pick_config(x, w13) -> dict:
 
 
 def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu_limit):
-    """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router."""
+    """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router. A SPLIT
+    tile takes a (and gives act) de-interleaved: [even k | odd k] (see `deinterleave`)."""
     n_out, k = c.shape[1], a.shape[1]
-    params = dict(tile)
+    params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM")}
     num_pid_n = triton.cdiv(n_out, params["BLOCK_N"])
     num_blocks_m = alignment.block_expert_ids.numel()
-    _moe_mxfp4_gemm_kernel[(num_blocks_m * num_pid_n,)](
+    split = bool(tile.get("SPLIT"))
+    kernel = _moe_mxfp4_split_kernel if split else _moe_mxfp4_gemm_kernel
+    if split:  # the asm dequantization makes bf16 (fma.rn.bf16x2); else exact float32 bits
+        params["USE_ASM"] = bool(tile.get("ASM")) and a.dtype == torch.bfloat16
+    else:
+        params["FORMAT"] = "bf16" if a.dtype == torch.bfloat16 else "fp16"
+    kernel[(num_blocks_m * num_pid_n,)](
         a, w, scale, c, topk_weights, *alignment,
         n_out, k, topk_weights.numel(), n_out, num_blocks_m,
         a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         SLOTS_PER_A_ROW=top_k if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-        FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16", EVEN_K=k % params["BLOCK_K"] == 0,
+        EVEN_K=k % params["BLOCK_K"] == 0,
         USE_LIMIT=is_w13 and swiglu_limit is not None, LIMIT=float(swiglu_limit or 0.0),
         **params,
     )  # fmt: skip
@@ -118,20 +129,27 @@ def fused_moe_mxfp4(
     if num_tokens == 0:
         return out
     config = config or _pick_config(x, w13)
-    if config["w13"]["BLOCK_M"] != config["w2"]["BLOCK_M"]:
-        raise ValueError("one alignment serves both GEMMs: w13 and w2 need the same BLOCK_M")
+    w13_tile, w2_tile = config["w13"], config["w2"]
+    if w13_tile["BLOCK_M"] != w2_tile["BLOCK_M"] or w13_tile.get("SPLIT") != w2_tile.get("SPLIT"):
+        raise ValueError("w13 and w2 tiles need the same BLOCK_M (one alignment) and SPLIT")
     alignment = moe_align(topk_ids, num_experts, config["w13"]["BLOCK_M"])
     weights = topk_weights.float().contiguous()
     act = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)  # [T*K, I]
     slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     w13, w2, w13_scale, w2_scale = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
-    _launch(x, w13, w13_scale, act, weights, alignment, config["w13"], top_k, True, swiglu_limit)
-    _launch(act, w2, w2_scale, slot_out, weights, alignment, config["w2"], 1, False, None)
+    x_in = deinterleave(x) if w13_tile.get("SPLIT") else x
+    _launch(x_in, w13, w13_scale, act, weights, alignment, w13_tile, top_k, True, swiglu_limit)
+    _launch(act, w2, w2_scale, slot_out, weights, alignment, w2_tile, 1, False, None)
     hidden = x.shape[1]
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](
         slot_out, topk_ids.contiguous(), out, hidden, num_experts, TOP_K=top_k, BLOCK_H=1024
     )
     return out
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[T, K] -> [T, K]: each row's even-k values, then its odd-k ones (a copy)."""
+    return x.view(x.shape[0], -1, 2).transpose(1, 2).reshape(x.shape)
 
 
 def dequantize_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

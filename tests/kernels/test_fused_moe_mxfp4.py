@@ -17,7 +17,16 @@ from rayinfer.layers.fused_experts import FusedExperts
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
 WIDE_K = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 128, "GROUP_M": 1}
-TILES = {"small": {"w13": SMALL, "w2": SMALL}, "wide_k": {"w13": WIDE_K, "w2": WIDE_K}}
+# SPLIT: even and odd K values as two dots over de-interleaved activations (exact dequantization
+# in float32 bits here; the bf16 asm one runs on GPUs only: benchmarks/compile_moe_kernels.py)
+SPLIT = {**SMALL, "SPLIT": True}
+SPLIT_WIDE = {**WIDE_K, "SPLIT": True, "ASM": True}  # ASM ignored: fp16 activations
+TILES = {
+    "small": {"w13": SMALL, "w2": SMALL},
+    "wide_k": {"w13": WIDE_K, "w2": WIDE_K},
+    "split": {"w13": SPLIT, "w2": SPLIT},
+    "split_wide_k": {"w13": SPLIT_WIDE, "w2": SPLIT_WIDE},
+}
 CASES = {
     "one_token": dict(T=1, H=64, I=32, E=4, K=2),
     "off_the_tile": dict(T=37, H=96, I=64, E=5, K=3),  # H=96: a partial K tile in gate+up
@@ -69,9 +78,9 @@ def test_matches_the_dequantized_reference(name, tiles):
 def test_swiglu_limit():
     x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["off_the_tile"], seed=3)
     args = (x, w13, w2, weights, ids, w13_scale, w2_scale)
-    out = fused_moe_mxfp4(*args, config=TILES["small"], swiglu_limit=1.5)
     expected = fused_moe_mxfp4_reference(x.float(), *args[1:], swiglu_limit=1.5)
-    _assert_near(out, expected)
+    for tiles in ("small", "split"):
+        _assert_near(fused_moe_mxfp4(*args, config=TILES[tiles], swiglu_limit=1.5), expected)
     unclamped = fused_moe_mxfp4_reference(x.float(), *args[1:])
     assert (unclamped - expected).abs().max() > 0.1 * expected.abs().max()  # the limit bites
 

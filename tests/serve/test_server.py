@@ -2,17 +2,16 @@
 with the openai client, through Python handles, and watched through `serve status` and Prometheus.
 
 One server for the module (starting one costs ~40 s on 2 cores). Its decode deployment autoscales
-between 1 and 2 replicas with short delays so the autoscaling test fits in CI, and it runs two
-prefill replicas, so that a worker's death there has a replica to fail over to. The tests that
-kill things run after the rest: a decode replica mid-stream, one worker of each phase, and
-last the KV-loss test, which kills a prefill worker.
+between 1 and 2 replicas with short delays so the autoscaling test fits in CI (its load also
+serves the decode worker's death: two replicas are up then), and it runs two prefill replicas,
+so that a prefill worker's death has a replica to fail over to. The tests that kill things run
+after the rest; the KV-loss test, which kills a prefill worker, runs last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import openai
@@ -367,27 +366,28 @@ def test_python_handle_example(server):
     assert len(report["logprobs"]) == 4 and all(lp <= 0 for lp in report["logprobs"])
 
 
-def test_decode_scales_up_under_load_and_back_down(server):
+def run_worker_death(server, phase: str) -> None:
+    """Six clients keep greedy completions going (half streamed) while one worker of a replica
+    of `phase` dies (worker_death_client.py): the replica leaves at once, what it held is retried
+    or resumed on the other one, Serve starts a replacement, and every request answers the text
+    a quiet server gave, the ones in flight at the kill and the ones sent after it."""
+    script = str(REPO_ROOT / "tests" / "serve" / "worker_death_client.py")
+    report = json.loads(
+        server.run_python(script, server.http_url, phase, timeout_s=300).strip().splitlines()[-1]
+    )
+    requests, killed_at = report["requests"], report["killed_at"]
+    assert [r for r in requests if r["status"] != 200] == []
+    assert [r for r in requests if r["text"] != report["references"][r["prompt"]]] == []
+    assert any(r["began"] < killed_at < r["ended"] for r in requests), "none was in flight"
+    assert any(r["began"] > killed_at for r in requests), "none was sent after the kill"
+    assert report["replica_dead_s"] < 5 and report["replacement_started_s"] < 30, report
+
+
+def test_decode_scales_with_load_and_a_dead_worker_costs_no_request(server):
+    """The clients' load scales decode from 1 to 2 replicas (the client waits for both), one
+    decode worker dies by ray.kill (see run_worker_death), and decode scales back to 1 after."""
     wait_for(lambda: server.running_replicas("Decode") == 1, timeout_s=90, what="1 decode replica")
-    stop = threading.Event()
-
-    def keep_busy():
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                http.post(
-                    server.http_url + "/v1/completions",
-                    json={"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True},
-                )
-
-    threads = [threading.Thread(target=keep_busy, daemon=True) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    try:
-        wait_for(lambda: server.running_replicas("Decode") == 2, timeout_s=90, what="2 decode")
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
+    run_worker_death(server, "decode")
     wait_for(lambda: server.running_replicas("Decode") == 1, timeout_s=90, what="back to 1")
 
 
@@ -400,22 +400,9 @@ def test_decode_replica_death_mid_stream_resumes_elsewhere(server):
     assert report["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_a_dead_worker_takes_its_replica_down_and_costs_no_request(server, phase):
-    """Six clients keep greedy completions going (half streamed) while one worker of a replica
-    dies (decode: ray.kill; prefill: SIGKILL): the replica leaves at once, what it held is
-    retried or resumed on the other one, Serve replaces it, and every request answers the text
-    a quiet server gave."""
-    script = str(REPO_ROOT / "tests" / "serve" / "worker_death_client.py")
-    report = json.loads(
-        server.run_python(script, server.http_url, phase, timeout_s=300).strip().splitlines()[-1]
-    )
-    requests, killed_at = report["requests"], report["killed_at"]
-    assert [r for r in requests if r["status"] != 200] == []
-    assert [r for r in requests if r["text"] != report["references"][r["prompt"]]] == []
-    assert any(r["began"] < killed_at < r["ended"] for r in requests), "none was in flight"
-    assert any(r["began"] > killed_at for r in requests), "none was sent after the kill"
-    assert report["replica_dead_s"] < 5 and report["replacement_started_s"] < 30, report
+def test_a_dead_prefill_worker_costs_no_request(server):
+    """Of the two prefill replicas, one loses its worker to a SIGKILL (see run_worker_death)."""
+    run_worker_death(server, "prefill")
 
 
 def logged_with_traceback(server, request_id: str) -> bool:

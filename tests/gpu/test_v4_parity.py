@@ -3,7 +3,9 @@ every layer type, a window and compression rates the prompts cross, and index_to
 entries of the longer prompts:
 - float32 on the GPU: greedy tokens equal transformers' (the CPU tests' standard);
 - bf16: prefill logits (chunks of 64 over the paged prefix) no further from the float32 ones
-  than transformers' own bf16 on the same GPU.
+  than transformers' own bf16 on the same GPU (skipped where transformers' V4 cannot run in
+  bf16, as 5.17's cannot; tests/models/test_deepseek_v4.py then holds the CPU's bf16 to the same
+  standard, and tests/gpu/test_v4_kernels.py the GPU kernels to the reference).
 
     python -m pytest -q -m gpu tests/gpu/test_v4_parity.py
 """
@@ -88,9 +90,15 @@ def test_bf16_prefill_logits_err_no_more_than_transformers_bf16(checkpoint, prom
     from transformers import AutoModelForCausalLM
 
     reference = run_transformers(checkpoint, prompts, 1).prompt_logits  # float32, CPU
-    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
     model, config = load_rayinfer(checkpoint, dtype=torch.bfloat16, device="cuda")
     ours = run_greedy(model, config, prompts, 1, block_size=16, chunk_size=64).prompt_logits
+    errors = [relative_errors(o, r).median().item() for o, r in zip(ours, reference)]
+    print("rayinfer bf16 median relative logit errors:", [f"{e:.4f}" for e in errors])
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+    try:
+        theirs(torch.tensor([prompts[0]], device="cuda"))
+    except RuntimeError as error:  # transformers 5.17: float32 mHC output into bf16 weights
+        pytest.skip(f"transformers' DeepSeek-V4 does not run in bf16 here: {error}")
     for i, prompt in enumerate(prompts):
         their_logits = theirs(torch.tensor([prompt], device="cuda")).logits[0].cpu()
         our_error = relative_errors(ours[i], reference[i]).median()

@@ -72,6 +72,27 @@ def test_the_pooled_entries_and_the_selection_decide_the_tokens(checkpoint, refe
     assert no_window.token_ids != reference.token_ids
 
 
+@torch.no_grad()
+def test_bf16_prefill_logits_err_no_more_than_transformers_bf16(checkpoint, reference):
+    """bf16 (the torch reference ops) against transformers' own bf16, as the GPU tests judge
+    (tests/gpu/test_dsa_parity.py): per prompt, rayinfer's median relative error from the
+    float32 logits is at most 1.5x (+0.01) transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    model, config = load_rayinfer(checkpoint, dtype=torch.bfloat16)
+    ours = run_greedy(model, config, PROMPTS, 1, block_size=4, chunk_size=8).prompt_logits
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference.prompt_logits[i]
+        their_error = relative_error(theirs(torch.tensor([prompt])).logits[0], expected)
+        assert relative_error(ours[i], expected) <= 1.5 * their_error + 0.01
+
+
+def relative_error(logits, reference) -> float:
+    """The median over positions of ||logits - reference|| / ||reference||."""
+    return ((logits.float() - reference).norm(dim=-1) / reference.norm(dim=-1)).median().item()
+
+
 def test_layers_cache_rows_and_hash_routing(checkpoint):
     model, config = load_rayinfer(checkpoint)
     kinds = [layer.attn.kind for layer in model.layers]

@@ -8,8 +8,9 @@ dots, synchronous loads left in the loop).
     python benchmarks/compile_moe_kernels.py --arch 90 --kernel mxfp4_gate_up --dump /tmp/k.ttgir
 
 Kernels: the MXFP4 fused MoE's two GEMMs (gate+up with swiglu_limit, down) with the launcher's
-default tiles (configs/fused_moe_mxfp4.json has none for these targets) and as the split kernel
-with the inline-asm dequantization (which the interpreter cannot run), the bf16 grouped GEMM
+plain tl.dot_scaled kernel (16 x 64 x 128 tiles) and as the split kernel with the inline-asm
+dequantization (which the interpreter cannot run) and the launcher's default tile (a GPU without
+an entry in configs/fused_moe_mxfp4.json gets it), the bf16 grouped GEMM
 with swiglu_limit, and the one-launch routing kernel with sqrtsoftplus scores (256 experts,
 top-6). Integer arguments are compiled as multiples of 16, as Triton specializes them at launch.
 """
@@ -39,8 +40,13 @@ GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
                      block_expert_ids_ptr="*i32", num_padded_ptr="*i32")  # fmt: skip
 
 
+DOT_SCALED_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+                   "num_stages": 4}  # fmt: skip
+
+
 def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
-    tile = dict(tile or fused_moe_mxfp4.DEFAULT_CONFIG["w13" if is_w13 else "w2"])
+    """The tl.dot_scaled kernel (the one the interpreter tests run)."""
+    tile = dict(tile or DOT_SCALED_TILE)
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
@@ -50,12 +56,13 @@ def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
 
 def mxfp4_split_asm(arch: int, is_w13: bool):
     """The split kernel with its inline-asm bf16 dequantization (GPU-only: the interpreter
-    runs no PTX), on 16-row tiles of 64 weight rows."""
+    runs no PTX), with the launcher's default tile."""
+    tile = {k: v for k, v in fused_moe_mxfp4.DEFAULT_TILE.items() if k not in ("SPLIT", "ASM")}
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-                     USE_ASM=True, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, BLOCK_M=16,
-                     BLOCK_N=64, BLOCK_K=128, GROUP_M=1)  # fmt: skip
-    return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, 4, 4)
+                     USE_ASM=True, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, **tile)  # fmt: skip
+    return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, warps, stages)
 
 
 def bf16_gate_up_with_limit(arch: int):

@@ -11,7 +11,11 @@ taken as their bytes.) The steps are those of the bf16 fused MoE (fused_moe.py):
 and padded per expert tile (moe_align), a gate+up grouped GEMM with SiLU into act [T*K, I] in
 x's dtype, a down grouped GEMM weighted by the router into [T*K, H], the top-k sum. The GEMMs
 read the packed bytes and dequantize in registers (fused_moe_mxfp4_kernel.py): a quarter of the
-bf16 experts' bytes, plus one scale byte per 32 values.
+bf16 experts' bytes, plus one scale byte per 32 values. Two kernels, chosen by the tile's SPLIT
+key: tl.dot_scaled, and the split kernel (even and odd K as two dots over de-interleaved
+activations, its bf16 dequantization in inline PTX with "ASM"; the default). On an H200 at
+V4-Flash shapes the split kernel is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
+(benchmarks/RESULTS.md, 2026-12-02): the upcast, ~6 instructions per weight, bounds it.
 """
 
 from __future__ import annotations
@@ -33,13 +37,11 @@ _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)  # nibble 0..15 (bit 3: sign)
 _BYTE_DTYPES = (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
 _SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
-# T <= 256 (decode, a few rows per expert): the weights dominate, small row tiles; else larger.
-DEFAULT_CONFIG = {
-    "w13": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-            "num_stages": 4},
-    "w2": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-           "num_stages": 4},
-}  # fmt: skip
+# The split kernel with the asm dequantization on 16-row tiles: the fastest at 128 tokens on an
+# H200 (2026-12-02, benchmarks/RESULTS.md); configs/fused_moe_mxfp4.json has the larger tiles.
+DEFAULT_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 3, "SPLIT": True, "ASM": True}  # fmt: skip
+DEFAULT_CONFIG = {"w13": DEFAULT_TILE, "w2": DEFAULT_TILE}
 
 
 def is_mxfp4(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:

@@ -1,4 +1,4 @@
-"""The Triton kernel of fused_moe_mxfp4: one grouped GEMM over expert row tiles whose weights are
+"""The Triton kernels of fused_moe_mxfp4: grouped GEMMs over expert row tiles whose weights are
 MXFP4 (e2m1 values two per byte, low nibble first, and one UE8M0 exponent byte per 32 values
 along K), dequantized in registers by `tl.dot_scaled`.
 
@@ -7,7 +7,8 @@ elsewhere: the packed tile is copied to shared memory asynchronously (cp.async, 
 any dot operand), then upcast to bf16 in registers and multiplied by its scales (exact: powers
 of two). On Hopper the compiler swaps the product so that the upcast weights are wgmma's
 register operand and the activations its shared one (benchmarks/compile_moe_kernels.py shows
-the loop). No bf16 copy of an expert is ever written.
+the loop). No bf16 copy of an expert is ever written. The split kernel below is the other form
+(and the faster one on an H200).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ Routed experts load through `layers/fused_experts.py` (`parse_expert_weight_name
 FP8 weights (`fp8=True`, DeepSeek-V3 checkpoints served with fp8_weights): the routed experts keep
 block-scaled float8_e4m3fn weights and run the FP8 fused MoE; the shared experts are FP8 linear
 layers. The scales load through the same calls with `is_scale=True` (checkpoint
-`...weight_scale_inv`).
+`...weight_scale_inv`). MXFP4 routed experts (`expert_weight_format="mxfp4"`, DeepSeek-V4-Flash as
+shipped) stay packed: e2m1 bytes and UE8M0 byte scales, run by the MXFP4 fused MoE.
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 When every EP rank holds the same tokens, each computes its experts' share and the shares are

@@ -8,6 +8,10 @@ says, times routed_scaling_factor, as transformers routes), with the correction 
 the experts in "moe" layers and a fixed `tid2eid[token id]` table choosing them in "hash_moe"
 layers; routed and shared experts clamp their SwiGLU inputs at `swiglu_limit`.
 
+A checkpoint shipped with MXFP4 routed experts (`expert_dtype: "fp4"`, models/checkpoint_format.py)
+keeps them packed in memory (FusedExperts' "mxfp4" format, run by the MXFP4 fused MoE); every
+other weight is dequantized at load.
+
 Checkpoint names are the shipped ones (`embed.weight`, `layers.{i}.attn.wq_a.weight`,
 `layers.{i}.ffn.experts.{e}.w1.weight`, `hc_head_fn`, `head.weight`), with or without the
 `model.` prefix that transformers' save_pretrained adds to some of them. The multi-token
@@ -34,6 +38,7 @@ from rayinfer.layers.moe import MoE, RoutingMethod
 from rayinfer.layers.norm import RMSNorm
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.v4_attention import V4Attention
+from rayinfer.models.checkpoint_format import CheckpointFormat
 
 _SHARED_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.(w1|w2|w3)\.weight$")
 _SHARED_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -59,7 +64,8 @@ def parameter_name(checkpoint_name: str) -> str:
 class V4MoE(MoE):
     """MoE whose "hash_moe" layers choose experts by token id (`tid2eid` [V, K])."""
 
-    def __init__(self, config: ModelConfig, v4: V4Config, layer_idx: int, parallel):
+    def __init__(self, config: ModelConfig, v4: V4Config, layer_idx: int, parallel,
+                 expert_format: str | None = None):  # fmt: skip
         is_hash = v4.mlp_layer_types[layer_idx] == "hash_moe"
         routing = RoutingMethod(
             top_k=config.num_experts_per_tok,
@@ -71,7 +77,7 @@ class V4MoE(MoE):
         shared = config.moe_intermediate_size * config.num_shared_experts
         super().__init__(
             config.hidden_size, config.num_experts, config.moe_intermediate_size, routing,
-            shared, parallel, swiglu_limit=v4.swiglu_limit,
+            shared, parallel, swiglu_limit=v4.swiglu_limit, expert_weight_format=expert_format,
         )  # fmt: skip
         self.tid2eid = None
         if is_hash:
@@ -95,13 +101,14 @@ class V4MoE(MoE):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, v4: V4Config, layer_idx: int, parallel):
+    def __init__(self, config: ModelConfig, v4: V4Config, layer_idx: int, parallel,
+                 expert_format: str | None = None):  # fmt: skip
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.attn_norm = RMSNorm(hidden, eps)
         self.attn = V4Attention(config, v4, layer_idx)
         self.ffn_norm = RMSNorm(hidden, eps)
-        self.ffn = V4MoE(config, v4, layer_idx, parallel)
+        self.ffn = V4MoE(config, v4, layer_idx, parallel, expert_format)
         mixing = (hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
         self.hc_attn = HyperConnection(*mixing)
         self.hc_ffn = HyperConnection(*mixing)
@@ -126,9 +133,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.parallel = config, parallel
         v4 = self.v4 = V4Config.from_hf(config.hf)
+        shipped = CheckpointFormat.from_hf(config.hf)
+        is_fp4 = shipped.quant_method is not None and shipped.expert_dtype == "fp4"
+        expert_format = "mxfp4" if is_fp4 else None
         self.embed = VocabEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, v4, i, parallel) for i in range(config.num_layers)
+            V4DecoderLayer(config, v4, i, parallel, expert_format) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
@@ -154,15 +164,28 @@ class DeepseekV4ForCausalLM(nn.Module):
     def normalize_checkpoint_name(name: str) -> str:
         return parameter_name(name)
 
+    def mxfp4_checkpoint_names(self) -> set[str]:
+        """The routed experts' weights this rank keeps packed (none unless MXFP4 is kept)."""
+        return {
+            name
+            for param_name, param in self.named_parameters()
+            if param_name.endswith(("experts.w13", "experts.w2")) and param.dtype == torch.uint8
+            for name in self._expert_names(param_name, "weight")
+        }
+
+    def _expert_names(self, param_name: str, suffix: str) -> Iterable[str]:
+        module_name, _, leaf = param_name.rpartition(".")
+        experts = self.get_submodule(module_name)
+        parts = ("w2",) if leaf.startswith("w2") else ("w1", "w3")
+        first = experts.first_local_expert
+        for e in range(first, first + experts.num_local_experts):
+            yield from (f"{module_name}.{e}.{p}.{suffix}" for p in parts)
+
     def _checkpoint_names(self) -> Iterable[str]:
         for name, _ in self.named_parameters():
-            module_name, _, leaf = name.rpartition(".")
-            if leaf in ("w13", "w2"):
-                experts = self.get_submodule(module_name)
-                parts = ("w2",) if leaf == "w2" else ("w1", "w3")
-                first = experts.first_local_expert
-                for e in range(first, first + experts.num_local_experts):
-                    yield from (f"{module_name}.{e}.{p}.weight" for p in parts)
+            leaf = name.rpartition(".")[2]
+            if leaf in ("w13", "w2", "w13_scale", "w2_scale"):
+                yield from self._expert_names(name, "scale" if "scale" in leaf else "weight")
             elif name.endswith("shared_experts.gate_up_proj.weight"):
                 prefix = name.removesuffix("gate_up_proj.weight")
                 yield from (f"{prefix}w1.weight", f"{prefix}w3.weight")
@@ -190,11 +213,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
 
     def _load_one(self, name: str, tensor: torch.Tensor, params: dict, modules: dict) -> str:
-        expert = parse_expert_weight_name(name, MIXTRAL_EXPERT_PROJECTIONS)
+        is_scale = name.endswith(".scale")  # a kept MXFP4 expert's exponents
+        weight_name = name.removesuffix(".scale") + ".weight" if is_scale else name
+        expert = parse_expert_weight_name(weight_name, MIXTRAL_EXPERT_PROJECTIONS)
         if expert is not None and f"{expert.prefix}.experts" in modules:
             experts = modules[f"{expert.prefix}.experts"]
-            experts.load_expert_weight(expert.expert_id, expert.part, tensor)
-            return f"{expert.prefix}.experts.{'w2' if expert.part == 'down' else 'w13'}"
+            experts.load_expert_weight(expert.expert_id, expert.part, tensor, is_scale)
+            stacked = "w2" if expert.part == "down" else "w13"
+            return f"{expert.prefix}.experts.{stacked}{'_scale' if is_scale else ''}"
         shared = _SHARED_EXPERT.match(name)
         if shared is not None:
             module_name, projection = shared.groups()

@@ -33,6 +33,7 @@ from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.models.checkpoint_format import CheckpointFormat, scale_names
 from rayinfer.models.fp8 import check_fp8_weights
+from rayinfer.models.mxfp4 import check_mxfp4_shapes
 from rayinfer.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -202,13 +203,22 @@ class CheckpointReader:
         """
         tensor = self.get(name).to(device)
         if name in self._kept:  # the scale of a kept weight
-            is_fp8 = self._handle(self._kept[name]).get_slice(self._kept[name]).get_dtype()
-            return self.format.scale_as_stored(tensor, is_fp8=is_fp8 == "F8_E4M3")
+            weight = self._handle(self._kept[name]).get_slice(self._kept[name])
+            is_fp8 = weight.get_dtype() == "F8_E4M3"
+            if not is_fp8:  # MXFP4: it must fit its packed weight (read later or earlier)
+                packed = torch.empty(weight.get_shape(), dtype=torch.uint8, device="meta")
+                check_mxfp4_shapes(packed, tensor, (self._kept[name], name))
+            return self.format.scale_as_stored(tensor, is_fp8=is_fp8)
         scale_name = self.scale_of.get(name)
         if scale_name is None:
             return tensor
         if scale_name in self._kept:
-            return self.format.as_stored(tensor, name)
+            stored = self.format.as_stored(tensor, name)
+            if stored.dtype == torch.uint8:  # packed MXFP4: its scale must fit it (not read yet)
+                shape = self._handle(scale_name).get_slice(scale_name).get_shape()
+                scale = torch.empty(shape, dtype=torch.uint8, device="meta")
+                check_mxfp4_shapes(stored, scale, (name, scale_name))
+            return stored
         scale = self.get(scale_name).to(device)
         return self.format.dequantize(tensor, scale, dtype, (name, scale_name))
 

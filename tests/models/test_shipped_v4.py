@@ -160,12 +160,24 @@ def test_kept_experts_run_in_mxfp4_experts_like_the_twins(folders):
     torch.testing.assert_close(packed(x, topk_weights, topk_ids), expected)
 
 
+def assert_same_parameters(model, twin_model) -> None:
+    """The same values, `model`'s routed experts kept packed (MXFP4 bytes and exponents that
+    dequantize to the twin's experts)."""
+    from rayinfer.kernels.fused_moe_mxfp4 import dequantize_mxfp4_reference
+
+    params, twin_params = dict(model.named_parameters()), dict(twin_model.named_parameters())
+    for name, param in params.items():
+        if name.endswith(("experts.w13", "experts.w2")):
+            assert param.dtype == torch.uint8, name  # kept packed
+            values = dequantize_mxfp4_reference(param, params[name + "_scale"])
+            assert torch.equal(values.to(twin_params[name].dtype), twin_params[name]), name
+        elif not name.endswith("_scale"):
+            assert torch.equal(param, twin_params[name]), name
+
+
 def test_shipped_and_twin_load_the_same_parameters(folders):
     shipped, twin = folders
-    model, twin_model = load(shipped), load(twin)
-    twin_params = dict(twin_model.named_parameters())
-    for name, param in model.named_parameters():
-        assert torch.equal(param, twin_params[name]), name
+    assert_same_parameters(load(shipped), load(twin))
 
 
 def test_sharded_checkpoint_with_scales_apart_loads_the_same(folders, tmp_path):
@@ -173,9 +185,7 @@ def test_sharded_checkpoint_with_scales_apart_loads_the_same(folders, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(shipped, sharded)
     shard_scales_apart(sharded)
-    twin_params = dict(load(twin).named_parameters())
-    for name, param in load(sharded).named_parameters():
-        assert torch.equal(param, twin_params[name]), name
+    assert_same_parameters(load(sharded), load(twin))
 
 
 def test_shipped_and_twin_generate_the_same_tokens(folders):

@@ -1,12 +1,13 @@
-"""Run by test_server.py inside the test cluster: one worker of a Prefill or Decode replica dies
-under load, with two replicas of that phase up.
+"""Run inside a test cluster (test_server.py, benchmarks/worker_death.py): one worker of a
+Prefill, Decode or Engine replica dies under load, with two replicas of that phase up.
 
 `python worker_death_client.py URL PHASE`: answers a few prompts on a quiet server (the
 reference), then keeps CLIENTS greedy completions going (half streamed) over HTTP; once two
-replicas of PHASE run, it kills one worker of the one that has served longest (decode:
-`ray.kill`; prefill: SIGKILL of the worker's process) and keeps sending until Serve has started
-a replacement replica. Prints JSON: every request's prompt, status, text, begin and end, the
-kill's time, and how long the killed worker's replica took to die and Serve to replace it.
+replicas of PHASE run, it kills one worker of the one that has served longest (prefill: SIGKILL
+of the worker's process; decode and engine: `ray.kill`) and keeps sending until Serve has
+started a replacement replica. Prints JSON: every request's prompt, status, text, begin and
+end, the kill's time, and how long the killed worker's replica took to die and Serve to
+replace it.
 """
 
 from __future__ import annotations

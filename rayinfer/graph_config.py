@@ -107,7 +107,7 @@ def cuda_graph_config(
     enabled = (is_cuda and not blocker) if requested is None else requested
     if not enabled:
         return None
-    if model is not None and model.is_dsa:
+    if model is not None and (model.is_dsa or model.is_v4):  # prefills pick rows on the host
         max_prefill_tokens = 0
     return CudaGraphConfig(
         min(max_num_seqs, max_graph_batch_size),

@@ -156,7 +156,7 @@ class ModelRunner:
     def captures_decode_graphs(self) -> bool:
         """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
         token exchange through host flags or sized from the routing cannot be replayed."""
-        if self.cuda_graphs is None or not getattr(self.model, "supports_cuda_graphs", True):
+        if self.cuda_graphs is None:
             return False
         parallel = self.parallel
         if not parallel.experts_exchange_tokens:

@@ -48,7 +48,8 @@ from rayinfer.kernels.sparse_mla import sparse_mla_attention as sparse_mla_atten
 from rayinfer.kernels.sparse_mla import sparse_mla_attention_reference
 from rayinfer.kernels.triton_compat import HAS_TRITON
 from rayinfer.kernels.v4_attention import v4_attention as v4_attention_triton
-from rayinfer.kernels.v4_attention import v4_attention_reference
+from rayinfer.kernels.v4_attention import v4_attention_reference, v4_write_rows_reference
+from rayinfer.kernels.v4_attention import v4_write_rows as v4_write_rows_triton
 
 # Kernels that cut a decode step's launches. MoE routing in one launch: on by default since it
 # ran compiled on an H200 (same experts as torch, weights within 1e-7; benchmarks/RESULTS.md),
@@ -285,6 +286,13 @@ def v4_attention(queries, kv_cache, block_tables, seq_ids, positions, window, en
         queries, kv_cache, block_tables, seq_ids, positions, window, entry_col, entry_slots,
         entry_stride, max_entries, sinks, scale, max_position,
     )  # fmt: skip
+
+
+def v4_write_rows(rows, slots, values, column):
+    """rows [num_slots, W] (a DeepSeek-V4 cache's view) [slots[t], column:column + C] =
+    values [T, C], skipping negative slots (kernels/v4_attention.py)."""
+    fn = v4_write_rows_triton if _on_cuda(values) else v4_write_rows_reference
+    fn(rows, slots, values, column)
 
 
 def sparse_mla_attention(q_latent, q_pe, kv_cache, slots, scale):

@@ -10,6 +10,10 @@ query at position p of sequence s attends, with all N heads sharing the keys, to
   j < (p + 1) // m, in the rows of positions j * m + m - 1);
 - a sink logit per head, in the softmax's denominator only.
 
+`v4_write_rows` stores a step's values into its tokens' rows, skipping negative slots (the padding
+rows of a CUDA graph's bucket, and the tokens that close no window), with no data-dependent
+shape, so a decode graph captures it.
+
 On a GPU one Triton program per (query, BLOCK_H heads) walks the window, then the entries,
 BLOCK_N keys at a time with an online softmax, loading each key tile once for its heads; the
 entries of an HCA layer come from the block table in the kernel, so a 1M-token context needs no
@@ -74,6 +78,39 @@ def v4_attention_reference(
     return torch.einsum("tnk,tkd->tnd", probs, keys.float()).to(queries.dtype)
 
 
+def v4_write_rows_reference(
+    rows: torch.Tensor,  # [num_slots, W]: the cache, updated in place
+    slots: torch.Tensor,  # [T] int64; < 0 skips the token
+    values: torch.Tensor,  # [T, C]
+    column: int,  # written at [column, column + C)
+) -> None:
+    keep = slots >= 0
+    rows[slots[keep], column : column + values.shape[1]] = values[keep].to(rows.dtype)
+
+
+@triton.jit
+def _write_rows_kernel(rows_ptr, slots_ptr, values_ptr, column, width, stride_row, stride_value,
+                       BLOCK_C: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    values = tl.load(values_ptr + token * stride_value + offs, mask=offs < width)
+    tl.store(rows_ptr + slot * stride_row + column + offs,
+             values.to(rows_ptr.dtype.element_ty), mask=offs < width)  # fmt: skip
+
+
+def v4_write_rows(rows, slots, values, column) -> None:
+    """The reference's write from one Triton program per (token, 1024 columns)."""
+    if values.shape[0] == 0:
+        return
+    values = values.contiguous()
+    grid = (values.shape[0], triton.cdiv(values.shape[1], 1024))
+    _write_rows_kernel[grid](rows, slots, values, column, values.shape[1], rows.stride(0),
+                             values.stride(0), BLOCK_C=1024)  # fmt: skip
+
+
 @triton.jit
 def _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
     """One tile of keys (= values) [BLOCK_N, BLOCK_D] into the running softmax of q's heads."""
@@ -112,7 +149,7 @@ def _v4_attention_kernel(
         where = start + tl.arange(0, BLOCK_N)
         valid = where <= position
         blocks = tl.load(table + where // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = blocks * BLOCK_SIZE + where % BLOCK_SIZE
+        rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE  # -1: past the table
         k_ptrs = cache_ptr + rows[:, None] * stride_row + offs_d[None, :]
         keys = tl.load(k_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)
         m_i, l_i, acc = _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION)
@@ -132,7 +169,7 @@ def _v4_attention_kernel(
             valid = entry < (position + 1) // ENTRY_STRIDE
             where = entry * ENTRY_STRIDE + ENTRY_STRIDE - 1
             blocks = tl.load(table + where // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = blocks * BLOCK_SIZE + where % BLOCK_SIZE
+            rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE
             k_ptrs = cache_ptr + rows[:, None] * stride_row + entry_col + offs_d[None, :]
             keys = tl.load(k_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0)
             keys = keys.to(q.dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rayinfer.kernels import ops
 from rayinfer.kernels.v4_attention import slots_of
 from rayinfer.layers.linear import ReplicatedLinear
 from rayinfer.layers.mlp import copy_checked
@@ -26,9 +27,21 @@ from rayinfer.layers.v4_rotary import V4Rotary
 
 
 def token_seq_ids(attn) -> torch.Tensor:
-    """[T] int64: the sequence of every token of the step."""
-    counts = torch.tensor(attn.query_lens_cpu, device=attn.seq_lens.device)
-    return torch.repeat_interleave(torch.arange(attn.num_seqs, device=counts.device), counts)
+    """[T] int64: the sequence of every token of the step (a pure decode's without host lists,
+    so a CUDA graph captures it)."""
+    device = attn.seq_lens.device
+    if attn.is_pure_decode:
+        return torch.arange(attn.num_seqs, device=device)
+    counts = torch.tensor(attn.query_lens_cpu, device=device)
+    return torch.repeat_interleave(torch.arange(attn.num_seqs, device=device), counts)
+
+
+def context_bound(attn) -> int:
+    """A host bound on every sequence's length: a pure decode's is its tables' width (what a
+    CUDA graph captures: max_model_len), a prefill's the longest sequence."""
+    if attn.is_pure_decode:
+        return attn.block_tables.shape[1] * attn.block_size
+    return max(attn.seq_lens_cpu, default=1)
 
 
 class Compressor(nn.Module):
@@ -53,20 +66,32 @@ class Compressor(nn.Module):
 
     def forward(self, x, positions, slots, seq_ids, attn, rows) -> None:
         """Cache the step's projections (x [T, H] at `slots` [T]; rows: the cache as
-        [slots, width]) and pool every window that one of the step's tokens closes."""
-        written = slots >= 0
+        [slots, width]) and pool every window that one of the step's tokens closes.
+
+        A pure decode pools for every token and writes only the closing ones' (no
+        data-dependent shape: a CUDA graph captures it); a prefill pools only the windows it
+        closes."""
         kv, gate = self.wkv(x), self.wgate(x)  # [T, c * D] each
-        rows[slots[written], self.kv_cols] = kv[written].to(rows.dtype)
-        rows[slots[written], self.gate_cols] = gate[written].to(rows.dtype)
-        closes = torch.nonzero(written & ((positions + 1) % self.rate == 0))[:, 0]
-        if closes.numel() == 0:
+        ops.v4_write_rows(rows, slots, kv, self.kv_cols.start)
+        ops.v4_write_rows(rows, slots, gate, self.gate_cols.start)
+        closes = (slots >= 0) & ((positions + 1) % self.rate == 0)  # [T]
+        if attn.is_pure_decode:
+            pooled = self._pool(positions, seq_ids, attn, rows, x.dtype)
+            ops.v4_write_rows(rows, torch.where(closes, slots, -1), pooled, self.entry_cols.start)
             return
-        window = torch.div(positions[closes] + 1, self.rate, rounding_mode="floor") - 1  # [W]
+        closing = torch.nonzero(closes)[:, 0]
+        if closing.numel():
+            pooled = self._pool(positions[closing], seq_ids[closing], attn, rows, x.dtype)
+            ops.v4_write_rows(rows, slots[closing], pooled, self.entry_cols.start)
+
+    def _pool(self, ends, seq_ids, attn, rows, dtype) -> torch.Tensor:
+        """The roped entries [W, D] of the windows whose last tokens are at `ends` [W]."""
+        window = torch.div(ends + 1, self.rate, rounding_mode="floor") - 1  # [W]
         span = (2 if self.overlap else 1) * self.rate
         first = (window - (1 if self.overlap else 0)) * self.rate  # [W]
-        where = first[:, None] + torch.arange(span, device=x.device)  # [W, span]
-        source = slots_of(attn.block_tables, seq_ids[closes, None], where, attn.block_size)
-        kv_rows = rows[source.clamp(min=0), self.kv_cols].to(x.dtype)  # [W, span, c * D]
+        where = first[:, None] + torch.arange(span, device=ends.device)  # [W, span]
+        source = slots_of(attn.block_tables, seq_ids[:, None], where, attn.block_size)
+        kv_rows = rows[source.clamp(min=0), self.kv_cols].to(dtype)  # [W, span, c * D]
         gate_rows = rows[source.clamp(min=0), self.gate_cols].float()
         if self.overlap:  # window w-1's first half, then window w's second half
             d, r = self.dim, self.rate
@@ -78,5 +103,5 @@ class Compressor(nn.Module):
             gate_rows = gate_rows + self.ape
         weights = gate_rows.softmax(dim=1).to(kv_rows.dtype)
         pooled = self.norm((kv_rows * weights).sum(dim=1))  # [W, D]
-        cos_sin = self.rotary.cos_sin(window * self.rate, pooled.dtype)
-        rows[slots[closes], self.entry_cols] = self.rotary.rotate(pooled, cos_sin).to(rows.dtype)
+        cos_sin = self.rotary.cos_sin(window.clamp(min=0) * self.rate, pooled.dtype)
+        return self.rotary.rotate(pooled, cos_sin)

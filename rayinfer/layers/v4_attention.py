@@ -25,7 +25,7 @@ from torch import nn
 from rayinfer.config import ModelConfig
 from rayinfer.config_v4 import CSA, SLIDING, V4Config
 from rayinfer.kernels import ops
-from rayinfer.layers.compressor import Compressor, token_seq_ids
+from rayinfer.layers.compressor import Compressor, context_bound, token_seq_ids
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.hyper_connection import unweighted_rms_norm
 from rayinfer.layers.linear import ReplicatedLinear
@@ -57,7 +57,7 @@ class LightningIndexer(nn.Module):
         (fewer entries than index_topk visible: all of them)."""
         rows = cache.view(-1, cache.shape[-1])
         self.compressor(x, positions, attn.slot_mapping, seq_ids, attn, rows)
-        most = max(attn.seq_lens_cpu, default=0) // self.compressor.rate  # a host bound
+        most = context_bound(attn) // self.compressor.rate  # a host bound
         if most == 0:
             return torch.full((x.shape[0], self.topk), -1, dtype=torch.int32, device=x.device)
         queries = self.wq_b(q_resid).view(-1, self.num_heads, self.dim)  # [T, Hi, Di]
@@ -110,8 +110,7 @@ class V4Attention(nn.Module):
         queries = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         queries = self.rotary.rotate(unweighted_rms_norm(queries, self.eps), cos_sin)
         key = self.rotary.rotate(self.norm(self.wkv(x)), cos_sin)  # [T, D]
-        written = attn.slot_mapping >= 0
-        rows[attn.slot_mapping[written], : self.head_dim] = key[written].to(rows.dtype)
+        ops.v4_write_rows(rows, attn.slot_mapping, key, 0)
         seq_ids = token_seq_ids(attn)
         entry_slots, entry_stride, most, entry_col = None, 0, 0, 0
         if self.compressor is not None:
@@ -121,7 +120,7 @@ class V4Attention(nn.Module):
                 entry_slots = self.indexer(x, q_resid, positions, seq_ids, attn, cache, cos_sin)
             else:  # every entry it has reached
                 entry_stride = self.compressor.rate
-                most = max(attn.seq_lens_cpu, default=0) // entry_stride
+                most = context_bound(attn) // entry_stride
         out = ops.v4_attention(
             queries.contiguous(),
             cache,
@@ -135,7 +134,7 @@ class V4Attention(nn.Module):
             most,
             self.attn_sink,
             self.scale,
-            max(attn.seq_lens_cpu, default=1),
+            context_bound(attn),
         )  # fmt: skip  [T, N, D]
         out = self.rotary.rotate(out, cos_sin, inverse=True)
         grouped = out.reshape(out.shape[0], self.groups, -1)  # [T, G, N * D / G]

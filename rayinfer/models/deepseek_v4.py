@@ -127,8 +127,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     """See the module docstring and the registry's model contract. Attention is replicated on
     tensor-parallel ranks (one key/value head); the experts follow the parallel plan."""
 
-    supports_cuda_graphs = False  # steps pick their windows on the host (torch attention)
-
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.config, self.parallel = config, parallel

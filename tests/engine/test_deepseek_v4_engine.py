@@ -1,7 +1,8 @@
 """DeepSeek-V4 in the offline engine: transformers' greedy tokens through continuous batching,
 chunked prefill, the prefix cache, preemption and the prefill -> decode hand-off into a cache of
-another block size. Every path must carry a token's whole row: its key, its compressor
-projections and the pooled entries of the windows it closes (config_v4.py)."""
+another block size, and the decode graphs' static inputs. Every path must carry a token's whole
+row: its key, its compressor projections and the pooled entries of the windows it closes
+(config_v4.py)."""
 
 import pytest
 
@@ -57,9 +58,15 @@ def test_prefill_hands_off_into_a_cache_of_another_block_size(checkpoint, prompt
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_cuda_graphs_stay_off_and_tokens_stay_the_same(checkpoint, prompts, expected):
-    """V4 attention picks its windows on the host, so no graph is captured even when asked."""
+def test_decode_graphs_give_the_same_tokens_and_prefill_graphs_stay_off(
+    checkpoint, prompts, expected
+):
+    """cuda_graphs=True on the CPU runs the decode graphs' padded static inputs eagerly: the
+    path a GPU captures (every token pooled, only closing windows written, padding rows' slots
+    skipped, the context bounded by the tables' width)."""
     llm = rayinfer.LLM(checkpoint, device="cpu", cuda_graphs=True, max_graph_batch_size=8)
-    runner = llm.engine.executor.runner
-    assert runner.decode_graphs is None and runner.prefill_graphs is None
+    graphs = llm.engine.executor.runner.decode_graphs
+    replays, run = [], graphs.run
+    graphs.run = lambda requests, bucket=None: replays.append(bucket) or run(requests, bucket)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert replays and llm.engine.executor.runner.prefill_graphs is None

@@ -17,6 +17,15 @@ def _node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def this_node_id() -> str:
+    """The Ray node this process runs on (its node id); outside Ray, the host's name."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return socket.gethostname()
+
+
 def _kv():
     import ray.experimental.internal_kv as kv
 

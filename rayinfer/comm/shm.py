@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rayinfer.comm.rendezvous import this_node_id
+
 _PAGE_BYTES = 4096
 
 
@@ -40,6 +42,7 @@ class SharedSegments:
         self._header_bytes = -(-(self._flags_at + flag_bytes) // _PAGE_BYTES) * _PAGE_BYTES
         self.segment_bytes = self._header_bytes + world_size * num_slots * slot_bytes
         token = _agree_on_token(store, rank)
+        _check_one_node(store, token, rank, world_size)
         folder = _shared_folder(self.segment_bytes * world_size) if rank == 0 else None
         if rank == 0:
             store.set(f"shm-folder-{token}", folder)
@@ -101,6 +104,25 @@ def _agree_on_token(store: dist.Store, rank: int) -> str:
     if rank == 0:
         store.set(key, uuid.uuid4().hex[:12])
     return store.get(key).decode()
+
+
+def _check_one_node(store: dist.Store, token: str, rank: int, world_size: int) -> None:
+    """Every rank raises, naming where each rank runs, unless all ranks share one node: another
+    node's ranks would map files of their own and wait forever for chunks that never come."""
+    store.set(f"shm-node-{token}-{rank}", this_node_id())
+    nodes = [store.get(f"shm-node-{token}-{r}").decode() for r in range(world_size)]
+    if len(set(nodes)) == 1:
+        return
+    ranks_of: dict[str, list[int]] = {}
+    for r, node in enumerate(nodes):
+        ranks_of.setdefault(node, []).append(r)
+    where = "; ".join(f"ranks {ranks} on node {node[:12]}" for node, ranks in ranks_of.items())
+    raise RuntimeError(
+        "the host-staged all-to-all exchanges through one node's shared memory, and this "
+        f"group spans {len(ranks_of)} nodes ({where}); keep the group on one node (a "
+        "rayinfer worker group is one STRICT_PACK placement group) or use "
+        "all_to_all.transport=dist (NCCL, gloo on the CPU), which crosses nodes"
+    )
 
 
 def _wait_all(store: dist.Store, key: str, world_size: int) -> None:

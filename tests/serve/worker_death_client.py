@@ -28,6 +28,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "Rivers run to t
 MAX_TOKENS = 48
 CLIENTS = 6
 AFTER_REPLACED_S = 2.0  # of load after Serve started the replacement
+AFTER_KILL_ANSWERS = 2  # at least this many requests sent after the kill answer before it stops
 READY_TIMEOUT_S = 120.0
 
 
@@ -163,6 +164,13 @@ async def main(url: str, phase: str) -> dict:
     await wait_until(replacement_started, 60, "a replacement replica")  # the load goes on
     replacement_s = time.monotonic() - killed_at
     await asyncio.sleep(AFTER_REPLACED_S)
+
+    # on a loaded machine the requests in flight at the kill can outlast that: the load goes on
+    # until some sent after the kill have answered too
+    def answered_after_kill() -> bool:
+        return sum(r["began"] > killed_at for r in done) >= AFTER_KILL_ANSWERS
+
+    await wait_until(answered_after_kill, READY_TIMEOUT_S, "answers sent after the kill")
     stop.set()
     await asyncio.gather(*clients)
     return {

@@ -3,6 +3,7 @@
     serve run rayinfer.app:build
     serve run rayinfer.app:build model=/path/to/checkpoint decode.autoscaling.max_replicas=2
     serve run rayinfer.app:build disaggregate=false engine.max_num_batched_tokens=8192
+    serve run rayinfer.app:build prefill.resources.prefill_box=1 decode.resources.decode_box=1
 
 Disaggregated (`disaggregate=true`): three deployments, `Ingress` (OpenAI API over HTTP,
 Python-handle API), `Prefill` and `Decode`, each replica of the last two holding its own
@@ -11,7 +12,9 @@ store. Colocated (`disaggregate=false`): `Ingress` and `Engine`, whose replicas 
 decode in mixed batches. `auto` (the default) is colocated where the two phases would share GPUs
 (gpu_sharing.serves_disaggregated). Arguments are validated by `AppConfig`
 (rayinfer/deployments/config.py); the checks of a phase's section (plan, FP8 weights, GPU
-shares) apply to the sections the chosen mode serves with.
+shares) apply to the sections the chosen mode serves with. A phase's `resources` pin its
+replicas to the Ray nodes offering them (several machines: README); build checks that an alive
+node holds a whole replica (deployments/node_fit.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from rayinfer.deployments.config import (
     PhaseConfig,
 )
 from rayinfer.deployments.gpu_sharing import resolve_gpu_shares, serves_disaggregated
+from rayinfer.deployments.node_fit import alive_nodes, check_nodes_fit, phase_bundles, pins_nodes
 from rayinfer.deployments.runtime import ModelSource, available_gpus, uses_gpus
-from rayinfer.workers.group import REPLICA_CPUS, placement_bundles
+from rayinfer.workers.group import REPLICA_CPUS
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
@@ -50,6 +54,8 @@ def build(args: dict[str, Any] | None = None) -> Application:
     check_phase_fp8_weights(config, model_config, source.path, phases)
     if use_gpus:
         config = resolve_gpu_shares(config, num_gpus, phases)
+    if pins_nodes(config, phases):
+        check_nodes_fit(config, phases, use_gpus, alive_nodes())
     config_dict = config.model_dump()
     deployments = {"prefill": Prefill, "decode": Decode, "engine": Engine}
     handles = {
@@ -61,7 +67,7 @@ def build(args: dict[str, Any] | None = None) -> Application:
     ingress_options = dict(
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress.resources)},
     )
     return Ingress.options(**ingress_options).bind(config_dict, source, **handles)
 
@@ -91,9 +97,7 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
         max_ongoing_requests=phase.max_ongoing_requests,
         max_queued_requests=phase.max_queued_requests,
         autoscaling_config=phase.autoscaling.to_serve(),
-        placement_group_bundles=placement_bundles(
-            phase.num_workers, use_gpus, phase.cpus_per_worker, phase.gpus_per_worker or 1.0
-        ),
+        placement_group_bundles=phase_bundles(phase, use_gpus),
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         health_check_period_s=config.health_check_period_s,

@@ -7,7 +7,8 @@ accepts both; every unknown or invalid key fails with a message naming it and wh
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -22,6 +23,35 @@ from rayinfer.graph_config import graph_blocker
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Resources Ray itself accounts for, which a phase's other fields already ask for.
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+ResourceAmount = Annotated[float, Field(gt=0)]
+
+
+def parse_resources(value: Any) -> Any:
+    """A JSON object given as one string (`decode.resources='{"decode_box": 1}'`) as a mapping;
+    anything else as given (dotted keys arrive as a mapping already)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(
+                'use a JSON object such as {"decode_box": 1}, or one dotted key per resource '
+                "(decode.resources.decode_box=1)"
+            ) from None
+    return value
+
+
+def check_resource_names(resources: dict[str, float]) -> dict[str, float]:
+    for name in resources:
+        if not name or name in RAY_BUILTIN_RESOURCES:
+            raise ValueError(
+                f"{name!r} is not a custom resource; a worker's CPUs and GPUs are "
+                "cpus_per_worker and gpus_per_worker"
+            )
+    return resources
 
 
 def parse_bool_or_auto(value: Any) -> bool | str:
@@ -155,8 +185,26 @@ class PhaseConfig(_Strict):
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
     )
+    resources: dict[str, ResourceAmount] = Field(
+        default_factory=dict,
+        description="custom Ray resources (name -> amount) each worker of a replica reserves "
+        "beside its CPU/GPU, to pin the phase to the nodes offering them (`ray start "
+        "--resources='{\"decode_box\": 8}'`; on the command line decode.resources.decode_box=1). "
+        "A replica and its workers stay on one node (STRICT_PACK); build fails when no alive "
+        "node holds a whole replica",
+    )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     all_to_all: AllToAllConfig = Field(default_factory=AllToAllConfig)
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: Any) -> Any:
+        return parse_resources(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_resource_names(value)
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod
@@ -199,6 +247,29 @@ class IngressConfig(_Strict):
         "it (first decode token); beyond it the ingress answers 503 with Retry-After "
         "(deployments/admission.py). Keep it below clients' timeouts; null: no bound",
     )
+    max_replica_wait_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="longest a request waits for a Prefill, Decode or Engine replica to take "
+        "it, while none runs (a replacement starting, or none can: its node died and no other "
+        "offers its resources) or all are full; past it the ingress answers 503 (an error event "
+        "once streaming). null: no bound (autoscaling from zero replicas waits for the first)",
+    )
+    resources: dict[str, ResourceAmount] = Field(
+        default_factory=dict,
+        description="custom Ray resources the ingress replica reserves, to pin it to the nodes "
+        "offering them (ingress.resources.node:__internal_head__=0.01: the head node)",
+    )
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: Any) -> Any:
+        return parse_resources(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_resource_names(value)
 
 
 def _default_decode() -> PhaseConfig:

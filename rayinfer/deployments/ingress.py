@@ -131,10 +131,11 @@ class Ingress:
         admission = Admission(
             self.config.ingress.max_queue_wait_s, parallelism=batching.max_num_seqs
         )
+        wait_s = self.config.ingress.max_replica_wait_s
         self.pipeline: Pipeline = (
-            ColocatedPipeline(engine, self.metrics, admission)
+            ColocatedPipeline(engine, self.metrics, admission, wait_s)
             if engine is not None
-            else DisaggregatedPipeline(prefill, decode, self.metrics, admission)
+            else DisaggregatedPipeline(prefill, decode, self.metrics, admission, wait_s)
         )
 
     # --- HTTP --------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ tokens join the prompt (greedy output continues exactly; a stop string spanning 
 matched). A replica is lost when it died (a replica whose worker died kills itself, so Serve's
 router has stopped choosing it: deployments/replica.py) or answered that its engine stopped.
 Any other failure ends the stream with the error, never a hang. Leaving the iterator early
-(client disconnect) cancels the replica's stream, which aborts the request there.
+(client disconnect) cancels the replica's stream, which aborts the request there. A call no
+replica takes within `max_replica_wait_s` (none runs: its node is gone and no other node offers
+its resources) is cancelled and answered 503: Serve's router would hold it without a bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import ray
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayinfer.deployments.admission import Admission, Refusal
 from rayinfer.deployments.engine_loop import EngineStoppedError
@@ -63,6 +66,30 @@ def refused(refusal: Refusal, max_wait_s: float) -> OpenAIError:
     return OpenAIError(503, message, code="overloaded", retry_after_s=refusal.retry_after_s)
 
 
+def no_replica(phase: str, wait_s: float) -> OpenAIError:
+    message = (
+        f"no {phase} replica took this request within {wait_s:g} s (none is running, or all "
+        "are full); retry shortly"
+    )
+    return OpenAIError(503, message, code="replica_unavailable")
+
+
+async def until_taken(response, phase: str, wait_s: float | None) -> None:
+    """Return once a replica of `phase` has taken the handle call `response` (unary or
+    streaming); past `wait_s` cancel it and raise a 503 (None: wait as long as it takes).
+    Serve's router holds a call while no replica of the deployment runs (a replacement still
+    starting, or none can: its node died and no other offers its resources) or all are full."""
+    if wait_s is None or not response.by_reference:  # Serve's gRPC calls have no object ref
+        return
+    streaming = isinstance(response, DeploymentResponseGenerator)
+    taken = response._to_object_ref_gen() if streaming else response._to_object_ref()
+    try:
+        await asyncio.wait_for(taken, wait_s)
+    except TimeoutError:
+        response.cancel()
+        raise no_replica(phase, wait_s) from None
+
+
 @dataclass
 class Delta:
     text: str
@@ -77,10 +104,18 @@ class Pipeline:
     """What both modes share: admission, the ingress's metrics and the resume after a replica
     died mid-stream. A subclass's `_attempt` runs the request once on the engines."""
 
-    def __init__(self, metrics: ServeMetrics, admission: Admission | None = None):
-        """admission: which requests are taken (deployments/admission.py; default: all)."""
+    def __init__(
+        self,
+        metrics: ServeMetrics,
+        admission: Admission | None = None,
+        max_replica_wait_s: float | None = None,
+    ):
+        """admission: which requests are taken (deployments/admission.py; default: all).
+        max_replica_wait_s: how long a call may wait for a replica to take it (None: no
+        bound; see `until_taken`)."""
         self.metrics = metrics
         self.admission = admission or Admission(max_wait_s=None)
+        self.max_replica_wait_s = max_replica_wait_s
 
     async def run(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, timings: Timings
@@ -159,8 +194,9 @@ class DisaggregatedPipeline(Pipeline):
         decode: DeploymentHandle,
         metrics: ServeMetrics,
         admission: Admission | None = None,
+        max_replica_wait_s: float | None = None,
     ):
-        super().__init__(metrics, admission)
+        super().__init__(metrics, admission, max_replica_wait_s)
         self.prefill_handle = prefill
         self.decode_handle = decode.options(stream=True)
 
@@ -177,6 +213,10 @@ class DisaggregatedPipeline(Pipeline):
         yield Delta(result.first_text, [result.first_token_id], None, first_logprobs,
                     result.prompt_logprobs, result.num_cached_tokens)  # fmt: skip
         stream = self.decode_handle.generate.remote(DecodeRequest(result, params))
+        try:
+            await until_taken(stream, "decode", self.max_replica_wait_s)
+        except BackPressureError:
+            raise overloaded("decode") from None
         async for chunk in _chunks(stream, "decode"):
             if chunk.kv_import_s is not None:
                 timings.kv_import_s = chunk.kv_import_s
@@ -186,23 +226,32 @@ class DisaggregatedPipeline(Pipeline):
 
     async def _prefill(self, request: PrefillRequest) -> PrefillResult:
         try:
-            return await self.prefill_handle.prefill.remote(request)
+            return await self._prefill_once(request)
         except BackPressureError:
             raise overloaded("prefill") from None
         except Exception as error:
             if not is_replica_lost(error):
                 raise
             logger.warning("prefill of %s failed (%r); retrying once", request.request_id, error)
-            return await self.prefill_handle.prefill.remote(request)
+            return await self._prefill_once(request)
+
+    async def _prefill_once(self, request: PrefillRequest) -> PrefillResult:
+        response = self.prefill_handle.prefill.remote(request)
+        await until_taken(response, "prefill", self.max_replica_wait_s)
+        return await response
 
 
 class ColocatedPipeline(Pipeline):
     """The whole request streamed by one Engine replica (prefill and decode in mixed batches)."""
 
     def __init__(
-        self, engine: DeploymentHandle, metrics: ServeMetrics, admission: Admission | None = None
+        self,
+        engine: DeploymentHandle,
+        metrics: ServeMetrics,
+        admission: Admission | None = None,
+        max_replica_wait_s: float | None = None,
     ):
-        super().__init__(metrics, admission)
+        super().__init__(metrics, admission, max_replica_wait_s)
         self.engine_handle = engine.options(stream=True)
 
     async def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
@@ -216,17 +265,19 @@ class ColocatedPipeline(Pipeline):
     async def _start(self, request: EngineRequest):
         """The engine stream and its first chunk (the prefill's token); a replica gone before
         it is retried once, as a prefill is."""
+        wait_s = self.max_replica_wait_s
         try:
-            return await _first_chunk(self.engine_handle.generate.remote(request))
+            return await _first_chunk(self.engine_handle.generate.remote(request), wait_s)
         except Exception as error:
             if not is_replica_lost(error):
                 raise
             logger.warning("engine of %s failed (%r); retrying once", request.request_id, error)
-            return await _first_chunk(self.engine_handle.generate.remote(request))
+            return await _first_chunk(self.engine_handle.generate.remote(request), wait_s)
 
 
-async def _first_chunk(stream) -> tuple[object, DecodeChunk]:
+async def _first_chunk(stream, wait_s: float | None) -> tuple[object, DecodeChunk]:
     try:
+        await until_taken(stream, "engine", wait_s)
         return stream, await anext(stream)
     except BackPressureError:
         raise overloaded("engine") from None

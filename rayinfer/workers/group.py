@@ -40,10 +40,16 @@ REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do 
 
 
 def placement_bundles(
-    num_workers: int, use_gpus: bool, cpus_per_worker: float, gpus_per_worker: float = 1.0
+    num_workers: int,
+    use_gpus: bool,
+    cpus_per_worker: float,
+    gpus_per_worker: float = 1.0,
+    resources: dict[str, float] | None = None,
 ) -> list[dict]:
-    """Bundle 0 for the replica actor, then one per worker: {"GPU": g, "CPU": 1} or {"CPU": c}."""
+    """Bundle 0 for the replica actor, then one per worker: {"GPU": g, "CPU": 1} or {"CPU": c},
+    plus the custom `resources` that pin the group to the nodes offering them."""
     worker = {"GPU": gpus_per_worker, "CPU": 1.0} if use_gpus else {"CPU": float(cpus_per_worker)}
+    worker.update(resources or {})
     return [{"CPU": REPLICA_CPUS}] + [dict(worker) for _ in range(num_workers)]
 
 

@@ -4,6 +4,8 @@ The cluster is started with `ray start --head` in its own short temp dir, with e
 free at run time, so it cannot collide with the pytest process's own cluster (`ray_cluster` in
 tests/conftest.py): that one is found through RAY_ADDRESS or /tmp/ray, and neither points here.
 Only the subprocesses get RAY_ADDRESS. Every wait is bounded; `stop` always tears everything down.
+More nodes (`nodes`: `ray start --address=...` each with its own resources, temp dir and ports)
+make a multi-node cluster on this one machine; `kill_node` kills one node's processes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,24 @@ PORT_NAMES = (
 )
 
 
+NODE_PORT_NAMES = (
+    "node-manager-port",
+    "object-manager-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node joining the head: its CPUs and custom resources."""
+
+    num_cpus: int
+    resources: dict[str, float] = field(default_factory=dict)
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct free TCP ports on 127.0.0.1 (all held open until all are chosen)."""
     sockets = []
@@ -55,6 +75,10 @@ def free_ports(count: int) -> list[int]:
 class ServeCluster:
     app_args: list[str]
     num_cpus: int = 4
+    head_resources: dict[str, float] = field(default_factory=dict)
+    nodes: list[NodeSpec] = field(default_factory=list)  # joining the head, in order
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_* system settings
+    killed_nodes: list[int] = field(default_factory=list)  # indexes into `nodes`
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
     ports: dict[str, int] = field(default_factory=dict)
     serve_process: subprocess.Popen | None = None
@@ -94,7 +118,11 @@ class ServeCluster:
             RAY_USAGE_STATS_ENABLED="0",
             OMP_NUM_THREADS="1",
         )
+        env.update(self.extra_env)
         return env
+
+    def node_temp_dir(self, index: int) -> Path:
+        return self.temp_dir / f"n{index}"
 
     def start(self, timeout_s: float = 240) -> None:
         assert "RAY_ADDRESS" not in os.environ, "unset RAY_ADDRESS: the tests start their own"
@@ -110,17 +138,58 @@ class ServeCluster:
                 "--num-gpus=0",
                 "--include-dashboard=true",
                 "--disable-usage-stats",
+                f"--resources={json.dumps(self.head_resources)}",
                 *port_flags,
             ],
             timeout_s=120,
         )
-        self._run(["serve", "start", f"--http-port={self.ports['http']}"], timeout_s=60)
+        for index, node in enumerate(self.nodes):
+            self._start_node(index, node)
+        serve_start = ["serve", "start", f"--http-port={self.ports['http']}"]
+        if self.nodes:  # one machine: every node's proxy would want the same port
+            serve_start.append("--proxy-location=HeadOnly")
+        self._run(serve_start, timeout_s=60)
         command = ["serve", "run", "rayinfer.app:build", *self.app_args]
         with open(self.log_path, "wb") as log:
             self.serve_process = subprocess.Popen(
                 command, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
             )
         self.wait_until_ready(timeout_s)
+
+    def _start_node(self, index: int, node: NodeSpec) -> None:
+        temp_dir = self.node_temp_dir(index)
+        temp_dir.mkdir()
+        ports = dict(zip(NODE_PORT_NAMES, free_ports(len(NODE_PORT_NAMES))))
+        command = [
+            "ray",
+            "start",
+            f"--address={self.ray_address}",
+            f"--temp-dir={temp_dir}",
+            f"--num-cpus={node.num_cpus}",
+            "--num-gpus=0",
+            "--disable-usage-stats",
+            f"--resources={json.dumps(node.resources)}",
+            *(f"--{name}={port}" for name, port in ports.items()),
+        ]
+        self._run(command, timeout_s=120)
+
+    def kill_node(self, index: int) -> list[int]:
+        """SIGKILL every process of joined node `index` (its raylet, agents and workers), as if
+        its machine died; the ids killed."""
+        temp_dir = self.node_temp_dir(index)
+        roots = [
+            int(entry.name)
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and _names(entry, f"{temp_dir}/")
+        ]
+        pids = with_descendants(roots)
+        self.killed_nodes.append(index)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -198,7 +267,10 @@ class ServeCluster:
                 self.serve_process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.serve_process.kill()
-        for command in (["serve", "shutdown", "-y", f"--address={self.dashboard_url}"],):
+        # After a node's death Serve's shutdown waits out the graceful stop of the replicas it
+        # had there; the processes below are ended anyway.
+        if not self.killed_nodes:
+            command = ["serve", "shutdown", "-y", f"--address={self.dashboard_url}"]
             try:
                 subprocess.run(command, env=self.env(), capture_output=True, timeout=60)
             except subprocess.TimeoutExpired:
@@ -233,6 +305,14 @@ def _belongs_to_cluster(entry: Path, temp_dir: Path, auth_token: str) -> bool:
         return False
 
 
+def _names(entry: Path, text: str) -> bool:
+    """Whether the process's command line contains `text`."""
+    try:
+        return text.encode() in (entry / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def cluster_process_ids(temp_dir: Path, auth_token: str) -> list[int]:
     """This cluster's processes (see `_belongs_to_cluster`) and all their descendants."""
     roots = {
@@ -242,6 +322,11 @@ def cluster_process_ids(temp_dir: Path, auth_token: str) -> list[int]:
         and int(entry.name) != os.getpid()
         and _belongs_to_cluster(entry, temp_dir, auth_token)
     }
+    return with_descendants(roots)
+
+
+def with_descendants(roots) -> list[int]:
+    """The processes `roots` and all their descendants."""
     parents = _parent_ids()
     found = set(roots)
     grew = True

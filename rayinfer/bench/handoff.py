@@ -2,6 +2,7 @@
 the old one in the same run.
 
     python -m rayinfer.bench handoff [--tokens 3700 --layers 27 --row 576 --dtype bfloat16]
+    python -m rayinfer.bench handoff --two-nodes   # also into an importer on another Ray node
 
 Each actor holds a paged cache of `--layers` layers of `--row`-element rows (default: a 3.7k-token
 DeepSeek-V2-Lite request, 27 x 576 bf16 = 115 MB) on the GPU (both actors on one GPU, as the
@@ -14,6 +15,11 @@ the object store; import: from there into the other actor's cache at other slots
   pageable memory, one put of the list; import with one `.to(device)` per layer.
 Times are medians over `--repeats` after one warm-up, measured inside the actors; every run checks
 that the importer's rows equal the exporter's byte for byte.
+
+`--two-nodes` starts a local two-node Ray cluster (`ray.cluster_utils.Cluster`: two raylets, two
+object stores on this machine) and runs every path twice in the same run: into an importer on
+the exporter's node, then into one on the other node, whose `get` pulls the chunks through Ray's
+object manager (over TCP, here the loopback) as a decode replica on another machine does.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import statistics
+import tempfile
 import time
 
 import ray
@@ -31,6 +39,8 @@ from rayinfer.engine.kv_copy import CHUNK_BYTES, KVCopier
 from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads, pack_kv, token_slots
 
 BLOCK_SIZE = 64
+# Custom resources that pin the actors of a --two-nodes run to the exporter's node or the other.
+NODE_RESOURCES = {"same node": "handoff_exporter_node", "other node": "handoff_other_node"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -122,6 +132,14 @@ def parse_args(argv):
         "--chunk-mb", default=f"{CHUNK_BYTES >> 20}", help="comma-separated chunk sizes (MiB)"
     )
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="start a local two-node Ray cluster and import on both nodes (same-run baseline)",
+    )
+    parser.add_argument(
+        "--object-store-mb", type=int, default=1024, help="each node's object store (--two-nodes)"
+    )
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -160,57 +178,101 @@ def run_variant(exporter, importer, name: str, args, export_table, import_table,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cluster, temp_dir = start_two_nodes(args) if args.two_nodes else (None, None)
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False)
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
     num_blocks = 2 * -(-args.tokens // BLOCK_SIZE) + 2
-    holder = ray.remote(CacheHolder).options(
-        num_cpus=0, num_gpus=0.5 if use_gpu else 0, max_concurrency=1
-    )
     shape = (args.layers, args.row, args.dtype, num_blocks)
-    exporter, importer = holder.remote(*shape, seed=1), holder.remote(*shape, seed=2)
+    placements = list(NODE_RESOURCES) if args.two_nodes else ["same node"]
+    exporter = holder_on("same node", use_gpu, args.two_nodes).remote(*shape, seed=1)
     used = -(-args.tokens // BLOCK_SIZE)
     export_table = list(range(num_blocks - 1, num_blocks - 1 - used, -1))  # scattered, reversed
     import_table = list(range(1, 1 + used))
     num_bytes = args.layers * args.tokens * args.row * DTYPES[args.dtype].itemsize
-    rows = [run_variant(exporter, importer, "per-layer", args, export_table, import_table, 0)]
-    for chunk_mb in (int(c) for c in args.chunk_mb.split(",")):
-        rows.append(
-            run_variant(
-                exporter, importer, "chunked", args, export_table, import_table, chunk_mb << 20
-            )
-        )
+    rows, importers = [], []
+    for placement in placements:
+        importer = holder_on(placement, use_gpu, args.two_nodes).remote(*shape, seed=2)
+        importers.append(importer)
+        tables = (export_table, import_table)
+        found = [run_variant(exporter, importer, "per-layer", args, *tables, 0)]
+        for chunk_mb in (int(c) for c in args.chunk_mb.split(",")):
+            found.append(run_variant(exporter, importer, "chunked", args, *tables, chunk_mb << 20))
+        rows += [dict(row, importer=placement) for row in found]
     device = "cuda" if use_gpu else "cpu"
+    print_rows(rows, num_bytes, args, device)
+    if args.json:
+        report = {"num_bytes": num_bytes, "device": device, "args": vars(args), "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    for actor in (exporter, *importers):
+        ray.kill(actor)
+    if started_ray or cluster is not None:
+        ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return 0 if all(row["exact"] for row in rows) else 1
+
+
+def start_two_nodes(args):
+    """A local cluster of two nodes on this machine, each offering its NODE_RESOURCES name,
+    and its temp dir; this process connects to it."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        raise SystemExit("--two-nodes starts its own local cluster: run it without Ray started")
+    store_bytes = args.object_store_mb << 20
+    cluster = Cluster()
+    temp_dir = tempfile.mkdtemp(prefix="rayinfer-handoff-")  # not /tmp/ray: its own session
+    for resource in NODE_RESOURCES.values():
+        cluster.add_node(num_cpus=1, resources={resource: 4}, object_store_memory=store_bytes,
+                         temp_dir=temp_dir, include_dashboard=False)  # fmt: skip
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    return cluster, temp_dir
+
+
+def holder_on(placement: str, use_gpu: bool, two_nodes: bool):
+    """The CacheHolder actor class, pinned to `placement`'s node in a --two-nodes run."""
+    options = dict(num_cpus=0, num_gpus=0.5 if use_gpu else 0, max_concurrency=1)
+    if two_nodes:
+        options["resources"] = {NODE_RESOURCES[placement]: 1}
+    return ray.remote(CacheHolder).options(**options)
+
+
+def print_rows(rows: list[dict], num_bytes: int, args, device: str) -> None:
     print(f"hand-off of {num_bytes / 1e6:.1f} MB ({args.tokens} tokens x {args.layers} layers x "
           f"{args.row} {args.dtype}) between two actors on {device}")  # fmt: skip
-    print(f"{'variant':10s} {'chunk':>6s} {'export ms':>10s} {'GB/s':>6s} {'(copy/put)':>14s}"
-          f" {'import ms':>10s} {'GB/s':>6s} {'(get/copy)':>14s} exact")  # fmt: skip
+    print(f"{'importer':10s} {'variant':10s} {'chunk':>6s} {'export ms':>10s} {'GB/s':>6s} "
+          f"{'(copy/put)':>14s} {'import ms':>10s} {'GB/s':>6s} {'(get/copy)':>14s} "
+          "exact")  # fmt: skip
     for row in rows:
         row["export_gb_s"] = num_bytes / row["export_s"] / 1e9
         row["import_gb_s"] = num_bytes / row["import_s"] / 1e9
         chunk = "-" if row["chunk_mb"] is None else f"{row['chunk_mb']}M"
         print(
-            f"{row['variant']:10s} {chunk:>6s} {row['export_s'] * 1e3:10.2f} "
-            f"{row['export_gb_s']:6.1f} "
+            f"{row['importer']:10s} {row['variant']:10s} {chunk:>6s} "
+            f"{row['export_s'] * 1e3:10.2f} {row['export_gb_s']:6.1f} "
             f"{row['export_copy_s'] * 1e3:6.2f}/{row['export_put_s'] * 1e3:<7.2f}"
             f" {row['import_s'] * 1e3:10.2f} {row['import_gb_s']:6.1f} "
             f"{row['import_get_s'] * 1e3:6.2f}/{row['import_copy_s'] * 1e3:<7.2f} {row['exact']}"
         )
-    base = rows[0]
-    for row in rows[1:]:
-        export_ratio = base["export_s"] / row["export_s"]
-        import_ratio = base["import_s"] / row["import_s"]
-        print(
-            f"chunked {row['chunk_mb']}M vs per-layer: export {export_ratio:.1f}x, "
-            f"import {import_ratio:.1f}x"
-        )
-    if args.json:
-        report = {"num_bytes": num_bytes, "device": device, "args": vars(args), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    for actor in (exporter, importer):
-        ray.kill(actor)
-    if started_ray:
-        ray.shutdown()
-    return 0 if all(row["exact"] for row in rows) else 1
+    for placement in dict.fromkeys(row["importer"] for row in rows):
+        base, *chunked = [row for row in rows if row["importer"] == placement]
+        for row in chunked:
+            export_ratio = base["export_s"] / row["export_s"]
+            import_ratio = base["import_s"] / row["import_s"]
+            print(f"{placement}: chunked {row['chunk_mb']}M vs per-layer: export "
+                  f"{export_ratio:.1f}x, import {import_ratio:.1f}x")  # fmt: skip
+    same = {(r["variant"], r["chunk_mb"]): r for r in rows if r["importer"] == "same node"}
+    for row in rows:
+        if row["importer"] == "other node":
+            base = same[(row["variant"], row["chunk_mb"])]
+            print(
+                f"{row['variant']} {row['chunk_mb'] or ''}: other node vs same node: import "
+                f"{row['import_gb_s']:.2f} vs {base['import_gb_s']:.2f} GB/s "
+                f"({base['import_s'] / row['import_s']:.2f}x), get {row['import_get_s'] * 1e3:.1f}"
+                f" vs {base['import_get_s'] * 1e3:.1f} ms"
+            )

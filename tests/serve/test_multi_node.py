@@ -3,8 +3,9 @@ phase to the node offering its resource; the KV crosses nodes through the object
 
 The e2e tests run a real two-node cluster on this one machine (tests/serve/cluster.py: a head
 offering `prefill_box`, a second `ray start` offering `decode_box`), then kill the decode node.
-Before them, the build-time check of the nodes (deployments/node_fit.py) against made-up
-`ray.nodes()` listings.
+Before them, fast tests of the parts: the build-time check of the nodes
+(deployments/node_fit.py) against made-up `ray.nodes()` listings, the keys, the bundles, and
+the ingress's bound on a call no replica takes (pipeline.until_taken).
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ def test_the_decode_node_dies_and_the_server_keeps_answering(server):
     wait_for(lambda: all(o.get("chunks", 0) >= 3 for o in outcomes), 60, 0.1, "streams going")
     killed_at = time.monotonic()
     assert server.kill_node(0)
+    assert not any(o["end"] for o in outcomes), "a stream ended before the kill"
     for thread in threads:
         thread.join(timeout=90)
     assert not any(thread.is_alive() for thread in threads), "an in-flight stream hung"

@@ -161,6 +161,9 @@ KERNELS = {
     "v4_attention_listed": v4_attention_listed,
     "v4_attention_every": v4_attention_every,
 }
+# DeepSeek-V4's serve bf16 models; their float32 path (parity runs) is the same code with
+# smaller tiles, compiled on the GPU by tests/gpu/test_v4_kernels.py.
+V4_KERNELS = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")
 # Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa_index_fp8.FP8_CAPABILITY). FP8
 # keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill
 # instructions), left to float32 parity runs, which keep "auto" keys.
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for dtype in args.dtype or ["bf16"]:
                 if kernel in FP8_KERNELS and dtype not in FP8_DTYPES:
+                    continue
+                if kernel in V4_KERNELS and dtype == "fp32":
                     continue
                 rows.append(report(kernel, arch, dtype))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)

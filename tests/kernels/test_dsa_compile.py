@@ -34,10 +34,11 @@ def test_dsa_kernels_compile_for_sm80_sm89_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [parse(line) for line in run.stdout.splitlines() if line.startswith("kernel=")]
     built = {(r["kernel"], r["arch"], r["dtype"]) for r in rows}
-    kernels = ("sparse_mla", "sparse_mla_combine", "dsa_index_scores", "v4_index_scores",
-               "v4_attention_listed", "v4_attention_every")  # fmt: skip
+    kernels = ("sparse_mla", "sparse_mla_combine", "dsa_index_scores")
+    v4_kernels = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")  # bf16 only
     fp8_kernels = ("dsa_index_scores_fp8", "dsa_write_cache_fp8")  # fp8e4nv: sm_89 and later
     expected = {(k, a, d) for k in kernels for a in (80, 89, 90) for d in ("bf16", "fp32")}
+    expected |= {(k, a, "bf16") for k in v4_kernels for a in (80, 89, 90)}
     expected |= {(k, a, "bf16") for k in fp8_kernels for a in (89, 90)}  # a bf16/fp16 format
     assert built == expected
     for row in rows:

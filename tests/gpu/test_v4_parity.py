@@ -13,11 +13,12 @@ entries of the longer prompts:
 import pytest
 import torch
 
-import rayinfer
 from tests.models.harness import (
+    engine_greedy_tokens,
     load_rayinfer,
     make_prompts,
     make_v4_checkpoint,
+    relative_errors,
     run_greedy,
     run_transformers,
 )
@@ -61,25 +62,9 @@ def prompts():
     return make_prompts(SHAPES["vocab_size"], lengths=LENGTHS)
 
 
-def generate(checkpoint, prompts, dtype):
-    llm = rayinfer.LLM(
-        str(checkpoint), device="cuda", dtype=dtype, max_num_batched_tokens=64, max_model_len=512
-    )
-    params = rayinfer.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-    try:
-        return [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        llm.shutdown()
-
-
 def test_float32_on_the_gpu_gives_transformers_tokens(checkpoint, prompts):
     expected = run_transformers(checkpoint, prompts, NUM_TOKENS).token_ids
-    assert generate(checkpoint, prompts, torch.float32) == expected
-
-
-def relative_errors(logits, reference):
-    """Per position ||logits - reference|| / ||reference|| over the vocabulary: [n]."""
-    return (logits.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert engine_greedy_tokens(checkpoint, prompts, torch.float32, NUM_TOKENS) == expected
 
 
 @torch.no_grad()

@@ -251,11 +251,16 @@ DSA_FAMILIES = {
 
 
 def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path:
-    """A transformers DeepSeek (TINY_MLA with `overrides`) with std-0.1 weights and a random
-    non-zero correction bias."""
+    """A transformers DeepSeek (TINY_MLA with `overrides`) made by `save_random_moe`."""
+    return save_random_moe(folder, model_type, {**TINY_MLA, **overrides})
+
+
+def save_random_moe(folder: Path, model_type: str, config_kwargs: dict) -> Path:
+    """A transformers MoE of `model_type` with std-0.1 weights, random non-zero correction
+    biases and (DeepSeek-V4's hash layers) a random table of distinct experts per token."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**TINY_MLA, **overrides})
+    config = AutoConfig.for_model(model_type, **config_kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reinit_weights(model, seed=0, std=0.1)
     generator = torch.Generator().manual_seed(1)
@@ -263,6 +268,10 @@ def make_deepseek_checkpoint(folder: Path, model_type: str, **overrides) -> Path
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+            elif name.endswith("tid2eid"):
+                experts = config.n_routed_experts
+                scores = torch.rand(buffer.shape[0], experts, generator=generator)
+                buffer.copy_(scores.topk(buffer.shape[1], dim=-1).indices)
     model.save_pretrained(folder)
     return folder
 
@@ -308,21 +317,24 @@ TINY_V4 = dict(
 
 
 def make_v4_checkpoint(folder: Path, **overrides) -> Path:
-    """A transformers DeepSeek-V4 (TINY_V4 with `overrides`) with std-0.1 weights, a random
-    non-zero correction bias and a random hash table of distinct experts per token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A transformers DeepSeek-V4 (TINY_V4 with `overrides`) made by `save_random_moe`."""
+    return save_random_moe(folder, "deepseek_v4", {**TINY_V4, **overrides})
 
-    config = AutoConfig.for_model("deepseek_v4", **{**TINY_V4, **overrides})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reinit_weights(model, seed=0, std=0.1)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
-            elif name.endswith("tid2eid"):
-                experts = config.n_routed_experts
-                scores = torch.rand(buffer.shape[0], experts, generator=generator)
-                buffer.copy_(scores.topk(buffer.shape[1], dim=-1).indices)
-    model.save_pretrained(folder)
-    return folder
+
+def engine_greedy_tokens(checkpoint, prompts, dtype, max_new_tokens: int, device="cuda"):
+    """The offline engine's greedy tokens in chunks of 64 (the GPU parity tests' run)."""
+    import rayinfer
+
+    llm = rayinfer.LLM(
+        str(checkpoint), device=device, dtype=dtype, max_num_batched_tokens=64, max_model_len=512
+    )
+    params = rayinfer.SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    try:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+
+
+def relative_errors(logits, reference):
+    """Per position ||logits - reference|| / ||reference|| over the vocabulary: [n]."""
+    return (logits.float() - reference).norm(dim=-1) / reference.norm(dim=-1)

@@ -20,6 +20,7 @@ from tests.models.harness import (
     load_rayinfer,
     make_prompts,
     make_v4_checkpoint,
+    relative_errors,
     run_greedy,
     run_transformers,
 )
@@ -84,13 +85,8 @@ def test_bf16_prefill_logits_err_no_more_than_transformers_bf16(checkpoint, refe
     ours = run_greedy(model, config, PROMPTS, 1, block_size=4, chunk_size=8).prompt_logits
     for i, prompt in enumerate(PROMPTS):
         expected = reference.prompt_logits[i]
-        their_error = relative_error(theirs(torch.tensor([prompt])).logits[0], expected)
-        assert relative_error(ours[i], expected) <= 1.5 * their_error + 0.01
-
-
-def relative_error(logits, reference) -> float:
-    """The median over positions of ||logits - reference|| / ||reference||."""
-    return ((logits.float() - reference).norm(dim=-1) / reference.norm(dim=-1)).median().item()
+        their_error = relative_errors(theirs(torch.tensor([prompt])).logits[0], expected).median()
+        assert relative_errors(ours[i], expected).median() <= 1.5 * their_error + 0.01
 
 
 def test_layers_cache_rows_and_hash_routing(checkpoint):

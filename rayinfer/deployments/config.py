@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rayinfer.config import (
     ALL_TO_ALL_CHOICES,
@@ -52,6 +61,14 @@ def check_resource_names(resources: dict[str, float]) -> dict[str, float]:
                 "cpus_per_worker and gpus_per_worker"
             )
     return resources
+
+
+# A phase's or the ingress's custom Ray resources: a mapping, or one JSON string of it
+Resources = Annotated[
+    dict[str, ResourceAmount],
+    BeforeValidator(parse_resources),
+    AfterValidator(check_resource_names),
+]
 
 
 def parse_bool_or_auto(value: Any) -> bool | str:
@@ -185,7 +202,7 @@ class PhaseConfig(_Strict):
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
     )
-    resources: dict[str, ResourceAmount] = Field(
+    resources: Resources = Field(
         default_factory=dict,
         description="custom Ray resources (name -> amount) each worker of a replica reserves "
         "beside its CPU/GPU, to pin the phase to the nodes offering them (`ray start "
@@ -195,16 +212,6 @@ class PhaseConfig(_Strict):
     )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     all_to_all: AllToAllConfig = Field(default_factory=AllToAllConfig)
-
-    @field_validator("resources", mode="before")
-    @classmethod
-    def _parse_resources(cls, value: Any) -> Any:
-        return parse_resources(value)
-
-    @field_validator("resources")
-    @classmethod
-    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
-        return check_resource_names(value)
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod
@@ -255,21 +262,11 @@ class IngressConfig(_Strict):
         "offers its resources) or all are full; past it the ingress answers 503 (an error event "
         "once streaming). null: no bound (autoscaling from zero replicas waits for the first)",
     )
-    resources: dict[str, ResourceAmount] = Field(
+    resources: Resources = Field(
         default_factory=dict,
         description="custom Ray resources the ingress replica reserves, to pin it to the nodes "
         "offering them (ingress.resources.node:__internal_head__=0.01: the head node)",
     )
-
-    @field_validator("resources", mode="before")
-    @classmethod
-    def _parse_resources(cls, value: Any) -> Any:
-        return parse_resources(value)
-
-    @field_validator("resources")
-    @classmethod
-    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
-        return check_resource_names(value)
 
 
 def _default_decode() -> PhaseConfig:

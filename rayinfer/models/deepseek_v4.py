@@ -155,8 +155,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def expected_checkpoint_names(self) -> set[str]:
         """Every checkpoint tensor this rank's parameters need, named as `parameter_name`
-        names them (the loader compares the checkpoint's names so)."""
-        return {parameter_name(n) for n in self._checkpoint_names()}
+        names them (the loader compares the checkpoint's names so): parameter names, with the
+        stacked experts and merged shared-expert projections spelled per tensor."""
+        return set(self._checkpoint_names())
 
     @staticmethod
     def normalize_checkpoint_name(name: str) -> str:

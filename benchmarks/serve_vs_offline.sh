@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `serve run rayinfer.app:build` against the offline engine on the same prompts (issue 28), then
 # optionally `transformers serve` with the same client, and a table of ratios last:
-#   1. offline: `python -m rayinfer.bench throughput` (all requests at once, --seed 0);
+#   1. offline: `python -m rayinfer.bench throughput`, all requests at once (--seed 0), then
+#      16 and 64 in flight (--max-concurrency, the serve passes' seeds and shapes);
 #   2. `serve run rayinfer.app:build model=$MODEL "$@"`, then `python -m rayinfer.bench serve` at
 #      concurrency 16 (--seed 0: the offline run's prompts) and 64 (--seed 1: fresh prompts, so
 #      the server's prefix cache cannot serve them), then a Poisson sweep over $RATES with goodput;
@@ -44,11 +45,18 @@ wait_up() {  # wait_up URL SECONDS
   echo "no server at $1 after $2 s"; return 1
 }
 
-echo "== offline engine ($LOAD_FORMAT weights)"
-# shellcheck disable=SC2086
-timeout "${OFFLINE_TIMEOUT:-900}" python -m rayinfer.bench throughput --model "$MODEL" \
-  --load-format "$LOAD_FORMAT" "${DATASET[@]}" --seed 0 $OFFLINE_ARGS --json "$OUT/offline.json" \
-  2>&1 | grep -e "throughput" -e "Mean T" -e "Successful" -e "Error" | head -12
+offline() {  # offline NAME [bench throughput args...]: its JSON at $OUT/NAME.json
+  local name=$1; shift
+  echo "== $name: offline engine ($LOAD_FORMAT weights) $*"
+  # shellcheck disable=SC2086
+  timeout "${OFFLINE_TIMEOUT:-900}" python -m rayinfer.bench throughput --model "$MODEL" \
+    --load-format "$LOAD_FORMAT" "${DATASET[@]}" $OFFLINE_ARGS --json "$OUT/$name.json" "$@" \
+    2>&1 | grep -e "throughput" -e "P50 T" -e "Successful" -e "Error" | head -12
+}
+offline offline --seed 0
+# The serve passes' shapes: as many in flight as the client keeps (its seeds, its prompts).
+offline offline_c16 --seed 0 --max-concurrency 16
+offline offline_c64 --seed 1 --max-concurrency 64
 
 timeout "${SERVE_TIMEOUT:-2400}" "${SERVE[@]}" run rayinfer.app:build model="$MODEL" "$@" \
   >"$OUT/serve_vs_offline_serve.log" 2>&1 &
@@ -110,8 +118,10 @@ def ratio(a, b, key, invert=False):
     return f"{(b[key] / a[key]) if invert else (a[key] / b[key]):.2f}x"
 
 offline = summary("offline")
-rows = [("serve c16 / offline", summary("serve_c16"), offline),
-        ("serve c64 / offline", summary("serve_c64"), offline),
+rows = [("serve c16 / offline (all at once)", summary("serve_c16"), offline),
+        ("serve c64 / offline (all at once)", summary("serve_c64"), offline),
+        ("serve c16 / offline c16", summary("serve_c16"), summary("offline_c16")),
+        ("serve c64 / offline c64", summary("serve_c64"), summary("offline_c64")),
         ("transformers c16 / rayinfer c16 (text)", summary("transformers_c16"),
          summary("serve_c16_text"))]
 print(f"{'':40} {'input tok/s':>12} {'output tok/s':>13} {'P50 TPOT':>9} {'P50 TTFT':>9}")

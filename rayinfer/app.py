@@ -64,10 +64,11 @@ def build(args: dict[str, Any] | None = None) -> Application:
         .bind(config_dict, source)
         for phase in phases
     }
+    ingress_actor = {"num_cpus": 0, "resources": dict(config.ingress.resources)}
     ingress_options = dict(
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
-        ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress.resources)},
+        ray_actor_options=ingress_actor | replica_runtime_env(config, is_ingress=True),
     )
     return Ingress.options(**ingress_options).bind(config_dict, source, **handles)
 
@@ -99,6 +100,22 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
         autoscaling_config=phase.autoscaling.to_serve(),
         placement_group_bundles=phase_bundles(phase, use_gpus),
         placement_group_strategy="STRICT_PACK",
-        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        ray_actor_options={"num_cpus": REPLICA_CPUS} | replica_runtime_env(config),
         health_check_period_s=config.health_check_period_s,
     )
+
+
+# Serve's switches (read in each replica's process at start) that `handlers_on_replica_loop`
+# turns off: the handlers' own thread and, in the caller of the other deployments, the router's.
+# On the 2-core CPU (tiny model, 64 streams of 64 tokens, colocated) they took output from 787
+# to 944 tok/s (benchmarks/RESULTS.md, issue 28 "Serve's per-chunk costs").
+HANDLER_THREAD_SWITCH = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+ROUTER_LOOP_SWITCH = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
+
+
+def replica_runtime_env(config: AppConfig, is_ingress: bool = False) -> dict[str, Any]:
+    """The `runtime_env` part of a deployment's actor options (empty: Serve's defaults)."""
+    if not config.handlers_on_replica_loop:
+        return {}
+    env_vars = {HANDLER_THREAD_SWITCH: "0"} | ({ROUTER_LOOP_SWITCH: "0"} if is_ingress else {})
+    return {"runtime_env": {"env_vars": env_vars}}

@@ -1,6 +1,7 @@
 """The serve bench's requests through the offline engine, all at once (as `vllm bench
-throughput`): requests/s, input and output tokens/s, and each request's TTFT and TPOT counted
-from the start. Same dataset flags and seed as `python -m rayinfer.bench serve`, so both see the
+throughput`) or N at a time (`--max-concurrency`, as the serve bench's client keeps them):
+requests/s, input and output tokens/s, and each request's TTFT and TPOT counted from when it
+was added. Same dataset flags and seed as `python -m rayinfer.bench serve`, so both see the
 same prompts (a serve pass at --seed S sends what this sends at --seed S).
 
     python -m rayinfer.bench throughput --model DIR --num-prompts 64 --input-len 3700 \\
@@ -46,6 +47,11 @@ def parse_args(argv):
         "figure issue 28 recorded, a cause not yet confirmed)",
     )  # fmt: skip
     parser.add_argument(
+        "--max-concurrency", type=int, default=None,
+        help="requests in flight at most, the next added as one finishes (as `bench serve "
+        "--max-concurrency`, so both schedule alike); default: all at once",
+    )  # fmt: skip
+    parser.add_argument(
         "--json-schema", default=None,
         help="a JSON schema (text) every reply must match: structured output on",
     )  # fmt: skip
@@ -70,32 +76,49 @@ def make_llm(args) -> LLM:
 
 
 def run_all(
-    llm: LLM, requests, tag: str, structured: StructuredOutput | None = None
+    llm: LLM,
+    requests,
+    tag: str,
+    structured: StructuredOutput | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Every request added at once, then engine steps until all finish; times from the start.
-    With `structured`, a reply ends where its grammar is complete (EOS) or at its length."""
+    """Every request added at once, or with `max_concurrency` that many in flight, the next
+    added as one finishes (what `bench serve --max-concurrency` keeps a server at); then engine
+    steps until all finish. A request's times count from when it was added. With `structured`,
+    a reply ends where its grammar is complete (EOS) or at its length."""
     results = {f"{tag}-{i}": RequestResult() for i in range(len(requests))}
+    waiting = list(zip(results, requests))[::-1]  # popped from the end: in order
+    limit = max_concurrency or len(requests)
     start = time.perf_counter()
-    for request_id, request in zip(results, requests):
+
+    def add_next() -> None:
+        request_id, request = waiting.pop()
         params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True,
                                 structured_output=structured)  # fmt: skip
+        results[request_id].sent_s = time.perf_counter() - start
         llm.engine.add_request(request_id, request.prompt, params)
-    unfinished = set(results)
+
+    while waiting and len(results) - len(waiting) < limit:
+        add_next()
+    unfinished = {request_id for request_id in results} - {rid for rid, _ in waiting}
     while unfinished:
         for output in llm.engine.step():
             result = results.get(output.request_id)
             if result is None or output.request_id not in unfinished:
                 continue
-            now = time.perf_counter() - start
+            elapsed = time.perf_counter() - start - result.sent_s
             if output.new_token_ids:
-                mark_token(result, now)
+                mark_token(result, elapsed)
             if output.finished:
                 unfinished.discard(output.request_id)
                 result.ok = output.finish_reason in ("stop", "length")
                 result.error = output.error or ""
-                result.latency_s = now
+                result.latency_s = elapsed
                 result.prompt_tokens = len(output.prompt_token_ids)
                 result.output_tokens = len(output.token_ids)
+                if waiting:
+                    unfinished.add(waiting[-1][0])
+                    add_next()
     return list(results.values()), time.perf_counter() - start
 
 
@@ -108,10 +131,12 @@ def main(argv=None) -> int:
     structured = None
     if args.json_schema is not None:
         structured = StructuredOutput.json_schema(json.loads(args.json_schema))
-    run_all(llm, warmup, "warmup", structured)  # compiles, captures graphs; not counted
-    results, duration_s = run_all(llm, requests, "timed", structured)
+    concurrency = args.max_concurrency
+    run_all(llm, warmup, "warmup", structured, concurrency)  # compiles, captures graphs
+    results, duration_s = run_all(llm, requests, "timed", structured, concurrency)
     summary = summarize(results, duration_s)
-    print(format_report(summary, f"Offline engine ({args.model}, all at once)"))
+    shape = "all at once" if concurrency is None else f"{concurrency} at once"
+    print(format_report(summary, f"Offline engine ({args.model}, {shape})"))
     if args.json:
         record = {"model": args.model, "args": vars(args), "summary": summary}
         with open(args.json, "w") as out:

@@ -345,6 +345,20 @@ class AppConfig(_Strict):
         "prefill graphs as the prefill phase's, decode graphs as decode's",
     )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    stream_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        description="shortest time between two streamed chunks of one request after its "
+        "first (the tokens of the steps in between come in one chunk), as Ray Serve LLM's "
+        "stream_batching_interval_ms: each chunk costs the replicas and the proxy more CPU than "
+        "a decode step per token; 0: a chunk per engine step",
+    )
+    handlers_on_replica_loop: bool = Field(
+        True,
+        description="run the request handlers of rayinfer's replicas on each replica's own "
+        "event loop, and the Ingress's router on it too, instead of a thread each (Serve's "
+        "default): one thread hop less per streamed chunk. false: Serve's default",
+    )
 
     @field_validator("disaggregate", mode="before")
     @classmethod

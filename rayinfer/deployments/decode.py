@@ -45,7 +45,7 @@ class Decode(PhaseReplica):
                     self.metrics.kv_handoff_seconds.observe(export_s, tags=prefill_tags)
                 is_first = False
             else:
-                self.metrics.inter_token_latency.observe(now - last, tags=self.metrics.tags)
+                self.metrics.observe_token_gap(now - last, len(output.new_token_ids))
             last = now
             if output.finished:
                 self.metrics.add_tokens(0, len(output.token_ids) - 1)

@@ -40,7 +40,7 @@ class Engine(PhaseReplica):
                 self.metrics.ttft.observe(now - arrival, tags=self.metrics.tags)
                 is_first = False
             else:
-                self.metrics.inter_token_latency.observe(now - last, tags=self.metrics.tags)
+                self.metrics.observe_token_gap(now - last, len(output.new_token_ids))
             last = now
             if output.finished:
                 self.metrics.add_tokens(len(prompt_ids), len(output.token_ids))

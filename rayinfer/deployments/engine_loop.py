@@ -52,6 +52,10 @@ class _Stream:
     events: asyncio.Queue
 
 
+def _ends_stream(event: LoopEvent) -> bool:
+    return event.error is not None or event.output.finished
+
+
 def _coalesced(event: LoopEvent, queued: asyncio.Queue) -> LoopEvent:
     """`event` merged with the ones queued behind it, up to the first error or finish: when the
     caller falls behind the engine (64 streams yielding through Serve one token each cost a
@@ -86,10 +90,14 @@ class EngineLoop:
         name: str,
         on_tick: Callable[[], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        chunk_interval_s: float = 0.0,
     ):
         """on_tick runs on the loop thread after every step, and every IDLE_WAIT_S when idle;
-        on_fatal once, on the loop thread, when the engine failed, before any request hears."""
+        on_fatal once, on the loop thread, when the engine failed, before any request hears.
+        chunk_interval_s: the shortest time between two events of one stream after its first;
+        the steps in between come merged into one (0: an event per step)."""
         self.engine = engine
+        self.chunk_interval_s = chunk_interval_s
         self.on_tick = on_tick or (lambda: None)
         self.on_fatal = on_fatal or (lambda error: None)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -122,13 +130,19 @@ class EngineLoop:
             self.streams.pop(request_id, None)
             raise EngineStoppedError(type(self.fatal_error).__name__)
         finished = False
+        next_send = None  # loop time before which no event but the last is sent
         try:
             while not finished:
-                event = _coalesced(await stream.events.get(), stream.events)
+                event = await stream.events.get()
+                if next_send is not None and not _ends_stream(event):
+                    await asyncio.sleep(next_send - stream.loop.time())  # the steps meanwhile
+                event = _coalesced(event, stream.events)  # join it here
                 if event.error is not None:
                     finished = True
                     raise event.error
                 finished = event.output.finished
+                if self.chunk_interval_s > 0:
+                    next_send = stream.loop.time() + self.chunk_interval_s
                 yield event
         finally:
             self.streams.pop(request_id, None)

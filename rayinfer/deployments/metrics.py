@@ -25,7 +25,8 @@ METRICS = {
     "inter_token_latency": (
         "latency",
         "rayinfer_inter_token_latency_seconds",
-        "Seconds between two streamed chunks of one request.",
+        "Seconds per token between two streamed chunks of one request (the gap over the "
+        "later chunk's tokens).",
         (),
     ),
     "prompt_tokens": ("counter", "rayinfer_prompt_tokens", "Prompt tokens received.", ()),
@@ -95,6 +96,10 @@ class ServeMetrics:
         self.running_requests.set(num_running, tags=self.tags)
         self.kv_cache_usage.set(kv_usage, tags=self.tags)
         self.kv_cache_capacity_tokens.set(kv_capacity_tokens, tags=self.tags)
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """A chunk of num_tokens tokens `seconds` after the one before."""
+        self.inter_token_latency.observe(seconds / max(num_tokens, 1), tags=self.tags)
 
     def observe_handoff(self, seconds: float, num_bytes: int = 0) -> None:
         self.kv_handoff_seconds.observe(seconds, tags=self.tags)

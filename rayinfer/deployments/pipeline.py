@@ -141,7 +141,7 @@ class Pipeline:
                     timings.ttft_s = now - arrival
                     self.metrics.ttft.observe(timings.ttft_s, tags=self.metrics.tags)
                 else:
-                    self.metrics.inter_token_latency.observe(now - last, tags=self.metrics.tags)
+                    self.metrics.observe_token_gap(now - last, len(delta.token_ids))
                 last = now
                 num_generated += len(delta.token_ids)
                 yield delta

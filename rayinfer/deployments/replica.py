@@ -60,8 +60,9 @@ class PhaseReplica:
         self._last_report = 0.0
         self.failure: str | None = None  # why this replica is leaving; None while it serves
         self.loop = EngineLoop(
-            self.engine, name_prefix, on_tick=self._report_engine, on_fatal=self._engine_failed
-        )
+            self.engine, name_prefix, on_tick=self._report_engine, on_fatal=self._engine_failed,
+            chunk_interval_s=self.config.stream_interval_ms / 1000,
+        )  # fmt: skip
         self.workers.watch(lambda lost: self._leave(lost.describe()))
 
     def _engine_failed(self, error: BaseException) -> None:

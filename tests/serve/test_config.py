@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayinfer.app import build, phase_options
+from rayinfer.app import build, phase_options, replica_runtime_env
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig, nest_dotted_keys
 
@@ -88,6 +88,17 @@ def test_phase_options_reserve_whole_worker_groups():
     config = AppConfig.from_args({"prefill.tp": "2", "prefill.ep": "2"})
     gpu = phase_options(config, config.prefill, use_gpus=True)
     assert gpu["placement_group_bundles"][1:] == [{"GPU": 1.0, "CPU": 1.0}] * 2
+
+
+def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
+    config = AppConfig.from_args({})
+    env = phase_options(config, config.engine, use_gpus=False)["ray_actor_options"]
+    assert env["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    assert env["num_cpus"] > 0
+    ingress = replica_runtime_env(config, is_ingress=True)["runtime_env"]["env_vars"]
+    assert ingress["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    config = AppConfig.from_args({"handlers_on_replica_loop": "false"})
+    assert "runtime_env" not in phase_options(config, config.engine, False)["ray_actor_options"]
 
 
 def test_example_serve_config_is_valid():

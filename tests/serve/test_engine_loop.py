@@ -179,3 +179,28 @@ def test_a_caller_that_falls_behind_gets_the_steps_it_missed_in_one_event(llm):
     assert logprobs == list(expected.logprobs)
     assert len(events) < len(tokens)  # several steps' tokens came together
     assert events[-1].output.finished and sum(e.output.finished for e in events) == 1
+
+
+def test_a_chunk_interval_merges_the_steps_between_a_streams_events(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    [expected] = llm.generate([PROMPTS[0]], params)
+    loop = new_loop(llm, chunk_interval_s=0.1)
+
+    async def run():
+        events, sent_at = [], []
+        async for event in loop.generate("paced", PROMPTS[0], params, False):
+            events.append(event)
+            sent_at.append(asyncio.get_running_loop().time())
+        return events, sent_at
+
+    events, sent_at = asyncio.run(run())
+    loop.stop()
+    tokens = [token for event in events for token in event.output.new_token_ids]
+    assert tokens == expected.token_ids
+    assert "".join(event.output.new_text for event in events) == expected.text
+    assert len(events) < len(tokens)  # several steps' tokens came together
+    # The interval is a floor between events (the clock's resolution aside); the last one, the
+    # finish, is sent at once.
+    gaps = [later - earlier for earlier, later in zip(sent_at[:-2], sent_at[1:-1])]
+    assert all(gap >= 0.1 - 1e-3 for gap in gaps)
+    assert events[-1].output.finished and sum(e.output.finished for e in events) == 1

@@ -1,0 +1,58 @@
+"""`python -m rayinfer.bench throughput`: the offline baseline the serve bench is compared with,
+all at once or N requests in flight as the serve bench's client keeps a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rayinfer
+from rayinfer.bench import throughput
+
+ARGS = ["--num-prompts", "6", "--input-len", "12", "--output-len", "9", "--tokenizer", "tiny"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return rayinfer.LLM("tiny", max_model_len=128, num_kv_blocks=64)
+
+
+def in_flight_per_step(llm) -> list[int]:
+    """Wrap the engine's step to record how many requests it held at each step."""
+    counts, step = [], llm.engine.step
+
+    def counting_step():
+        scheduler = llm.engine.scheduler
+        counts.append(len(scheduler.waiting) + len(scheduler.running))
+        return step()
+
+    llm.engine.step = counting_step
+    return counts
+
+
+@pytest.mark.parametrize("max_concurrency", [None, 2])
+def test_requests_in_flight_never_exceed_the_cap(llm, max_concurrency):
+    args = throughput.parse_args(ARGS)
+    requests = throughput.build_requests(args, 0, llm.tokenizer)
+    counts = in_flight_per_step(llm)
+    try:
+        results, duration_s = throughput.run_all(llm, requests, "t", None, max_concurrency)
+    finally:
+        del llm.engine.step
+    cap = max_concurrency or len(requests)
+    assert max(counts) == cap and all(count <= cap for count in counts)
+    assert all(result.ok and result.output_tokens == 9 for result in results)
+    # Times count from each request's own start: none took longer than the whole pass.
+    assert all(0 <= r.ttft_s <= r.latency_s <= duration_s - r.sent_s for r in results)
+    if max_concurrency:  # later requests were added after earlier ones finished
+        assert results[-1].sent_s >= min(r.latency_s for r in results[:2])
+
+
+def test_the_command_writes_its_summary(tmp_path):
+    out = tmp_path / "offline.json"
+    assert throughput.main([*ARGS, "--max-concurrency", "3", "--warmup-prompts", "1",
+                            "--json", str(out)]) == 0  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["args"]["max_concurrency"] == 3
+    assert record["summary"]["completed"] == 6 and record["summary"]["failed"] == 0

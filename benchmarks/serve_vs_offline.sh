@@ -8,7 +8,8 @@
 #      the server's prefix cache cannot serve them), then a Poisson sweep over $RATES with goodput;
 #   3. with WITH_TRANSFORMERS=1: rayinfer at concurrency 16 on text prompts (--seed 50), then
 #      `transformers serve` on the same folder, same client, same prompts.
-# Arguments go to `build`, e.g. `disaggregate=false load_format=dummy` or `disaggregate=true`;
+# OFFLINE=0 skips step 1; SERVE_PASSES (default "c16 c64") and RATES (empty: no sweep) choose the
+# serve passes. Arguments go to `build`, e.g. `disaggregate=false load_format=dummy` or `disaggregate=true`;
 # with load_format=dummy the offline engine draws random weights too (transformers serve needs
 # real weights in the folder: without *.safetensors it is skipped). Run through the device tool
 # with carry [".device"] (the Ray bundle, see shared/device/README.md); results under $OUT:
@@ -22,7 +23,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp}
 : "${MODEL:?set MODEL to a checkpoint folder}"
 NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-3700} OUTPUT_LEN=${OUTPUT_LEN:-128}
-RATES=${RATES:-1,2,4,8,inf} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
+RATES=${RATES-1,2,4,8,inf} SERVE_PASSES=${SERVE_PASSES-c16 c64} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
 OFFLINE_ARGS=${OFFLINE_ARGS:---max-num-batched-tokens 8192}
 TRANSFORMERS_ARGS=${TRANSFORMERS_ARGS:---continuous-batching --dtype bfloat16}
 PORT=${PORT:-8000} TF_PORT=${TF_PORT:-8001} TRANSFORMERS_DEVICE=${TRANSFORMERS_DEVICE:-cuda}
@@ -53,21 +54,27 @@ offline() {  # offline NAME [bench throughput args...]: its JSON at $OUT/NAME.js
     --load-format "$LOAD_FORMAT" "${DATASET[@]}" $OFFLINE_ARGS --json "$OUT/$name.json" "$@" \
     2>&1 | grep -e "throughput" -e "P50 T" -e "Successful" -e "Error" | head -12
 }
-offline offline --seed 0
-# The serve passes' shapes: as many in flight as the client keeps (its seeds, its prompts).
-offline offline_c16 --seed 0 --max-concurrency 16
-offline offline_c64 --seed 1 --max-concurrency 64
+if [ "${OFFLINE:-1}" = 1 ]; then
+  offline offline --seed 0
+  # The serve passes' shapes: as many in flight as the client keeps (its seeds, its prompts).
+  offline offline_c16 --seed 0 --max-concurrency 16
+  offline offline_c64 --seed 1 --max-concurrency 64
+fi
 
 timeout "${SERVE_TIMEOUT:-2400}" "${SERVE[@]}" run rayinfer.app:build model="$MODEL" "$@" \
   >"$OUT/serve_vs_offline_serve.log" 2>&1 &
 SERVE_PID=$!
 if wait_up "http://127.0.0.1:$PORT" "${UP_TIMEOUT:-600}"; then
   URL=http://127.0.0.1:$PORT
-  bench serve_c16 "$URL" --max-concurrency 16 --seed 0
-  bench serve_c64 "$URL" --max-concurrency 64 --seed 1
+  for pass in $SERVE_PASSES; do
+    case $pass in
+      c16) bench serve_c16 "$URL" --max-concurrency 16 --seed 0 ;;
+      c64) bench serve_c64 "$URL" --max-concurrency 64 --seed 1 ;;
+    esac
+  done
   # shellcheck disable=SC2086
-  bench serve_sweep "$URL" --request-rate "$RATES" --seed 10 --goodput $GOODPUT \
-    --plot "$OUT/serve_sweep.png"
+  [ -n "$RATES" ] && bench serve_sweep "$URL" --request-rate "$RATES" --seed 10 \
+    --goodput $GOODPUT --plot "$OUT/serve_sweep.png"
   [ -n "${WITH_TRANSFORMERS:-}" ] && bench serve_c16_text "$URL" --max-concurrency 16 --seed 50 --text-prompts
 else
   tail -40 "$OUT/serve_vs_offline_serve.log"

@@ -38,6 +38,9 @@ class Metrics:
     def add_tokens(self, num_prompt: int, num_generated: int) -> None:
         self.num_tokens = (num_prompt, num_generated)
 
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        pass
+
 
 @dataclass
 class Stream:

@@ -8,6 +8,7 @@
 #      the server's prefix cache cannot serve them), then a Poisson sweep over $RATES with goodput;
 #   3. with WITH_TRANSFORMERS=1: rayinfer at concurrency 16 on text prompts (--seed 50), then
 #      `transformers serve` on the same folder, same client, same prompts.
+# Each serve pass sends $WARMUPS (16) untimed requests first, as the offline runs warm up;
 # OFFLINE=0 skips step 1; SERVE_PASSES (default "c16 c64") and RATES (empty: no sweep) choose the
 # serve passes. Arguments go to `build`, e.g. `disaggregate=false load_format=dummy` or `disaggregate=true`;
 # with load_format=dummy the offline engine draws random weights too (transformers serve needs
@@ -23,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp}
 : "${MODEL:?set MODEL to a checkpoint folder}"
 NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-3700} OUTPUT_LEN=${OUTPUT_LEN:-128}
-RATES=${RATES-1,2,4,8,inf} SERVE_PASSES=${SERVE_PASSES-c16 c64} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
+RATES=${RATES-1,2,4,8,inf} WARMUPS=${WARMUPS:-16} SERVE_PASSES=${SERVE_PASSES-c16 c64} GOODPUT=${GOODPUT:-ttft:2000 tpot:50}
 OFFLINE_ARGS=${OFFLINE_ARGS:---max-num-batched-tokens 8192}
 TRANSFORMERS_ARGS=${TRANSFORMERS_ARGS:---continuous-batching --dtype bfloat16}
 PORT=${PORT:-8000} TF_PORT=${TF_PORT:-8001} TRANSFORMERS_DEVICE=${TRANSFORMERS_DEVICE:-cuda}
@@ -38,7 +39,7 @@ bench() {  # bench NAME URL [bench args...]: one `bench serve` run, its JSON at 
   local name=$1 url=$2; shift 2
   echo "== $name"
   timeout "${BENCH_TIMEOUT:-900}" python -m rayinfer.bench serve --url "$url" "${DATASET[@]}" \
-    --json "$OUT/$name.json" "$@" 2>&1 | grep -e "throughput" -e "Mean T" -e "P95 TTFT" \
+    --num-warmups "$WARMUPS" --json "$OUT/$name.json" "$@" 2>&1 | grep -e "throughput" -e "Mean T" -e "P95 TTFT" \
     -e "Successful" -e "Failed" -e "failed" -e "rate req/s" -e "^ *[0-9.inf]* |" -e "error" -e "plot"
 }
 wait_up() {  # wait_up URL SECONDS

@@ -106,6 +106,11 @@ def parse_args(argv):
         help="random prompts as text even where token ids would do (to send a peer that takes "
         "only text the same prompts)",
     )
+    parser.add_argument(
+        "--num-warmups", type=int, default=0,
+        help="requests of the dataset (seed - 1, so not the timed ones) sent untimed first, at "
+        "--max-concurrency: a fresh server compiles kernels and fills allocators on them",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=600, help="per request")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--plot", default=None, help="write throughput and TTFT to this PNG")
@@ -182,17 +187,27 @@ async def run(args) -> dict:
         tokenizer = load_tokenizer(args.tokenizer or args.model or model)
         as_text = args.text_prompts or args.endpoint == "chat" or args.backend == "transformers"
         words_per_token = await warm_up(session, args, model)
+        scale = 1.0 if tokenizer else words_per_token
+        num_warmed = 0
+        if args.num_warmups > 0:
+            shape = argparse.Namespace(**{**vars(args), "num_prompts": args.num_warmups})
+            warmups = build_requests(shape, args.seed - 1, tokenizer, as_text, scale)
+            results, _ = await run_pass(session, args, model, warmups, math.inf)
+            failed = [result.error for result in results if not result.ok]
+            if failed:
+                raise SystemExit(f"{len(failed)} warm-up requests failed: {failed[0]}")
+            num_warmed = len(results)
         passes = []
         for index, rate in enumerate(args.request_rate):
-            requests = build_requests(args, args.seed + index, tokenizer, as_text,
-                                      1.0 if tokenizer else words_per_token)  # fmt: skip
+            requests = build_requests(args, args.seed + index, tokenizer, as_text, scale)
             results, duration_s = await run_pass(session, args, model, requests, rate)
             summary = summarize(results, duration_s, args.goodput)
             passes.append({"request_rate": rate, "seed": args.seed + index,
                            "summary": summary, "results": results})  # fmt: skip
             title = f"Serving Benchmark Result (rate {rate:g} req/s)"
             print(format_report(summary, title, args.goodput), flush=True)
-    return {"model": model, "has_client_tokenizer": tokenizer is not None, "passes": passes}
+    return {"model": model, "has_client_tokenizer": tokenizer is not None,
+            "num_warmups": num_warmed, "passes": passes}  # fmt: skip
 
 
 def main(argv=None) -> int:

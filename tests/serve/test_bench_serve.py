@@ -319,12 +319,12 @@ def test_sweep_with_every_flag_writes_json_and_plot(server, tmp_path):
     out = tmp_path / "sweep.json"
     argv = ["--url", server.http_url, "--num-prompts", "12", "--input-len", "40", "--output-len",
             "8", "--range-ratio", "0.5", "--request-rate", "20,inf", "--max-concurrency", "4",
-            "--goodput", "ttft:600000", "tpot:600000", "--json", str(out), "--plot",
-            str(tmp_path / "sweep.png")]  # fmt: skip
+            "--goodput", "ttft:600000", "tpot:600000", "--num-warmups", "3", "--json", str(out),
+            "--plot", str(tmp_path / "sweep.png")]  # fmt: skip
     assert bench_serve.main(argv) == 0
     record = json.loads(out.read_text())
     assert [p["request_rate"] for p in record["passes"]] == [20.0, "inf"]
-    assert record["has_client_tokenizer"]
+    assert record["has_client_tokenizer"] and record["num_warmups"] == 3
     for p in record["passes"]:
         s = p["summary"]
         assert (s["completed"], s["failed"], s["goodput_fraction"]) == (12, 0, 1.0)

@@ -4,9 +4,10 @@ or one engine stream that does both (colocated).
 Yields text deltas as they become safe to show. A prefill replica (or a colocated engine replica
 before its first token) that is lost is retried once on another replica. A decode or engine
 replica lost mid-stream is resumed once on another one from the tokens already sent: the sent
-tokens join the prompt (greedy output continues exactly; a stop string spanning the cut is not
-matched). A replica is lost when it died (a replica whose worker died kills itself, so Serve's
-router has stopped choosing it: deployments/replica.py) or answered that its engine stopped.
+tokens join the prompt, and the ingress keeps the text from there as the first replica would
+have (resume.py: held-back text is not lost, a stop string across the cut still stops it).
+A replica is lost when it died (a replica whose worker died kills itself, so Serve's router has
+stopped choosing it: deployments/replica.py) or answered that its engine stopped.
 Any other failure ends the stream with the error, never a hang. Leaving the iterator early
 (client disconnect) cancels the replica's stream, which aborts the request there. A call no
 replica takes within `max_replica_wait_s` (none runs: its node is gone and no other node offers
@@ -30,6 +31,7 @@ from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import root_cause
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.resume import ResumedText, TextRules
 from rayinfer.deployments.types import (
     DecodeChunk,
     DecodeRequest,
@@ -116,6 +118,9 @@ class Pipeline:
         self.metrics = metrics
         self.admission = admission or Admission(max_wait_s=None)
         self.max_replica_wait_s = max_replica_wait_s
+        # How the engines detokenize and stop, for a resumed stream's text (resume.py); None
+        # (no tokenizer): a resumed stream's deltas pass as the replica sends them.
+        self.text_rules: TextRules | None = None
 
     async def run(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, timings: Timings
@@ -158,9 +163,11 @@ class Pipeline:
     async def _run(self, request_id, prompt_ids, params, timings: Timings) -> AsyncIterator[Delta]:
         """One attempt; if its replica dies mid-stream, resume once elsewhere."""
         sent: list[int] = []  # token ids already given to the caller
+        sent_text = ""  # and their text
         try:
             async for delta in self._attempt(request_id, prompt_ids, params, timings):
                 sent += delta.token_ids
+                sent_text += delta.text
                 yield delta
             return
         except Exception as error:
@@ -176,10 +183,18 @@ class Pipeline:
             return
         resumed = replace(params, max_tokens=remaining)
         timings.was_resumed = True
-        async for delta in self._attempt(
-            f"{request_id}-resumed", prompt_ids + sent, resumed, timings
-        ):
-            yield delta
+        text = None
+        if self.text_rules is not None and self.text_rules.tokenizer is not None:
+            text = ResumedText(self.text_rules, prompt_ids, params, sent, sent_text)
+        deltas = self._attempt(f"{request_id}-resumed", prompt_ids + sent, resumed, timings)
+        try:
+            async for delta in deltas:
+                delta = text.next(delta) if text is not None else delta
+                yield delta
+                if delta.finish_reason is not None:
+                    return  # a stop string across the cut ends it before the replica does
+        finally:
+            await deltas.aclose()  # cancels the replica's stream if it still runs
 
     def _attempt(self, request_id, prompt_ids, params, timings) -> AsyncIterator[Delta]:
         raise NotImplementedError

@@ -53,6 +53,12 @@ class _Export:
     transfer: Any  # the executor's handle: its blocks are freed once it is done
 
 
+def eos_token_ids(model_config: ModelConfig, tokenizer=None) -> set[int]:
+    """The tokens that end a request: the checkpoint config's and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    return ids | set(tokenizer.eos_token_ids) if tokenizer is not None else ids
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -91,9 +97,7 @@ class LLMEngine:
         self.handoffs_ready: dict[str, RequestState] = {}
         self.ready_outputs: list[RequestOutput] = []  # finished outside a step, reported next
         self.num_kv_recomputes = 0  # hand-offs whose KV was lost, so decode recomputed the prompt
-        self.eos_token_ids = set(model_config.eos_token_ids)
-        if tokenizer is not None:
-            self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
         self._arrivals = 0
         # Finished requests whose per-request executor state (sampling generators) is freed in
         # one call at the end of the step: a worker group makes one remote call per worker per

@@ -91,6 +91,12 @@ class RequestState:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def mark_reported(self, num_chars: int) -> None:
+        """Count every token so far and the first num_chars characters of the text as reported
+        (a resumed stream's state: what its client already has, deployments/resume.py)."""
+        self._num_tokens_reported = len(self.seq.output_token_ids)
+        self._num_chars_reported = num_chars
+
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
 

@@ -44,11 +44,13 @@ class Metrics:
 
 @dataclass
 class Stream:
-    """A replica's stream: `tokens` one chunk each, then `fail` (an exception) or the end."""
+    """A replica's stream: `tokens` one chunk each (or the `chunks` given), then `fail` (an
+    exception) or the end."""
 
     tokens: list[int]
     fail: BaseException | None = None
     cancelled: bool = False
+    chunks: list[DecodeChunk] | None = None
 
     def __post_init__(self):
         self._chunks = self._run()
@@ -57,6 +59,8 @@ class Stream:
         for index, token in enumerate(self.tokens):
             last = index == len(self.tokens) - 1 and self.fail is None
             yield DecodeChunk(f"<{token}>", [token], "length" if last else None)
+        for chunk in self.chunks or []:
+            yield chunk
         if self.fail is not None:
             raise self.fail
 

@@ -4,7 +4,6 @@ held back at the cut (part of a character, a stop string's start) and a stop str
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import pytest
 
@@ -16,7 +15,7 @@ from rayinfer.engine.engine import eos_token_ids
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.sequence import Sequence
-from tests.serve.test_colocated_pipeline import GONE, Engines, Metrics
+from tests.serve.test_colocated_pipeline import GONE, Engines, Metrics, Stream
 
 PROMPT = [5, 17, 42, 99]
 MAX_LEN = 128
@@ -56,33 +55,6 @@ def test_part_of_a_character_held_at_the_cut_is_sent_after_it(llm, rules):
     assert sent_text + "".join(rest) == "ab🙂cd"
 
 
-@dataclass
-class Chunks:
-    """A replica's stream of given chunks, then `fail` or the end."""
-
-    chunks: list[DecodeChunk]
-    fail: BaseException | None = None
-    cancelled: bool = False
-
-    def __post_init__(self):
-        self._items = self._run()
-
-    async def _run(self):
-        for chunk in self.chunks:
-            yield chunk
-        if self.fail is not None:
-            raise self.fail
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await anext(self._items)
-
-    def cancel(self):
-        self.cancelled = True
-
-
 def stop_across(text: str, cut_chars: int) -> str:
     """A stop string starting 2 characters before `cut_chars` and ending 3 after, found nowhere
     earlier in text."""
@@ -103,12 +75,11 @@ def test_a_stop_string_across_the_cut_ends_the_resumed_stream(llm, rules):
     [expected] = llm.generate([PROMPT], params)
     assert expected.finish_reason == "stop" and len(expected.token_ids) > cut
     texts = streamed(llm, rules, PROMPT, params, whole.token_ids[:cut])
-    first = Chunks([DecodeChunk(t, [tok], None) for t, tok in zip(texts, whole.token_ids)],
-                   fail=GONE())  # fmt: skip
+    sent = [DecodeChunk(text, [token], None) for text, token in zip(texts, whole.token_ids)]
+    first = Stream([], fail=GONE(), chunks=sent)
     # The other replica knows nothing of the text before: its own would be wrong.
     rest = whole.token_ids[cut:]
-    second = Chunks([DecodeChunk(f"<{t}>", [t], "length" if i == len(rest) - 1 else None)
-                     for i, t in enumerate(rest)])  # fmt: skip
+    second = Stream(rest)
     engines = Engines([first, second])
     pipeline = ColocatedPipeline(engines, Metrics())
     pipeline.text_rules = rules

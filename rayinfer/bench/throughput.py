@@ -89,6 +89,7 @@ def run_all(
     results = {f"{tag}-{i}": RequestResult() for i in range(len(requests))}
     waiting = list(zip(results, requests))[::-1]  # popped from the end: in order
     limit = max_concurrency or len(requests)
+    unfinished: set[str] = set()  # added, not yet finished
     start = time.perf_counter()
 
     def add_next() -> None:
@@ -97,10 +98,10 @@ def run_all(
                                 structured_output=structured)  # fmt: skip
         results[request_id].sent_s = time.perf_counter() - start
         llm.engine.add_request(request_id, request.prompt, params)
+        unfinished.add(request_id)
 
-    while waiting and len(results) - len(waiting) < limit:
+    while waiting and len(unfinished) < limit:
         add_next()
-    unfinished = {request_id for request_id in results} - {rid for rid, _ in waiting}
     while unfinished:
         for output in llm.engine.step():
             result = results.get(output.request_id)
@@ -117,7 +118,6 @@ def run_all(
                 result.prompt_tokens = len(output.prompt_token_ids)
                 result.output_tokens = len(output.token_ids)
                 if waiting:
-                    unfinished.add(waiting[-1][0])
                     add_next()
     return list(results.values()), time.perf_counter() - start
 

@@ -40,7 +40,7 @@ from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.resume import TextRules
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import GenerateChunk, GenerateRequest, GenerateResponse, Timings
-from rayinfer.engine.engine import eos_token_ids
+from rayinfer.engine.stop_checker import eos_token_ids
 
 app = FastAPI(title="rayinfer", description="OpenAI-compatible API over MoE engines on Ray Serve")
 
@@ -140,8 +140,9 @@ class Ingress:
             else DisaggregatedPipeline(prefill, decode, self.metrics, admission, wait_s)
         )
         tokenizer = self.prompts.tokenizer
-        stops = frozenset(eos_token_ids(source.model_config, tokenizer))
-        self.pipeline.text_rules = TextRules(tokenizer, stops, source.max_model_len)
+        if tokenizer is not None:  # without one there is no text to keep
+            stops = frozenset(eos_token_ids(source.model_config, tokenizer))
+            self.pipeline.text_rules = TextRules(tokenizer, stops, source.max_model_len)
 
     # --- HTTP --------------------------------------------------------------------------------
     @app.get("/health")

@@ -184,7 +184,7 @@ class Pipeline:
         resumed = replace(params, max_tokens=remaining)
         timings.was_resumed = True
         text = None
-        if self.text_rules is not None and self.text_rules.tokenizer is not None:
+        if self.text_rules is not None:
             text = ResumedText(self.text_rules, prompt_ids, params, sent, sent_text)
         deltas = self._attempt(f"{request_id}-resumed", prompt_ids + sent, resumed, timings)
         try:

@@ -72,4 +72,4 @@ class ResumedText:
 
     def _append(self, token_id: int) -> str | None:
         rules = self.rules
-        return self.state.append_token(token_id, set(rules.eos_token_ids), rules.max_model_len)
+        return self.state.append_token(token_id, rules.eos_token_ids, rules.max_model_len)

@@ -30,6 +30,7 @@ from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.scheduler import ScheduledSequence, Scheduler
 from rayinfer.engine.sequence import Sequence, SequenceStatus
+from rayinfer.engine.stop_checker import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,6 @@ class _PendingImport:
 class _Export:
     seq: Sequence
     transfer: Any  # the executor's handle: its blocks are freed once it is done
-
-
-def eos_token_ids(model_config: ModelConfig, tokenizer=None) -> set[int]:
-    """The tokens that end a request: the checkpoint config's and the tokenizer's."""
-    ids = set(model_config.eos_token_ids)
-    return ids | set(tokenizer.eos_token_ids) if tokenizer is not None else ids
 
 
 class LLMEngine:

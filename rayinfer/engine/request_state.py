@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from rayinfer.engine.batch import SampledLogprobs
 from rayinfer.engine.outputs import GeneratedTokens, Logprob, RequestOutput, TokenLogprobs
 from rayinfer.engine.sequence import Sequence
@@ -40,7 +42,7 @@ class RequestState:
     def append_token(
         self,
         token_id: int,
-        eos_token_ids: set[int],
+        eos_token_ids: AbstractSet[int],
         max_model_len: int,
         logprobs: SampledLogprobs | TokenLogprobs | None = None,
     ) -> str | None:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from rayinfer.engine.sequence import Sequence
 
 
+def eos_token_ids(model_config, tokenizer=None) -> set[int]:
+    """The tokens that end a request: the checkpoint config's (a ModelConfig) and the
+    tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    return ids | set(tokenizer.eos_token_ids) if tokenizer is not None else ids
+
+
 def finish_reason_after_token(
-    seq: Sequence, eos_token_ids: set[int], max_model_len: int
+    seq: Sequence, eos_token_ids: AbstractSet[int], max_model_len: int
 ) -> str | None:
     """'stop' on EOS, 'length' on max_tokens or the context limit, else None. Under a grammar,
     EOS is sampled only where the grammar lets the output end: it ends the request always."""

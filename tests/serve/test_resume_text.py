@@ -11,10 +11,10 @@ import rayinfer
 from rayinfer.deployments.pipeline import ColocatedPipeline, Delta
 from rayinfer.deployments.resume import ResumedText, TextRules
 from rayinfer.deployments.types import DecodeChunk, Timings
-from rayinfer.engine.engine import eos_token_ids
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.sequence import Sequence
+from rayinfer.engine.stop_checker import eos_token_ids
 from tests.serve.test_colocated_pipeline import GONE, Engines, Metrics, Stream
 
 PROMPT = [5, 17, 42, 99]

@@ -108,8 +108,8 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
 # Serve's switches (read in each replica's process at start) that `handlers_on_replica_loop`
 # turns off: the handlers' own thread and, in the caller of the other deployments, the router's.
 # With `stream_interval_ms` they took colocated serving at 64 streams from 25.6k to 34.1k input
-# tok/s on an H200 (benchmarks/RESULTS.md, "Serve's per-chunk costs (issue 28)"); alone, on the
-# 2-core CPU, their effect was within that machine's run-to-run noise.
+# tok/s on an H200 (benchmarks/RESULTS.md, "Serve's per-chunk costs, a matched offline
+# baseline"); alone, on the 2-core CPU, their effect was within that machine's run-to-run noise.
 HANDLER_THREAD_SWITCH = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 ROUTER_LOOP_SWITCH = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 

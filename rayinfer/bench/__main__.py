@@ -15,6 +15,7 @@ COMMANDS = {
     "parallel": "prefill/decode per parallel plan across GPUs vs transformers on one GPU",
     "long_context": "one long prompt's prefill and long contexts' decode, DSA vs dense MLA",
     "handoff": "the KV hand-off's copies between two actors, chunked vs per-layer",
+    "soak": "a running server's parts killed one by one under load: what each fault cost",
 }
 
 

@@ -1,7 +1,7 @@
 """Where does the host-staged transport's ~100 us per copy come from? (GPU machine, one GPU)
 
-On 2x H200 (2026-11-29) every host-staged exchange paid a ~170 us floor and moved only ~30 GB/s
-per direction, which fits a fixed cost of ~100 us per cudaMemcpyAsync: the behaviour of
+On 2x H200 a CPU-driven host-staged exchange pays a ~170 us floor and moves only ~30 GB/s
+per direction, which would fit a fixed cost of ~100 us per cudaMemcpyAsync: the behaviour of
 pageable memory. This times single device-to-host and host-to-device copies into
   torch-pinned   torch.empty(pin_memory=True)             (cudaHostAlloc)
   shm-registered a /dev/shm file mapped with torch.from_file, cudaHostRegister(flags)  <- ours

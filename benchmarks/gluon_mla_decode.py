@@ -3,7 +3,7 @@ float32 reference, then their times from CUDA graphs against the shipped configs
 
     PYTHONPATH=$PWD timeout 120 python benchmarks/gluon_mla_decode.py [--out mla_ws.json]
 
-Run it under `timeout` before `sweep_mla_decode.py` (whose rounds 9-10 also have it): a kernel
+Run it under `timeout` before `sweep_mla_decode.py` (whose Gluon configs also have it): a kernel
 that hangs then costs two minutes, not the sweep. Checks (bf16, relative max error < 2e-2, no
 NaN), for the heads-major form (64-row query tiles, layout "gluon_ws") and the tokens-major one
 (the tile's tokens as wgmma's rows, layout "gluon_ws_tokens"): 16, 32 and 128 heads; one split

@@ -99,7 +99,7 @@ def check_rope_apart(q_lens, k_lens, heads, kv_heads, dim) -> dict:
 
 
 TIMED = [(128, 4096), (128, 8192), (128, 16384), (192, 4096), (192, 8192), (192, 16384)]
-TRITON_TILES = {  # the Triton kernel's shipped tiles per qk head dim (round 3)
+TRITON_TILES = {  # the Triton kernel's shipped tiles per qk head dim
     128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     192: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 }

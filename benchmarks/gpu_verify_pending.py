@@ -1,4 +1,4 @@
-"""What landed on 2026-11-30 without a check on a GPU, checked in one run (2 GPUs, Ray bundle):
+"""GPU checks of the multi-GPU paths, in one run (2 GPUs, Ray bundle):
 
 1. Two-batch overlap on two CUDA streams: greedy tokens of dp=2 ep=2 plans (NCCL and host-staged,
    overlap off and on) against one GPU, float32, tiny DeepSeek-V3 and Qwen3-MoE checkpoints.
@@ -7,12 +7,12 @@
    with CUDA graphs on (the default), in bfloat16.
 3. `gpu_memory_utilization=0.9`: the blocks it chose, that generation works, and the device's
    peak reserved memory against the budget.
-4. (`--decode-graphs-only`, 2026-11-30) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
+4. (`--decode-graphs-only`) decode steps of dp=2 ep=2 and tp=2 ep=2 plans replayed
    from CUDA graphs with NCCL inside: greedy tokens against one GPU, float32.
-6. (`--prefill-graphs-only`, 2026-11-30) new prompts prefilled from CUDA graphs: greedy tokens
+6. (`--prefill-graphs-only`) new prompts prefilled from CUDA graphs: greedy tokens
    against eager prefill, float32, one GPU and dp=2 ep=2 (NCCL and host-staged exchanges);
    `--local-first-graphs-only`: the same with local_first forced on inside the graphs.
-5. (`--decode-kernels-only`, not yet run) the opt-in decode kernels: the one-launch MoE routing
+5. (`--decode-kernels-only`) the decode kernels: the one-launch MoE routing
    against the torch routing (V2-Lite, V3, Qwen3-MoE routers) and the two-launch small-batch
    fused MoE against a float32 reference, each timed against what it replaces; then
    `RAYINFER_FUSED_ROUTING=1 RAYINFER_SMALL_BATCH_MOE=1 python benchmarks/gpu_engine_parity.py`.
@@ -321,7 +321,7 @@ def check_moe_pack(device: str) -> dict:
     expected = moe_pack.pack_for_every_rank_reference(x, ids, weights, 2, ids_at, row_bytes)
     local = moe_pack.localize_expert_ids(got, ids_at, 6, 32, 32)
     local_ref = moe_pack.localize_expert_ids_reference(expected, ids_at, 6, 32, 32)
-    # FP8 dispatch rows (2026-11-30, third session): scale_at 2048, ids_at 2052, 2112-byte rows
+    # FP8 dispatch rows: scale_at 2048, ids_at 2052, 2112-byte rows
     fp8_args = (x, ids, weights, 2, 2048, 2052, 2112)
     fp8_rows = moe_pack.pack_fp8_for_every_rank(*fp8_args)
     fp8_ref = moe_pack.pack_fp8_for_every_rank_reference(*fp8_args)

@@ -67,8 +67,8 @@ class Loopback:
         )
 
 
-# (The first protocol, every thread polling and fencing, was 2.5-3x slower: RESULTS.md, seventh
-# session; the kernel keeps only the one-thread form.)
+# (One thread per program polls and releases; every thread polling and fencing measured
+# 2.5-3x slower here, so the kernel has only the one-thread form.)
 PROTOCOLS = {
     "leader": dict(),
     "leader-plain-loads": dict(volatile_data=False),

@@ -90,10 +90,10 @@ def triton_variants(smoke: bool, device_name: str, n: int, k: int, m: int) -> di
 
 
 # do_bench's warm-up and timed window in ms (--timing): "sustained" is triton's defaults,
-# "burst" what sessions one to eight measured. Only the per-tensor baseline moves with it (2x
-# H200, ninth session): in 30 ms it ran at 1,225-1,507 TFLOP/s, above the 1,462 recorded as the
-# chip's ceiling, in 100 ms at 1,099-1,340, the level issue 6 recorded its baseline at
-# (1,157-1,247 at M=4,096); the blockwise kernel ran at the same speed in both.
+# "burst" a short window. Only the per-tensor baseline moves with it (an H200): in 30 ms it runs
+# at up to 1,507 TFLOP/s, above the 1,462 recorded as the chip's ceiling, in 100 ms at
+# 1,099-1,340, the level issue 6 recorded its baseline at (1,157-1,247 at M=4,096); the
+# blockwise kernel runs at the same speed in both. A server's GEMMs run sustained.
 TIMINGS = {"sustained": (25, 100), "burst": (5, 30)}
 _timing = TIMINGS["sustained"]
 
@@ -140,7 +140,7 @@ def operands(device: str, dtype: torch.dtype, m: int, n: int, k: int, weights: s
     so the e4m3 values span the whole range).
 
     weights="cast": randn cast straight to e4m3 (values within a few units) with block scales in
-    [0.5, 1.5), what this script used until the ninth session, for comparison."""
+    [0.5, 1.5), for comparison (the two give the same timings)."""
     generator = torch.Generator(device=device).manual_seed(m + n + k)
     x = torch.randn(m, k, device=device, generator=generator).to(dtype)
     a, a_scale = fp8_quant(x, column_major_scales=True)

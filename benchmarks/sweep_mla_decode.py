@@ -64,50 +64,31 @@ SHIPPED = {  # configs/mla_attention.json's H200 entries: the same-run reference
     heads: pick_tile_config("mla_attention", "NVIDIA H200", "default", heads)
     for heads in (16, 32, 128)
 }
-TRITON_16 = triton_fallback(SHIPPED[16])  # their Triton tiles: shipped before rounds 10 and 9
+TRITON_16 = triton_fallback(SHIPPED[16])  # their Triton tiles (the entries' "fallback")
 TRITON_128 = triton_fallback(SHIPPED[128])
 
-# In priority order (the time budget may cut the tail); the shipped configs first.
-# Rounds 1-2 (2026-11-30, benchmarks/RESULTS.md): 32-token tokens-major tiles at 3 stages won;
-# TMA tiles, evict-first loads, deeper pipelines and other split counts did not beat them.
-# Round 3: TABLE_IN_LOOP. The shipped loop loads the next tile's block-table entries one
-# iteration ahead; sm_90 compiles (Triton 3.9) show the pipeliner then keeps that load
-# synchronous and issues it in the iteration whose cache copies it addresses, so its latency is
-# exposed every tile. Loaded in its own iteration, the table entries become an asynchronous
-# indirect load a stage ahead of the rows. The copies in flight then depend on the stages:
-# s3/s4 wait for all of them each iteration (one tile ahead), s5 keeps two tiles (94 KiB at
-# 32-token tiles: two programs per SM; 56 KiB at 16: four), s6 three.
-# Round 3 on an H200 (Triton 3.6): slower for 16 heads (0.144-0.253 ms geomean against 0.129),
-# 6% faster for 128 heads (heads-major 64x64 s3, now shipped).
-# Round 4: shorter splits where few programs run. A batch-1 decode step at a short context is
-# one split of up to 256 tokens whose tiles run one after another (10.6 us per layer in a
-# DeepSeek-V2-Lite graph at ~100 tokens); min_tokens_per_split 32-128 spreads them over more
-# programs. Splits stay long where the batch alone fills the GPU (target_programs).
-# Round 4: too noisy to rank at the small cases (do_bench there is mostly launch cost); the
-# engine profile chose 32 (a batch-1 split kernel 10.6 -> 6.5 us per layer).
-# Round 5: GATHER_TABLE. The split's block-table entries are loaded once into registers and each
-# tile's rows gathered from them (tl.gather): no global load stands between a tile and its
-# cache copies. s3 keeps one tile in flight during the compute (93 KiB, two programs per SM), s4
-# two (130 KiB, one per SM).
-# Measured after a fresh start, every config timed in the first ~20 s was ~2x slower (the shipped
-# one three times in a row, then later configs faster): round 6 warms the GPU up first and times
-# the shipped config first and last.
-# Round 7, timed from CUDA graphs (as the engine runs decode): the shipped config is stable
-# (0.058 ms geomean first and last), heads-major 16-head tiles win (0.052 ms: 70-73% of HBM at
-# full contexts), GATHER_TABLE does not help (0.054-0.059 ms; removed from the kernel since, see
-# benchmarks/RESULTS.md). Round 8: around heads-major (not
-# run yet: the session's device time was spent).
+# In priority order (the time budget may cut the tail); the shipped configs first. Options the
+# Triton kernel offers, and what sweeping them on an H200 showed:
+# - TABLE_IN_LOOP loads a tile's block-table entries in its own iteration, so the pipeliner
+#   issues them as an asynchronous indirect load a stage ahead of the rows (sm_90 compiles show
+#   the entries loaded one iteration ahead stay synchronous): faster for 128 heads
+#   (heads-major 64x64, 3 stages, its fallback), slower for 16.
+# - min_tokens_per_split spreads a short context's one split over more programs: a batch-1 split
+#   runs its tiles one after another, so the 16-head fallback splits down to 32 tokens (chosen
+#   from the engine's decode profile; do_bench at these sizes measures launch cost).
+# - TMA tiles, evict-first loads, deeper pipelines and other split counts do not beat the
+#   shipped tiles. Configs timed in a fresh process's first ~20 s read ~2x slow, so
+#   `warm_up_gpu` runs first and the shipped config is timed first and last.
 TIL = dict(TABLE_IN_LOOP=True)
 EVICT32 = dict(min_tokens_per_split=32, EVICT_FIRST=True)
 
 
-# Round 8 (fifth session, RESULTS.md): nothing beat the shipped configs. Round 9: the
-# warp-specialized Gluon split kernel (mla_decode_hopper, layout "gluon_ws": a TMA producer warp,
-# 64-token tiles of four cache blocks, two consumers each with half the latent columns): correct,
-# 1.44x the Triton kernel at 128 heads (now shipped there), 0.85x at 16 (its 64-row query tile is
-# three quarters padding). Round 10: its tokens-major form ("gluon_ws_tokens": the tile's 64
-# tokens are wgmma's rows and the heads its columns, one consumer warpgroup), written after
-# round 9 and not yet run on a GPU. Off Hopper both fall back to heads-major Triton tiles.
+# The warp-specialized Gluon split kernel (mla_decode_hopper): layout "gluon_ws" (heads-major: a
+# TMA producer warp, 64-token tiles of four cache blocks, two consumers each with half the
+# latent columns) wins at 64-128 heads; at 16 heads its 64-row query tile is three quarters
+# padding, so "gluon_ws_tokens" (the tile's 64 tokens are wgmma's rows and the heads its
+# columns, one consumer warpgroup) serves 16 and 32 heads. Off Hopper both fall back to
+# heads-major Triton tiles.
 def gluon_ws(block_h, layout="gluon_ws", **splits) -> dict:
     return {**heads_major(block_h, 64, 4, 2, **{"min_tokens_per_split": 64, **splits}),
             "layout": layout}  # fmt: skip
@@ -117,31 +98,18 @@ def gluon_tokens(block_h, **splits) -> dict:
     return gluon_ws(block_h, "gluon_ws_tokens", **splits)
 
 
-# Round 10 on an H200: the tokens-major form at target_programs 264 won (0.047 ms geomean
-# against 0.052; 76-91% of HBM at full contexts) but lost at 1 x 128k (0.078 against 0.068 ms).
-# Round 11: target_programs 132 (one per SM: 168 KiB of shared memory each) 0.044 ms geomean,
-# 86% at 8 x 32k and 93% at 128 x 4k, but 69% at 32 x 8k, whose 5 splits made 160 programs:
-# a second wave of 28. Round 12: "whole_waves" (at most target_programs programs: 32 x 8k in
-# 4 splits, 128 programs; 128 x 4k in one split, without the combine): 0.041 ms geomean, 90% /
-# 90% / 100% of HBM at 8 x 32k / 32 x 8k / 128 x 4k, 68% at 1 x 128k; 128 heads 0.205 ms
-# (0.262 before). Both shipped.
+# With 168-225 KiB of shared memory a program, one program runs per SM, so the waves decide:
+# "whole_waves" launches at most target_programs (the SM count) programs, e.g. 32 x 8k in 4
+# splits rather than a second wave of 28 programs after 132.
 WAVES = dict(target_programs=132, whole_waves=True)
-# Round 13: the heads-major form computes the scores once (warpgroup 0, which hands p and the
-# rescale factors to warpgroup 1 through shared memory) instead of in both consumers: 8.9
-# instead of 13.6 MFLOP of wgmma per 64-token tile at 64 heads, where 128 heads are
-# compute-bound. On an H200: correct, 0.080 / 0.148 / 0.300 ms against round 12's 0.108 / 0.200
-# / 0.398 (1.33-1.35x); at 16 heads still behind the tokens-major form (0.084 / 0.084 / 0.166
-# against 0.079 / 0.079 / 0.143 at 8 x 32k / 32 x 8k / 128 x 4k).
-# Round 14: the combine over more programs ("COMBINE_BLOCK_L": latent columns a program), for
-# a single long context, where 16 (sequence, head) programs each reduce 128 splits: 64 columns
-# took 1 x 128k from 0.052 to 0.047 ms (76% of HBM) and 1 x 4k from 0.012 to 0.010, but 32 x 8k
-# from 0.078 to 0.080 (16k combine programs). Shipped as "COMBINE_MIN_PROGRAMS" 132 (narrower
-# only where fewer rows run). Round 15: the shipped configs, as a check.
-# Round 16: 32 heads (DeepSeek-V3 at TP=4), which the "smallest bucket >= heads" rule sends to
-# the 128-head entry (heads-major, 64-row tiles: half padding), against the tokens-major form
-# over 32 heads (N = 32) and over 16 (two programs a sequence).
-# On an H200: tokens-major over 32 heads 0.071 ms geomean (71% / 85% / 86% of HBM at 1 x 128k /
-# 8 x 32k / 32 x 8k), the 128-head entry 0.075, tokens-major over 16 0.090: now a "32" bucket.
+# The heads-major form computes a tile's scores once (warpgroup 0 hands p and the rescale
+# factors to warpgroup 1 through shared memory): 8.9 instead of 13.6 MFLOP of wgmma per 64-token
+# tile at 64 heads, where 128 heads are compute-bound. COMBINE_MIN_PROGRAMS narrows the
+# combine's latent columns only until that many programs run: a single long context's 16
+# (sequence, head) rows each reduce 128 splits, while a batch already fills the GPU.
+# The list below compares the 32-head bucket (DeepSeek-V3 at TP=4) against the 128-head entry
+# (heads-major, 64-row tiles: half padding) and tokens-major over 16 heads (two programs a
+# sequence); benchmarks/RESULTS.md has the shipped configs' figures.
 CONFIGS = [
     (32, SHIPPED[32]),
     (32, SHIPPED[128]),
@@ -386,8 +354,8 @@ def print_table(results: list[dict], baselines: dict, best: dict, stages: dict) 
 
 
 def warm_up_gpu(seconds: float) -> None:
-    """Matmuls for `seconds` before anything is timed: in round 5 the configs timed in the first
-    ~20 s of a fresh machine ran up to 2x slower than the same config later in the run."""
+    """Matmuls for `seconds` before anything is timed: configs timed in the first ~20 s of a
+    fresh machine can read up to 2x slower than the same config later in the run."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

@@ -7,7 +7,7 @@ Per variant (tiles + the kernel's launch options, see `prefill_attention.LAUNCH_
 correctness check against a float32 reference (varlen, 128 or MLA dims; NaN fails), then medians of
 `triton.testing.do_bench` at 4k/8k/16k tokens (16 heads x 128, causal, one sequence) and at 8k/16k
 for MLA's dims (16 heads, qk 192 / v 128); SDPA (default backend and forced flash) in the same run.
-Each list starts with the shipped H200 config (the same-run reference), then round 3's variants:
+Each list starts with the shipped H200 config (the same-run reference), then variants with
 more programs per SM (one-warpgroup tiles, a register cap). The best 128
 variant is also timed on a paged prefill (a 4k chunk over a 12k cached prefix, block size 16),
 as is and with pointer tiles of its own (the bucket's "paged" override in the snippet).
@@ -55,12 +55,11 @@ def config(block_m, block_n, warps, stages, maxnreg=None, **options) -> dict:
                 maxnreg=maxnreg, **{**prefill_attention.LAUNCH_OPTIONS, **options})  # fmt: skip
 
 
-# (name, config); the first of each list is the shipped H200 config (round 1's best), the same-run
-# reference; most promising first: the time budget cuts the tail.
-# Rounds 1-2 (benchmarks/RESULTS.md): TMA 128x64/8/3 heads-fastest best (0.79-0.81x SDPA); the
-# conditional rescale (cr) cost 128x64/8/3 13% (its block-wide max is a shared-memory reduction
-# and a barrier per tile), yet 64x64/4/3 *with* cr came second (466/479 TFLOP/s). Round 3 times
-# what that left open, sized by offline sm_90a compiles with Triton 3.6 (registers from the
+# (name, config); the first of each list is the shipped H200 config, the same-run reference;
+# most promising first: the time budget cuts the tail. Among the plain tiles TMA heads-fastest
+# ones are best; the conditional rescale (cr) costs 128x64/8/3 13% (its block-wide max is a
+# shared-memory reduction and a barrier per tile), yet helps 64x64/4/3. The variants below aim
+# at more programs per SM, sized by offline sm_90a compiles with Triton 3.6 (registers from the
 # cubin, spills counted in its SASS):
 # - 64x64/4/3 without cr: 170 registers, 96 KiB: two one-warpgroup CTAs per SM whose softmax
 #   and MMAs the warp schedulers interleave (a hardware ping-pong);

@@ -13,7 +13,7 @@ decode in mixed batches. `auto` (the default) is colocated where the two phases 
 (gpu_sharing.serves_disaggregated). Arguments are validated by `AppConfig`
 (rayinfer/deployments/config.py); the checks of a phase's section (plan, FP8 weights, GPU
 shares) apply to the sections the chosen mode serves with. A phase's `resources` pin its
-replicas to the Ray nodes offering them (several machines: README); build checks that an alive
+replicas to the Ray nodes offering them (docs/serving.md); build checks that an alive
 node holds a whole replica (deployments/node_fit.py).
 """
 
@@ -107,9 +107,9 @@ def phase_options(config: AppConfig, phase: PhaseConfig, use_gpus: bool) -> dict
 
 # Serve's switches (read in each replica's process at start) that `handlers_on_replica_loop`
 # turns off: the handlers' own thread and, in the caller of the other deployments, the router's.
-# With `stream_interval_ms` they took colocated serving at 64 streams from 25.6k to 34.1k input
-# tok/s on an H200 (benchmarks/RESULTS.md, "Serve's per-chunk costs, a matched offline
-# baseline"); alone, on the 2-core CPU, their effect was within that machine's run-to-run noise.
+# With `stream_interval_ms` at its default they serve 1.33x the input tok/s of interval 0 with
+# the threads, at 64 colocated streams on an H200 (benchmarks/serve_v2lite.sh; RESULTS.md,
+# serving); alone, on the 2-core CPU, their effect is within that machine's run-to-run noise.
 HANDLER_THREAD_SWITCH = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 ROUTER_LOOP_SWITCH = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 

@@ -18,7 +18,7 @@ treat V4 like any other family), in columns of the cache's dtype:
 A row is a pure function of its token and the tokens before it, which is what prefix caching
 and a hand-off into another block size need. One width serves every layer (the widest layer
 type present), so a sliding-window layer leaves most of its row unused; V4-Flash's bytes per
-token are in the README with what a leaner hybrid layout would save.
+token are in docs/models.md with what a leaner hybrid layout would save.
 """
 
 from __future__ import annotations

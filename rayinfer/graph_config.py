@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
 
-# Largest prompt (tokens per rank) prefilled from a CUDA graph by default. 2x H200, DeepSeek-V2-
-# Lite shapes, dp=2 ep=2 host-staged FP8, one prompt per GPU, transformers' rate per GPU, eager
-# -> graph (RESULTS.md): 2k 0.49x -> 1.30x, 4k 0.91x -> 1.43x (the two-batch overlap inside the
-# graph), eleventh session. At 8k the eager step keeps pace when its host does: eleventh session
-# 1.33x -> 1.22-1.28x; twelfth (fewer kernels per layer) 58.2k -> 70.9k and 71.7k -> 70.3k tok/s
-# per GPU on one machine, the eager step's runs split between 114 and 142 ms (host-bound), the
-# graph's steady. From 16k they tie (74.1k and 74.3k): eager there.
+# Largest prompt (tokens per rank) prefilled from a CUDA graph by default. Up to 4k tokens an
+# eager prefill step is host-bound (queueing its ~1,000 kernels takes as long as running them);
+# at 8k the eager step keeps pace only when its host does, while the graph is steady: `bench
+# parallel --graphs decode auto` on 2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2 host-staged FP8,
+# 8k prompts: eager 58.2k-71.7k tok/s per GPU, graph 70.3k-70.9k. From 16k the two tie (74.1k
+# against 74.3k), so longer prompts run eagerly (benchmarks/RESULTS.md, prefill thresholds).
 DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 8192
 
 

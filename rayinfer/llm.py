@@ -61,7 +61,7 @@ class LLM:
     fp8_weights: keep a DeepSeek V2/V3 checkpoint's FP8 block-scaled weights in FP8 and multiply
     them in FP8 with activations quantized per token (W8A8); False (the default) dequantizes them
     to `dtype` at load. True fails (ConfigError) for a checkpoint without FP8 weights or a tensor-
-    parallel split that cuts a 128x128 block. Not yet verified end to end on a GPU (see README).
+    parallel split that cuts a 128x128 block. Not verified end to end on a GPU (docs/models.md).
     index_cache_dtype: how DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) cache their
     indexer keys: "auto" (the default) in `dtype`, "fp8_e4m3" as FP8 with one float32 scale per
     token (DeepSeek's production format; GLM-5's bf16 row 642 wide instead of 704, see

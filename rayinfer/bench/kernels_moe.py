@@ -54,7 +54,7 @@ def with_tma(tiles: list[dict]) -> list[dict]:
 
 def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
     """Row granule -> stage tiles to try (both GEMMs of one call share the granule: BLOCK_M, or
-    TAIL_M for chunked tiles). Small and FP8: the best of runs 1 and 2 (2026-11-29); large bf16:
+    TAIL_M for chunked tiles). Small and FP8: the sweep's best on DeepSeek-V3 experts; large bf16:
     wider, for models whose experts get thousands of rows (V2-Lite at 16k tokens)."""
     if num_tokens <= 256:
         if fp8:

@@ -42,14 +42,14 @@ from rayinfer.comm.transport import Transfer
 # Chunk size for an n-byte block: sqrt(n * _OVERHEAD_BYTES), clamped. A pipeline of chunks of
 # size c pays (n / c) fixed costs per chunk plus one chunk to fill, which is least near
 # c = sqrt(n * fixed). Per chunk the GPU pays ~10 us (one 64 KiB copy takes 12 us on an H200's
-# host link) and the host ~20 us to queue three driver calls (2x H200 VM, 2026-11-30), about
+# host link) and the host ~20 us to queue three driver calls (2x H200 VM), about
 # 1 MiB of link time at 38 GB/s (the rate per copy stream when both GPUs copy both ways at once).
 # So blocks up to ~1 MiB (128 tokens of 7168 bf16) go whole. RAYINFER_HOST_CHUNK_OVERHEAD_BYTES
 # overrides it.
 _OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 1 << 20))
 # In a graph replay the host queues nothing, and a chunk's fixed cost is the GPU's alone: the
 # flag write, the peer's wait that polls for it and a copy's start, ~10 us on 2x H200, about
-# 512 KiB of link time. Swept there (RESULTS.md, seventh session): 512 KiB beat 8, 32 and 128
+# 512 KiB of link time. Swept there (benchmarks/gpu_host_transport.py): 512 KiB beat 8, 32 and 128
 # KiB at 0.9 and 3.7 MB blocks (2 chunks of a 0.9 MB block: 64.9 us, against 76.4 for 3 and
 # 146.5 for 11) and tied at 15 MB.
 REPLAY_OVERHEAD_BYTES = 512 << 10

@@ -7,11 +7,11 @@ GPU's programs store the block into the peer's mailbox in page-locked host memor
 per-slice flags; the receiving GPU's programs poll those flags and load each slice as soon as it
 lands: one launch, no driver calls, and it replays in CUDA graphs.
 
-Measured on 2x H200 (VM, RESULTS.md "host mailbox"): the programs move ~23 GB/s each way through
-host memory where the copy engines move ~52, and Triton's launcher costs ~35 us of host time, so
-eagerly it loses to the copy pipeline at every size. Replayed in a graph it is at par with the
-pipeline (3.7 MB blocks: 165 us against 172) and with NCCL (0.9 MB: 58 us against 63). Hence
-opt-in (RAYINFER_HOST_DIRECT_MAX_BYTES).
+Measured on 2x H200 (VM; benchmarks/host_mapped_probe.py, gpu_host_transport.py): the programs
+move ~23 GB/s each way through host memory where the copy engines move ~52, and Triton's
+launcher costs ~35 us of host time, so eagerly it loses to the copy pipeline at every size.
+Replayed in a graph it is at par with the pipeline (3.7 MB blocks: 165 us against 172) and with
+NCCL (0.9 MB: 58 us against 63). Hence opt-in (RAYINFER_HOST_DIRECT_MAX_BYTES).
 
 Every rank maps every rank's mailboxes (SharedSegments). A round pairs one send with one
 receive, shifted as in the pairwise schedule (send to me + k, receive from me - k): a launch's
@@ -35,7 +35,7 @@ from rayinfer.kernels.host_mailbox import MailboxSide, host_mailbox_exchange
 
 # Programs per direction (each carries 1/32 of a block) and int32 words per program step: the
 # fastest of 16-128 programs and 1,024 or 4,096 words on an H200 (benchmarks/host_mapped_probe.py,
-# RESULTS.md "host mailbox"); more programs only add flag traffic on the host link.
+# loopback); more programs only add flag traffic on the host link.
 DEFAULT_SLICES = 32
 BLOCK_WORDS = 4096
 

@@ -3,7 +3,7 @@ one of a list of strings. Plain data that travels inside SamplingParams; the run
 against the tokenizer (engine/grammar_matchers.py), the server checks it first (`check`).
 
 The grammar library is xgrammar. Measured on the 2-core CPU (benchmarks/grammar_backends.py,
-one JSON schema, benchmarks/RESULTS.md "issue 25"): a token mask took 7 us at the tiny model's
+one JSON schema, benchmarks/RESULTS.md "Host side"): a token mask took 7 us at the tiny model's
 1,000-token vocabulary and 59 us at a 100k-token one against llguidance's 44 us and 627 us; a
 schema's compile (81 ms at 100k tokens, llguidance: none up front) is cached per schema by the
 compiler. xgrammar brings transformers and triton along; llguidance would bring nothing.

@@ -4,9 +4,9 @@ out [M, N] = (a * a_scale) @ (b * b_scale).T, the contract of fp8_gemm.fp8_gemm:
 with a_scale [M, K/128] (per token, per 128 channels), b [N, K] e4m3 with b_scale [N/128, K/128].
 
 The Triton kernels stop at 0.65-0.75x of per-tensor `_scaled_mm` and cuBLAS's block-scaled
-kernel at 0.82-0.91x (benchmarks/RESULTS.md). Here, as in DeepGEMM, each K block's product runs
-on the tensor cores into a scratch accumulator that the consumer then scales into its own
-(`acc += product * a_scale[row] * b_scale`), and the roles are split:
+kernel at 0.86-0.96x (benchmarks/RESULTS.md, kernels). Here, as in DeepGEMM, each K block's
+product runs on the tensor cores into a scratch accumulator that the consumer then scales into
+its own (`acc += product * a_scale[row] * b_scale`), and the roles are split:
 - a producer warp streams A and B tiles of one 128-wide K block by TMA into a ring of STAGES
   slots (mbarriers "ready" and "empty");
 - three consumer warpgroups own 64 rows each of the program's 192 x BLOCK_N output tile; while
@@ -16,8 +16,9 @@ dropped by TMA). One program per output tile, grouped along M for L2 reuse of B.
 
 Status: correct on the H200 and 0.66-0.73x of per-tensor `_scaled_mm` at M = 4,096, below
 cuBLAS's block-scaled kernel (0.84-0.89x in the same run), so `ops.fp8_gemm` does not route here
-(benchmarks/RESULTS.md, fifth session: what was tried and why it is latency-bound). It is kept,
-compile-tested in CI (`benchmarks/ttgir_probe.py fp8-ws`), as the base for that work.
+(`benchmarks/gluon_fp8_gemm.py`; each consumer's chain of product, wait and scale is
+latency-bound). It is kept, compile-tested in CI (`benchmarks/ttgir_probe.py fp8-ws`), as the base
+for a faster form.
 """
 
 from __future__ import annotations

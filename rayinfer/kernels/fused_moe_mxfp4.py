@@ -15,7 +15,7 @@ bf16 experts' bytes, plus one scale byte per 32 values. Two kernels, chosen by t
 key: tl.dot_scaled, and the split kernel (even and odd K as two dots over de-interleaved
 activations, its bf16 dequantization in inline PTX with "ASM"; the default). On an H200 at
 V4-Flash shapes the split kernel is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
-(benchmarks/RESULTS.md, 2026-12-02): the upcast, ~6 instructions per weight, bounds it.
+(benchmarks/RESULTS.md, kernels): the upcast, ~6 instructions per weight, bounds it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)  # nibble 0
 _BYTE_DTYPES = (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
 _SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 # The split kernel with the asm dequantization on 16-row tiles: the fastest at 128 tokens on an
-# H200 (2026-12-02, benchmarks/RESULTS.md); configs/fused_moe_mxfp4.json has the larger tiles.
+# H200 (`bench kernels moe_mxfp4 --sweep`); configs/fused_moe_mxfp4.json has the larger tiles.
 DEFAULT_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 3, "SPLIT": True, "ASM": True}  # fmt: skip
 DEFAULT_CONFIG = {"w13": DEFAULT_TILE, "w2": DEFAULT_TILE}

@@ -3,7 +3,7 @@ of mla_decode's split + combine, writing the same partial outputs [B, N, S, L] (
 log2-sum-exp [B, N, S] that `_combine_splits` reduces (or `out` itself when one split covers
 the context).
 
-The Triton split kernel reads the cache at 69-72% of HBM at 16 heads (benchmarks/RESULTS.md): 16
+The Triton split kernel reads the cache at 69-72% of HBM at 16 heads (sweep_mla_decode.py): 16
 heads are below wgmma's 64 rows, so its products run on mma.sync from registers that every tile
 refills from shared memory twice. Here a producer warp streams the split's cache blocks by TMA
 (four 16-token blocks per 64-token tile, each as its latent halves [16, 256] and rope part
@@ -26,7 +26,7 @@ the partitions' launch), its checks and its host launch.
 Layout contract: kv_cache [blocks, 16, 512 + 64] bf16 contiguous; q_latent [B, N, 512] and q_pe
 [B, N, 64] with rows of 16-byte aligned strides that step uniformly over (sequence, head).
 
-Status (benchmarks/RESULTS.md, MLA rounds 9-12): both forms pass the float32 checks on an H200
+Status (benchmarks/RESULTS.md, kernels): both forms pass the float32 checks on an H200
 and the engine's parity with transformers. Timed from CUDA graphs with one program per SM in
 whole waves (168 / 225 KiB of shared memory): tokens-major at 16 heads reads the cache at
 90-100% of HBM at full contexts (the Triton kernel 69-72%), heads-major at 128 heads is 2.1-2.9x

@@ -51,8 +51,8 @@ from rayinfer.kernels.v4_attention import v4_attention as v4_attention_triton
 from rayinfer.kernels.v4_attention import v4_attention_reference, v4_write_rows_reference
 from rayinfer.kernels.v4_attention import v4_write_rows as v4_write_rows_triton
 
-# Kernels that cut a decode step's launches. MoE routing in one launch: on by default since it
-# ran compiled on an H200 (same experts as torch, weights within 1e-7; benchmarks/RESULTS.md),
+# Kernels that cut a decode step's launches. MoE routing in one launch: on by default (on an H200
+# it picks torch's experts with weights within 1e-7, 6-18x faster; benchmarks/RESULTS.md),
 # RAYINFER_FUSED_ROUTING=0 turns it off. The fused MoE of a few slots in two: opt-in
 # (RAYINFER_SMALL_BATCH_MOE=1) until it is faster than the general path on a GPU.
 FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "1") == "1"

@@ -2,7 +2,7 @@
 
 The Triton kernel (prefill_attention_kernel) stops at ~0.8x of cuDNN on an H200: its loop waits
 for every wgmma, then a CTA-wide barrier, so the softmax of a tile never overlaps a matrix product
-(benchmarks/RESULTS.md, fifth session). Here the roles are split, as in FlashAttention-3:
+(`benchmarks/sweep_prefill_attention.py`). Here the roles are split, as in FlashAttention-3:
 - a producer warp streams K and V tiles by TMA into a ring of STAGES slots (mbarriers: "ready"
   when a slot's bytes landed, "empty" when both consumers are done with it);
 - two consumer warpgroups, each with 64 of the program's 128 query rows, take turns on the

@@ -100,16 +100,16 @@ class Router(nn.Module):
 
 
 # all_to_all.local_first=None runs a rank's experts on its own tokens beside the exchange from
-# this many tokens on every rank. 2x H200 host-staged, DeepSeek-V2-Lite shapes, two-batch
-# overlap (RESULTS, tenth session), in transformers' tok/s per GPU: micro-batches of 16k tokens
-# 1.42-1.44x -> 1.54x in three calls; of 8k 1.44x -> 1.46x in one call, 1.44x -> 1.19x in
-# another (the step became host-bound); of 2k 1.18x -> 0.78x (the grouped GEMMs split in two
-# halves too small to run well, and the MoE's host work doubles).
+# this many tokens on every rank. `bench parallel` (host:fp8:nolocal against host:fp8:local) on
+# 2x H200 host-staged, DeepSeek-V2-Lite shapes, two-batch overlap, in transformers' tok/s per
+# GPU, without against with: micro-batches of 16k tokens 1.45x against 1.56x; of 8k a tie, or a
+# loss where the step becomes host-bound; of 2k 1.18x against 0.78x (the grouped GEMMs split in
+# two halves too small to run well, and the MoE's host work doubles).
 LOCAL_FIRST_MIN_TOKENS = 16384
 # Inside a prefill CUDA graph the MoE's host work costs nothing, so local_first pays from
-# smaller calls: 8k prompts from graphs (two lanes of 4k tokens) 1.28x -> 1.35x (eleventh
-# session) and 1.42x -> 1.54x (twelfth); 4k prompts (lanes of 2k) 1.43x -> 1.25x and 1.51x ->
-# 1.35x.
+# smaller calls: the same benchmark with graphs, 8k prompts (two lanes of 4k tokens) 1.42x
+# without against 1.54x with; 4k prompts (lanes of 2k) 1.51x against 1.35x
+# (benchmarks/RESULTS.md, prefill thresholds).
 LOCAL_FIRST_MIN_TOKENS_IN_GRAPH = 4096
 
 

@@ -81,12 +81,11 @@ def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
 
 
 # On CUDA two lanes cost the host about twice the launches of one: with fewer tokens per rank
-# than this the GPU ran out of queued work. 2x H200, DeepSeek-V2-Lite shapes, dp=2 ep=2
-# host-staged FP8, transformers' rate per GPU with overlap off -> on (RESULTS, tenth session):
-# 8k tokens per rank 1.35x -> 0.71x (one prompt) and 1.36x -> 0.76x (two 4k prompts), five
-# repeats each, and a tie in another call; 12k 1.37x -> 1.47x; 16k 1.33x -> 1.44x in one
-# call, 1.39x -> 1.33x in another; 32k (two 16k prompts) 1.40x -> 1.56x. Every rank decides
-# from the same counts.
+# than this the GPU runs out of queued work. `bench parallel --overlap off on` on 2x H200,
+# DeepSeek-V2-Lite shapes, dp=2 ep=2 host-staged FP8, transformers' rate per GPU, overlap off
+# against on: 8k tokens per rank 1.35x against 0.71x, 12k 1.37x against 1.47x, two 16k prompts
+# 1.40x against 1.56x (benchmarks/RESULTS.md, prefill thresholds). Every rank decides from the
+# same counts.
 MIN_TOKENS_TO_OVERLAP_ON_CUDA = 12288
 
 
@@ -99,8 +98,8 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
 # From how many tokens per rank a prefill captured in a CUDA graph (engine/prefill_graphs.py)
 # runs as two micro-batches (RAYINFER_GRAPH_OVERLAP_FROM; "off": never). A replay queues no
 # host work, so the eager threshold's reason (two lanes double the host's launches) is gone:
-# same shapes as above, graph without -> with the overlap, 2k 1.25x -> 1.30x, 4k 1.25x ->
-# 1.43x (RESULTS.md, eleventh session).
+# same benchmark as above, 4k prompts from a graph, 1.25x without the overlap and 1.43x with it
+# (benchmarks/RESULTS.md, prefill thresholds).
 GRAPH_OVERLAP_ENV = "RAYINFER_GRAPH_OVERLAP_FROM"
 DEFAULT_GRAPH_OVERLAP_FROM = 2048
 

@@ -96,7 +96,7 @@ def test_unequal_islands_rule_out_hierarchical():
 
 def test_two_ranks_do_not_penalise_the_one_shot_exchange():
     """With two ranks pairwise and one-shot move the same single message; a fitted one-shot
-    efficiency below 1 (0.81 on 2x H200 NVLink, 2026-11-29) must not make auto leave NCCL."""
+    efficiency below 1 (0.81 on 2x H200 NVLink) must not make auto leave NCCL."""
     topo = Topology.from_matrix([[300.0] * 2] * 2, latency_us=20.0, one_shot_efficiency=0.81)
     choice = choose(topo, uniform_matrix(2, 4096), ROW_BYTES)
     assert (choice.schedule, choice.transport) == ("nccl", "dist"), choice.reason

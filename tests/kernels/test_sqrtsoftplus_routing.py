@@ -28,7 +28,7 @@ def _v4_router(logits: torch.Tensor, top_k: int, bias: torch.Tensor, scaling: fl
 )  # fmt: skip
 def test_routes_like_transformers(route, dtype, num_tokens, num_experts, top_k):
     gen = torch.Generator().manual_seed(num_experts + num_tokens)
-    # Spread over softplus's regimes: far below zero (log1p of a tiny exp), around 0, past 20.
+    # Spread over softplus's regimes: far below zero (log1p of a tiny exp), near zero, past 20.
     logits = (torch.randn(num_tokens, num_experts, generator=gen) * 8).to(dtype)
     logits[0, :3] = torch.tensor([-30.0, 25.0, 0.0], dtype=dtype)
     bias = torch.randn(num_experts, generator=gen) * 0.1

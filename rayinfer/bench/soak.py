@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", default="default", help="the Serve application's name")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--faults", type=soak_faults.parse_faults, default=None,
-                        help="comma-separated, in order; default: every part of the app "
+                        help="comma-separated, in order ('' for none: the steady load only); "
+                        "default: every part of the app "
                         f"({', '.join(DISAGGREGATED_FAULTS)}; or with an Engine deployment: "
                         f"{', '.join(COLOCATED_FAULTS)})")  # fmt: skip
     parser.add_argument("--clients", type=int, default=16)
@@ -98,7 +99,9 @@ async def soak(args: argparse.Namespace) -> dict:
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
     session_dir = soak_memory.session_dir()
     model = args.model or first_model(args.url)
-    faults = args.faults or list(await asyncio.to_thread(default_faults, args.app))
+    faults = args.faults
+    if faults is None:
+        faults = list(await asyncio.to_thread(default_faults, args.app))
     refs = await references(args.url, model, args.max_tokens, args.timeout_s)
     make_load = lambda: Load(args.url, model, args.clients, args.max_tokens, args.timeout_s)
 

@@ -41,6 +41,10 @@ LOST_OBJECT_ERRORS = (
 )
 KV_IO = "kv_io"  # the concurrency group (one thread) of the hand-off's copies
 WATCH = "watch"  # the concurrency group (one thread) holding `wait_until_killed` open
+# The calls made per step or per request keep no task events: the GCS holds ~3.5 KB for each call
+# that does, up to Ray's 100,000-task cap, which is what grew under `python -m rayinfer.bench
+# soak` (its steady phase's `gcs` RSS growth per minute).
+HOT_PATH = {"enable_task_events": False}
 
 
 @dataclass
@@ -141,6 +145,7 @@ class Worker:
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
         }
 
+    @ray.method(**HOT_PATH)
     def execute(self, batch: ModelBatch) -> SampledTokens:
         self._complete_tables(batch)
         return self.runner.execute(batch)
@@ -187,7 +192,7 @@ class Worker:
     def stop_profile(self) -> str:
         return self.profiler.stop()
 
-    @ray.method(concurrency_group=KV_IO)
+    @ray.method(concurrency_group=KV_IO, **HOT_PATH)
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
         """The request's KV put into the object store, chunk by chunk as the copies land (the
         next chunk copies while this one is put); returns it with the chunks' ObjectRefs."""
@@ -201,7 +206,7 @@ class Worker:
         header.timings.update(put_s=put_s, export_s=time.perf_counter() - start)
         return header.with_chunks(refs)
 
-    @ray.method(concurrency_group=KV_IO)
+    @ray.method(concurrency_group=KV_IO, **HOT_PATH)
     def import_kv(self, request_id: str, block_table: list[int], shards: list) -> dict | None:
         """Write this rank's part of a hand-off (from any prefill plan) into the cache: shards
         are per prefill worker an ObjectRef to (or a) KVPayload. Returns the timings in seconds
@@ -229,6 +234,7 @@ class Worker:
         (workers/death_watch.py)."""
         threading.Event().wait()
 
+    @ray.method(**HOT_PATH)
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.block_tables.pop(request_id, None)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200-x2, carry [".device"]): the engine's parity with transformers on CUDA
-# (tests/gpu/test_engine_parity.py), the host-staged copy probe, and a profile of prefill/decode steps of a full-size model.
+# (tests/gpu/test_engine_parity.py), the host-staged copy probe, and a profile of prefill/decode
+# steps of a full-size model.
 set -uo pipefail
 source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD:$PYTHONPATH TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0

@@ -1,10 +1,11 @@
 """What a worker's death costs a loaded server: requests lost, failed or changed, and how soon its
 replica leaves and Serve replaces it (issue 23 item 1), on the CPU with the tiny model.
 
-Starts a private cluster and `serve run` with two replicas of every phase (tests/serve/cluster.py),
-then per phase runs tests/serve/worker_death_client.py: six clients keep greedy completions going
-(half streamed) while one worker of a replica dies (prefill: SIGKILL of its process; decode and
-the colocated engine: `ray.kill`). Prints one JSON line per phase.
+Starts a private cluster and `serve run` with two replicas of every phase
+(rayinfer/bench/serve_cluster.py), then per phase runs rayinfer/bench/worker_death_client.py: six
+clients keep greedy completions going (half streamed) while one worker of a replica dies (prefill:
+SIGKILL of its process; decode and the colocated engine: `ray.kill`). Prints one JSON line per
+phase.
 
     python benchmarks/worker_death.py                 # Prefill and Decode (disaggregated)
     python benchmarks/worker_death.py --colocated     # Engine (disaggregate=false)
@@ -18,12 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.serve.cluster import ServeCluster  # noqa: E402
+from rayinfer.bench.serve_cluster import ServeCluster  # noqa: E402
 
-CLIENT = REPO_ROOT / "tests" / "serve" / "worker_death_client.py"
+CLIENT = ("-m", "rayinfer.bench.worker_death_client")
 
 
 def app_args(colocated: bool) -> tuple[list[str], list[str]]:
@@ -65,7 +65,7 @@ def main() -> None:
     args, phases = app_args(parser.parse_args().colocated)
     with ServeCluster(args) as server:
         for phase in phases:
-            output = server.run_python(str(CLIENT), server.http_url, phase, timeout_s=300)
+            output = server.run_python(*CLIENT, server.http_url, phase, timeout_s=300)
             report = json.loads(output.strip().splitlines()[-1])
             print(json.dumps(summary(phase, report)), flush=True)
 

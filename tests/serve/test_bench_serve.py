@@ -16,6 +16,7 @@ import pytest
 from rayinfer.bench import serve as bench_serve
 from rayinfer.bench.serve import arrival_times, strict_json
 from rayinfer.bench.serve_client import RequestResult, finish, record_event, request_body
+from rayinfer.bench.serve_cluster import ServeCluster
 from rayinfer.bench.serve_dataset import (
     SampleRequest,
     load_tokenizer,
@@ -29,7 +30,6 @@ from rayinfer.bench.serve_metrics import (
     plot_sweep,
     summarize,
 )
-from tests.serve.cluster import ServeCluster
 
 
 def dataset_args(**overrides) -> SimpleNamespace:

@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 
-from tests.serve.cluster import REPO_ROOT, ServeCluster, wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster, wait_for
 from tests.serve.offline_reference import (
     PROMPTS,
     metric_samples,

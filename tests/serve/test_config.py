@@ -104,7 +104,7 @@ def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
 def test_example_serve_config_is_valid():
     import yaml
 
-    from tests.serve.cluster import REPO_ROOT
+    from rayinfer.bench.serve_cluster import REPO_ROOT
 
     config = yaml.safe_load((REPO_ROOT / "examples" / "serve_config.yaml").read_text())
     [app] = config["applications"]
@@ -116,8 +116,8 @@ def test_example_serve_config_is_valid():
 def test_grafana_dashboard_charts_every_serve_metric():
     import json
 
+    from rayinfer.bench.serve_cluster import REPO_ROOT
     from rayinfer.deployments.metrics import METRIC_NAMES
-    from tests.serve.cluster import REPO_ROOT
 
     path = REPO_ROOT / "rayinfer" / "deployments" / "grafana_dashboard.json"
     exprs = " ".join(

@@ -1,9 +1,9 @@
 """Prefill and decode on different Ray nodes: `prefill.resources` / `decode.resources` pin each
 phase to the node offering its resource; the KV crosses nodes through the object store.
 
-The e2e tests run a real two-node cluster on this one machine (tests/serve/cluster.py: a head
-offering `prefill_box`, a second `ray start` offering `decode_box`), then kill the decode node.
-Before them, fast tests of the parts: the build-time check of the nodes
+The e2e tests run a real two-node cluster on this one machine (rayinfer/bench/serve_cluster.py:
+a head offering `prefill_box`, a second `ray start` offering `decode_box`), then kill the decode
+node. Before them, fast tests of the parts: the build-time check of the nodes
 (deployments/node_fit.py) against made-up `ray.nodes()` listings, the keys, the bundles, and
 the ingress's bound on a call no replica takes (pipeline.until_taken).
 """
@@ -22,12 +22,12 @@ import httpx
 import pytest
 
 from rayinfer.app import phase_options
+from rayinfer.bench.serve_cluster import REPO_ROOT, NodeSpec, ServeCluster, wait_for
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.node_fit import check_nodes_fit
 from rayinfer.deployments.pipeline import until_taken
 from rayinfer.deployments.protocol import OpenAIError
-from tests.serve.cluster import REPO_ROOT, NodeSpec, ServeCluster, wait_for
 from tests.serve.offline_reference import offline_replies, served_replies
 
 HEAD_NODE = {"NodeID": "aa" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.1",

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 import rayinfer
+from rayinfer.bench.serve_cluster import ServeCluster
 from rayinfer.models.tiny import VOCAB_SIZE, ensure_tiny_model
 from tests.models.harness import make_dsa_checkpoint, make_v4_checkpoint
-from tests.serve.cluster import ServeCluster
 
 pytestmark = pytest.mark.slow
 

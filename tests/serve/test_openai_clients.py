@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.cluster import ServeCluster
+from rayinfer.bench.serve_cluster import ServeCluster
 
 pytestmark = pytest.mark.slow
 

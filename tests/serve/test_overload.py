@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.cluster import ServeCluster
+from rayinfer.bench.serve_cluster import ServeCluster
 
 pytestmark = pytest.mark.slow
 

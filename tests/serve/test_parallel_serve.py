@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import rayinfer
-from tests.serve.cluster import ServeCluster, wait_for
+from rayinfer.bench.serve_cluster import ServeCluster, wait_for
 
 pytestmark = pytest.mark.slow
 

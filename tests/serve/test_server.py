@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.cluster import REPO_ROOT, ServeCluster, wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster, wait_for
 from tests.serve.offline_reference import metric_samples, offline_replies, served_replies
 
 pytestmark = pytest.mark.slow
@@ -371,10 +371,8 @@ def run_worker_death(server, phase: str) -> None:
     of `phase` dies (worker_death_client.py): the replica leaves at once, what it held is retried
     or resumed on the other one, Serve starts a replacement, and every request answers the text
     a quiet server gave, the ones in flight at the kill and the ones sent after it."""
-    script = str(REPO_ROOT / "tests" / "serve" / "worker_death_client.py")
-    report = json.loads(
-        server.run_python(script, server.http_url, phase, timeout_s=300).strip().splitlines()[-1]
-    )
+    client = ("-m", "rayinfer.bench.worker_death_client", server.http_url, phase)
+    report = json.loads(server.run_python(*client, timeout_s=300).strip().splitlines()[-1])
     requests, killed_at = report["requests"], report["killed_at"]
     assert [r for r in requests if r["status"] != 200] == []
     assert [r for r in requests if r["text"] != report["references"][r["prompt"]]] == []

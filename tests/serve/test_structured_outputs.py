@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve.cluster import ServeCluster
+from rayinfer.bench.serve_cluster import ServeCluster
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""A private Ray cluster plus a real `serve run rayinfer.app:build` subprocess, for e2e tests.
+"""A private Ray cluster plus a real `serve run rayinfer.app:build` subprocess, for the end-to-end
+tests (tests/serve) and the benchmarks that load a server (benchmarks/worker_death.py).
 
 The cluster is started with `ray start --head` in its own short temp dir, with every port found
 free at run time, so it cannot collide with the pytest process's own cluster (`ray_cluster` in
@@ -25,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding the rayinfer package
 PORT_NAMES = (
     "port",
     "node-manager-port",

@@ -1,8 +1,8 @@
-"""Run inside a test cluster (test_server.py, benchmarks/worker_death.py): one worker of a
-Prefill, Decode or Engine replica dies under load, with two replicas of that phase up.
+"""Run against a ServeCluster (tests/serve/test_server.py, benchmarks/worker_death.py): one worker
+of a Prefill, Decode or Engine replica dies under load, with two replicas of that phase up.
 
-`python worker_death_client.py URL PHASE`: answers a few prompts on a quiet server (the
-reference), then keeps CLIENTS greedy completions going (half streamed) over HTTP; once two
+`python -m rayinfer.bench.worker_death_client URL PHASE`: answers a few prompts on a quiet server
+(the reference), then keeps CLIENTS greedy completions going (half streamed) over HTTP; once two
 replicas of PHASE run, it kills one worker of the one that has served longest (prefill: SIGKILL
 of the worker's process; decode and engine: `ray.kill`) and keeps sending until Serve has
 started a replacement replica. Prints JSON: every request's prompt, status, text, begin and

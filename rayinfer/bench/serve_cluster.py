@@ -1,5 +1,5 @@
 """A private Ray cluster plus a real `serve run rayinfer.app:build` subprocess, for the end-to-end
-tests (tests/serve) and the benchmarks that load a server (benchmarks/worker_death.py).
+tests (tests/serve) and the benchmarks that load a server (benchmarks/soak.py).
 
 The cluster is started with `ray start --head` in its own short temp dir, with every port found
 free at run time, so it cannot collide with the pytest process's own cluster (`ray_cluster` in

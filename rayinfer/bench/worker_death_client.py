@@ -1,4 +1,4 @@
-"""Run against a ServeCluster (tests/serve/test_server.py, benchmarks/worker_death.py): one worker
+"""Run against a ServeCluster (tests/serve/test_server.py): one worker
 of a Prefill, Decode or Engine replica dies under load, with two replicas of that phase up.
 
 `python -m rayinfer.bench.worker_death_client URL PHASE`: answers a few prompts on a quiet server

@@ -80,10 +80,12 @@ def rss_by_kind(session_dir: str, exclude_pids: set[int]) -> dict[str, int]:
 
 
 def object_store_bytes() -> tuple[int, int]:
-    """(bytes used, objects) in the object stores of the cluster's nodes."""
+    """(bytes used, objects) in the object stores of the cluster this driver is connected to."""
+    import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    stats = get_memory_info_reply(get_state_from_address()).store_stats
+    address = ray._private.worker.global_worker.node.gcs_address
+    stats = get_memory_info_reply(get_state_from_address(address)).store_stats
     return int(stats.object_store_bytes_used), int(stats.num_local_objects)
 
 

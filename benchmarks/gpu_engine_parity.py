@@ -216,7 +216,7 @@ def check_family(name: str, model_type: str, overrides: dict, folder: Path, dtyp
 def counting_gluon_mla_launches():
     """[launches of the Gluon MLA decode split kernel] while the block runs: whether the engine's
     decode steps reached it (the latent-512 families on an H200 should)."""
-    from rayinfer.kernels import mla_decode_hopper
+    from rayinfer.kernels.mla import mla_decode_hopper
 
     launches = [0]
     launch = mla_decode_hopper.mla_decode_ws_launch

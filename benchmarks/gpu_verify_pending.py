@@ -247,8 +247,8 @@ def check_routing(device: str) -> list[dict]:
     reference on the GPU, then both timed: same experts best first, weights within 1e-5."""
     import triton.testing
 
-    from rayinfer.kernels.moe_routing import moe_routing_reference
-    from rayinfer.kernels.moe_routing_kernel import moe_routing
+    from rayinfer.kernels.moe.moe_routing import moe_routing_reference
+    from rayinfer.kernels.moe.moe_routing_kernel import moe_routing
 
     rows = []
     for name, experts, top_k, scoring, renorm, groups, topk_groups, has_bias, scaling in ROUTERS:
@@ -276,8 +276,8 @@ def check_small_batch_moe(device: str) -> list[dict]:
     in bf16 against a float32 reference, then timed against the general fused MoE."""
     import triton.testing
 
-    from rayinfer.kernels.fused_moe import fused_moe, fused_moe_reference
-    from rayinfer.kernels.fused_moe_small import fused_moe_small_batch
+    from rayinfer.kernels.moe.fused_moe import fused_moe, fused_moe_reference
+    from rayinfer.kernels.moe.fused_moe_small import fused_moe_small_batch
 
     gen = torch.Generator().manual_seed(0)
     experts, hidden, inter, top_k = 64, 2048, 1408, 6
@@ -310,7 +310,7 @@ def check_small_batch_moe(device: str) -> list[dict]:
 def check_moe_pack(device: str) -> dict:
     """The all-tokens row kernels in bfloat16 (the CPU interpreter runs float32/float16 only):
     bytes equal to the torch reference at DeepSeek-V2-Lite's hidden size and top-6."""
-    from rayinfer.kernels import moe_pack
+    from rayinfer.kernels.moe import moe_pack
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1000, 2048, generator=gen).to(device, torch.bfloat16)

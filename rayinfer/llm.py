@@ -65,7 +65,7 @@ class LLM:
     index_cache_dtype: how DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) cache their
     indexer keys: "auto" (the default) in `dtype`, "fp8_e4m3" as FP8 with one float32 scale per
     token (DeepSeek's production format; GLM-5's bf16 row 642 wide instead of 704, see
-    kernels/dsa_index_fp8.py); a ConfigError for other values or models.
+    kernels/dsa/dsa_index_fp8.py); a ConfigError for other values or models.
     """
 
     def __init__(

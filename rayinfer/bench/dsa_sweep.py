@@ -18,8 +18,8 @@ import math
 import torch
 
 from rayinfer.bench import kernels_dsa as glm5
-from rayinfer.kernels.dsa_indexer import context_slots, index_scores
-from rayinfer.kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
+from rayinfer.kernels.dsa.dsa_indexer import context_slots, index_scores
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 SWEEP_BATCHES, SWEEP_CONTEXT = (1, 16, 64), 131072
 CHECK_TOLERANCE = 2e-2  # bf16 sparse attention (tests/gpu/test_dsa_kernels.py)

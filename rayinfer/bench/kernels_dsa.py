@@ -4,10 +4,10 @@ index_topk 2048; indexer 32 heads x 128; cache rows [c_kv | k_pe | index key] 70
 blocks of 64), as medians of `triton.testing.do_bench` after warm-up:
 
 - the HBM copy figure of this run: a 1 GiB `copy_` (bytes read + written / time);
-- sparse decode attention (kernels/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
+- sparse decode attention (kernels/dsa/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
   decode attending to 2048 distinct random tokens of its context: time, and the bandwidth of the
   bytes it must read (T x 2048 rows of (L + R) x 2 bytes + the queries) against the copy figure;
-- the indexer at decode (kernels/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
+- the indexer at decode (kernels/dsa/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
   whole selection (scores + top-k) and the score kernel alone, with the bandwidth of its key reads;
 - the same-run dense baseline: rayinfer's absorbed MLA decode (ops.mla_decode_attention) over
   plain [blocks, 64, 576] caches of the same contexts, and the kernel-level figure
@@ -28,8 +28,8 @@ import json
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.dsa_indexer import dsa_index_topk, index_params, index_scores
-from rayinfer.kernels.sparse_mla import sparse_mla_attention
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, index_params, index_scores
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention
 
 HEADS, LATENT_RANK, ROPE_DIM, TOPK = 64, 512, 64, 2048
 INDEX_HEADS, INDEX_DIM, BLOCK_SIZE = 32, 128, 64

@@ -45,7 +45,7 @@ from rayinfer.engine.kv_transfer import (
 from rayinfer.engine.prefill_graphs import PrefillGraphs
 from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
-from rayinfer.kernels.dsa_index_fp8 import check_fp8_index_device
+from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.forward_context import (
     ForwardContext,

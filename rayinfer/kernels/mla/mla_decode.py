@@ -10,10 +10,11 @@ import os
 
 import torch
 
-from rayinfer.kernels import mla_decode_hopper, paged_attention
+from rayinfer.kernels.attention import paged_attention
+from rayinfer.kernels.attention.paged_attention import choose_split, dot_precision, split_k_decode
 from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
-from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel, _mla_decode_split_kernel
-from rayinfer.kernels.paged_attention import choose_split, dot_precision, split_k_decode
+from rayinfer.kernels.mla import mla_decode_hopper
+from rayinfer.kernels.mla.mla_decode_kernels import _mla_combine_kernel, _mla_decode_split_kernel
 from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
 # The Gluon split kernel's forms (mla_decode_hopper): heads-major over 64-row query tiles (many

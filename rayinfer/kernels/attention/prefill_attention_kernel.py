@@ -6,7 +6,7 @@ prefill_attention._launch.
 
 from __future__ import annotations
 
-from rayinfer.kernels.prefill_attention_tiles import (
+from rayinfer.kernels.attention.prefill_attention_tiles import (
     _attend_tiles,
     _attend_tiles_pipelined,
     _load_rows,

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from rayinfer.kernels.fp8_quant import FP8_MAX, _round_to_e4m3_grid
+from rayinfer.kernels.fp8.fp8_quant import FP8_MAX, _round_to_e4m3_grid
 from rayinfer.kernels.triton_compat import tl, triton
 
 MIN_AMAX = 1e-12  # an all-zero token gets this magnitude instead of a zero scale

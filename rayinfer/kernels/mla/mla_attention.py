@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.mla_cache import (  # noqa: F401 (re-exported)
-    mla_write_cache,
-    mla_write_cache_reference,
-)
-from rayinfer.kernels.mla_decode import (  # noqa: F401 (re-exported)
-    mla_decode_attention,
-    mla_decode_launches,
-    mla_tma_fits,
-)
-from rayinfer.kernels.prefill_attention import (
+from rayinfer.kernels.attention.prefill_attention import (
     join_rope,
     prefill_attention,
     prefill_attention_reference,
+)
+from rayinfer.kernels.mla.mla_cache import (  # noqa: F401 (re-exported)
+    mla_write_cache,
+    mla_write_cache_reference,
+)
+from rayinfer.kernels.mla.mla_decode import (  # noqa: F401 (re-exported)
+    mla_decode_attention,
+    mla_decode_launches,
+    mla_tma_fits,
 )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.activation import clamp_gate_up
+from rayinfer.kernels.elementwise.activation import clamp_gate_up
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import tl, triton
 

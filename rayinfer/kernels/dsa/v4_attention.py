@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.paged_attention import dot_precision
+from rayinfer.kernels.attention.paged_attention import dot_precision
 from rayinfer.kernels.triton_compat import tl, triton
 
 NO_ENTRIES, LISTED_ENTRIES, EVERY_ENTRY = 0, 1, 2

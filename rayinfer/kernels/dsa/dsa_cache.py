@@ -1,6 +1,6 @@
 """Writing new tokens into a DSA layer's cache `[num_blocks, block_size, L + R + D]`: per token its
 normed latent c_kv (L), its roped shared key k_pe (R) and, in layers that run the indexer, its
-roped indexer key (D; or its FP8 bytes and scale, kernels/dsa_index_fp8.py), at its slot. One
+roped indexer key (D; or its FP8 bytes and scale, kernels/dsa/dsa_index_fp8.py), at its slot. One
 program per token skips negative slots (padding rows of a CUDA graph's bucket), so the write has
 no data-dependent shape and a graph captures it. The torch reference is
 `dsa_indexer.dsa_write_cache_reference`.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.dsa_index_fp8 import FP8_MAX as _FP8_MAX
-from rayinfer.kernels.dsa_index_fp8 import SCALE_BYTES, check_key_region
+from rayinfer.kernels.dsa.dsa_index_fp8 import FP8_MAX as _FP8_MAX
+from rayinfer.kernels.dsa.dsa_index_fp8 import SCALE_BYTES, check_key_region
 from rayinfer.kernels.triton_compat import tl, triton
 
 FP8_MAX = tl.constexpr(_FP8_MAX)
@@ -79,7 +79,7 @@ def dsa_write_cache(
     kv_c: torch.Tensor,  # [T, L]
     k_pe: torch.Tensor,  # [T, R]
     index_key: torch.Tensor | None,  # [T, D], or None: a layer without indexer (cols untouched)
-    index_fp8: bool = False,  # the key as D fp8 bytes + float32 scale (kernels/dsa_index_fp8)
+    index_fp8: bool = False,  # the key as D fp8 bytes + float32 scale (kernels/dsa/dsa_index_fp8)
 ) -> None:
     latent_rank, rope_dim = kv_c.shape[-1], k_pe.shape[-1]
     index_dim = 0 if index_key is None else index_key.shape[-1]

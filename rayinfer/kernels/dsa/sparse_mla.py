@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel
-from rayinfer.kernels.paged_attention import choose_split, dot_precision, launch_params
+from rayinfer.kernels.attention.paged_attention import choose_split, dot_precision, launch_params
+from rayinfer.kernels.mla.mla_decode_kernels import _mla_combine_kernel
 from rayinfer.kernels.triton_compat import tl, triton
 
 # float32 on a GPU (parity checks, not a speed path): tiles that fit shared memory at four bytes

@@ -5,7 +5,7 @@ top-k reduction (`_sum_topk_kernel`). Launched by fused_moe._launch_gemm and fus
 
 from __future__ import annotations
 
-from rayinfer.kernels.activation import clamp_gate_up
+from rayinfer.kernels.elementwise.activation import clamp_gate_up
 from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import tl, triton
 

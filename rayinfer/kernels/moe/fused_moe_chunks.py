@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from rayinfer.kernels.moe_align import MoeAlignment
+from rayinfer.kernels.moe.moe_align import MoeAlignment
 from rayinfer.kernels.triton_compat import tl, triton
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from rayinfer.kernels.gluon_compat import HAS_GLUON, gl, gluon, mbarrier, rows_descriptor
-from rayinfer.kernels.mla_decode_partitions import (  # noqa: F401 (geometry re-exported)
+from rayinfer.kernels.mla.mla_decode_partitions import (  # noqa: F401 (geometry re-exported)
     BLOCK_SIZE,
     CONSUMER_REGISTERS,
     HALF_L,
@@ -55,7 +55,7 @@ from rayinfer.kernels.triton_compat import tma_rows_fit
 LOG2E = 1.4426950408889634
 
 if HAS_GLUON:
-    from rayinfer.kernels.mla_decode_partitions import (
+    from rayinfer.kernels.mla.mla_decode_partitions import (
         STAGES,
         TILE_BLOCKS_C,
         producer,

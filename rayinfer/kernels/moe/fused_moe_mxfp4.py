@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.fused_moe import fused_moe_reference
-from rayinfer.kernels.fused_moe_kernels import _sum_topk_kernel
-from rayinfer.kernels.fused_moe_mxfp4_kernel import (
+from rayinfer.kernels.moe.fused_moe import fused_moe_reference
+from rayinfer.kernels.moe.fused_moe_kernels import _sum_topk_kernel
+from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (
     MXFP4_GROUP,
     _moe_mxfp4_gemm_kernel,
     _moe_mxfp4_split_kernel,
 )
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.moe.moe_align import moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import triton
 

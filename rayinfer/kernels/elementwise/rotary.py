@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.mla_attention import mla_write_cache_reference
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.mla.mla_attention import mla_write_cache_reference
 from rayinfer.kernels.triton_compat import tl, triton
 
 

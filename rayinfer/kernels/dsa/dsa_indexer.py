@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.dsa_index_fp8 import (
+from rayinfer.kernels.attention.paged_attention import dot_precision, launch_params
+from rayinfer.kernels.dsa.dsa_index_fp8 import (
     check_key_region,
     gather_index_keys,
     write_index_keys_reference,
 )
-from rayinfer.kernels.paged_attention import dot_precision, launch_params
 from rayinfer.kernels.triton_compat import tl, triton
 
 SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
@@ -49,7 +49,7 @@ def dsa_write_cache_reference(
     kv_c: torch.Tensor,  # [T, L] normed latent
     k_pe: torch.Tensor,  # [T, R] roped shared key
     index_key: torch.Tensor | None,  # [T, D] roped indexer key; None: a layer without indexer
-    index_fp8: bool = False,  # the key as FP8 bytes + float32 scale (kernels/dsa_index_fp8.py)
+    index_fp8: bool = False,  # the key as FP8 bytes + float32 scale (kernels/dsa/dsa_index_fp8.py)
 ) -> None:
     """The rows' L + R + D columns (the first L + R without an index key) at their slots."""
     is_real = slot_mapping >= 0  # [T]: padding tokens have no slot
@@ -99,7 +99,7 @@ def dsa_index_topk_reference(
     positions: torch.Tensor,  # [T] int64: each query's position; it sees positions <= its own
     topk: int,
     max_context: int,  # >= every query's position + 1 (a host bound: no device sync)
-    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
     entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
     """Scores in float32 over every query's context, highest `topk` kept, in no set order."""
@@ -199,7 +199,7 @@ def index_scores(
     positions: torch.Tensor,  # [T] int64
     scores: torch.Tensor,  # [T, max_context] float32, written
     params: dict,
-    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
     entry_stride: int = 1,
 ) -> None:
     """The Triton kernel's launch over every query and context chunk."""
@@ -262,7 +262,7 @@ def dsa_index_topk(
     positions: torch.Tensor,  # [T] int64
     topk: int,
     max_context: int,  # >= every query's position + 1
-    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa_index_fp8.py)
+    index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
     score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
     params: dict | None = None,  # tile override; else configs/dsa_indexer.json
     entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.moe_routing import MoeRouting, check_routing_args
+from rayinfer.kernels.moe.moe_routing import MoeRouting, check_routing_args
 from rayinfer.kernels.triton_compat import tl, triton
 
 

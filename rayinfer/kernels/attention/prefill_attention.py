@@ -43,17 +43,17 @@ from itertools import accumulate
 
 import torch
 
-from rayinfer.kernels import prefill_attention_hopper
-from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
-from rayinfer.kernels.host_lists import device_ints
-from rayinfer.kernels.paged_attention import (
+from rayinfer.kernels.attention import prefill_attention_hopper
+from rayinfer.kernels.attention.paged_attention import (
     causal_attention,
     dot_precision,
     launch_params,
     paged_decode_attention,
 )
-from rayinfer.kernels.prefill_attention_kernel import _prefill_attention_kernel
-from rayinfer.kernels.prefill_attention_tiles import RESCALE_THRESHOLD  # noqa: F401 (re-export)
+from rayinfer.kernels.attention.prefill_attention_kernel import _prefill_attention_kernel
+from rayinfer.kernels.attention.prefill_attention_tiles import RESCALE_THRESHOLD  # noqa: F401 (re-export)
+from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
+from rayinfer.kernels.host_lists import device_ints
 from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
 BACKEND_ENV = "RAYINFER_PREFILL_ATTENTION"  # auto (the config's backend) | triton

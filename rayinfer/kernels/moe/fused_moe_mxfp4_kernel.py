@@ -13,7 +13,7 @@ the loop). No bf16 copy of an expert is ever written. The split kernel below is 
 
 from __future__ import annotations
 
-from rayinfer.kernels.activation import clamp_gate_up
+from rayinfer.kernels.elementwise.activation import clamp_gate_up
 from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import tl, triton
 

@@ -20,20 +20,20 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.activation import silu_and_mul_reference
-from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
-from rayinfer.kernels.fused_moe_chunks import (
+from rayinfer.kernels.elementwise.activation import silu_and_mul_reference
+from rayinfer.kernels.fp8.fp8_quant import fp8_dequant_reference, fp8_quant, fp8_quant_reference
+from rayinfer.kernels.moe.fused_moe_chunks import (
     ExpertChunks,
     _check_chunk_tile,
     expert_chunks,
     row_granule,
 )
-from rayinfer.kernels.fused_moe_kernels import (
+from rayinfer.kernels.moe.fused_moe_kernels import (
     _moe_chunk_gemm_kernel,
     _moe_gemm_kernel,
     _sum_topk_kernel,
 )
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.moe.moe_align import moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import TensorDescriptor, triton
 

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from rayinfer.kernels.fp8_gemm_kernels import (
+from rayinfer.kernels.fp8.fp8_gemm_kernels import (
     _fp8_block_gemm_kernel,
     _fp8_block_gemm_persistent_kernel,
     _fp8_block_gemm_tma_kernel,

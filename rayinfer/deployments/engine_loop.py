@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConf
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.executor import Executor, KVLostError
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams

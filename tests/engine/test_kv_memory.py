@@ -16,9 +16,12 @@ from rayinfer.config import (
     ModelConfig,
     check_gpu_memory_utilization,
 )
-from rayinfer.engine import kv_memory, model_runner
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.kv_memory import (
+from rayinfer.graph_config import CudaGraphConfig
+from rayinfer.layers.parallel import LayerGroup, ParallelContext
+from rayinfer.workers.in_process import InProcessExecutor
+from rayinfer.workers.runner import kv_memory, model_runner
+from rayinfer.workers.runner.kv_memory import (
     CUDA_CONTEXT_ESTIMATE_BYTES,
     CUDA_GRAPH_RESERVE_BYTES,
     GIB,
@@ -32,10 +35,7 @@ from rayinfer.engine.kv_memory import (
     process_bytes_from_smi,
     worker_memory,
 )
-from rayinfer.engine.model_runner import ModelRunner
-from rayinfer.graph_config import CudaGraphConfig
-from rayinfer.layers.parallel import LayerGroup, ParallelContext
-from rayinfer.workers.in_process import InProcessExecutor
+from rayinfer.workers.runner.model_runner import ModelRunner
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
 MIB = 2**20

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 import rayinfer
-from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.runner.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 42, 99], [7, 123, 64, 8]]
 

@@ -14,7 +14,7 @@ import pytest
 import rayinfer
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import ModelSource, build_engine
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.workers.group import KVRefs
 

@@ -27,11 +27,11 @@ from collections.abc import Callable
 import torch
 
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.decode_inputs import StaticDecodeInputs, fits_static_decode
-from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
-from rayinfer.engine.graph_capture import BucketGraphs
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.forward_context import ForwardContext
+from rayinfer.workers.runner.decode_inputs import StaticDecodeInputs, fits_static_decode
+from rayinfer.workers.runner.graph_buckets import bucket_for, graph_batch_sizes
+from rayinfer.workers.runner.graph_capture import BucketGraphs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 

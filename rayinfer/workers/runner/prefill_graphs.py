@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.decode_inputs import PAD_BLOCK, PAD_SLOT, PAD_TOKEN, GraphStep
-from rayinfer.engine.graph_buckets import bucket_for
-from rayinfer.engine.graph_capture import BucketGraphs
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
 from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
+from rayinfer.workers.runner.decode_inputs import PAD_BLOCK, PAD_SLOT, PAD_TOKEN, GraphStep
+from rayinfer.workers.runner.graph_buckets import bucket_for
+from rayinfer.workers.runner.graph_capture import BucketGraphs
 
 SMALLEST_BUCKET = 256
 

@@ -1,10 +1,11 @@
-"""A request's KV as it travels between engines: the payload, the hand-off, the slot arithmetic.
+"""A request's KV as it travels between engines: the payload, its fetch, the slot arithmetic (the
+hand-off that names it to the other engine: engine/kv_handoff.py).
 
 The packed form is layout-free: per token, every layer's cache row
 (`ModelConfig.kv_shape_per_token(...)` elements), so a cache with a different block size (or a
 different parallel plan) can take it. It travels in chunks of tokens, each one
 `[num_layers, chunk_tokens, row_bytes]` uint8 array, so a long prompt's KV streams through small
-staging buffers (engine/kv_copy.py) instead of being held whole in pinned memory.
+staging buffers (workers/runner/kv_copy.py) instead of being held whole in pinned memory.
 """
 
 from __future__ import annotations
@@ -69,24 +70,6 @@ class KVPayload:
         return [whole[layer].view(self.dtype).reshape(self.shape) for layer in range(len(whole))]
 
 
-@dataclass
-class KVHandoff:
-    """What prefill gives decode: the prompt, the first token and where the KV lives.
-
-    `payload` is a KVPayload in-process, or the exporting executor's reference to one in the Ray
-    object store (a WorkerGroup's `KVRefs`, possibly still being written); decode resolves it
-    from its own workers.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    first_token_id: int
-    payload: Any  # None when the request already finished at its first token
-    num_bytes: int = 0
-    finish_reason: str | None = None  # set when there is nothing left to decode
-    first_token_logprobs: Any = None  # outputs.TokenLogprobs when the request asked for them
-
-
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """[num_tokens] int64 cache slots of a sequence's first num_tokens tokens."""
     positions = torch.arange(num_tokens)
@@ -96,7 +79,7 @@ def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> tor
 
 def pack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
     """Gather the tokens at `slots` from each layer cache into CPU tensors (the reference the
-    chunked copies of engine/kv_copy.py are tested against)."""
+    chunked copies of workers/runner/kv_copy.py are tested against)."""
     packed = []
     for cache in kv_caches:
         flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *kv_shape]

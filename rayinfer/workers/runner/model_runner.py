@@ -24,26 +24,6 @@ import torch
 
 from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
-from rayinfer.engine.decode_graphs import DecodeGraphs
-from rayinfer.engine.grammar_matchers import GrammarMasks, GrammarMatchers
-from rayinfer.engine.kv_copy import KVCopier
-from rayinfer.engine.kv_memory import (
-    CUDA_GRAPH_RESERVE_BYTES,
-    SAFETY_MARGIN_BYTES,
-    activation_peak_bytes,
-    kv_bytes_per_block,
-    num_kv_blocks_for_memory,
-    worker_memory,
-)
-from rayinfer.engine.kv_transfer import (
-    KVPayload,
-    check_layout,
-    payload_for_heads,
-    token_slots,
-    unpack_kv,
-)
-from rayinfer.engine.prefill_graphs import PrefillGraphs
-from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.host_lists import device_ints
@@ -72,6 +52,26 @@ from rayinfer.layers.two_batch_overlap import (
 )
 from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
+from rayinfer.workers.runner.decode_graphs import DecodeGraphs
+from rayinfer.workers.runner.grammar_matchers import GrammarMasks, GrammarMatchers
+from rayinfer.workers.runner.kv_copy import KVCopier
+from rayinfer.workers.runner.kv_memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    SAFETY_MARGIN_BYTES,
+    activation_peak_bytes,
+    kv_bytes_per_block,
+    num_kv_blocks_for_memory,
+    worker_memory,
+)
+from rayinfer.workers.runner.kv_transfer import (
+    KVPayload,
+    check_layout,
+    payload_for_heads,
+    token_slots,
+    unpack_kv,
+)
+from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
+from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
 
 
 def supports_memory_sizing(device: torch.device) -> bool:

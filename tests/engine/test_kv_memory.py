@@ -298,7 +298,7 @@ def test_profiling_step_is_the_largest_step_over_the_longest_context(checkpoint,
     cuda = FakeCuda(monkeypatch)
     runner = make_runner(checkpoint)
     seen = {}
-    forward = runner._forward
+    forward = runner.forward
 
     def spy(input_ids, positions, ctx):
         seen.update(
@@ -310,7 +310,7 @@ def test_profiling_step_is_the_largest_step_over_the_longest_context(checkpoint,
         cuda.spike(5 * MIB)
         return forward(input_ids, positions, ctx)
 
-    monkeypatch.setattr(runner, "_forward", spy)
+    monkeypatch.setattr(runner, "forward", spy)
     config = KVMemoryConfig(0.5, max_num_batched_tokens=48, max_model_len=200, max_num_seqs=4)
     num_blocks = runner.kv_blocks_that_fit(config)
     assert seen == dict(tokens=48, positions=(152, 199), seq_lens=[200], cache_blocks=13)

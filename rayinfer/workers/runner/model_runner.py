@@ -1,9 +1,9 @@
 """Turns a ModelBatch into tensors, runs the model over the paged cache and samples next tokens.
 
 One ModelRunner lives on each device (in-process, or inside a Ray worker actor). It owns the
-model's weights, the KV cache tensors and the per-request sampling generators; with a
-CudaGraphConfig, also the decode graphs (captured here, after the cache exists), which run every
-pure-decode batch that fits them.
+model's weights, the KV cache (kv_cache.py), the forward of a step (forward.py) and the requests'
+sampling state (sampling.py); with a CudaGraphConfig, also the decode and prefill graphs
+(captured here, after the cache exists), which run every step that fits them.
 
 With a KVMemoryConfig on CUDA (`gpu_memory_utilization`), the cache's block count comes from the
 GPU's memory instead of the CacheConfig: `kv_blocks_that_fit` runs one profiling step of the
@@ -17,44 +17,23 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
-from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
-from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
+from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
+from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
-from rayinfer.kernels.host_lists import device_ints
-from rayinfer.layers.forward_context import (
-    ForwardContext,
-    build_attention_metadata,
-    idle_forward_inputs,
-    token_positions,
-)
+from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.parallel import SINGLE, ParallelContext
-from rayinfer.layers.sampler import (
-    NO_TOKEN,
-    SampledRows,
-    apply_logit_bias,
-    apply_penalties,
-    apply_token_bitmask,
-    gather_logprobs,
-    log_probabilities,
-    sample_tokens,
-)
-from rayinfer.layers.two_batch_overlap import (
-    forward_two_batch_overlap,
-    overlaps_in_graph,
-    supports_two_batch_overlap,
-    worth_overlapping,
-)
+from rayinfer.layers.sampler import log_probabilities
+from rayinfer.layers.two_batch_overlap import supports_two_batch_overlap
 from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
 from rayinfer.workers.runner.decode_graphs import DecodeGraphs
-from rayinfer.workers.runner.grammar_matchers import GrammarMasks, GrammarMatchers
-from rayinfer.workers.runner.kv_copy import KVCopier
+from rayinfer.workers.runner.forward import StepForward
+from rayinfer.workers.runner.kv_cache import KVCache, new_kv_caches
 from rayinfer.workers.runner.kv_memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     SAFETY_MARGIN_BYTES,
@@ -63,14 +42,10 @@ from rayinfer.workers.runner.kv_memory import (
     num_kv_blocks_for_memory,
     worker_memory,
 )
-from rayinfer.workers.runner.kv_transfer import (
-    KVPayload,
-    check_layout,
-    payload_for_heads,
-    token_slots,
-    unpack_kv,
-)
+from rayinfer.workers.runner.kv_transfer import KVPayload
+from rayinfer.workers.runner.logprobs import prompt_logprobs, sampled_logprobs
 from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
+from rayinfer.workers.runner.sampling import RequestSampler
 from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
 
 
@@ -113,18 +88,16 @@ class ModelRunner:
             self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
         if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
             two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
-        self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
-        self.generators: dict[str, torch.Generator] = {}
-        self.grammars = GrammarMatchers(
-            model_config.path, model_config.vocab_size, model_config.eos_token_ids,
-            pin=self.device.type == "cuda",
-        )  # fmt: skip
+        two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
+        self.forward = StepForward(
+            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap
+        )
+        self.sampler = RequestSampler(model_config, pin=self.device.type == "cuda")
         self.cuda_graphs = cuda_graphs
         # Sizing the cache from memory needs CUDA's allocator statistics; elsewhere the
         # CacheConfig's count stands.
         self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
-        self.kv_caches: list[torch.Tensor] = []
-        self._kv_copier: KVCopier | None = None
+        self.kv_cache: KVCache | None = None  # made by allocate_kv
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
@@ -136,10 +109,15 @@ class ModelRunner:
         """Allocate the cache with num_blocks blocks, then capture the graphs over it."""
         if num_blocks != self.cache_config.num_blocks:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
-        self.kv_caches = self._new_kv_caches(num_blocks)
-        self._kv_copier = None  # over the new cache
+        layers = self._new_kv_caches(num_blocks)
+        self.kv_cache = KVCache(layers, self.cache_config.block_size, self.kv_heads)
         self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per layer [num_blocks, block_size, *kv_shape]; [] before `allocate_kv`."""
+        return [] if self.kv_cache is None else self.kv_cache.layers
 
     @property
     def graph_capture_seconds(self) -> float | None:
@@ -215,7 +193,7 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(context - num_tokens, context, device=self.device)
-        hidden = self._forward(input_ids, positions, ForwardContext(metadata, caches))  # [T, H]
+        hidden = self.forward(input_ids, positions, ForwardContext(metadata, caches))  # [T, H]
         rows = min(kv_memory.max_num_seqs, num_tokens)
         self.model.compute_logits(hidden[-rows:])  # [rows, V] float32
 
@@ -223,7 +201,7 @@ class ModelRunner:
         if config is None or not self.captures_decode_graphs:
             return None
         graphs = DecodeGraphs(
-            self._graph_forward, self.kv_caches, config, self.cache_config.block_size, self.device
+            self.forward.in_graph, self.kv_caches, config, self.cache_config.block_size, self.device
         )
         graphs.capture()
         return graphs
@@ -232,7 +210,7 @@ class ModelRunner:
         if config is None or not config.max_prefill_tokens or not self.captures_decode_graphs:
             return None
         graphs = PrefillGraphs(
-            self._graph_forward,
+            self.forward.in_graph,
             self.kv_caches,
             config.max_prefill_tokens,
             self.cache_config.block_size,
@@ -242,21 +220,9 @@ class ModelRunner:
         return graphs
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = (num_blocks, self.cache_config.block_size, *self.kv_shape)
-        try:
-            return [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(self.model_config.num_layers)
-            ]
-        except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not isinstance(error, torch.OutOfMemoryError) and "alloc" not in str(error):
-                raise
-            size = torch.Size(shape).numel() * self.dtype.itemsize * self.model_config.num_layers
-            raise ConfigError(
-                f"the KV cache (num_kv_blocks={num_blocks} x block_size="
-                f"{self.cache_config.block_size} tokens, {size / 2**30:.1f} GiB) does not fit on "
-                f"{self.device}; lower num_kv_blocks or max_model_len"
-            ) from None
+        num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
+        shape = self.kv_shape
+        return new_kv_caches(num_layers, num_blocks, block_size, shape, self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ModelBatch) -> SampledTokens:
@@ -273,7 +239,7 @@ class ModelRunner:
         bucket = self._graph_bucket(batch)
         prefill_bucket = None if bucket is not None else self._prefill_bucket(batch)
         if not requests and bucket is None and prefill_bucket is None:
-            self._idle_forward(batch.ep_tokens)
+            self.forward.idle(self.kv_caches, batch.ep_tokens)
             return SampledTokens([])
         if prefill_bucket is not None:  # one new prompt (or none: padding), from a graph
             hidden = self.prefill_graphs.run(requests, prefill_bucket)  # [n, H]
@@ -282,94 +248,24 @@ class ModelRunner:
             last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
         else:
             hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
-        prompt_logprobs = self._prompt_logprobs(hidden, requests) if bucket is None else None
+        prompt = None
+        if bucket is None:  # a decode graph's rows hold no prompt tokens
+            prompt = prompt_logprobs(hidden, requests, self.model.compute_logits)
         if not last_rows:
-            return SampledTokens([], prompt_logprobs=prompt_logprobs)
+            return SampledTokens([], prompt_logprobs=prompt)
         sampling = [r for r in requests if r.samples]
         # On a GPU the forward is still running: the host fills the grammar masks meanwhile.
-        masks = self.grammars.masks(sampling) if GrammarMatchers.needed(sampling) else None
+        masks = self.sampler.masks(sampling)
         # Every row samples in a pure decode: no index tensor to build and copy to the device.
         last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
         logits = self.model.compute_logits(last)  # [B, V] float32
         wanted = [r.params.logprobs for r in sampling]
         raw = log_probabilities(logits, wanted)  # before penalties and masks change the logits
-        tokens, failed = self._sample(logits, sampling, masks)
+        tokens, failed = self.sampler.sample(logits, sampling, masks)
         errors = {sampling[row].request_id: why for row, why in failed.items()} or None
         if raw is None:
-            return SampledTokens(tokens, prompt_logprobs=prompt_logprobs, errors=errors)
-        logprobs = gather_logprobs(*raw, [max(t, 0) for t in tokens], wanted)  # NO_TOKEN: any id
-        return SampledTokens(
-            tokens, [None if lp is None else SampledLogprobs(*lp) for lp in logprobs],
-            prompt_logprobs, errors,
-        )  # fmt: skip
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, requests: list[ScheduledRequest], rows_at_once: int = 256
-    ) -> dict[str, tuple[int, list[SampledLogprobs]]] | None:
-        """Log-probabilities of the prompt tokens that this step's prefill rows predict, for the
-        requests that asked (hidden [T, H] in batch order). Logits are made `rows_at_once` rows
-        at a time: a whole chunk's [T, V] float32 would be gigabytes at large vocabularies."""
-        if not any(r.prompt_logprob_targets for r in requests):
-            return None
-        found, first_row = {}, 0
-        for request in requests:
-            targets = request.prompt_logprob_targets
-            if targets:
-                k = request.params.prompt_logprobs
-                entries = []
-                for start in range(0, len(targets), rows_at_once):
-                    part = targets[start : start + rows_at_once]
-                    rows = hidden[first_row + start : first_row + start + len(part)]
-                    log_probs = torch.log_softmax(self.model.compute_logits(rows).float(), -1)
-                    picked = gather_logprobs(log_probs, list(range(len(part))), part,
-                                             [k] * len(part))  # fmt: skip
-                    entries += [SampledLogprobs(*entry) for entry in picked]
-                found[request.request_id] = (request.start_position, entries)
-            first_row += len(request.token_ids)
-        return found
-
-    def _sample(
-        self, logits: torch.Tensor, sampling: list[ScheduledRequest], masks: GrammarMasks | None
-    ) -> SampledRows:
-        """[B, V] logits (penalized and masked in place) -> the next token of each sampling
-        request. A request whose generator cannot be made (its seed), whose grammar cannot be
-        used or whose row cannot be sampled fails alone (`errors`, by row); the others sample as
-        they would without it."""
-        if masks is not None:
-            apply_token_bitmask(logits, masks.bitmask, masks.rows)
-        if any(r.params.logit_bias for r in sampling):
-            apply_logit_bias(logits, [r.params.logit_bias for r in sampling])
-        if any(r.output_token_ids for r in sampling):
-            apply_penalties(
-                logits,
-                [r.output_token_ids for r in sampling],
-                [r.params.presence_penalty for r in sampling],
-                [r.params.frequency_penalty for r in sampling],
-            )
-        generators, setup_errors = [], {}
-        for row, request in enumerate(sampling):
-            try:
-                generators.append(self._generator(request.request_id, request.params))
-            except (RuntimeError, ValueError, OverflowError) as error:  # torch refused the seed
-                generators.append(None)
-                setup_errors[row] = f"seed={request.params.seed!r}: {error}"
-        temperatures = [0 if row in setup_errors else r.params.temperature
-                        for row, r in enumerate(sampling)]  # fmt: skip
-        rows = sample_tokens(
-            logits,
-            temperatures,
-            [r.params.top_k for r in sampling],
-            [r.params.top_p for r in sampling],
-            generators,
-        )
-        if masks is not None:
-            setup_errors.update(masks.errors)
-        for row in setup_errors:
-            rows.token_ids[row] = NO_TOKEN
-        errors = {**rows.errors, **setup_errors}
-        if masks is not None:
-            errors.update(self.grammars.accept(sampling, masks, rows.token_ids))
-        return SampledRows(rows.token_ids, errors)
+            return SampledTokens(tokens, prompt_logprobs=prompt, errors=errors)
+        return SampledTokens(tokens, sampled_logprobs(raw, tokens, wanted), prompt, errors)
 
     def _graph_bucket(self, batch: ModelBatch) -> int | None:
         """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk
@@ -403,111 +299,20 @@ class ModelRunner:
             timeline.inputs_ready = timeline.received  # the replay copies its own inputs
             timeline.mark("queued")
             return hidden, [row for row, r in enumerate(requests) if r.samples]
-        query_lens = [len(r.token_ids) for r in requests]
-        seq_lens = [r.seq_len for r in requests]
-        positions = token_positions(query_lens, seq_lens)  # [T] int64, numpy
-        metadata = build_attention_metadata(
-            query_lens,
-            seq_lens,
-            [r.block_table for r in requests],
-            self.cache_config.block_size,
-            self.device,
-            positions,
-        )
-        ctx = ForwardContext(attn=metadata, kv_caches=self.kv_caches)
-        tokens = chain.from_iterable(r.token_ids for r in requests)
-        input_ids = np.fromiter(tokens, dtype=np.int64, count=positions.shape[0])
-        input_ids = device_ints(torch.from_numpy(input_ids), torch.int64, self.device)
-        positions = device_ints(torch.from_numpy(positions), torch.int64, self.device)
-        timeline.mark("inputs_ready")
-        hidden = self._forward(input_ids, positions, ctx, ep_tokens)  # [T, H]
-        timeline.mark("queued")
-        ends = accumulate(len(r.token_ids) for r in requests)  # on the host: no device sync
-        return hidden, [end - 1 for r, end in zip(requests, ends) if r.samples]
-
-    def _idle_forward(self, ep_tokens: list[int] | None = None) -> None:
-        """A rank with no requests this step still joins its peers' collectives (DP replicas
-        whose experts exchange tokens), with one placeholder token that writes no cache."""
-        if not self.parallel.has_collectives:
-            return
-        empty = build_attention_metadata([], [], [], self.cache_config.block_size, self.device)
-        input_ids, positions, ctx = idle_forward_inputs(
-            ForwardContext(empty, self.kv_caches), self.device
-        )
-        self._forward(input_ids, positions, ctx, ep_tokens)
-
-    def _forward(self, input_ids, positions, ctx, ep_tokens=None) -> torch.Tensor:
-        if self.parallel.experts_exchange_tokens:
-            # Every rank's token count, known before any work is queued (sent with the step, or
-            # gathered once here), so that no MoE layer waits for the device to size its exchange.
-            group = self.parallel.ep_group
-            with group.tokens_of_step(input_ids.shape[0], self.device, known=ep_tokens):
-                return self._run_model(input_ids, positions, ctx)
-        return self._run_model(input_ids, positions, ctx)
-
-    def _graph_forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        """The forward a graph captures (and runs on the CPU): with a token exchange,
-        every rank holds the bucket's tokens and the exchange takes replayable options."""
-        if not self.parallel.experts_exchange_tokens:
-            return self.model(input_ids, positions, ctx)
-        with self.parallel.ep_group.static_exchange(input_ids.shape[0]):
-            if self._overlaps_in_graph(input_ids.shape[0], ctx):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
-            return self.model(input_ids, positions, ctx)
-
-    def _overlaps_in_graph(self, num_tokens: int, ctx: ForwardContext) -> bool:
-        """A captured prefill runs as two micro-batches where its inputs hold the halves."""
-        has_halves = ctx.micro_batches is not None
-        return self.two_batch_overlap and has_halves and overlaps_in_graph(num_tokens)
-
-    def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
-        if self.two_batch_overlap:
-            ep_group = self.parallel.ep_group
-            tokens = getattr(ep_group, "tokens_per_rank", None) or [input_ids.shape[0]]
-            if worth_overlapping(tokens, self.device):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx)
-
-    def _generator(self, request_id: str, params) -> torch.Generator | None:
-        if params.is_greedy:
-            return None
-        if request_id not in self.generators:
-            generator = torch.Generator()
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed)
-            self.generators[request_id] = generator
-        return self.generators[request_id]
+        return self.forward.eager(requests, self.kv_caches, ep_tokens, timeline)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Every layer's cache row of one token on this rank."""
         return self.model_config.num_layers * math.prod(self.kv_shape) * self.dtype.itemsize
 
-    @property
-    def kv_copier(self) -> KVCopier:
-        """The hand-off's chunked copies over this cache (made at first use)."""
-        if self._kv_copier is None:
-            self._kv_copier = KVCopier(self.kv_caches)
-        return self._kv_copier
-
     def export_kv_chunks(
         self, request_id: str, block_table: list[int], num_tokens: int
     ) -> tuple[KVPayload, Iterator[np.ndarray]]:
         """A request's first num_tokens tokens of KV: the payload without its chunks, and the
         chunks as they are copied out (each valid until the next is taken; kv_copy.py)."""
-        slots = token_slots(block_table, num_tokens, self.cache_config.block_size)
-        generator = self.generators.get(request_id)
-        header = KVPayload(
-            chunks=[],
-            num_layers=len(self.kv_caches),
-            shape=(num_tokens, *self.kv_caches[0].shape[2:]),
-            dtype=self.kv_caches[0].dtype,
-            generator_state=generator.get_state() if generator is not None else None,
-            kv_heads=self.kv_heads,
-        )
-        return header, self.kv_copier.export(slots, header.timings)
+        state = self.sampler.generator_state(request_id)
+        return self.kv_cache.export_chunks(block_table, num_tokens, state)
 
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
         """The KV as an in-memory payload (the chunks copied out of the reused buffers)."""
@@ -520,19 +325,9 @@ class ModelRunner:
         """Write a hand-off into these blocks; a list holds the shards of every prefill rank,
         from which this rank takes its own K/V heads (any prefill plan to any decode plan)."""
         payloads = payload if isinstance(payload, list) else [payload]
-        mine = payload_for_heads(payloads, self.kv_heads)
-        slots = token_slots(block_table, mine.num_tokens, self.cache_config.block_size)
-        check_layout(self.kv_caches, mine.num_layers, mine.shape[1:])
-        if mine.dtype == self.kv_caches[0].dtype:
-            self.kv_copier.import_(slots, mine.chunks)
-        else:  # another dtype (a float32 prefill into a bfloat16 decode): convert on the way
-            unpack_kv(self.kv_caches, slots, mine.kv)
-        if mine.generator_state is not None:
-            generator = torch.Generator()
-            generator.set_state(mine.generator_state)
-            self.generators[request_id] = generator
+        state = self.kv_cache.import_payloads(block_table, payloads)
+        if state is not None:
+            self.sampler.restore_generator(request_id, state)
 
     def free_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
-        self.grammars.free(request_ids)
+        self.sampler.free(request_ids)

@@ -30,7 +30,7 @@ from rayinfer.deployments.admission import Admission, Refusal
 from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import root_cause
 from rayinfer.deployments.metrics import ServeMetrics
-from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.resume import ResumedText, TextRules
 from rayinfer.deployments.types import (
     DecodeChunk,

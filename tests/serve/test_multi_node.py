@@ -25,8 +25,8 @@ from rayinfer.app import phase_options
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.node_fit import check_nodes_fit
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.pipeline import until_taken
-from rayinfer.deployments.protocol import OpenAIError
 from tests.serve.cluster import REPO_ROOT, NodeSpec, ServeCluster, wait_for
 from tests.serve.offline_reference import offline_replies, served_replies
 

@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from rayinfer.deployments import response_bodies
-from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.replies import HttpReply, sse
-from rayinfer.deployments.types import Timings
+from rayinfer.deployments.types import Delta, Timings
 from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
 
 _CHOICE_DONE = object()

@@ -9,7 +9,6 @@ from typing import Any
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
 from rayinfer.deployments.openai_error import OpenAIError
-from rayinfer.deployments.pipeline import Delta
 from rayinfer.deployments.response_bodies import (
     chat_chunk_body,
     chat_completion_body,
@@ -19,7 +18,7 @@ from rayinfer.deployments.response_bodies import (
     usage_chunk_body,
 )
 from rayinfer.deployments.tool_calls import put_tool_calls, tool_call_stream
-from rayinfer.deployments.types import Timings
+from rayinfer.deployments.types import Delta, Timings
 
 
 def validation_to_openai(

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
 
-from rayinfer.kernels import dsa_cache, dsa_indexer, sparse_mla, v4_attention  # noqa: E402
-from rayinfer.kernels.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
+from rayinfer.kernels.dsa import dsa_cache, dsa_indexer, sparse_mla, v4_attention  # noqa: E402
+from rayinfer.kernels.mla.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
 
@@ -164,7 +164,7 @@ KERNELS = {
 # DeepSeek-V4's serve bf16 models; their float32 path (parity runs) is the same code with
 # smaller tiles, compiled on the GPU by tests/gpu/test_v4_kernels.py.
 V4_KERNELS = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")
-# Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa_index_fp8.FP8_CAPABILITY). FP8
+# Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa/dsa_index_fp8.FP8_CAPABILITY). FP8
 # keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill
 # instructions), left to float32 parity runs, which keep "auto" keys.
 FP8_KERNELS, FP8_MIN_ARCH, FP8_DTYPES = (

@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_dsa_kernels import SHARED_MEMORY_LIMITS, compile_for  # noqa: E402
 from ttgir_probe import loop_report, registers_per_thread, spill_instructions  # noqa: E402
 
-from rayinfer.kernels import fused_moe_mxfp4  # noqa: E402
-from rayinfer.kernels.fused_moe import DEFAULT_CONFIG  # noqa: E402
-from rayinfer.kernels.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
-from rayinfer.kernels.fused_moe_mxfp4_kernel import (  # noqa: E402
+from rayinfer.kernels.moe import fused_moe_mxfp4  # noqa: E402
+from rayinfer.kernels.moe.fused_moe import DEFAULT_CONFIG  # noqa: E402
+from rayinfer.kernels.moe.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
+from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (  # noqa: E402
     _moe_mxfp4_gemm_kernel,
     _moe_mxfp4_split_kernel,
 )
-from rayinfer.kernels.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
+from rayinfer.kernels.moe.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
 
 GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
                      block_expert_ids_ptr="*i32", num_padded_ptr="*i32")  # fmt: skip

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from rayinfer.kernels import fp8_gemm as fp8_gemm_module  # noqa: E402
-from rayinfer.kernels import fp8_gemm_hopper  # noqa: E402
-from rayinfer.kernels.fp8_quant import fp8_quant  # noqa: E402
+from benchmarks import fp8_gemm_hopper  # noqa: E402
+from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module  # noqa: E402
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant  # noqa: E402
 
 CHECKS = [(1, 256, 128), (100, 136, 256), (300, 7168, 2048), (4096, 4096, 7168), (129, 24576, 1536)]
 SHAPES = [(7168, 2048), (4096, 7168), (24576, 1536)]  # (N, K): V3 projections

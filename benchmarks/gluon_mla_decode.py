@@ -25,8 +25,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from rayinfer.bench.attention_cases import paged_mla_case  # noqa: E402
-from rayinfer.kernels import mla_attention, mla_decode_hopper  # noqa: E402
-from rayinfer.kernels.paged_attention import launch_params  # noqa: E402
+from rayinfer.kernels.attention.paged_attention import launch_params  # noqa: E402
+from rayinfer.kernels.mla import mla_attention, mla_decode_hopper  # noqa: E402
 
 SCALE = 192**-0.5
 SPLITS = dict(target_programs=528, min_tokens_per_split=64, max_splits=256)

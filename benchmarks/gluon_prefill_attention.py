@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from rayinfer.bench.attention_timings import causal_flops, launch_params_override  # noqa: E402
-from rayinfer.kernels import prefill_attention, prefill_attention_hopper  # noqa: E402
+from rayinfer.kernels.attention import prefill_attention, prefill_attention_hopper  # noqa: E402
 
 CASES = [  # (query lens, context lens, query heads, kv heads, qk head dim)
     ([1], [1], 16, 16, 128),
@@ -146,8 +146,8 @@ def time_case(seq_len: int, dim: int = 128) -> dict:
 def time_engine_paths(seq_len: int = 16384, heads: int = 32, kv_heads: int = 8) -> dict:
     """A prompt's first chunk as the engine's GQA layer attends it (block size 16): through the
     block tables (paged kernel), and with the step's own K/V (the contiguous, Gluon kernel)."""
-    from rayinfer.kernels.prefill_attention import paged_mixed_attention
-    from rayinfer.kernels.reshape_and_cache import reshape_and_cache
+    from rayinfer.kernels.attention.prefill_attention import paged_mixed_attention
+    from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache
 
     blocks = seq_len // 16
     q = packed([seq_len], heads).to(torch.bfloat16)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rayinfer.kernels.host_mailbox import MailboxSide, host_mailbox_exchange  # noqa: E402
+from rayinfer.kernels.comm.host_mailbox import MailboxSide, host_mailbox_exchange  # noqa: E402
 
 SIZES = (917_504, 7_340_032)  # 64 and 512 tokens of 7168 bf16
 

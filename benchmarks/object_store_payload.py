@@ -12,7 +12,7 @@ import time
 import ray
 import torch
 
-from rayinfer.engine.kv_transfer import KVPayload
+from rayinfer.workers.runner.kv_transfer import KVPayload
 
 
 def timed_median(fn, repeats: int) -> float:

@@ -18,8 +18,8 @@ import json
 import torch
 import triton.testing
 
-from rayinfer.kernels.fp8_gemm import fp8_gemm_reference, fp8_gemm_scaled_mm
-from rayinfer.kernels.fp8_quant import fp8_quant
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm_reference, fp8_gemm_scaled_mm
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant
 
 SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)
 

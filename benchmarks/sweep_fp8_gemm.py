@@ -32,10 +32,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from rayinfer.kernels import fp8_gemm as fp8_gemm_module  # noqa: E402
 from rayinfer.kernels import ops  # noqa: E402
-from rayinfer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
-from rayinfer.kernels.fp8_quant import fp8_quant  # noqa: E402
+from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module  # noqa: E402
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 from rayinfer.models.fp8 import quantize_block_fp8  # noqa: E402
 

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from rayinfer.bench.attention_cases import gather_paged, paged_mla_case  # noqa: E402
 from rayinfer.bench.attention_timings import launch_params_override  # noqa: E402
-from rayinfer.kernels import mla_attention  # noqa: E402
-from rayinfer.kernels.mla_decode import triton_fallback  # noqa: E402
+from rayinfer.kernels.mla import mla_attention  # noqa: E402
+from rayinfer.kernels.mla.mla_decode import triton_fallback  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.23e12  # H200 HBM copy
@@ -245,7 +245,7 @@ def time_stages(setup: Setup, params: dict, cases: dict, heads: int) -> dict:
     """{"BxS": split kernel ms, combine ms, splits, programs} of one config, each launch timed on
     its own (do_bench flushes L2 before each call, so the combine reads its partials from HBM:
     an upper bound; in the decode they were just written and mostly sit in L2)."""
-    from rayinfer.kernels.paged_attention import choose_split
+    from rayinfer.kernels.attention.paged_attention import choose_split
     from rayinfer.kernels.triton_compat import triton
 
     rows = {}

@@ -34,11 +34,11 @@ import triton.testing  # noqa: E402
 
 from rayinfer.bench import moe_cases  # noqa: E402
 from rayinfer.bench.moe_cases import Experts, MoeShape  # noqa: E402
-from rayinfer.kernels import fp8_gemm as fp8_gemm_module  # noqa: E402
-from rayinfer.kernels import fused_moe as fused_moe_module  # noqa: E402
-from rayinfer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
-from rayinfer.kernels.fp8_quant import fp8_quant  # noqa: E402
-from rayinfer.kernels.moe_align import moe_align  # noqa: E402
+from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module  # noqa: E402
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant  # noqa: E402
+from rayinfer.kernels.moe import fused_moe as fused_moe_module  # noqa: E402
+from rayinfer.kernels.moe.moe_align import moe_align  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 
 GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)

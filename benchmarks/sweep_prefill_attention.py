@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from rayinfer.bench.attention_cases import as_float, paged_gqa_case  # noqa: E402
 from rayinfer.bench.attention_timings import causal_flops, launch_params_override  # noqa: E402
-from rayinfer.kernels import paged_attention, prefill_attention  # noqa: E402
+from rayinfer.kernels.attention import paged_attention, prefill_attention  # noqa: E402
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
 
 OP = "prefill_attention"

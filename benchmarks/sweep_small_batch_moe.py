@@ -1,5 +1,5 @@
-"""Sweep of the small-batch fused MoE (kernels/fused_moe_small.py, issue 6): correctness against a
-float32 reference, then its tiles timed inside CUDA graphs (as a decode step runs it) against the
+"""Sweep of the small-batch fused MoE (kernels/moe/fused_moe_small.py, issue 6): correctness against
+a float32 reference, then its tiles timed inside CUDA graphs (as a decode step runs it) against the
 general fused MoE in the same run, per expert shape and batch 1-2.
 
 GPU (one H200, about a minute with compiles):
@@ -28,8 +28,8 @@ if "--smoke" in sys.argv:  # before triton is imported
 
 import torch  # noqa: E402
 
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_reference  # noqa: E402
-from rayinfer.kernels.fused_moe_small import _DEFAULT_TILES, fused_moe_small_batch  # noqa: E402
+from rayinfer.kernels.moe.fused_moe import fused_moe, fused_moe_reference  # noqa: E402
+from rayinfer.kernels.moe.fused_moe_small import _DEFAULT_TILES, fused_moe_small_batch  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.23e12  # H200 HBM copy
 # (name, experts, hidden, intermediate, top-k)

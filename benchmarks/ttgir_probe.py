@@ -98,7 +98,7 @@ def loop_report(ttgir: str) -> dict:
 
 
 def mla_constants(args) -> tuple:
-    from rayinfer.kernels.mla_decode_kernels import _mla_decode_split_kernel
+    from rayinfer.kernels.mla.mla_decode_kernels import _mla_decode_split_kernel
 
     constants = dict(
         LATENT_RANK=512, ROPE_DIM=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=args.block_h,
@@ -110,7 +110,7 @@ def mla_constants(args) -> tuple:
 
 
 def prefill_constants(args) -> tuple:
-    from rayinfer.kernels.prefill_attention_kernel import _prefill_attention_kernel
+    from rayinfer.kernels.attention.prefill_attention_kernel import _prefill_attention_kernel
 
     constants = dict(
         HEAD_DIM0=128, HEAD_DIM1=0, HEAD_DIM_V=128, BLOCK_D0=128, BLOCK_D1=16, BLOCK_DV=128,
@@ -150,7 +150,7 @@ def _compile_gluon_for_sm90(kernel, types: dict, constants: dict, aligned, launc
 def compile_prefill_ws_for_sm90(rope: bool = False):
     """prefill_attention_hopper's warp-specialized Gluon kernel, as `prefill_attention_ws`
     launches it (bf16 TMA descriptors, its register budget); rope: MLA's 192/128 head dims."""
-    from rayinfer.kernels import prefill_attention_hopper as ws
+    from rayinfer.kernels.attention import prefill_attention_hopper as ws
 
     extra = ws.ROPE_DIM if rope else ws.HEAD_DIM
     types = dict(
@@ -169,7 +169,7 @@ def compile_prefill_ws_for_sm90(rope: bool = False):
 
 def compile_fp8_ws_for_sm90():
     """fp8_gemm_hopper's warp-specialized Gluon GEMM, as `fp8_gemm_ws` launches it."""
-    from rayinfer.kernels import fp8_gemm_hopper as ws
+    from benchmarks import fp8_gemm_hopper as ws
 
     types = dict(
         a_desc=_descriptor_type(ws.HALF_M, ws.SCALE_BLOCK, "fp8e4nv"),
@@ -185,7 +185,7 @@ def compile_mla_ws_for_sm90(tokens_major: bool = False, block_h: int = 16):
     """mla_decode_hopper's warp-specialized Gluon split kernel, as `mla_decode_ws_launch`
     launches it (partial outputs in float32); tokens_major: its one-consumer form over block_h
     heads, else the heads-major form over 64-row query tiles."""
-    from rayinfer.kernels import mla_decode_hopper as ws
+    from rayinfer.kernels.mla import mla_decode_hopper as ws
 
     head_rows = block_h if tokens_major else ws.HEAD_ROWS
     types = dict(

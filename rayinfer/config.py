@@ -34,7 +34,7 @@ V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 INDEXER_TYPES = ("full", "shared")
 # How DSA layers cache indexer keys: "auto" in the cache's dtype (the model's; what transformers
 # parity needs), "fp8_e4m3" as D FP8 e4m3 bytes plus one float32 scale per token (DeepSeek's
-# production format), inside the cache row's own dtype (kernels/dsa_index_fp8.py).
+# production format), inside the cache row's own dtype (kernels/dsa/dsa_index_fp8.py).
 INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
 INDEX_SCALE_BYTES = 4  # the float32 scale after a token's FP8 key
 # FP8-key rows are padded to a multiple of 16 bytes: Triton takes a row stride of 16-byte

@@ -22,9 +22,9 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 8192
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Pure-decode steps replayed from CUDA graphs captured at start, one per batch-size bucket
-    up to `max_batch_size`; block tables are padded to `max_model_len` (engine/decode_graphs).
+    up to `max_batch_size`; block tables are padded to `max_model_len` (runner/decode_graphs).
     New prompts of up to `max_prefill_tokens` tokens (0: none) prefill from graphs too, one per
-    token-count bucket (engine/prefill_graphs)."""
+    token-count bucket (runner/prefill_graphs)."""
 
     max_batch_size: int = 64
     max_model_len: int = 4096

@@ -17,7 +17,7 @@ from rayinfer.config import (
     check_gpu_memory_utilization,
 )
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
@@ -53,11 +53,11 @@ class LLM:
     graph_config.graph_blocker; the capture time is
     `LLM.graph_capture_seconds`). With them, a step whose every replica prefills one new prompt
     of up to min(max_graph_prefill_tokens, max_num_batched_tokens) tokens runs from a graph too,
-    padded to a token bucket (0 turns prefill graphs off; see engine/prefill_graphs.py).
+    padded to a token bucket (0 turns prefill graphs off; see workers/runner/prefill_graphs.py).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
     fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
-    a profiling step of max_num_batched_tokens tokens and a reserve (see engine/kv_memory.py).
+    a profiling step of max_num_batched_tokens tokens and a reserve (workers/runner/kv_memory.py).
     fp8_weights: keep a DeepSeek V2/V3 checkpoint's FP8 block-scaled weights in FP8 and multiply
     them in FP8 with activations quantized per token (W8A8); False (the default) dequantizes them
     to `dtype` at load. True fails (ConfigError) for a checkpoint without FP8 weights or a tensor-
@@ -65,7 +65,7 @@ class LLM:
     index_cache_dtype: how DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) cache their
     indexer keys: "auto" (the default) in `dtype`, "fp8_e4m3" as FP8 with one float32 scale per
     token (DeepSeek's production format; GLM-5's bf16 row 642 wide instead of 704, see
-    kernels/dsa_index_fp8.py); a ConfigError for other values or models.
+    kernels/dsa/dsa_index_fp8.py); a ConfigError for other values or models.
     """
 
     def __init__(

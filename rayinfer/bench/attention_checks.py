@@ -6,16 +6,12 @@ from __future__ import annotations
 import torch
 
 from rayinfer.bench.attention_cases import as_float, paged_gqa_case, paged_mla_case
-from rayinfer.kernels import (
-    activation,
-    mla_attention,
-    ops,
-    paged_attention,
-    prefill_attention,
-    rotary,
-)
-from rayinfer.kernels import reshape_and_cache as cache_ops
-from rayinfer.kernels import rms_norm as norm_ops
+from rayinfer.kernels import ops
+from rayinfer.kernels.attention import paged_attention, prefill_attention
+from rayinfer.kernels.attention import reshape_and_cache as cache_ops
+from rayinfer.kernels.elementwise import activation, rotary
+from rayinfer.kernels.elementwise import rms_norm as norm_ops
+from rayinfer.kernels.mla import mla_attention
 
 BF16 = torch.bfloat16
 

@@ -9,8 +9,10 @@ import torch
 import triton.testing
 
 from rayinfer.bench.attention_cases import gather_paged, paged_gqa_case, paged_mla_case
-from rayinfer.kernels import activation, mla_attention, paged_attention, prefill_attention, rotary
-from rayinfer.kernels import rms_norm as rms_norm_ops
+from rayinfer.kernels.attention import paged_attention, prefill_attention
+from rayinfer.kernels.elementwise import activation, rotary
+from rayinfer.kernels.elementwise import rms_norm as rms_norm_ops
+from rayinfer.kernels.mla import mla_attention
 
 BF16 = torch.bfloat16
 PEAK_TFLOPS = 800.0  # H200 dense bf16

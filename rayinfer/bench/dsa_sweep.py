@@ -1,5 +1,5 @@
 """`bench kernels dsa --sweep`: tile configs of the sparse MLA kernel and the indexer's score
-kernel at GLM-5's decode shapes (batch 1/16/64 over 128k tokens; kernels_dsa's constants).
+kernel at GLM-5's decode shapes (batch 1/16/64 over 128k tokens; dsa_shapes.py's constants).
 
 Each config (the keys its kernel reads from configs/sparse_mla.json or dsa_indexer.json) is
 first checked against the float32 reference on one small case; one that fails to compile, to
@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from rayinfer.bench import kernels_dsa as glm5
-from rayinfer.kernels.dsa_indexer import context_slots, index_scores
-from rayinfer.kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
+from rayinfer.bench import dsa_shapes as glm5
+from rayinfer.kernels.dsa.dsa_indexer import context_slots, index_scores
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 SWEEP_BATCHES, SWEEP_CONTEXT = (1, 16, 64), 131072
 CHECK_TOLERANCE = 2e-2  # bf16 sparse attention (tests/gpu/test_dsa_kernels.py)

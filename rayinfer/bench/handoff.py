@@ -8,9 +8,9 @@ Each actor holds a paged cache of `--layers` layers of `--row`-element rows (def
 DeepSeek-V2-Lite request, 27 x 576 bf16 = 115 MB) on the GPU (both actors on one GPU, as the
 disaggregated server on one GPU runs them) or the CPU. Export: the rows at a request's slots into
 the object store; import: from there into the other actor's cache at other slots.
-- `chunked` (engine/kv_copy.py): gather into device staging, one asynchronous copy per chunk into
-  pinned memory, one object-store put per chunk while the next copies; import through pinned
-  memory with a parallel memcpy and one host -> device copy per chunk, then a scatter;
+- `chunked` (workers/runner/kv_copy.py): gather into device staging, one asynchronous copy per
+  chunk into pinned memory, one object-store put per chunk while the next copies; import through
+  pinned memory with a parallel memcpy and one host -> device copy per chunk, then a scatter;
 - `per-layer` (the path before issue 28): a synchronous `.cpu()` of each layer's rows into
   pageable memory, one put of the list; import with one `.to(device)` per layer.
 Times are medians over `--repeats` after one warm-up, measured inside the actors; every run checks
@@ -35,8 +35,8 @@ import time
 import ray
 import torch
 
-from rayinfer.engine.kv_copy import CHUNK_BYTES, KVCopier
-from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads, pack_kv, token_slots
+from rayinfer.workers.runner.kv_copy import CHUNK_BYTES, KVCopier
+from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads, pack_kv, token_slots
 
 BLOCK_SIZE = 64
 # Custom resources that pin the actors of a --two-nodes run to the exporter's node or the other.

@@ -4,10 +4,10 @@ index_topk 2048; indexer 32 heads x 128; cache rows [c_kv | k_pe | index key] 70
 blocks of 64), as medians of `triton.testing.do_bench` after warm-up:
 
 - the HBM copy figure of this run: a 1 GiB `copy_` (bytes read + written / time);
-- sparse decode attention (kernels/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
+- sparse decode attention (kernels/dsa/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
   decode attending to 2048 distinct random tokens of its context: time, and the bandwidth of the
   bytes it must read (T x 2048 rows of (L + R) x 2 bytes + the queries) against the copy figure;
-- the indexer at decode (kernels/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
+- the indexer at decode (kernels/dsa/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
   whole selection (scores + top-k) and the score kernel alone, with the bandwidth of its key reads;
 - the same-run dense baseline: rayinfer's absorbed MLA decode (ops.mla_decode_attention) over
   plain [blocks, 64, 576] caches of the same contexts, and the kernel-level figure
@@ -27,15 +27,25 @@ import json
 
 import torch
 
+from rayinfer.bench import dsa_sweep
+from rayinfer.bench.dsa_shapes import (
+    BLOCK_SIZE,
+    ELEMENT_BYTES,
+    HEADS,
+    INDEX_DIM,
+    INDEX_HEADS,
+    LATENT_RANK,
+    ROPE_DIM,
+    ROW_WIDTH,
+    SCALE,
+    TOPK,
+    own_contexts,
+    random_bf16,
+)
 from rayinfer.kernels import ops
-from rayinfer.kernels.dsa_indexer import dsa_index_topk, index_params, index_scores
-from rayinfer.kernels.sparse_mla import sparse_mla_attention
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, index_params, index_scores
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention
 
-HEADS, LATENT_RANK, ROPE_DIM, TOPK = 64, 512, 64, 2048
-INDEX_HEADS, INDEX_DIM, BLOCK_SIZE = 32, 128, 64
-ROW_WIDTH = LATENT_RANK + ROPE_DIM + INDEX_DIM
-ELEMENT_BYTES = 2  # bf16
-SCALE = (LATENT_RANK // 4 + ROPE_DIM) ** -0.5  # GLM-5's qk head dim 192 + 64
 ATTENTION_CASES = [(b, c) for c in (8192, 131072, 1 << 20) for b in (1, 16, 64)]
 INDEXER_CASES = ATTENTION_CASES  # the selection of every attention case (for the speedup)
 COPY_BYTES = 1 << 30
@@ -78,19 +88,6 @@ def copy_bytes_per_s() -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
     return 2 * COPY_BYTES / (ms * 1e-3)
-
-
-def random_bf16(*shape: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
-
-
-def own_contexts(batch: int, context: int, width: int, generator: torch.Generator):
-    """(kv_cache [batch x context / 64, 64, width] bf16, block_tables [batch, context / 64]
-    int32): each decode its own context, in shuffled blocks."""
-    blocks_per_seq = context // BLOCK_SIZE
-    kv_cache = random_bf16(batch * blocks_per_seq, BLOCK_SIZE, width, generator=generator)
-    order = torch.randperm(batch * blocks_per_seq, device="cuda", generator=generator)
-    return kv_cache, order.view(batch, blocks_per_seq).to(torch.int32)
 
 
 def time_sparse_attention(batch: int, context: int, copy_rate: float) -> dict:
@@ -230,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = [*sparse.values(), *indexer.values(), *dense.values(), *speedups]
     result = dict(device=torch.cuda.get_device_name(), copy_tb_per_s=copy_rate / 1e12, rows=rows)
     if args.sweep:
-        from rayinfer.bench import dsa_sweep
-
         result["sweep"] = dsa_sweep.run(args.config_out)
     if args.json:
         with open(args.json, "w") as f:

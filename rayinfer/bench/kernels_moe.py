@@ -26,10 +26,10 @@ import triton.testing
 
 from rayinfer.bench import moe_cases
 from rayinfer.bench.moe_cases import BF16, FP8, MoeShape
-from rayinfer.kernels import fused_moe as fused_moe_module
-from rayinfer.kernels.fp8_gemm import fp8_gemm
-from rayinfer.kernels.fp8_quant import fp8_quant
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant
+from rayinfer.kernels.moe import fused_moe as fused_moe_module
+from rayinfer.kernels.moe.moe_align import moe_align
 
 PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, PEAK_BYTES_PER_S = 800.0, 1462.0, 4.23e12
 GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import triton.testing
 
 from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
-from rayinfer.kernels import fused_moe_mxfp4 as mxfp4
-from rayinfer.kernels.fused_moe import fused_moe
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.moe import fused_moe_mxfp4 as mxfp4
+from rayinfer.kernels.moe.fused_moe import fused_moe
+from rayinfer.kernels.moe.moe_align import moe_align
 
 V4_FLASH = MoeShape(num_experts=256, hidden=4096, intermediate=2048, top_k=6)
 SWIGLU_LIMIT = 10.0

@@ -1,7 +1,7 @@
 """`python -m rayinfer.bench kernels router [--out FILE]`: MoE router logits on CUDA.
 
 bf16 activations at DeepSeek-V2-Lite (H 2048, 64 experts) and V3 (H 7168, 256 experts) shapes,
-256 to 16,384 tokens: the kernel (kernels/router_logits) against torch's way (`x.float()` then a
+256 to 16,384 tokens: the kernel (kernels/moe/router_logits) against torch's way (`x.float()` then a
 float32 GEMM), both measured against a float64 product of the same operands (max error relative
 to the largest logit), then `triton.testing.do_bench` medians of both in the same run.
 """
@@ -14,7 +14,7 @@ import json
 import torch
 import triton.testing
 
-from rayinfer.kernels.router_logits import router_logits, router_logits_reference
+from rayinfer.kernels.moe.router_logits import router_logits, router_logits_reference
 
 SHAPES = {"deepseek-v2-lite": (2048, 64), "deepseek-v3": (7168, 256)}
 TOKENS = (256, 4096, 16384)

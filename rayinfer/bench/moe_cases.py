@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
-from rayinfer.kernels.fp8_quant import fp8_quant, fp8_quant_reference
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_fp8_reference
-from rayinfer.kernels.moe_align import moe_align, moe_align_reference
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant, fp8_quant_reference
+from rayinfer.kernels.moe.fused_moe import fused_moe, fused_moe_fp8_reference
+from rayinfer.kernels.moe.moe_align import moe_align, moe_align_reference
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 

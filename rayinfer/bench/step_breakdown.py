@@ -1,5 +1,5 @@
 """Where a timed `generate` call's wall time went, from the executor's step timelines
-(rayinfer/engine/step_timeline.py): the engine's own work around the step, sending it to the
+(workers/runner/step_timeline.py): the engine's own work around the step, sending it to the
 workers, each rank's input building, model queueing, wait for the GPU and GPU time, and the
 results' way back. All times are time.monotonic() seconds; the breakdown is in milliseconds."""
 

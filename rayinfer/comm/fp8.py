@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from rayinfer.kernels.fp8_quant import FP8_MAX
-from rayinfer.kernels.moe_pack import quantize_rows_reference
+from rayinfer.kernels.fp8.fp8_quant import FP8_MAX
+from rayinfer.kernels.moe.moe_pack import quantize_rows_reference
 
 
 class Fp8Rows(NamedTuple):

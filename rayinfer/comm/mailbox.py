@@ -1,5 +1,5 @@
 """The host-staged transport's low-latency path: small blocks cross host memory in one kernel
-launch per round, with no copy engine and no CPU in the loop (rayinfer.kernels.host_mailbox).
+launch per round, with no copy engine and no CPU in the loop (rayinfer.kernels.comm.host_mailbox).
 
 A copy-engine pipeline pays for each block a device-to-host copy, a flag, a wait and a
 host-to-device copy, each queued by a driver call (~20 us apiece on a VM). Here the sending
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer
-from rayinfer.kernels.host_mailbox import MailboxSide, host_mailbox_exchange
+from rayinfer.kernels.comm.host_mailbox import MailboxSide, host_mailbox_exchange
 
 # Programs per direction (each carries 1/32 of a block) and int32 words per program step: the
 # fastest of 16-128 programs and 1,024 or 4,096 words on an H200 (benchmarks/host_mapped_probe.py,

@@ -15,10 +15,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from rayinfer.deployments import protocol
-from rayinfer.deployments.pipeline import Delta
+from rayinfer.deployments import response_bodies
 from rayinfer.deployments.replies import HttpReply, sse
-from rayinfer.deployments.types import Timings
+from rayinfer.deployments.types import Delta, Timings
 from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
 
 _CHOICE_DONE = object()
@@ -35,7 +34,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 def merged_usage(replies: list[HttpReply], n: int) -> dict:
     """replies: every prompt's n choices, in index order."""
     firsts = replies[::n]  # one per prompt
-    return protocol.usage_body(
+    return response_bodies.usage_body(
         sum(reply.num_prompt_tokens for reply in firsts),
         sum(reply.num_tokens for reply in replies),
         sum(reply.num_cached_tokens for reply in firsts),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 
@@ -232,9 +232,9 @@ class EngineLoop:
         """Engine counters for metrics (read from the loop thread, in on_tick)."""
         return {
             "num_waiting": len(self.engine.scheduler.waiting)
-            + len(self.engine.pending_imports)
-            + len(self.engine.imports_in_flight),
+            + len(self.engine.handoffs.pending_imports)
+            + len(self.engine.handoffs.imports_in_flight),
             "num_running": len(self.engine.scheduler.running),
             "kv_usage": self.engine.kv_usage,
-            "num_kv_recomputes": self.engine.num_kv_recomputes,
+            "num_kv_recomputes": self.engine.handoffs.num_kv_recomputes,
         }

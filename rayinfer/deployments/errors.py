@@ -16,7 +16,7 @@ import ray
 from ray.serve.exceptions import BackPressureError
 
 from rayinfer.deployments.engine_loop import EngineStoppedError
-from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.engine.outputs import RequestFailedError
 from rayinfer.engine.sampling_params import InvalidRequestError
 

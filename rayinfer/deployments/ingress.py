@@ -17,12 +17,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayinfer.deployments import protocol
+from rayinfer.deployments import response_bodies
 from rayinfer.deployments.admission import Admission
 from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.metrics import ServeMetrics
+from rayinfer.deployments.openai_error import ErrorBody, OpenAIError
 from rayinfer.deployments.pipeline import (
     ColocatedPipeline,
     DisaggregatedPipeline,
@@ -31,11 +32,7 @@ from rayinfer.deployments.pipeline import (
     prepend,
 )
 from rayinfer.deployments.prompts import PromptBuilder
-from rayinfer.deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-)
+from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest
 from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.resume import TextRules
 from rayinfer.deployments.runtime import ModelSource
@@ -58,7 +55,7 @@ def error_responses(*statuses: int) -> dict:
         503: "overloaded or a replica is being replaced: retry after the Retry-After header",
         "4XX": "any other client error",
     }
-    return {status: {"model": protocol.ErrorBody, "description": why[status]}
+    return {status: {"model": ErrorBody, "description": why[status]}
             for status in (*statuses, "4XX")}  # fmt: skip
 
 
@@ -149,18 +146,18 @@ class Ingress:
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models", response_model=protocol.ModelList)
+    @app.get("/v1/models", response_model=response_bodies.ModelList)
     async def models(self) -> dict:
-        return protocol.models_body(self.source.served_model_name, self.source.max_model_len)
+        return response_bodies.models_body(self.source.served_model_name, self.source.max_model_len)
 
     @app.get(
         "/v1/models/{model_id:path}",
-        response_model=protocol.ModelCard,
+        response_model=response_bodies.ModelCard,
         responses=error_responses(404),
     )
-    async def model(self, model_id: str) -> protocol.ModelCard:
+    async def model(self, model_id: str) -> response_bodies.ModelCard:
         self._check_model(model_id)
-        return protocol.ModelCard(id=model_id, max_model_len=self.source.max_model_len)
+        return response_bodies.ModelCard(id=model_id, max_model_len=self.source.max_model_len)
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, request: ChatCompletionRequest, http: Request):

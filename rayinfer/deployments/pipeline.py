@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
 from ray.serve.exceptions import BackPressureError
@@ -30,11 +30,12 @@ from rayinfer.deployments.admission import Admission, Refusal
 from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import root_cause
 from rayinfer.deployments.metrics import ServeMetrics
-from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.resume import ResumedText, TextRules
 from rayinfer.deployments.types import (
     DecodeChunk,
     DecodeRequest,
+    Delta,
     EngineRequest,
     PrefillRequest,
     PrefillResult,
@@ -90,16 +91,6 @@ async def until_taken(response, phase: str, wait_s: float | None) -> None:
     except TimeoutError:
         response.cancel()
         raise no_replica(phase, wait_s) from None
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
-    prompt_logprobs: list | None = None  # the first delta's, with SamplingParams.prompt_logprobs
-    num_cached_tokens: int | None = None  # the first delta's: prompt tokens from the prefix cache
 
 
 class Pipeline:

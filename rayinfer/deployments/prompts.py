@@ -6,7 +6,8 @@ is tokenized (a 200,000-word prompt answers 400 at once); the rest is tokenized 
 
 from __future__ import annotations
 
-from rayinfer.deployments.protocol import ChatCompletionRequest, OpenAIError
+from rayinfer.deployments.openai_error import OpenAIError
+from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.tool_calls import template_inputs
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams

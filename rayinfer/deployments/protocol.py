@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response bodies, and the OpenAI error body.
+"""OpenAI-compatible request bodies and their validation (responses: response_bodies.py;
+the error body: openai_error.py).
 
 Fields OpenAI defines but rayinfer does not implement (best_of > 1,
 suffix; n > 1 through Python handles; content parts other than text) are accepted at their
@@ -17,8 +18,6 @@ answers 400 naming the field before anything is tokenized or scheduled.
 
 from __future__ import annotations
 
-import re
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -45,61 +44,6 @@ TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 # Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 TEXT_PART_TYPES = ("text", "refusal")  # the content parts a text model reads
-
-
-class OpenAIError(Exception):
-    """Answered as `{"error": {...}}` with this HTTP status. The message is what a client may
-    read: one line, no terminal escapes, at most MAX_ERROR_CHARS (the traceback, when there is
-    one, goes to the server log under `request_id`: deployments/errors.py)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        request_id: str | None = None,
-        retry_after_s: int | None = None,
-    ):
-        """retry_after_s: a 503's Retry-After header (default 1)."""
-        message = client_message(message)
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.request_id = request_id
-        self.retry_after_s = retry_after_s
-
-    @property
-    def error_type(self) -> str:
-        if self.status == 404:
-            return "NotFoundError"
-        if self.status == 503:
-            return "ServiceUnavailableError"
-        return "invalid_request_error" if self.status < 500 else "internal_server_error"
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-                "request_id": self.request_id,
-            }
-        }
-
-
-MAX_ERROR_CHARS = 500
-_TERMINAL_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def client_message(text: str) -> str:
-    """`text` as an error body may carry it: its first line, escapes and control characters
-    removed, cut at MAX_ERROR_CHARS."""
-    line = _TERMINAL_ESCAPES.sub("", str(text)).strip().split("\n", 1)[0]
-    return line if len(line) <= MAX_ERROR_CHARS else f"{line[: MAX_ERROR_CHARS - 3]}..."
 
 
 class StreamOptions(BaseModel):
@@ -355,123 +299,3 @@ def _check_one_prompt(prompt, where: str, texts: bool) -> None:
         raise ValueError(f"{where}must be {kinds}; a batch holds one kind")
     if not prompt:
         raise ValueError(f"{where}must not be empty")
-
-
-def usage_body(
-    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """num_cached_tokens: the prompt tokens served from the prefix cache, when known."""
-    usage: dict[str, Any] = {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-    }
-    if num_cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
-    return usage
-
-
-def chat_completion_body(
-    request_id, model, text, finish_reason, usage, logprobs=None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": logprobs,
-            }
-        ],
-        "usage": usage,
-    }
-
-
-def completion_body(request_id, model, text, finish_reason, usage, logprobs=None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
-        "usage": usage,
-    }
-
-
-def chat_chunk_body(
-    request_id, model, delta: dict, finish_reason=None, logprobs=None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
-    }
-
-
-def completion_chunk_body(
-    request_id, model, text, finish_reason=None, logprobs=None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
-    }
-
-
-def usage_chunk_body(request_id, model, object_name: str, usage: dict) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": object_name,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
-
-
-class ModelCard(BaseModel):
-    """`GET /v1/models/{id}`, and each entry of `GET /v1/models`."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "rayinfer"
-    max_model_len: int = Field(description="extension (vLLM's): prompt plus completion tokens")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str = Field(description="one line, for the client")
-    type: str
-    param: str | None = Field(description="the request field at fault, when one is")
-    code: str | None
-    request_id: str | None = Field(description="the server log keeps the details under it")
-
-
-class ErrorBody(BaseModel):
-    """Every 4xx and 5xx answer's body, as OpenAI's (`OpenAIError.body`)."""
-
-    error: ErrorDetail
-
-
-def models_body(served_model_name: str, max_model_len: int) -> dict[str, Any]:
-    card = ModelCard(id=served_model_name, max_model_len=max_model_len)
-    return ModelList(data=[card]).model_dump()

@@ -133,7 +133,7 @@ class PhaseReplica:
         return list(self.workers.worker_names)
 
     def num_kv_recomputes(self) -> int:
-        return self.engine.num_kv_recomputes
+        return self.engine.handoffs.num_kv_recomputes
 
     def step_counts(self) -> dict[str, int]:
         """Engine steps the workers ran from decode CUDA graphs ("graph"), from prefill graphs

@@ -6,13 +6,19 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayinfer.deployments import protocol
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
-from rayinfer.deployments.pipeline import Delta
-from rayinfer.deployments.protocol import OpenAIError
+from rayinfer.deployments.openai_error import OpenAIError
+from rayinfer.deployments.response_bodies import (
+    chat_chunk_body,
+    chat_completion_body,
+    completion_body,
+    completion_chunk_body,
+    usage_body,
+    usage_chunk_body,
+)
 from rayinfer.deployments.tool_calls import put_tool_calls, tool_call_stream
-from rayinfer.deployments.types import Timings
+from rayinfer.deployments.types import Delta, Timings
 
 
 def validation_to_openai(
@@ -93,7 +99,7 @@ class HttpReply:
             raise as_openai_error(error, self.request_id) from error
         finally:
             await deltas.aclose()
-        build = protocol.chat_completion_body if self.chat else protocol.completion_body
+        build = chat_completion_body if self.chat else completion_body
         body = build(self.request_id, self.model, text, finish_reason, self.usage(),
                      self._logprobs(entries, text))  # fmt: skip
         body["choices"][0]["index"] = self.index
@@ -111,7 +117,7 @@ class HttpReply:
 
     def usage(self) -> dict:
         """This choice's usage so far (the prompt's cached tokens from its first delta)."""
-        return protocol.usage_body(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
+        return usage_body(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
 
     def _count(self, delta: Delta) -> None:
         self.num_tokens += len(delta.token_ids)
@@ -164,14 +170,12 @@ class HttpReply:
 
     def _chunk(self, content, finish_reason=None, logprobs=None) -> dict:
         if not self.chat:
-            body = protocol.completion_chunk_body(
+            body = completion_chunk_body(
                 self.request_id, self.model, content, finish_reason, logprobs
             )
         else:
             delta = content if isinstance(content, dict) else {"content": content}
-            body = protocol.chat_chunk_body(
-                self.request_id, self.model, delta, finish_reason, logprobs
-            )
+            body = chat_chunk_body(self.request_id, self.model, delta, finish_reason, logprobs)
         body["choices"][0]["index"] = self.index
         return body
 
@@ -208,7 +212,7 @@ class HttpReply:
 
     def _usage_chunk(self, usage: dict, timings: Timings) -> dict:
         object_name = "chat.completion.chunk" if self.chat else "text_completion"
-        body = protocol.usage_chunk_body(self.request_id, self.model, object_name, usage)
+        body = usage_chunk_body(self.request_id, self.model, object_name, usage)
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
         return body

@@ -12,14 +12,11 @@ told how much of their text the client already has; every resumed token goes thr
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
+from rayinfer.deployments.types import Delta
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from rayinfer.deployments.pipeline import Delta
 
 
 @dataclass(frozen=True)

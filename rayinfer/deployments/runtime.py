@@ -140,7 +140,7 @@ def kv_memory_config(
     """How a replica's workers size their KV cache: None keeps the CacheConfig's count
     (num_kv_blocks when given, which wins; on the CPU max(4 x max_model_len, 16384) tokens);
     on GPUs from memory, `gpu_memory_utilization` (default 0.9, as vLLM) of each worker's share
-    of its GPU (engine/kv_memory.py)."""
+    of its GPU (workers/runner/kv_memory.py)."""
     if phase_config.num_kv_blocks is not None or not use_gpus:
         return None
     return KVMemoryConfig(
@@ -180,7 +180,7 @@ def kv_capacity(
     config: AppConfig, source: ModelSource, phase: str, engine: LLMEngine
 ) -> KVCapacity:
     """The capacity of a built replica's cache (the engine holds the count its workers chose)."""
-    from rayinfer.engine.kv_memory import kv_bytes_per_block
+    from rayinfer.workers.runner.kv_memory import kv_bytes_per_block
 
     phase_config: PhaseConfig = getattr(config, phase)
     use_gpus = uses_gpus(config)

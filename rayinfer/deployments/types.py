@@ -8,9 +8,21 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 from rayinfer.deployments.protocol import SamplingFields
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import TokenLogprobs
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+@dataclass
+class Delta:
+    """A piece of one choice's stream as the ingress receives it from the engines."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
+    prompt_logprobs: list | None = None  # the first delta's, with SamplingParams.prompt_logprobs
+    num_cached_tokens: int | None = None  # the first delta's: prompt tokens from the prefix cache
 
 
 class GenerateRequest(SamplingFields):

@@ -47,7 +47,7 @@ class ModelBatch:
     # to this CUDA graph bucket (idle replicas replay it on padding); None: eager.
     decode_bucket: int | None = None
     # Likewise when every replica's share is one new prompt (or nothing), prefilled in this
-    # prefill graph bucket of tokens (engine/prefill_graphs.py).
+    # prefill graph bucket of tokens (workers/runner/prefill_graphs.py).
     prefill_bucket: int | None = None
 
     @property

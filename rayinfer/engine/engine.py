@@ -11,20 +11,21 @@ hand-off in another engine, which decodes it without recomputing the prompt.
 Hand-off copies run beside the steps: `take_handoff` starts the export and returns at once (the
 request's blocks are freed when the executor reports the copy done); an imported request's
 blocks are filled while the engine keeps stepping the others, and the request joins the batch
-once its KV has landed (`Executor.transfers_done`, polled at the start of every step).
+once its KV has landed (`Executor.transfers_done`, polled at the start of every step); the
+copies in flight are handoffs.py's.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.block_manager import BlockManager
-from rayinfer.engine.executor import Executor, KVLostError
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.executor import Executor
+from rayinfer.engine.handoffs import Handoffs, PendingImport
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import RequestOutput
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -33,25 +34,6 @@ from rayinfer.engine.sequence import Sequence, SequenceStatus
 from rayinfer.engine.stop_checker import eos_token_ids
 
 logger = logging.getLogger(__name__)
-
-
-# How long a step with nothing to run but copies in flight waits for one of them to finish
-# (instead of spinning); new requests wait at most this long for the loop.
-TRANSFER_WAIT_S = 0.002
-
-
-@dataclass
-class _PendingImport:
-    state: RequestState
-    payload: Any
-    transfer: Any = None  # the executor's handle while the copy is in flight
-    aborted: bool = False  # aborted while in flight: its blocks are freed once the copy ends
-
-
-@dataclass
-class _Export:
-    seq: Sequence
-    transfer: Any  # the executor's handle: its blocks are freed once it is done
 
 
 class LLMEngine:
@@ -86,18 +68,15 @@ class LLMEngine:
         ]
         self.scheduler = Scheduler(scheduler_config, self.block_managers)
         self.states: dict[str, RequestState] = {}
-        self.pending_imports: list[_PendingImport] = []  # waiting for blocks
-        self.imports_in_flight: list[_PendingImport] = []  # blocks allocated, KV being copied
-        self.exports_in_flight: list[_Export] = []
         self.handoffs_ready: dict[str, RequestState] = {}
         self.ready_outputs: list[RequestOutput] = []  # finished outside a step, reported next
-        self.num_kv_recomputes = 0  # hand-offs whose KV was lost, so decode recomputed the prompt
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
         self._arrivals = 0
         # Finished requests whose per-request executor state (sampling generators) is freed in
         # one call at the end of the step: a worker group makes one remote call per worker per
         # free, and 256 decodes finishing together made 512.
         self._to_free: list[str] = []
+        self.handoffs = Handoffs(self.scheduler, scheduler_config, executor, self._free_later)
         # Structured-output requests whose history the executor's grammar matchers have had.
         self._grammars_sent: set[str] = set()
 
@@ -121,30 +100,28 @@ class LLMEngine:
         self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
         self._check_logit_bias(params)
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
-        self.pending_imports.append(_PendingImport(state, handoff.payload))
+        pending_imports = self.handoffs.pending_imports
+        pending_imports.append(PendingImport(state, handoff.payload))
         try:
             self._append_token(state, handoff.first_token_id, handoff.first_token_logprobs)
             first = state.take_output()  # the caller already has the first token
         except Exception:  # the caller hears it; nothing of the request stays
-            self.pending_imports.pop()
+            pending_imports.pop()
             self.states.pop(handoff.request_id, None)
             raise
         finally:
             self._free_finished()
         if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
-            self.pending_imports.pop()
+            pending_imports.pop()
             self.ready_outputs.append(first)
 
     def abort(self, request_id: str) -> None:
         state = self.states.get(request_id) or self.handoffs_ready.pop(request_id, None)
         if state is None:
             return
-        self.pending_imports = [p for p in self.pending_imports if p.state is not state]
-        for pending in self.imports_in_flight:
-            if pending.state is state:  # its blocks are being written: freed when that ends
-                pending.aborted = True
-                self.states.pop(request_id, None)
-                return
+        if self.handoffs.abort(state):  # its blocks are being written: freed when that ends
+            self.states.pop(request_id, None)
+            return
         if state.seq.status == SequenceStatus.FINISHED:
             self.scheduler.release(state.seq)
         else:
@@ -167,13 +144,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has work: requests to run, hand-offs to import or copies in flight, or
         outputs to report."""
-        return bool(
-            self.scheduler.has_unfinished
-            or self.pending_imports
-            or self.imports_in_flight
-            or self.exports_in_flight
-            or self.ready_outputs
-        )
+        return bool(self.scheduler.has_unfinished or self.handoffs.busy or self.ready_outputs)
 
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -184,13 +155,13 @@ class LLMEngine:
             self._free_finished()
 
     def _step(self) -> list[RequestOutput]:
-        self._finish_transfers()
-        self._admit_pending_imports()
+        self.handoffs.finish_transfers()
+        self.handoffs.admit_pending_imports()
         scheduled = self.scheduler.schedule()
         ready, self.ready_outputs = self.ready_outputs, []
         if not scheduled:
             if not ready:  # only copies in flight (or nothing that fits yet): wait for one
-                self._wait_for_a_transfer()
+                self.handoffs.wait_for_a_transfer()
             return ready
         result = self.executor.execute(self._model_batch(scheduled))
         sampled = iter(result.token_ids)
@@ -231,12 +202,7 @@ class LLMEngine:
         the executor has copied them out."""
         state = self.handoffs_ready.pop(request_id)
         seq = state.seq
-        payload = self.executor.export_kv(
-            request_id, seq.block_table, seq.num_prompt_tokens, seq.kv_partition
-        )
-        self.exports_in_flight.append(_Export(seq, payload))
-        if self.executor.transfers_done([payload]) == [True]:  # an in-process copy: done
-            self._finish_transfers()
+        payload = self.handoffs.start_export(seq)
         return KVHandoff(
             request_id=request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -335,6 +301,10 @@ class LLMEngine:
             error=reason,
         )
 
+    def _free_later(self, request_id: str) -> None:
+        """Free the request's executor state with the others' at the end of the step."""
+        self._to_free.append(request_id)
+
     def _free_finished(self) -> None:
         if self._to_free:
             finished, self._to_free = self._to_free, []
@@ -377,79 +347,6 @@ class LLMEngine:
             return None
         self._grammars_sent.add(seq.request_id)
         return list(seq.output_token_ids)
-
-    def _admit_pending_imports(self) -> None:
-        """Give waiting hand-offs blocks and start copying their KV in (while seats last: an
-        import in flight holds a seat)."""
-        still_pending = []
-        for pending in self.pending_imports:
-            seq = pending.state.seq
-            seq.kv_partition = self.scheduler.roomiest_partition()
-            manager = self.scheduler.manager_of(seq)
-            seated = len(self.scheduler.running) + len(self.imports_in_flight)
-            fits = manager.can_allocate_slots(seq, seq.num_tokens)
-            if not fits or seated >= self.scheduler_config.max_num_seqs:
-                seq.kv_partition = None
-                still_pending.append(pending)
-                continue
-            manager.allocate_slots(seq, seq.num_prompt_tokens)
-            try:
-                pending.transfer = self.executor.import_kv(
-                    seq.request_id, seq.block_table, pending.payload, seq.kv_partition
-                )
-            except KVLostError:
-                self._recompute_lost_handoff(seq)
-                continue
-            self.imports_in_flight.append(pending)
-        self.pending_imports = still_pending
-
-    def _finish_transfers(self) -> None:
-        """Free the blocks of finished exports; start decoding the imports that have landed."""
-        exports, imports = self.exports_in_flight, self.imports_in_flight
-        if not exports and not imports:
-            return
-        done = self.executor.transfers_done(
-            [e.transfer for e in exports] + [p.transfer for p in imports]
-        )
-        self.exports_in_flight = [e for e, d in zip(exports, done) if not d]
-        for export in (e for e, d in zip(exports, done) if d):
-            self.scheduler.release(export.seq)
-            self._to_free.append(export.seq.request_id)
-        self.imports_in_flight = [p for p, d in zip(imports, done[len(exports) :]) if not d]
-        for pending in (p for p, d in zip(imports, done[len(exports) :]) if d):
-            self._land_import(pending)
-
-    def _land_import(self, pending: _PendingImport) -> None:
-        seq = pending.state.seq
-        try:
-            self.executor.finish_import(pending.transfer)
-        except KVLostError:
-            if pending.aborted:
-                self.scheduler.manager_of(seq).free(seq)
-                self._to_free.append(seq.request_id)
-            else:
-                self._recompute_lost_handoff(seq)
-            return
-        if pending.aborted:
-            self.scheduler.finish(seq, "abort")
-            self._to_free.append(seq.request_id)
-            return
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.scheduler.manager_of(seq).mark_computed(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
-
-    def _wait_for_a_transfer(self) -> None:
-        transfers = [e.transfer for e in self.exports_in_flight]
-        transfers += [p.transfer for p in self.imports_in_flight]
-        if transfers:
-            self.executor.wait_for_transfers(transfers, TRANSFER_WAIT_S)
-
-    def _recompute_lost_handoff(self, seq: Sequence) -> None:
-        """Queue the request to compute its prompt and first token here, as if preempted."""
-        self.scheduler.manager_of(seq).free(seq)
-        self.num_kv_recomputes += 1
-        self.scheduler.add(seq)
 
 
 def _prompt_logprob_targets(seq: Sequence, start: int, num_new: int) -> list[int] | None:

@@ -1,6 +1,6 @@
 """What a request's output must match: a JSON schema, any JSON object, a regular expression or
 one of a list of strings. Plain data that travels inside SamplingParams; the runner compiles it
-against the tokenizer (engine/grammar_matchers.py), the server checks it first (`check`).
+against the tokenizer (workers/runner/grammar_matchers.py), the server checks it first (`check`).
 
 The grammar library is xgrammar. Measured on the 2-core CPU (benchmarks/grammar_backends.py,
 one JSON schema, benchmarks/RESULTS.md "Host side"): a token mask took 7 us at the tiny model's

@@ -7,49 +7,55 @@ import os
 
 import torch
 
-from rayinfer.kernels import moe_pack
-from rayinfer.kernels import rotary as _rotary
-from rayinfer.kernels.activation import silu_and_mul as silu_and_mul_triton
-from rayinfer.kernels.activation import silu_and_mul_reference
-from rayinfer.kernels.dsa_cache import dsa_write_cache as dsa_write_cache_triton
-from rayinfer.kernels.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
-from rayinfer.kernels.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
-from rayinfer.kernels.fp8_gemm import fp8_gemm_auto, fp8_gemm_reference
-from rayinfer.kernels.fp8_quant import fp8_quant as fp8_quant_triton
-from rayinfer.kernels.fp8_quant import fp8_quant_reference
-from rayinfer.kernels.fused_moe import dequantize_experts_reference, fused_moe_reference
-from rayinfer.kernels.fused_moe import fused_moe as fused_moe_triton
-from rayinfer.kernels.fused_moe_mxfp4 import fused_moe_mxfp4, fused_moe_mxfp4_reference, is_mxfp4
-from rayinfer.kernels.fused_moe_small import fits_small_batch, fused_moe_small_batch
-from rayinfer.kernels.mla_attention import mla_decode_attention as mla_decode_attention_triton
-from rayinfer.kernels.mla_attention import (
+from rayinfer.kernels.attention.paged_attention import paged_attention_reference
+from rayinfer.kernels.attention.prefill_attention import (
+    paged_mixed_attention,
+)
+from rayinfer.kernels.attention.reshape_and_cache import (
+    reshape_and_cache as reshape_and_cache_triton,
+)
+from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache as dsa_write_cache_triton
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention as sparse_mla_attention_triton
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention_reference
+from rayinfer.kernels.dsa.v4_attention import v4_attention as v4_attention_triton
+from rayinfer.kernels.dsa.v4_attention import v4_attention_reference, v4_write_rows_reference
+from rayinfer.kernels.dsa.v4_attention import v4_write_rows as v4_write_rows_triton
+from rayinfer.kernels.elementwise import rotary as _rotary
+from rayinfer.kernels.elementwise.activation import silu_and_mul as silu_and_mul_triton
+from rayinfer.kernels.elementwise.activation import silu_and_mul_reference
+from rayinfer.kernels.elementwise.rms_norm import rms_norm as rms_norm_triton
+from rayinfer.kernels.elementwise.rms_norm import rms_norm_reference
+from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm_auto, fp8_gemm_reference
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant as fp8_quant_triton
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant_reference
+from rayinfer.kernels.mla.mla_attention import mla_decode_attention as mla_decode_attention_triton
+from rayinfer.kernels.mla.mla_attention import (
     mla_decode_attention_reference,
     mla_gather_context_reference,
     mla_prefill_attention_reference,
     mla_write_cache_reference,
 )
-from rayinfer.kernels.mla_attention import mla_prefill_attention as mla_prefill_attention_triton
-from rayinfer.kernels.mla_attention import mla_write_cache as mla_write_cache_triton
-from rayinfer.kernels.moe_combine import moe_combine as moe_combine_triton
-from rayinfer.kernels.moe_combine import moe_combine_reference
-from rayinfer.kernels.moe_routing import MoeRouting, moe_routing_reference
-from rayinfer.kernels.moe_routing_kernel import moe_routing as moe_routing_triton
-from rayinfer.kernels.paged_attention import paged_attention_reference
-from rayinfer.kernels.prefill_attention import (
-    paged_mixed_attention,
+from rayinfer.kernels.mla.mla_attention import mla_prefill_attention as mla_prefill_attention_triton
+from rayinfer.kernels.mla.mla_attention import mla_write_cache as mla_write_cache_triton
+from rayinfer.kernels.moe import moe_pack
+from rayinfer.kernels.moe.fused_moe import dequantize_experts_reference, fused_moe_reference
+from rayinfer.kernels.moe.fused_moe import fused_moe as fused_moe_triton
+from rayinfer.kernels.moe.fused_moe_mxfp4 import (
+    fused_moe_mxfp4,
+    fused_moe_mxfp4_reference,
+    is_mxfp4,
 )
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache as reshape_and_cache_triton
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
-from rayinfer.kernels.rms_norm import rms_norm as rms_norm_triton
-from rayinfer.kernels.rms_norm import rms_norm_reference
-from rayinfer.kernels.router_logits import router_logits as router_logits_triton
-from rayinfer.kernels.router_logits import router_logits_reference, uses_kernel
-from rayinfer.kernels.sparse_mla import sparse_mla_attention as sparse_mla_attention_triton
-from rayinfer.kernels.sparse_mla import sparse_mla_attention_reference
+from rayinfer.kernels.moe.fused_moe_small import fits_small_batch, fused_moe_small_batch
+from rayinfer.kernels.moe.moe_combine import moe_combine as moe_combine_triton
+from rayinfer.kernels.moe.moe_combine import moe_combine_reference
+from rayinfer.kernels.moe.moe_routing import MoeRouting, moe_routing_reference
+from rayinfer.kernels.moe.moe_routing_kernel import moe_routing as moe_routing_triton
+from rayinfer.kernels.moe.router_logits import router_logits as router_logits_triton
+from rayinfer.kernels.moe.router_logits import router_logits_reference, uses_kernel
 from rayinfer.kernels.triton_compat import HAS_TRITON
-from rayinfer.kernels.v4_attention import v4_attention as v4_attention_triton
-from rayinfer.kernels.v4_attention import v4_attention_reference, v4_write_rows_reference
-from rayinfer.kernels.v4_attention import v4_write_rows as v4_write_rows_triton
 
 # Kernels that cut a decode step's launches. MoE routing in one launch: on by default (on an H200
 # it picks torch's experts with weights within 1e-7, 6-18x faster; benchmarks/RESULTS.md),
@@ -93,7 +99,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     MXFP4 experts (DeepSeek-V4), chosen by their dtypes: w13 [E, 2I, H/2] and w2 [E, H, I/2]
     packed e2m1 bytes with UE8M0 byte scales [E, 2I, H/32] and [E, H, I/32]
-    (kernels/fused_moe_mxfp4.py; the weights stay packed on the GPU).
+    (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
     On CUDA with RAYINFER_SMALL_BATCH_MOE=1, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
@@ -125,7 +131,7 @@ def moe_combine(back, row_index, out_dtype=None, addends=()):
 
 def pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes):
     """x [T, H], topk_ids [T, K] (global), topk_weights [T, K] -> [world * T, row_bytes] uint8:
-    every token's row once per rank (layout in kernels/moe_pack.py)."""
+    every token's row once per rank (layout in kernels/moe/moe_pack.py)."""
     if _on_cuda(x):
         return moe_pack.pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes)
     return moe_pack.pack_for_every_rank_reference(
@@ -135,7 +141,7 @@ def pack_for_every_rank(x, topk_ids, topk_weights, world, ids_at, row_bytes):
 
 def pack_fp8_for_every_rank(x, topk_ids, topk_weights, world, scale_at, ids_at, row_bytes):
     """x [T, H] -> [world * T, row_bytes] uint8: every token quantized once to e4m3 with its own
-    scale, its row written once per rank (layout in kernels/moe_pack.py)."""
+    scale, its row written once per rank (layout in kernels/moe/moe_pack.py)."""
     args = (x, topk_ids, topk_weights, world, scale_at, ids_at, row_bytes)
     if _on_cuda(x):
         return moe_pack.pack_fp8_for_every_rank(*args)
@@ -249,8 +255,8 @@ def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key, index_fp8=Fal
     """Store a DSA layer's rows: kv_c [T, L], k_pe [T, R] and index_key [T, D] (None: a layer
     without indexer) into kv_cache [blocks, block_size, L + R + key columns] at slot_mapping
     [T]; negative slots (padding) skipped. index_fp8: the key as D FP8 e4m3 bytes and a float32
-    scale (kernels/dsa_index_fp8.py). On CUDA one program per token (kernels/dsa_cache.py), with
-    no data-dependent shape, so a decode graph captures it."""
+    scale (kernels/dsa/dsa_index_fp8.py). On CUDA one program per token
+    (kernels/dsa/dsa_cache.py), with no data-dependent shape, so a decode graph captures it."""
     args = (kv_cache, slot_mapping, kv_c, k_pe, index_key, index_fp8)
     if _on_cuda(kv_c):
         return dsa_write_cache_triton(*args)
@@ -261,7 +267,7 @@ def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_s
                    topk, max_context, index_fp8=False, entry_stride=1):  # fmt: skip
     """The lightning indexer's selection: q_index [T, Hi, D] and weights [T, Hi] float32 over
     each query's visible context (positions <= its own) -> [T, topk] int32 cache slots, -1
-    padded (kernels/dsa_indexer.py; index_fp8: keys cached as FP8 + scale; entry_stride:
+    padded (kernels/dsa/dsa_indexer.py; index_fp8: keys cached as FP8 + scale; entry_stride:
     DeepSeek-V4's pooled entries of that many tokens, max_context then counting entries). On
     CUDA the Triton scores, then torch.topk over chunks of queries whose scores stay within
     1 GiB."""
@@ -278,7 +284,7 @@ def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_s
 
 def v4_attention(queries, kv_cache, block_tables, seq_ids, positions, window, entry_col,
                  entry_slots, entry_stride, max_entries, sinks, scale, max_position):  # fmt: skip
-    """DeepSeek-V4 attention (kernels/v4_attention.py): queries [T, N, D] over each one's
+    """DeepSeek-V4 attention (kernels/dsa/v4_attention.py): queries [T, N, D] over each one's
     window of raw keys, its pooled entries (entry_slots [T, K] int32 listed, or with
     entry_stride > 0 every entry it has reached) and per-head sinks [N] -> [T, N, D]."""
     fn = v4_attention_triton if _on_cuda(queries) else v4_attention_reference
@@ -290,14 +296,14 @@ def v4_attention(queries, kv_cache, block_tables, seq_ids, positions, window, en
 
 def v4_write_rows(rows, slots, values, column):
     """rows [num_slots, W] (a DeepSeek-V4 cache's view) [slots[t], column:column + C] =
-    values [T, C], skipping negative slots (kernels/v4_attention.py)."""
+    values [T, C], skipping negative slots (kernels/dsa/v4_attention.py)."""
     fn = v4_write_rows_triton if _on_cuda(values) else v4_write_rows_reference
     fn(rows, slots, values, column)
 
 
 def sparse_mla_attention(q_latent, q_pe, kv_cache, slots, scale):
     """Absorbed MLA over per-query slot lists: q_latent [T, N, L], q_pe [T, N, R], slots [T, K]
-    int32 (-1 skipped) -> latent output [T, N, L] (kernels/sparse_mla.py)."""
+    int32 (-1 skipped) -> latent output [T, N, L] (kernels/dsa/sparse_mla.py)."""
     if _on_cuda(q_latent):
         return sparse_mla_attention_triton(q_latent, q_pe, kv_cache, slots, scale)
     return sparse_mla_attention_reference(q_latent, q_pe, kv_cache, slots, scale)

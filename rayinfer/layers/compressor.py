@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.v4_attention import slots_of
+from rayinfer.kernels.dsa.v4_attention import slots_of
 from rayinfer.layers.linear import ReplicatedLinear
 from rayinfer.layers.mlp import copy_checked
 from rayinfer.layers.norm import RMSNorm

@@ -1,9 +1,9 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA whose queries attend to chosen tokens.
 
-A lightning indexer scores every earlier token for each query (kernels/dsa_indexer.py) and the
-query attends, in absorbed form, to the `index_topk` best (kernels/sparse_mla.py): attention cost
-grows with context x index_topk rather than context squared. The indexer key of every token is
-cached after its latent, `[c_kv | k_pe | index key]`, written in the same step.
+A lightning indexer scores every earlier token for each query (kernels/dsa/dsa_indexer.py) and
+the query attends, in absorbed form, to the `index_topk` best (kernels/dsa/sparse_mla.py):
+attention cost grows with context x index_topk rather than context squared. The indexer key of
+every token is cached after its latent, `[c_kv | k_pe | index key]`, written in the same step.
 
 Where a query sees no more than `index_topk` tokens it attends to all of them, so a new prompt
 that short runs MLA's dense expanded prefill (same result, faster). A pure-decode step takes the

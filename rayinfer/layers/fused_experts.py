@@ -10,7 +10,7 @@ ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must b
 128: gate and up share one stacked weight); they load through the same call with `is_scale=True`.
 
 MXFP4 weights (`weight_format="mxfp4"`, DeepSeek-V4-Flash): packed e2m1 bytes and one UE8M0
-exponent byte per 32 values along K, kept packed (kernels/fused_moe_mxfp4.py); the packed tensor
+exponent byte per 32 values along K, kept packed (kernels/moe/fused_moe_mxfp4.py); the packed tensor
 and its scale load through the same call (`is_scale=True` for the scale), shapes checked.
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.

@@ -95,7 +95,7 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
     return device.type != "cuda" or max(tokens_per_rank) >= MIN_TOKENS_TO_OVERLAP_ON_CUDA
 
 
-# From how many tokens per rank a prefill captured in a CUDA graph (engine/prefill_graphs.py)
+# From how many tokens per rank a prefill captured in a CUDA graph (the runner's prefill_graphs.py)
 # runs as two micro-batches (RAYINFER_GRAPH_OVERLAP_FROM; "off": never). A replay queues no
 # host work, so the eager threshold's reason (two lanes double the host's launches) is gone:
 # same benchmark as above, 4k prompts from a graph, 1.25x without the overlap and 1.43x with it

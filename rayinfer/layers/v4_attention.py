@@ -12,7 +12,7 @@ The output's rope columns are rotated back at p, then the grouped projection `wo
 blocks of heads, each to o_lora_rank) and `wo_b` mix it into the hidden size.
 
 Parameter names follow the shipped checkpoints (transformers' `save_pretrained` writes the same).
-The attention itself is `ops.v4_attention` (kernels/v4_attention.py) and the indexer's choice
+The attention itself is `ops.v4_attention` (kernels/dsa/v4_attention.py) and the indexer's choice
 `ops.dsa_index_topk` over pooled keys; the compressors' pooling stays in torch (a step pools
 only the windows its tokens close).
 """

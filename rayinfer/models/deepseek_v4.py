@@ -28,7 +28,7 @@ from torch import nn
 
 from rayinfer.config import ModelConfig
 from rayinfer.config_v4 import V4Config
-from rayinfer.kernels.moe_routing import MoeRouting, routing_scores
+from rayinfer.kernels.moe.moe_routing import MoeRouting, routing_scores
 from rayinfer.layers.embedding import LMHead, VocabEmbedding
 from rayinfer.layers.forward_context import ForwardContext
 from rayinfer.layers.fused_experts import MIXTRAL_EXPERT_PROJECTIONS, parse_expert_weight_name

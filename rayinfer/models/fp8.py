@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from rayinfer.config import MLA_ARCHITECTURES, ConfigError
+
 FP8_BLOCK_SIZE = 128
 SCALE_SUFFIX = "_scale_inv"
 
@@ -84,8 +86,6 @@ def check_fp8_weights(config, tp_size: int = 1, key: str = "fp8_weights", tp_key
     """Fail (ConfigError naming the key and the sizes) unless `config`'s model can keep FP8
     block-scaled weights when split `tp_size` ways: no 128x128 block may be cut between
     tensor-parallel ranks, nor between the gate and up halves of a stacked gate/up weight."""
-    from rayinfer.config import MLA_ARCHITECTURES, ConfigError
-
     if config.architecture not in MLA_ARCHITECTURES:
         raise ConfigError(
             f"{key}=true is implemented for DeepSeek V2/V3 checkpoints only, not "

@@ -25,15 +25,15 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
-from rayinfer.engine.decode_graphs import shared_decode_bucket
 from rayinfer.engine.executor import Executor, KVLostError
-from rayinfer.engine.graph_buckets import graph_batch_sizes
-from rayinfer.engine.kv_transfer import KVPayload
-from rayinfer.engine.prefill_graphs import shared_prefill_bucket
-from rayinfer.engine.step_timeline import KEPT_STEPS
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.death_watch import DeathWatch, WorkerLost
 from rayinfer.workers.placement import WorkerPlacement
+from rayinfer.workers.runner.decode_graphs import shared_decode_bucket
+from rayinfer.workers.runner.graph_buckets import graph_batch_sizes
+from rayinfer.workers.runner.kv_transfer import KVPayload
+from rayinfer.workers.runner.prefill_graphs import shared_prefill_bucket
+from rayinfer.workers.runner.step_timeline import KEPT_STEPS
 from rayinfer.workers.worker import KV_IO, WATCH, Worker, WorkerSpec
 
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math

@@ -7,10 +7,10 @@ import torch
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
-from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads
-from rayinfer.engine.model_runner import ModelRunner
-from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
+from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
+from rayinfer.workers.runner.model_runner import ModelRunner
+from rayinfer.workers.runner.step_profiler import StepProfiler
 
 
 class InProcessExecutor(Executor):

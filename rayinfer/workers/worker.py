@@ -20,13 +20,13 @@ import torch
 
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, SampledTokens
-from rayinfer.engine.gc_freeze import freeze_after_startup
-from rayinfer.engine.kv_transfer import KVPayload, fetch_payloads
-from rayinfer.engine.step_profiler import StepProfiler
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
+from rayinfer.workers.gc_freeze import freeze_after_startup
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
+from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
+from rayinfer.workers.runner.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class Worker:
     """Use through `WorkerGroup`, which wraps this class with `ray.remote` and names each actor."""
 
     def __init__(self, name: str, rank: int, world_size: int, spec: WorkerSpec):
-        from rayinfer.engine.model_runner import ModelRunner
         from rayinfer.engine.model_source import resolve_device, resolve_dtype
+        from rayinfer.workers.runner.model_runner import ModelRunner
 
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)

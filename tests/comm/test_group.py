@@ -18,7 +18,7 @@ from rayinfer.comm.refs import (
     random_split_matrix,
 )
 from rayinfer.comm.topology import Topology
-from rayinfer.kernels.moe_combine import combine_row_index
+from rayinfer.kernels.moe.moe_combine import combine_row_index
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 WORLD_SIZES = (2, 4, 8)

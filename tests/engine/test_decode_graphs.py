@@ -11,14 +11,14 @@ from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import phase_graphs
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
-from rayinfer.engine.decode_graphs import DecodeGraphs, shared_decode_bucket
-from rayinfer.engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
-from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
-from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.models.dummy import build_dummy_model
+from rayinfer.workers.runner.decode_graphs import DecodeGraphs, shared_decode_bucket
+from rayinfer.workers.runner.decode_inputs import PAD_SLOT, StaticDecodeInputs
+from rayinfer.workers.runner.graph_buckets import bucket_for, graph_batch_sizes
+from rayinfer.workers.runner.model_runner import ModelRunner
 from tests.models.harness import TINY_DENSE, TINY_MLA
 
 BLOCK_SIZE = 4

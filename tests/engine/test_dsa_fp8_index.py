@@ -9,10 +9,10 @@ import pytest
 
 import rayinfer
 from rayinfer.config import ConfigError, ModelConfig
-from rayinfer.engine.kv_memory import kv_bytes_per_block
 from rayinfer.kernels import ops
-from rayinfer.kernels.dsa_index_fp8 import quantize_index_keys
+from rayinfer.kernels.dsa.dsa_index_fp8 import quantize_index_keys
 from rayinfer.layers.dsa import LightningIndexer
+from rayinfer.workers.runner.kv_memory import kv_bytes_per_block
 from tests.models.harness import DSA_FAMILIES, make_dsa_checkpoint, make_prompts
 
 NUM_TOKENS = 8

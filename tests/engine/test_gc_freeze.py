@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from rayinfer.engine.gc_freeze import GC_FREEZE_ENV, freeze_after_startup
+from rayinfer.workers.gc_freeze import GC_FREEZE_ENV, freeze_after_startup
 
 
 def test_cpu_processes_keep_the_collector_as_it_is(monkeypatch):

@@ -1,4 +1,4 @@
-"""The hand-off's chunked copies (engine/kv_copy.py) are exact on the CPU: chunk boundaries,
+"""The hand-off's chunked copies (workers/runner/kv_copy.py) are exact on the CPU: chunk boundaries,
 another block size and chunk size on the way in, every dtype and row shape the caches hold.
 (tests/gpu/test_kv_copy.py checks the pinned/staged CUDA path the same way.)"""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayinfer.engine.kv_copy import KVCopier
-from rayinfer.engine.kv_transfer import KVPayload, pack_kv, token_slots
+from rayinfer.workers.runner.kv_copy import KVCopier
+from rayinfer.workers.runner.kv_transfer import KVPayload, pack_kv, token_slots
 
 
 def random_caches(num_layers, num_blocks, block_size, shape, dtype, seed=0):

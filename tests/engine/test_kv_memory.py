@@ -16,9 +16,12 @@ from rayinfer.config import (
     ModelConfig,
     check_gpu_memory_utilization,
 )
-from rayinfer.engine import kv_memory, model_runner
 from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.kv_memory import (
+from rayinfer.graph_config import CudaGraphConfig
+from rayinfer.layers.parallel import LayerGroup, ParallelContext
+from rayinfer.workers.in_process import InProcessExecutor
+from rayinfer.workers.runner import kv_memory, model_runner
+from rayinfer.workers.runner.kv_memory import (
     CUDA_CONTEXT_ESTIMATE_BYTES,
     CUDA_GRAPH_RESERVE_BYTES,
     GIB,
@@ -32,10 +35,7 @@ from rayinfer.engine.kv_memory import (
     process_bytes_from_smi,
     worker_memory,
 )
-from rayinfer.engine.model_runner import ModelRunner
-from rayinfer.graph_config import CudaGraphConfig
-from rayinfer.layers.parallel import LayerGroup, ParallelContext
-from rayinfer.workers.in_process import InProcessExecutor
+from rayinfer.workers.runner.model_runner import ModelRunner
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
 MIB = 2**20
@@ -298,7 +298,7 @@ def test_profiling_step_is_the_largest_step_over_the_longest_context(checkpoint,
     cuda = FakeCuda(monkeypatch)
     runner = make_runner(checkpoint)
     seen = {}
-    forward = runner._forward
+    forward = runner.forward
 
     def spy(input_ids, positions, ctx):
         seen.update(
@@ -310,7 +310,7 @@ def test_profiling_step_is_the_largest_step_over_the_longest_context(checkpoint,
         cuda.spike(5 * MIB)
         return forward(input_ids, positions, ctx)
 
-    monkeypatch.setattr(runner, "_forward", spy)
+    monkeypatch.setattr(runner, "forward", spy)
     config = KVMemoryConfig(0.5, max_num_batched_tokens=48, max_model_len=200, max_num_seqs=4)
     num_blocks = runner.kv_blocks_that_fit(config)
     assert seen == dict(tokens=48, positions=(152, 199), seq_lens=[200], cache_blocks=13)

@@ -6,7 +6,13 @@ import pickle
 import pytest
 import torch
 
-from rayinfer.engine.kv_transfer import KVPayload, pack_kv, select_kv_heads, token_slots, unpack_kv
+from rayinfer.workers.runner.kv_transfer import (
+    KVPayload,
+    pack_kv,
+    select_kv_heads,
+    token_slots,
+    unpack_kv,
+)
 
 
 def random_caches(num_layers, num_blocks, block_size, shape, dtype, seed=0):

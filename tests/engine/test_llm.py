@@ -128,7 +128,7 @@ def test_requests_finishing_together_are_freed_in_one_executor_call(checkpoint, 
     executor.free_requests = lambda ids: calls.append(list(ids)) or free(ids)
     seeded = rayinfer.SamplingParams(max_tokens=3, temperature=1.0, seed=7, ignore_eos=True)
     outputs = llm.generate(prompts[:4], seeded)
-    assert calls == [[o.request_id for o in outputs]] and executor.runner.generators == {}
+    assert calls == [[o.request_id for o in outputs]] and executor.runner.sampler.generators == {}
 
 
 @pytest.mark.parametrize(

@@ -11,18 +11,18 @@ import torch
 import rayinfer
 from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
-from rayinfer.engine.decode_inputs import PAD_SLOT
-from rayinfer.engine.model_runner import ModelRunner
-from rayinfer.engine.prefill_graphs import (
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
+from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.workers.runner.decode_inputs import PAD_SLOT
+from rayinfer.workers.runner.model_runner import ModelRunner
+from rayinfer.workers.runner.prefill_graphs import (
     PrefillGraphs,
     StaticPrefillInputs,
     fits_static_prefill,
     prefill_graph_sizes,
     shared_prefill_bucket,
 )
-from rayinfer.engine.sampling_params import SamplingParams
-from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
-from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from tests.engine.test_decode_graphs import (
     BLOCK_SIZE,
     HF_CONFIGS,

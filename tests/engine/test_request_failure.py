@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 import rayinfer
-from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.runner.sampling import RequestSampler
 
 PROMPTS = [[5, 17, 42, 99], [7, 123, 64, 8]]
 
@@ -57,7 +57,7 @@ def test_a_request_failing_mid_decode_fails_alone(llm, monkeypatch):
     alone = llm.generate(PROMPTS[0], greedy)[0]
     llm._request_ids = itertools.count(1000)
     victim = "llm-1001"  # the second request of the next generate
-    real_generator, calls = ModelRunner._generator, []
+    real_generator, calls = RequestSampler.generator, []
 
     def flaky_generator(self, request_id, params):
         if request_id == victim:
@@ -66,7 +66,7 @@ def test_a_request_failing_mid_decode_fails_alone(llm, monkeypatch):
                 raise RuntimeError("generator state corrupted")
         return real_generator(self, request_id, params)
 
-    monkeypatch.setattr(ModelRunner, "_generator", flaky_generator)
+    monkeypatch.setattr(RequestSampler, "generator", flaky_generator)
     completed, failed = llm.generate(PROMPTS, [greedy, sampled])
     assert failed.finish_reason == "error" and "generator state corrupted" in failed.error
     assert len(failed.token_ids) == 3

@@ -10,11 +10,11 @@ import torch
 
 from rayinfer import LLM, SamplingParams
 from rayinfer.engine.batch import ScheduledRequest
-from rayinfer.engine.grammar_matchers import GrammarMatchers
 from rayinfer.engine.structured_output import StructuredOutput
 from rayinfer.engine.tokenizer import Tokenizer
 from rayinfer.layers.sampler import apply_token_bitmask
 from rayinfer.models.tiny import EOS_ID, IM_END_ID, ensure_tiny_model
+from rayinfer.workers.runner.grammar_matchers import GrammarMatchers
 
 SCHEMA = {
     "type": "object",

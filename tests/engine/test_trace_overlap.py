@@ -72,7 +72,7 @@ def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):
     import torch
     from torch.profiler import ProfilerActivity
 
-    from rayinfer.engine.step_profiler import PROFILE_CPU_ENV, StepProfiler
+    from rayinfer.workers.runner.step_profiler import PROFILE_CPU_ENV, StepProfiler
 
     monkeypatch.setenv(PROFILE_CPU_ENV, "0")  # on CPU the host's activity is all there is
     assert StepProfiler(torch.device("cpu")).activities == [ProfilerActivity.CPU]
@@ -100,7 +100,7 @@ def test_the_python_profile_lists_the_host_functions(monkeypatch, tmp_path):
 
     import torch
 
-    from rayinfer.engine.step_profiler import PROFILE_CPU_ENV, StepProfiler
+    from rayinfer.workers.runner.step_profiler import PROFILE_CPU_ENV, StepProfiler
 
     def queue_work():
         return torch.ones(64).sum()

@@ -9,9 +9,9 @@ the score kernel's selections against the float32 scores of the dequantized keys
 import pytest
 import torch
 
-from rayinfer.kernels.dsa_cache import dsa_write_cache
-from rayinfer.kernels.dsa_index_fp8 import FP8_CAPABILITY, gather_index_keys
-from rayinfer.kernels.dsa_indexer import (
+from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache
+from rayinfer.kernels.dsa.dsa_index_fp8 import FP8_CAPABILITY, gather_index_keys
+from rayinfer.kernels.dsa.dsa_indexer import (
     context_slots,
     dsa_index_topk,
     dsa_index_topk_reference,

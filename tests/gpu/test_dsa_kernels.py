@@ -8,9 +8,9 @@ the float32 references over the same (rounded) inputs:
 import pytest
 import torch
 
-from rayinfer.kernels import dsa_indexer
-from rayinfer.kernels.dsa_indexer import context_slots, dsa_index_topk, dsa_index_topk_reference
-from rayinfer.kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
+from rayinfer.kernels.dsa import dsa_indexer
+from rayinfer.kernels.dsa.dsa_indexer import context_slots, dsa_index_topk, dsa_index_topk_reference
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 pytestmark = [
     pytest.mark.gpu,

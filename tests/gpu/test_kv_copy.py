@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayinfer.engine.kv_copy import KVCopier
-from rayinfer.engine.kv_transfer import pack_kv, token_slots
+from rayinfer.workers.runner.kv_copy import KVCopier
+from rayinfer.workers.runner.kv_transfer import pack_kv, token_slots
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rayinfer.config import ModelConfig
-from rayinfer.kernels import mla_attention as mla
-from rayinfer.kernels import prefill_attention as prefill_module
+from rayinfer.kernels.attention import prefill_attention as prefill_module
+from rayinfer.kernels.mla import mla_attention as mla
 from rayinfer.layers.mla import MLAAttention
 
 pytestmark = [

@@ -8,8 +8,8 @@ at V4-Flash shapes (64 heads sharing one 512-wide key, window 128, CSA entries o
 import pytest
 import torch
 
-from rayinfer.kernels.dsa_indexer import dsa_index_topk, dsa_index_topk_reference
-from rayinfer.kernels.v4_attention import v4_attention, v4_attention_reference
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, dsa_index_topk_reference
+from rayinfer.kernels.dsa.v4_attention import v4_attention, v4_attention_reference
 
 pytestmark = [
     pytest.mark.gpu,

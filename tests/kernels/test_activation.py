@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_reference
+from rayinfer.kernels.elementwise.activation import silu_and_mul, silu_and_mul_reference
 
 TOLERANCES = {torch.float32: 1e-6, torch.float16: 1e-3}
 

@@ -4,8 +4,8 @@ slots skipped, rows wider than what is written, layers with and without the inde
 import pytest
 import torch
 
-from rayinfer.kernels.dsa_cache import dsa_write_cache
-from rayinfer.kernels.dsa_indexer import dsa_write_cache_reference
+from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache
+from rayinfer.kernels.dsa.dsa_indexer import dsa_write_cache_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,4 +1,4 @@
-"""FP8 e4m3 indexer keys with one float32 scale per token (kernels/dsa_index_fp8.py): the
+"""FP8 e4m3 indexer keys with one float32 scale per token (kernels/dsa/dsa_index_fp8.py): the
 Triton write (interpreter on CPU) byte for byte against the torch reference, what the bytes
 dequantize to, and the indexer's Triton scores over FP8 keys against the reference that
 dequantizes them (selections compared by the reference scores of the chosen tokens)."""
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from rayinfer.config import ConfigError
-from rayinfer.kernels.dsa_cache import dsa_write_cache
-from rayinfer.kernels.dsa_index_fp8 import (
+from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache
+from rayinfer.kernels.dsa.dsa_index_fp8 import (
     FP8_MAX,
     check_fp8_index_device,
     gather_index_keys,
     quantize_index_keys,
 )
-from rayinfer.kernels.dsa_indexer import (
+from rayinfer.kernels.dsa.dsa_indexer import (
     context_slots,
     dsa_index_topk,
     dsa_index_topk_reference,

@@ -5,14 +5,14 @@ scores of the chosen tokens (sorted), and by the -1 padding, not by their slots.
 import pytest
 import torch
 
-from rayinfer.kernels.dsa_indexer import (
+from rayinfer.kernels.dsa.dsa_indexer import (
     chosen_slots,
     context_slots,
     dsa_index_topk,
     dsa_index_topk_reference,
     queries_per_chunk,
 )
-from rayinfer.kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-3}
 

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from rayinfer.kernels import fp8_gemm as fp8_gemm_module
 from rayinfer.kernels import ops
-from rayinfer.kernels.fp8_gemm import (
+from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module
+from rayinfer.kernels.fp8.fp8_gemm import (
     fp8_gemm,
     fp8_gemm_auto,
     fp8_gemm_backend,
     fp8_gemm_reference,
 )
-from rayinfer.kernels.fp8_quant import fp8_quant_reference
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant_reference
 from rayinfer.models.fp8 import quantize_block_fp8
 
 SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
@@ -227,7 +227,7 @@ def test_ops_fp8_quant_gives_column_major_scales_and_gemm_takes_them():
 def test_the_gluon_gemm_claims_no_operands_off_hopper():
     """fp8_gemm_hopper (measured, not routed) serves only sm_90 GPUs with K a multiple of 128:
     CPU tensors here."""
-    from rayinfer.kernels import fp8_gemm_hopper
+    from benchmarks import fp8_gemm_hopper
 
     a = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
     b = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)

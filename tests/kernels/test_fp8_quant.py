@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayinfer.kernels.fp8_quant import (
+from rayinfer.kernels.fp8.fp8_quant import (
     FP8_MAX,
     MIN_SCALE,
     fp8_dequant_reference,

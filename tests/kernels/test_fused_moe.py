@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.fused_moe import (
+from rayinfer.kernels.moe.fused_moe import (
     expert_chunks,
     fused_moe,
     fused_moe_fp8_reference,
     fused_moe_reference,
 )
-from rayinfer.kernels.moe_align import moe_align
+from rayinfer.kernels.moe.moe_align import moe_align
 from rayinfer.models.fp8 import quantize_block_fp8
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}

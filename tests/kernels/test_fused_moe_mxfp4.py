@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.fused_moe_mxfp4 import (
+from rayinfer.kernels.moe.fused_moe_mxfp4 import (
     dequantize_mxfp4_reference,
     fused_moe_mxfp4,
     fused_moe_mxfp4_reference,

@@ -5,8 +5,8 @@ of experts, the same expert twice in a batch, and slots routed to another rank's
 import pytest
 import torch
 
-from rayinfer.kernels.fused_moe import fused_moe_reference
-from rayinfer.kernels.fused_moe_small import fits_small_batch, fused_moe_small_batch
+from rayinfer.kernels.moe.fused_moe import fused_moe_reference
+from rayinfer.kernels.moe.fused_moe_small import fits_small_batch, fused_moe_small_batch
 
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 2e-3)}
 

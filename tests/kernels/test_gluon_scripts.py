@@ -3,7 +3,8 @@ kernels' contracts (they run on an H100/H200 only, so CI cannot execute them).""
 
 import pytest
 
-from rayinfer.kernels import fp8_gemm_hopper, mla_decode_hopper
+from benchmarks import fp8_gemm_hopper
+from rayinfer.kernels.mla import mla_decode_hopper
 from tests.benchmark_scripts import load_benchmark
 
 

@@ -1,4 +1,4 @@
-"""The mailbox kernel's protocol (rayinfer.kernels.host_mailbox) between real processes.
+"""The mailbox kernel's protocol (rayinfer.kernels.comm.host_mailbox) between real processes.
 
 Two or three processes map one shared-memory file, each runs the kernel in Triton's interpreter
 (the same kernel the GPU runs, minus its PTX fences), and they exchange random blocks many times:
@@ -27,7 +27,7 @@ def _layout(world: int) -> tuple[int, int]:
 
 
 def _side(segment, world, src, dst, block, epochs):
-    from rayinfer.kernels.host_mailbox import MailboxSide
+    from rayinfer.kernels.comm.host_mailbox import MailboxSide
 
     per_rank, boxes = _layout(world)
     base = src * per_rank
@@ -51,7 +51,7 @@ def _blocks(world: int, round_: int) -> dict[tuple[int, int], torch.Tensor]:
 
 def _rank_main(rank: int, world: int, path: str, results) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    from rayinfer.kernels.host_mailbox import exchange_reference, host_mailbox_exchange
+    from rayinfer.kernels.comm.host_mailbox import exchange_reference, host_mailbox_exchange
 
     segment = torch.from_file(path, shared=True, size=world * _layout(world)[0], dtype=torch.uint8)
     epochs = torch.full((2, world, SLICES), START_EPOCH, dtype=torch.int32)

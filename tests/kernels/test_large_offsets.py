@@ -7,10 +7,13 @@ the same kernels' on small operands holding the same rows."""
 import pytest
 import torch
 
-from rayinfer.kernels import mla_attention as mla
-from rayinfer.kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache
-from rayinfer.kernels.rotary import rotary_embedding_and_cache
+from rayinfer.kernels.attention.prefill_attention import (
+    prefill_attention,
+    prefill_attention_reference,
+)
+from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache
+from rayinfer.kernels.elementwise.rotary import rotary_embedding_and_cache
+from rayinfer.kernels.mla import mla_attention as mla
 from rayinfer.kernels.triton_compat import tma_rows_fit
 
 PAST_INT32 = 2**31 + 4096  # elements: every operand below reaches past int32 offsets

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rayinfer.kernels import mla_attention as mla
-from rayinfer.kernels.paged_attention import causal_attention
+from rayinfer.kernels.attention.paged_attention import causal_attention
+from rayinfer.kernels.mla import mla_attention as mla
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -253,7 +253,7 @@ def test_the_gluon_layouts_fall_back_to_triton_tiles_off_hopper(layout, fallback
     """Both forms of mla_decode_hopper (sm_90 and bf16 only) run the Triton heads-major kernel
     elsewhere: here, on the CPU; with the entry's "fallback" tiles where it has them, else its
     own."""
-    from rayinfer.kernels import mla_decode_hopper
+    from rayinfer.kernels.mla import mla_decode_hopper
 
     query = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
     assert not mla_decode_hopper.supports(query, query[..., :64], query.view(-1, 512), 16, 64)
@@ -268,7 +268,7 @@ def test_the_gluon_layouts_fall_back_to_triton_tiles_off_hopper(layout, fallback
 def test_the_environment_pins_the_triton_kernel(monkeypatch):
     """RAYINFER_MLA_DECODE=triton: a Gluon layout runs the entry's fallback Triton tiles without
     asking the Gluon kernel whether it could run."""
-    from rayinfer.kernels import mla_decode, mla_decode_hopper
+    from rayinfer.kernels.mla import mla_decode, mla_decode_hopper
 
     def must_not_be_asked(*args):
         raise AssertionError("the Gluon kernel was considered")
@@ -287,7 +287,7 @@ def test_queries_from_a_batched_matmul_get_uniform_rows_for_the_gluon_kernel():
     (sequence, head) rows are not one stride apart, which the Gluon kernel's 2-D TMA view needs;
     it gets a contiguous copy, queries that already step uniformly (q_pe: a slice of the
     projection's rows) go as they are."""
-    from rayinfer.kernels.mla_decode_hopper import rows_step_uniformly, with_uniform_rows
+    from rayinfer.kernels.mla.mla_decode_hopper import rows_step_uniformly, with_uniform_rows
 
     q_latent = torch.randn(16, 3, 512).transpose(0, 1)  # [B=3, N=16, L]
     assert not rows_step_uniformly(q_latent)
@@ -301,7 +301,7 @@ def test_queries_from_a_batched_matmul_get_uniform_rows_for_the_gluon_kernel():
 def test_the_combine_narrows_its_columns_only_for_few_rows():
     """COMBINE_MIN_PROGRAMS 132: one sequence's 16 heads reduce 64 latent columns a program (128
     programs), 32 sequences' whole rows (512 programs); COMBINE_BLOCK_L caps either."""
-    from rayinfer.kernels.mla_decode import combine_columns
+    from rayinfer.kernels.mla.mla_decode import combine_columns
 
     params = dict(COMBINE_MIN_PROGRAMS=132)
     assert combine_columns(16, 512, params) == 64
@@ -317,7 +317,8 @@ def test_a_gluon_split_kernel_that_does_not_build_hands_over_to_triton(monkeypat
     entry's fallback Triton tiles answer that call and the later ones."""
     from triton.runtime.errors import OutOfResources
 
-    from rayinfer.kernels import gluon_compat, mla_decode_hopper
+    from rayinfer.kernels import gluon_compat
+    from rayinfer.kernels.mla import mla_decode_hopper
 
     monkeypatch.setattr(gluon_compat, "HAS_GLUON", True)
     monkeypatch.setattr(gluon_compat, "_FAILED", set())
@@ -343,7 +344,7 @@ def test_a_gluon_split_kernel_that_does_not_build_hands_over_to_triton(monkeypat
 def test_the_triton_fallback_of_a_gluon_entry_is_the_tiles_it_had():
     """Where the Gluon kernel cannot run (another GPU, float32), the H200's 16-head entry runs
     the Triton tiles it shipped before, without the one-program-per-SM split policy."""
-    from rayinfer.kernels.mla_decode import triton_fallback
+    from rayinfer.kernels.mla.mla_decode import triton_fallback
     from rayinfer.kernels.tile_configs import pick_tile_config
 
     shipped_before = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3,

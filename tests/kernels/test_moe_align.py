@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayinfer.kernels.moe_align import moe_align, moe_align_reference
+from rayinfer.kernels.moe.moe_align import moe_align, moe_align_reference
 
 
 def _runs_sorted(alignment, block_m):

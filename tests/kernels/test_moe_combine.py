@@ -4,7 +4,7 @@ that combine used before: tokens that went to no rank, to one, to all; world siz
 import pytest
 import torch
 
-from rayinfer.kernels.moe_combine import combine_row_index, moe_combine, moe_combine_reference
+from rayinfer.kernels.moe.moe_combine import combine_row_index, moe_combine, moe_combine_reference
 
 TOLERANCES = {torch.float32: 1e-6, torch.float16: 1e-3}
 

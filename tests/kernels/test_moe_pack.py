@@ -4,7 +4,7 @@ bytes equal, for odd hidden sizes, one token, no tokens, top-k 1 to 8 and 1 to 3
 import pytest
 import torch
 
-from rayinfer.kernels.moe_pack import (
+from rayinfer.kernels.moe.moe_pack import (
     localize_expert_ids,
     localize_expert_ids_reference,
     pack_for_every_rank,

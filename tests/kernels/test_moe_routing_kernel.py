@@ -7,8 +7,8 @@ odd expert counts, one token, no tokens and top-k equal to the number of experts
 import pytest
 import torch
 
-from rayinfer.kernels.moe_routing import moe_routing_reference
-from rayinfer.kernels.moe_routing_kernel import moe_routing
+from rayinfer.kernels.moe.moe_routing import moe_routing_reference
+from rayinfer.kernels.moe.moe_routing_kernel import moe_routing
 
 CASES = {
     # name: (num_experts, top_k, scoring, renormalize, num_groups, topk_groups, bias, scaling)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.fused_moe import fused_moe_reference
-from rayinfer.kernels.moe_routing import moe_routing_reference
+from rayinfer.kernels.moe.fused_moe import fused_moe_reference
+from rayinfer.kernels.moe.moe_routing import moe_routing_reference
 
 
 @pytest.fixture

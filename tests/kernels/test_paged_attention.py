@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.paged_attention import (
+from rayinfer.kernels.attention.paged_attention import (
     causal_attention,
     choose_split,
     gather_context,
     paged_decode_attention,
 )
-from rayinfer.kernels.prefill_attention import paged_mixed_attention
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache
+from rayinfer.kernels.attention.prefill_attention import paged_mixed_attention
+from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache
 from rayinfer.layers.forward_context import build_attention_metadata
 
 # (context length, new tokens): full prefill, chunk over a cached prefix, decodes, one token.
@@ -206,7 +206,7 @@ def test_prefix_free_chunks_attend_to_the_steps_own_kv(monkeypatch, batch, direc
     """Given the step's K/V, the chunks that start their sequences take the contiguous kernel
     over them (never the block tables), the chunks over a cached prefix the paged kernel, in one
     call each; the batch's results match SDPA."""
-    from rayinfer.kernels import prefill_attention as prefill_module
+    from rayinfer.kernels.attention import prefill_attention as prefill_module
 
     calls = []
     for name in ("prefill_attention", "paged_prefill_attention"):

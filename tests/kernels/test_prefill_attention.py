@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rayinfer.kernels import prefill_attention as prefill_module
-from rayinfer.kernels.prefill_attention import (
+from rayinfer.kernels.attention import prefill_attention as prefill_module
+from rayinfer.kernels.attention.prefill_attention import (
     paged_prefill_attention,
     prefill_attention,
     prefill_attention_reference,
@@ -288,7 +288,7 @@ def test_register_cap_is_a_cuda_launch_option_only(monkeypatch):
 def test_the_gluon_backend_falls_back_where_it_does_not_apply(monkeypatch):
     """A config naming the warp-specialized Gluon kernel (the H200's 128 bucket) still serves
     what that kernel cannot: CPU tensors here (it needs an sm_90 GPU, bf16, head dim 128)."""
-    from rayinfer.kernels import prefill_attention_hopper
+    from rayinfer.kernels.attention import prefill_attention_hopper
 
     query = torch.randn(5, 2, 128, dtype=torch.bfloat16)
     assert not prefill_attention_hopper.supports(query, query, query)
@@ -314,7 +314,8 @@ def test_a_gluon_kernel_that_does_not_build_hands_over_to_triton(monkeypatch, ca
     once and the Triton kernel answers this call and the later ones."""
     from triton.runtime.errors import OutOfResources
 
-    from rayinfer.kernels import gluon_compat, prefill_attention_hopper
+    from rayinfer.kernels import gluon_compat
+    from rayinfer.kernels.attention import prefill_attention_hopper
 
     monkeypatch.setattr(gluon_compat, "HAS_GLUON", True)
     monkeypatch.setattr(gluon_compat, "_FAILED", set())

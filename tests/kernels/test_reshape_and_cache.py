@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+from rayinfer.kernels.attention.reshape_and_cache import (
+    reshape_and_cache,
+    reshape_and_cache_reference,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayinfer.kernels.rms_norm import rms_norm, rms_norm_reference
+from rayinfer.kernels.elementwise.rms_norm import rms_norm, rms_norm_reference
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rayinfer.kernels import rotary
-from rayinfer.kernels.mla_attention import mla_write_cache_reference
-from rayinfer.kernels.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.elementwise import rotary
+from rayinfer.kernels.mla.mla_attention import mla_write_cache_reference
 from rayinfer.layers.rotary import RotaryEmbedding
 from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding
 

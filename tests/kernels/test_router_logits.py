@@ -1,10 +1,10 @@
-"""MoE router logits from 16-bit activations (kernels/router_logits), in Triton's interpreter."""
+"""MoE router logits from 16-bit activations (kernels/moe/router_logits), in the interpreter."""
 
 import pytest
 import torch
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.router_logits import (
+from rayinfer.kernels.moe.router_logits import (
     MIN_TOKENS,
     router_logits,
     router_logits_reference,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayinfer.kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 SPLITS = {

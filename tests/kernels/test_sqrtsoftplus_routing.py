@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.moe_routing import moe_routing_reference
-from rayinfer.kernels.moe_routing_kernel import moe_routing
+from rayinfer.kernels.moe.moe_routing import moe_routing_reference
+from rayinfer.kernels.moe.moe_routing_kernel import moe_routing
 
 
 def _v4_router(logits: torch.Tensor, top_k: int, bias: torch.Tensor, scaling: float):

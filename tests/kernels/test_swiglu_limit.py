@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels import ops
-from rayinfer.kernels.activation import silu_and_mul
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_reference
-from rayinfer.kernels.fused_moe_small import fused_moe_small_batch
+from rayinfer.kernels.elementwise.activation import silu_and_mul
+from rayinfer.kernels.moe.fused_moe import fused_moe, fused_moe_reference
+from rayinfer.kernels.moe.fused_moe_small import fused_moe_small_batch
 from rayinfer.layers.fused_experts import FusedExperts
 from rayinfer.layers.mlp import GatedMLP
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rayinfer.kernels.fused_moe_chunks import row_granule
+from rayinfer.kernels.moe.fused_moe_chunks import row_granule
 from rayinfer.kernels.tile_configs import CONFIG_DIR, pick_tile_config
 
 TILE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
@@ -58,7 +58,7 @@ MLA_OPTIONS = {"USE_TMA", "WARP_SPECIALIZE", "EVICT_FIRST", "TABLE_IN_LOOP", "wh
 def test_mla_decode_entries(entry):
     """Known keys and layouts; a Gluon entry's tiles are the kernel's 64-token tiles, and its
     "fallback" (the Triton tiles where the Gluon kernel cannot run) holds tile keys only."""
-    from rayinfer.kernels import mla_decode, mla_decode_hopper
+    from rayinfer.kernels.mla import mla_decode, mla_decode_hopper
 
     config = entry[3]
     assert MLA_KEYS <= set(config) <= MLA_KEYS | MLA_OPTIONS, config

@@ -6,8 +6,8 @@ block, top-k larger than the entries available, heads not a multiple of the head
 import pytest
 import torch
 
-from rayinfer.kernels.dsa_indexer import dsa_index_topk, dsa_index_topk_reference
-from rayinfer.kernels.v4_attention import v4_attention, v4_attention_reference
+from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, dsa_index_topk_reference
+from rayinfer.kernels.dsa.v4_attention import v4_attention, v4_attention_reference
 from tests.kernels.test_dsa_indexer import paged_batch
 
 WIDTH, ENTRY_COL = 40, 20  # row: key [0, D) ... entry [20, 20 + D)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
-from rayinfer.kernels.fp8_quant import fp8_dequant_reference, fp8_quant_reference
+from rayinfer.kernels.fp8.fp8_quant import fp8_dequant_reference, fp8_quant_reference
 from rayinfer.models.fp8 import check_fp8_weights, quantize_block_fp8
 from rayinfer.models.loader import load_model
 from tests.models.harness import TINY_DENSE, make_hf_checkpoint, make_prompts, run_greedy

@@ -7,7 +7,7 @@ import torch
 
 import rayinfer
 from rayinfer.config import ModelConfig
-from rayinfer.kernels.prefill_attention import prefill_attention_reference
+from rayinfer.kernels.attention.prefill_attention import prefill_attention_reference
 from rayinfer.layers.mla import MLAAttention
 from rayinfer.layers.mla_context import context_block_tokens, merge_attention
 from tests.models.harness import TINY_MLA, make_hf_checkpoint

@@ -163,7 +163,7 @@ def test_kept_experts_run_in_mxfp4_experts_like_the_twins(folders):
 def assert_same_parameters(model, twin_model) -> None:
     """The same values, `model`'s routed experts kept packed (MXFP4 bytes and exponents that
     dequantize to the twin's experts)."""
-    from rayinfer.kernels.fused_moe_mxfp4 import dequantize_mxfp4_reference
+    from rayinfer.kernels.moe.fused_moe_mxfp4 import dequantize_mxfp4_reference
 
     params, twin_params = dict(model.named_parameters()), dict(twin_model.named_parameters())
     for name, param in params.items():

@@ -148,8 +148,8 @@ def test_the_window_keeps_the_last_starts():
 
 def test_a_refused_request_answers_503_with_its_retry_after_and_does_no_work():
     from rayinfer.deployments.ingress import error_response
+    from rayinfer.deployments.openai_error import OpenAIError
     from rayinfer.deployments.pipeline import DisaggregatedPipeline
-    from rayinfer.deployments.protocol import OpenAIError
 
     class NoHandle:
         def options(self, **_):

@@ -12,8 +12,8 @@ import ray
 from ray.serve.exceptions import BackPressureError
 
 from rayinfer.deployments.engine_loop import EngineStoppedError
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.pipeline import ColocatedPipeline
-from rayinfer.deployments.protocol import OpenAIError
 from rayinfer.deployments.types import DecodeChunk, EngineRequest, Timings
 from rayinfer.engine.sampling_params import SamplingParams
 

@@ -54,7 +54,7 @@ def test_share_must_be_a_fraction_of_one_gpu():
 
 def test_a_shared_gpu_sizes_each_cache_from_its_share():
     """Workers sharing a GPU each take utilization x their share, minus their own usage
-    (engine/kv_memory.py), so the setting does not need whole GPUs."""
+    (workers/runner/kv_memory.py), so the setting does not need whole GPUs."""
     config = resolve_gpu_shares(
         AppConfig.from_args({"decode.gpu_memory_utilization": "0.8"}), num_gpus=1
     )

@@ -26,8 +26,8 @@ from rayinfer.bench.serve_cluster import REPO_ROOT, NodeSpec, ServeCluster, wait
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.node_fit import check_nodes_fit
+from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.pipeline import until_taken
-from rayinfer.deployments.protocol import OpenAIError
 from tests.serve.offline_reference import offline_replies, served_replies
 
 HEAD_NODE = {"NodeID": "aa" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.1",

@@ -12,17 +12,12 @@ from ray.exceptions import ActorDiedError
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import as_openai_error
-from rayinfer.deployments.pipeline import Delta
+from rayinfer.deployments.openai_error import OpenAIError, client_message
 from rayinfer.deployments.prompts import PromptBuilder
-from rayinfer.deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    client_message,
-)
+from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest
 from rayinfer.deployments.replies import HttpReply, validation_to_openai
 from rayinfer.deployments.runtime import ModelSource
-from rayinfer.deployments.types import GenerateRequest, Timings
+from rayinfer.deployments.types import Delta, GenerateRequest, Timings
 from rayinfer.engine.outputs import Logprob, RequestFailedError, TokenLogprobs
 from rayinfer.engine.sampling_params import InvalidRequestError
 

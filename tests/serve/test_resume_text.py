@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 import rayinfer
-from rayinfer.deployments.pipeline import ColocatedPipeline, Delta
+from rayinfer.deployments.pipeline import ColocatedPipeline
 from rayinfer.deployments.resume import ResumedText, TextRules
-from rayinfer.deployments.types import DecodeChunk, Timings
+from rayinfer.deployments.types import DecodeChunk, Delta, Timings
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.sequence import Sequence

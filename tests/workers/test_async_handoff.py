@@ -14,7 +14,7 @@ import pytest
 import rayinfer
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import ModelSource, build_engine
-from rayinfer.engine.kv_transfer import KVHandoff
+from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.workers.group import KVRefs
 
@@ -88,12 +88,13 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected):
         decode.add_request("other", OTHER_IDS, GREEDY)
         outputs = step_until(decode, finished("other"))  # decodes while the KV is held back
         assert tokens_of(outputs, "other") == expected["other"]
-        assert [p.state.seq.request_id for p in decode.imports_in_flight] == [held.request_id]
+        in_flight = decode.handoffs.imports_in_flight
+        assert [p.state.seq.request_id for p in in_flight] == [held.request_id]
         assert not any(o.request_id == held.request_id and o.token_ids for o in outputs)
         ray.get(gate.open.remote())
         outputs = step_until(decode, finished(held.request_id))
         assert tokens_of(outputs, held.request_id) == expected["prompt"]
-        assert decode.num_kv_recomputes == 0 and not decode.imports_in_flight
+        assert decode.handoffs.num_kv_recomputes == 0 and not decode.handoffs.imports_in_flight
         assert decode.kv_usage == 0
     finally:
         group.shutdown()
@@ -108,7 +109,7 @@ def test_export_frees_its_blocks_once_copied(ray_cluster, expected):
         handoff = prefill.take_handoff("h")
         assert handoff.num_bytes > 0
         # The blocks stay held until the engine sees the export done (at a later step).
-        step_until(prefill, lambda outs: not prefill.exports_in_flight)
+        step_until(prefill, lambda outs: not prefill.handoffs.exports_in_flight)
         assert prefill.kv_usage == 0
 
         decode.add_prefilled_request(handoff, GREEDY)

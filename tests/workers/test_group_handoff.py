@@ -69,7 +69,7 @@ def test_handoff_by_reference_between_worker_groups(setup, ray_cluster):
         assert handoff.num_bytes == payload.num_bytes > 0
         decode.add_prefilled_request(handoff, GREEDY)
         assert run_to_end(decode, "h0") == setup[2]
-        assert decode.num_kv_recomputes == 0
+        assert decode.handoffs.num_kv_recomputes == 0
         assert "h0" in decode_group.stats.import_seconds
     finally:
         prefill_group.shutdown()
@@ -90,7 +90,7 @@ def test_lost_owner_is_recomputed(setup, ray_cluster):
             decode_group.finish_import(pending)
         decode.add_prefilled_request(handoff, GREEDY)
         assert run_to_end(decode, "lost") == setup[2]
-        assert decode.num_kv_recomputes == 1
+        assert decode.handoffs.num_kv_recomputes == 1
         assert "lost" in decode_group.stats.lost_request_ids
     finally:
         decode_group.shutdown()

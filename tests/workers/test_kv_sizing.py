@@ -14,10 +14,10 @@ import torch
 from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import ModelSource, build_engine
-from rayinfer.engine import model_runner
-from rayinfer.engine.kv_memory import kv_bytes_per_block
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.workers.group import WorkerGroup
+from rayinfer.workers.runner import model_runner
+from rayinfer.workers.runner.kv_memory import kv_bytes_per_block
 from rayinfer.workers.worker import Worker, WorkerSpec
 from tests.engine.test_kv_memory import GIB, MIB, FakeCuda
 

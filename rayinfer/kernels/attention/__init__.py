@@ -1,0 +1,2 @@
+"""GQA attention over the paged K/V cache: mixed and prefill (flash) attention, the cache
+write."""

@@ -1,0 +1,1 @@
+"""Kernels that move data between GPUs: the host mailbox."""

@@ -1,0 +1,159 @@
+"""A request's KV as it travels between engines: the payload, its fetch, the slot arithmetic (the
+hand-off that names it to the other engine: engine/kv_handoff.py).
+
+The packed form is layout-free: per token, every layer's cache row
+(`ModelConfig.kv_shape_per_token(...)` elements), so a cache with a different block size (or a
+different parallel plan) can take it. It travels in chunks of tokens, each one
+`[num_layers, chunk_tokens, row_bytes]` uint8 array, so a long prompt's KV streams through small
+staging buffers (workers/runner/kv_copy.py) instead of being held whole in pinned memory.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class KVPayload:
+    """The KV of one request plus its sampler state, as one worker exports it.
+
+    `chunks` are numpy arrays in memory (Ray stores numpy buffers out of band and reads them back
+    without a copy, where torch tensors are pickled: benchmarks/object_store_payload.py), or, in
+    the object-store form a worker returns, ObjectRefs to them (each put by the worker, which
+    owns it). `kv` gives per-layer torch views.
+    """
+
+    chunks: list[Any]  # per chunk of tokens: [num_layers, chunk_tokens, row_bytes] uint8
+    num_layers: int
+    shape: tuple[int, ...]  # [num_tokens, *kv_shape_on_this_rank], the same for every layer
+    dtype: torch.dtype
+    generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
+    kv_heads: tuple[int, int] | None = None  # (first, count) of the K/V heads held; None: all
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: how the export went
+
+    @classmethod
+    def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:
+        """kv: per layer [num_tokens, *shape] CPU tensors of one dtype (one chunk)."""
+        num_tokens = kv[0].shape[0]
+        rows = [t.contiguous().view(torch.uint8).reshape(num_tokens, -1) for t in kv]
+        chunk = torch.stack(rows).numpy()  # [num_layers, num_tokens, row_bytes]
+        return cls([chunk], len(kv), tuple(kv[0].shape), kv[0].dtype, **fields)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_layers * self.num_tokens * self.row_bytes
+
+    def with_chunks(self, chunks: list[Any]) -> KVPayload:
+        return replace(self, chunks=chunks)
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """Per layer [num_tokens, *shape] tensors (views of a single chunk; read-only)."""
+        with warnings.catch_warnings():  # buffers read from the object store are not writable
+            warnings.simplefilter("ignore", UserWarning)
+            parts = [torch.from_numpy(chunk) for chunk in self.chunks]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return [whole[layer].view(self.dtype).reshape(self.shape) for layer in range(len(whole))]
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """[num_tokens] int64 cache slots of a sequence's first num_tokens tokens."""
+    positions = torch.arange(num_tokens)
+    blocks = torch.tensor(block_table, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def pack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """Gather the tokens at `slots` from each layer cache into CPU tensors (the reference the
+    chunked copies of workers/runner/kv_copy.py are tested against)."""
+    packed = []
+    for cache in kv_caches:
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *kv_shape]
+        packed.append(flat[slots.to(cache.device)].cpu())
+    return packed
+
+
+def check_layout(kv_caches: list[torch.Tensor], num_layers: int, token_shape: tuple) -> None:
+    """ValueError unless a payload of num_layers layers of `token_shape` rows fits this cache."""
+    if num_layers != len(kv_caches):
+        raise ValueError(f"KV hand-off has {num_layers} layers, this cache has {len(kv_caches)}")
+    cache_shape = tuple(kv_caches[0].shape[2:])
+    if tuple(token_shape) != cache_shape:
+        raise ValueError(
+            f"KV hand-off token shape {tuple(token_shape)} does not match this cache's "
+            f"{cache_shape}"
+        )
+
+
+def unpack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor, kv: list[torch.Tensor]) -> None:
+    """Scatter packed tokens into each layer cache at `slots`."""
+    check_layout(kv_caches, len(kv), tuple(kv[0].shape[1:]) if kv else ())
+    for cache, layer_kv in zip(kv_caches, kv):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat[slots.to(cache.device)] = layer_kv.to(device=cache.device, dtype=cache.dtype)
+
+
+def select_kv_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) -> list[torch.Tensor]:
+    """Per layer [num_tokens, *shape] for the K/V heads (first, count) one rank needs, from the
+    payloads of another plan's ranks (any head split; replicated payloads need no merging)."""
+    if heads is None or payloads[0].kv_heads is None:
+        return payloads[0].kv
+    first, count = heads
+    ordered = sorted({p.kv_heads: p for p in payloads}.values(), key=lambda p: p.kv_heads[0])
+    covering = [p for p in ordered if p.kv_heads[0] < first + count and sum(p.kv_heads) > first]
+    start = covering[0].kv_heads[0]
+    layers_of = [p.kv for p in covering]  # per payload, per layer [N, 2, its heads, D]
+    merged = []
+    for layer_parts in zip(*layers_of):
+        heads_dim = torch.cat(layer_parts, dim=2)  # [N, 2, covered heads, D]
+        merged.append(heads_dim[:, :, first - start : first - start + count])
+    return merged
+
+
+def payload_for_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) -> KVPayload:
+    """The one payload whose chunks a rank caching `heads` can copy as they are: a replicated
+    payload, or one holding exactly those heads; else a payload merged from the others'
+    heads (a different tensor-parallel split; one host copy)."""
+    first = payloads[0]
+    if heads is None or first.kv_heads is None:
+        return first
+    exact = next((p for p in payloads if p.kv_heads == heads), None)
+    if exact is not None:
+        return exact
+    merged = select_kv_heads(payloads, heads)
+    return KVPayload.from_tensors(merged, generator_state=first.generator_state, kv_heads=heads)
+
+
+def fetch_payloads(
+    shards: list[Any],
+    wanted: Callable[[KVPayload], bool] = lambda payload: True,
+    timeout_s: float | None = None,
+) -> list[KVPayload]:
+    """The `wanted` payloads with their chunks, from their object-store form (ObjectRefs to
+    KVPayloads whose chunks are ObjectRefs; a local object is read without a copy). Raises
+    what `ray.get` raises for an object that is gone."""
+    import ray
+
+    refs = [shard for shard in shards if isinstance(shard, ray.ObjectRef)]
+    fetched = iter(ray.get(refs, timeout=timeout_s) if refs else [])
+    headers = [next(fetched) if isinstance(s, ray.ObjectRef) else s for s in shards]
+    payloads = []
+    for header in filter(wanted, headers):
+        if any(isinstance(chunk, ray.ObjectRef) for chunk in header.chunks):
+            header = header.with_chunks(ray.get(header.chunks, timeout=timeout_s))
+        payloads.append(header)
+    return payloads

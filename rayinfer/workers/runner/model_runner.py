@@ -1,0 +1,333 @@
+"""Turns a ModelBatch into tensors, runs the model over the paged cache and samples next tokens.
+
+One ModelRunner lives on each device (in-process, or inside a Ray worker actor). It owns the
+model's weights, the KV cache (kv_cache.py), the forward of a step (forward.py) and the requests'
+sampling state (sampling.py); with a CudaGraphConfig, also the decode and prefill graphs
+(captured here, after the cache exists), which run every step that fits them.
+
+With a KVMemoryConfig on CUDA (`gpu_memory_utilization`), the cache's block count comes from the
+GPU's memory instead of the CacheConfig: `kv_blocks_that_fit` runs one profiling step of the
+largest batch after the weights are loaded (see kv_memory.py), then `allocate_kv` allocates the
+cache and captures the graphs. A multi-worker group calls the two itself, allocating every
+worker's cache with the smallest count any worker found (`allocate_kv=False`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
+from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
+from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
+from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.layers.parallel import SINGLE, ParallelContext
+from rayinfer.layers.sampler import log_probabilities
+from rayinfer.layers.two_batch_overlap import supports_two_batch_overlap
+from rayinfer.models.dummy import build_dummy_model
+from rayinfer.models.loader import load_model
+from rayinfer.workers.runner.decode_graphs import DecodeGraphs
+from rayinfer.workers.runner.forward import StepForward
+from rayinfer.workers.runner.kv_cache import KVCache, new_kv_caches
+from rayinfer.workers.runner.kv_memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    SAFETY_MARGIN_BYTES,
+    activation_peak_bytes,
+    kv_bytes_per_block,
+    num_kv_blocks_for_memory,
+    worker_memory,
+)
+from rayinfer.workers.runner.kv_transfer import KVPayload
+from rayinfer.workers.runner.logprobs import prompt_logprobs, sampled_logprobs
+from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
+from rayinfer.workers.runner.sampling import RequestSampler
+from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
+
+
+def supports_memory_sizing(device: torch.device) -> bool:
+    """Whether the cache can be sized from the device's memory (CUDA's allocator statistics)."""
+    return device.type == "cuda"
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE,
+        two_batch_overlap: bool | None = None,
+        load_format: str = "safetensors",
+        cuda_graphs: CudaGraphConfig | None = None,
+        kv_memory: KVMemoryConfig | None = None,
+        allocate_kv: bool = True,
+        fp8_weights: bool = False,
+    ):
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.parallel = parallel
+        if model_config.index_keys_fp8:
+            check_fp8_index_device(self.device)
+        self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
+        self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
+        if not model_config.kv_is_replicated:
+            self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
+        if load_format == "dummy":
+            self.model = build_dummy_model(
+                model_config, dtype, self.device, parallel, fp8_weights=fp8_weights
+            )
+        else:
+            self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
+        if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
+            two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
+        two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
+        self.forward = StepForward(
+            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap
+        )
+        self.sampler = RequestSampler(model_config, pin=self.device.type == "cuda")
+        self.cuda_graphs = cuda_graphs
+        # Sizing the cache from memory needs CUDA's allocator statistics; elsewhere the
+        # CacheConfig's count stands.
+        self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
+        self.kv_cache: KVCache | None = None  # made by allocate_kv
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
+        if allocate_kv:
+            num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
+            self.allocate_kv(num_blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the cache with num_blocks blocks, then capture the graphs over it."""
+        if num_blocks != self.cache_config.num_blocks:
+            self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
+        layers = self._new_kv_caches(num_blocks)
+        self.kv_cache = KVCache(layers, self.cache_config.block_size, self.kv_heads)
+        self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
+        self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per layer [num_blocks, block_size, *kv_shape]; [] before `allocate_kv`."""
+        return [] if self.kv_cache is None else self.kv_cache.layers
+
+    @property
+    def graph_capture_seconds(self) -> float | None:
+        """Warm-up and capture of the decode and prefill graphs; None without graphs."""
+        captured = [g for g in (self.decode_graphs, self.prefill_graphs) if g is not None]
+        return sum(g.capture_seconds for g in captured) if captured else None
+
+    @property
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token buckets of the prefill graphs ([] without them)."""
+        return [] if self.prefill_graphs is None else self.prefill_graphs.sizes
+
+    @property
+    def captures_decode_graphs(self) -> bool:
+        """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
+        token exchange through host flags or sized from the routing cannot be replayed."""
+        if self.cuda_graphs is None:
+            return False
+        parallel = self.parallel
+        if not parallel.experts_exchange_tokens:
+            return True
+        return exchange_graph_blocker(parallel.ep_group.all_to_all) is None
+
+    def kv_blocks_that_fit(self, kv_memory: KVMemoryConfig | None = None) -> int | None:
+        """KV blocks this device can hold under `kv_memory` (default: the runner's; None without
+        one, e.g. off CUDA), measured by a profiling step of the largest batch; a ConfigError when
+        not even one max_model_len sequence fits."""
+        kv_memory = kv_memory or self.kv_memory
+        if kv_memory is None:
+            return None
+        block_size = self.cache_config.block_size
+        peak = self._profile_activation_peak(kv_memory)
+        share = kv_memory.gpu_share  # the profiling cache is freed by now
+        total, in_use = worker_memory(self.device, share)
+        reserve = SAFETY_MARGIN_BYTES
+        if self.captures_decode_graphs:
+            reserve += CUDA_GRAPH_RESERVE_BYTES
+            if self.cuda_graphs.max_prefill_tokens:  # their pool: at most a step's activations
+                reserve += peak
+        return num_kv_blocks_for_memory(
+            total_bytes=total,
+            utilization=kv_memory.gpu_memory_utilization,
+            non_kv_bytes=in_use,
+            activation_peak_bytes=peak,
+            bytes_per_block=kv_bytes_per_block(
+                self.model_config, self.parallel.tp_size, self.dtype.itemsize, block_size
+            ),
+            block_size=block_size,
+            max_model_len=kv_memory.max_model_len,
+            reserve_bytes=reserve,
+            key=kv_memory.key,
+            gpu_share=share,
+        )
+
+    def _profile_activation_peak(self, kv_memory: KVMemoryConfig) -> int:
+        """The profiling step's peak beyond the weights and its cache: the step reads one
+        max_model_len sequence's context from a cache of just that size, freed on return."""
+        caches = self._new_kv_caches(-(-kv_memory.max_model_len // self.cache_config.block_size))
+        return activation_peak_bytes(lambda: self._profile_step(caches, kv_memory), self.device)
+
+    @torch.inference_mode()
+    def _profile_step(self, caches: list[torch.Tensor], kv_memory: KVMemoryConfig) -> None:
+        """The largest step the scheduler can form: max_num_batched_tokens new tokens (a prefill
+        chunk) at the end of a max_model_len context, so attention reads the longest context
+        (MLA's prefill rebuilds K and V of all of it), then logits for max_num_seqs rows. Every
+        worker of a group runs it at once, so the collectives of tp / ep plans match."""
+        context = kv_memory.max_model_len
+        num_tokens = min(kv_memory.max_num_batched_tokens, context)
+        block_size = self.cache_config.block_size
+        table = list(range(-(-context // block_size)))
+        metadata = build_attention_metadata(
+            [num_tokens], [context], [table], block_size, self.device
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(context - num_tokens, context, device=self.device)
+        hidden = self.forward(input_ids, positions, ForwardContext(metadata, caches))  # [T, H]
+        rows = min(kv_memory.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[-rows:])  # [rows, V] float32
+
+    def _capture_decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
+        if config is None or not self.captures_decode_graphs:
+            return None
+        graphs = DecodeGraphs(
+            self.forward.in_graph, self.kv_caches, config, self.cache_config.block_size, self.device
+        )
+        graphs.capture()
+        return graphs
+
+    def _capture_prefill_graphs(self, config: CudaGraphConfig | None) -> PrefillGraphs | None:
+        if config is None or not config.max_prefill_tokens or not self.captures_decode_graphs:
+            return None
+        graphs = PrefillGraphs(
+            self.forward.in_graph,
+            self.kv_caches,
+            config.max_prefill_tokens,
+            self.cache_config.block_size,
+            self.device,
+        )
+        graphs.capture()
+        return graphs
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
+        shape = self.kv_shape
+        return new_kv_caches(num_layers, num_blocks, block_size, shape, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelBatch) -> SampledTokens:
+        """Run one step; returns the next token of every request with `samples`, in order (and
+        their log-probabilities where asked)."""
+        timeline = self.timelines.begin(batch.num_tokens)
+        try:
+            return self._execute(batch, timeline)
+        finally:
+            self.timelines.end(timeline)
+
+    def _execute(self, batch: ModelBatch, timeline: StepTimeline) -> SampledTokens:
+        requests = batch.requests
+        bucket = self._graph_bucket(batch)
+        prefill_bucket = None if bucket is not None else self._prefill_bucket(batch)
+        if not requests and bucket is None and prefill_bucket is None:
+            self.forward.idle(self.kv_caches, batch.ep_tokens)
+            return SampledTokens([])
+        if prefill_bucket is not None:  # one new prompt (or none: padding), from a graph
+            hidden = self.prefill_graphs.run(requests, prefill_bucket)  # [n, H]
+            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+            timeline.mark("queued")
+            last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
+        else:
+            hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
+        prompt = None
+        if bucket is None:  # a decode graph's rows hold no prompt tokens
+            prompt = prompt_logprobs(hidden, requests, self.model.compute_logits)
+        if not last_rows:
+            return SampledTokens([], prompt_logprobs=prompt)
+        sampling = [r for r in requests if r.samples]
+        # On a GPU the forward is still running: the host fills the grammar masks meanwhile.
+        masks = self.sampler.masks(sampling)
+        # Every row samples in a pure decode: no index tensor to build and copy to the device.
+        last = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
+        logits = self.model.compute_logits(last)  # [B, V] float32
+        wanted = [r.params.logprobs for r in sampling]
+        raw = log_probabilities(logits, wanted)  # before penalties and masks change the logits
+        tokens, failed = self.sampler.sample(logits, sampling, masks)
+        errors = {sampling[row].request_id: why for row, why in failed.items()} or None
+        if raw is None:
+            return SampledTokens(tokens, prompt_logprobs=prompt, errors=errors)
+        return SampledTokens(tokens, sampled_logprobs(raw, tokens, wanted), prompt, errors)
+
+    def _graph_bucket(self, batch: ModelBatch) -> int | None:
+        """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk
+        must run the same graph, so with collectives the group's driver decides it for all."""
+        if self.decode_graphs is None:
+            return None
+        if self.parallel.has_collectives:
+            return batch.decode_bucket
+        return self.decode_graphs.bucket_of(batch.requests)
+
+    def _prefill_bucket(self, batch: ModelBatch) -> int | None:
+        """The prefill graph bucket this step replays, or None; chosen like `_graph_bucket`."""
+        if self.prefill_graphs is None:
+            return None
+        if self.parallel.has_collectives:
+            return batch.prefill_bucket
+        return self.prefill_graphs.bucket_of(batch.requests)
+
+    def _forward_batch(
+        self,
+        requests: list[ScheduledRequest],
+        bucket: int | None,
+        ep_tokens: list[int] | None,
+        timeline: StepTimeline,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
+        token; a pure decode with a `bucket` replays that CUDA graph. ep_tokens: every EP rank's
+        token count, when known. timeline: the step's, marked as its inputs and forward queue."""
+        if bucket is not None:
+            hidden = self.decode_graphs.run(requests, bucket)  # [B, H]: one row per request
+            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+            timeline.mark("queued")
+            return hidden, [row for row, r in enumerate(requests) if r.samples]
+        return self.forward.eager(requests, self.kv_caches, ep_tokens, timeline)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Every layer's cache row of one token on this rank."""
+        return self.model_config.num_layers * math.prod(self.kv_shape) * self.dtype.itemsize
+
+    def export_kv_chunks(
+        self, request_id: str, block_table: list[int], num_tokens: int
+    ) -> tuple[KVPayload, Iterator[np.ndarray]]:
+        """A request's first num_tokens tokens of KV: the payload without its chunks, and the
+        chunks as they are copied out (each valid until the next is taken; kv_copy.py)."""
+        state = self.sampler.generator_state(request_id)
+        return self.kv_cache.export_chunks(block_table, num_tokens, state)
+
+    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+        """The KV as an in-memory payload (the chunks copied out of the reused buffers)."""
+        header, chunks = self.export_kv_chunks(request_id, block_table, num_tokens)
+        return header.with_chunks([chunk.copy() for chunk in chunks])
+
+    def import_kv(
+        self, request_id: str, block_table: list[int], payload: KVPayload | list[KVPayload]
+    ) -> None:
+        """Write a hand-off into these blocks; a list holds the shards of every prefill rank,
+        from which this rank takes its own K/V heads (any prefill plan to any decode plan)."""
+        payloads = payload if isinstance(payload, list) else [payload]
+        state = self.kv_cache.import_payloads(block_table, payloads)
+        if state is not None:
+            self.sampler.restore_generator(request_id, state)
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        self.sampler.free(request_ids)

@@ -1,0 +1,110 @@
+"""The sampling state of one runner's requests, and a step's logits turned into their tokens.
+
+Each request that samples at a temperature above 0 keeps its own torch.Generator (seeded from
+`SamplingParams.seed`, else from the OS), so that a seeded request samples the same tokens
+whatever else shares its batch; its state travels with the KV hand-off. Structured-output
+requests keep a grammar matcher (grammar_matchers.py) whose masks limit their logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayinfer.config import ModelConfig
+from rayinfer.engine.batch import ScheduledRequest
+from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.layers.sampler import (
+    NO_TOKEN,
+    SampledRows,
+    apply_logit_bias,
+    apply_penalties,
+    apply_token_bitmask,
+    sample_tokens,
+)
+from rayinfer.workers.runner.grammar_matchers import GrammarMasks, GrammarMatchers
+
+
+class RequestSampler:
+    def __init__(self, model_config: ModelConfig, pin: bool):
+        """pin: page-locked host grammar masks (on CUDA)."""
+        self.generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMatchers(
+            model_config.path, model_config.vocab_size, model_config.eos_token_ids, pin=pin
+        )
+
+    def masks(self, sampling: list[ScheduledRequest]) -> GrammarMasks | None:
+        """The grammar masks of the step's sampling requests; None when none has a grammar.
+        Called after the forward is queued: on a GPU the host fills them while it runs."""
+        return self.grammars.masks(sampling) if GrammarMatchers.needed(sampling) else None
+
+    def sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest], masks: GrammarMasks | None
+    ) -> SampledRows:
+        """[B, V] logits (penalized and masked in place) -> the next token of each sampling
+        request. A request whose generator cannot be made (its seed), whose grammar cannot be
+        used or whose row cannot be sampled fails alone (`errors`, by row); the others sample as
+        they would without it."""
+        if masks is not None:
+            apply_token_bitmask(logits, masks.bitmask, masks.rows)
+        if any(r.params.logit_bias for r in sampling):
+            apply_logit_bias(logits, [r.params.logit_bias for r in sampling])
+        if any(r.output_token_ids for r in sampling):
+            apply_penalties(
+                logits,
+                [r.output_token_ids for r in sampling],
+                [r.params.presence_penalty for r in sampling],
+                [r.params.frequency_penalty for r in sampling],
+            )
+        generators, setup_errors = [], {}
+        for row, request in enumerate(sampling):
+            try:
+                generators.append(self.generator(request.request_id, request.params))
+            except (RuntimeError, ValueError, OverflowError) as error:  # torch refused the seed
+                generators.append(None)
+                setup_errors[row] = f"seed={request.params.seed!r}: {error}"
+        temperatures = [0 if row in setup_errors else r.params.temperature
+                        for row, r in enumerate(sampling)]  # fmt: skip
+        rows = sample_tokens(
+            logits,
+            temperatures,
+            [r.params.top_k for r in sampling],
+            [r.params.top_p for r in sampling],
+            generators,
+        )
+        if masks is not None:
+            setup_errors.update(masks.errors)
+        for row in setup_errors:
+            rows.token_ids[row] = NO_TOKEN
+        errors = {**rows.errors, **setup_errors}
+        if masks is not None:
+            errors.update(self.grammars.accept(sampling, masks, rows.token_ids))
+        return SampledRows(rows.token_ids, errors)
+
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's generator, made at its first sampled token; None when greedy."""
+        if params.is_greedy:
+            return None
+        if request_id not in self.generators:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+            self.generators[request_id] = generator
+        return self.generators[request_id]
+
+    def generator_state(self, request_id: str) -> torch.Tensor | None:
+        """uint8 state of the request's generator, for the hand-off; None when it has none."""
+        generator = self.generators.get(request_id)
+        return generator.get_state() if generator is not None else None
+
+    def restore_generator(self, request_id: str, state: torch.Tensor) -> None:
+        """Continue a handed-off request's sampling from the state its prefill exported."""
+        generator = torch.Generator()
+        generator.set_state(state)
+        self.generators[request_id] = generator
+
+    def free(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+        self.grammars.free(request_ids)

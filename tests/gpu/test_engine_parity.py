@@ -23,7 +23,7 @@ import torch
 
 import rayinfer
 from rayinfer.config import ModelConfig
-from rayinfer.kernels import mla_decode_hopper
+from rayinfer.kernels.mla import mla_decode_hopper
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.models.loader import load_model
 from tests.gpu.families import vocab_size

@@ -14,11 +14,11 @@
 import pytest
 import torch
 
-from rayinfer.kernels import moe_pack
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_reference
-from rayinfer.kernels.fused_moe_small import fused_moe_small_batch
-from rayinfer.kernels.moe_routing import moe_routing_reference
-from rayinfer.kernels.moe_routing_kernel import moe_routing
+from rayinfer.kernels.moe import moe_pack
+from rayinfer.kernels.moe.fused_moe import fused_moe, fused_moe_reference
+from rayinfer.kernels.moe.fused_moe_small import fused_moe_small_batch
+from rayinfer.kernels.moe.moe_routing import moe_routing_reference
+from rayinfer.kernels.moe.moe_routing_kernel import moe_routing
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ Measured on 2x H200 (VM, RESULTS.md "host mailbox"): the programs move ~23 GB/s 
 host memory where the copy engines move ~52, and Triton's launcher costs ~35 us of host time, so
 eagerly it loses to the copy pipeline at every size. Replayed in a graph it is at par with the
 pipeline (3.7 MB blocks: 165 us against 172) and with NCCL (0.9 MB: 58 us against 63). Hence
-opt-in (RAYINFER_HOST_DIRECT_MAX_BYTES).
+opt-in (all_to_all.host.direct_max_bytes, HostStagedConfig).
 
 Every rank maps every rank's mailboxes (SharedSegments). A round pairs one send with one
 receive, shifted as in the pairwise schedule (send to me + k, receive from me - k): a launch's
@@ -23,8 +23,6 @@ they always agree (the counts are part of the exchange's contract).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -38,22 +36,6 @@ from rayinfer.kernels.host_mailbox import MailboxSide, host_mailbox_exchange
 # RESULTS.md "host mailbox"); more programs only add flag traffic on the host link.
 DEFAULT_SLICES = 32
 BLOCK_WORDS = 4096
-
-
-def direct_max_bytes_from_env() -> int:
-    """Largest block sent through the mailbox: RAYINFER_HOST_DIRECT_MAX_BYTES, else 0 (off: on
-    the 2x H200 VM the mailbox was slower than the copy pipeline eagerly and at par in graphs;
-    on CPU the kernel runs in Triton's interpreter, which tests turn on)."""
-    value = os.environ.get("RAYINFER_HOST_DIRECT_MAX_BYTES")
-    if value is None:
-        return 0
-    try:
-        parsed = int(value)
-    except ValueError:
-        parsed = -1
-    if parsed < 0:
-        raise ValueError(f"RAYINFER_HOST_DIRECT_MAX_BYTES={value!r}: use a byte count >= 0")
-    return parsed
 
 
 class HostMailboxes:

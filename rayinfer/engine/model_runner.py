@@ -22,7 +22,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledLogprobs, SampledTokens, ScheduledRequest
 from rayinfer.engine.decode_graphs import DecodeGraphs
 from rayinfer.engine.grammar_matchers import GrammarMasks, GrammarMatchers
@@ -44,7 +44,9 @@ from rayinfer.engine.kv_transfer import (
 )
 from rayinfer.engine.prefill_graphs import PrefillGraphs
 from rayinfer.engine.step_timeline import StepTimeline, StepTimelines
+from rayinfer.engine_config import CacheConfig, KVMemoryConfig
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.forward_context import (
@@ -53,6 +55,7 @@ from rayinfer.layers.forward_context import (
     idle_forward_inputs,
     token_positions,
 )
+from rayinfer.layers.layer_options import configure_layers
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import (
     NO_TOKEN,
@@ -66,12 +69,12 @@ from rayinfer.layers.sampler import (
 )
 from rayinfer.layers.two_batch_overlap import (
     forward_two_batch_overlap,
-    overlaps_in_graph,
     supports_two_batch_overlap,
     worth_overlapping,
 )
 from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
+from rayinfer.overlap_config import DEFAULT_OVERLAP, OverlapConfig
 
 
 def supports_memory_sizing(device: torch.device) -> bool:
@@ -93,6 +96,8 @@ class ModelRunner:
         kv_memory: KVMemoryConfig | None = None,
         allocate_kv: bool = True,
         fp8_weights: bool = False,
+        overlap: OverlapConfig = DEFAULT_OVERLAP,
+        kernels: KernelBackends = DEFAULT_BACKENDS,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -111,6 +116,8 @@ class ModelRunner:
             )
         else:
             self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
+        configure_layers(self.model, kernels, overlap)
+        self.overlap = overlap
         if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
             two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
         self.two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
@@ -237,6 +244,7 @@ class ModelRunner:
             config.max_prefill_tokens,
             self.cache_config.block_size,
             self.device,
+            self.overlap,
         )
         graphs.capture()
         return graphs
@@ -452,20 +460,24 @@ class ModelRunner:
             return self.model(input_ids, positions, ctx)
         with self.parallel.ep_group.static_exchange(input_ids.shape[0]):
             if self._overlaps_in_graph(input_ids.shape[0], ctx):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+                return forward_two_batch_overlap(
+                    self.model, input_ids, positions, ctx, self.overlap
+                )
             return self.model(input_ids, positions, ctx)
 
     def _overlaps_in_graph(self, num_tokens: int, ctx: ForwardContext) -> bool:
         """A captured prefill runs as two micro-batches where its inputs hold the halves."""
         has_halves = ctx.micro_batches is not None
-        return self.two_batch_overlap and has_halves and overlaps_in_graph(num_tokens)
+        return self.two_batch_overlap and has_halves and self.overlap.overlaps_in_graph(num_tokens)
 
     def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:
             ep_group = self.parallel.ep_group
             tokens = getattr(ep_group, "tokens_per_rank", None) or [input_ids.shape[0]]
             if worth_overlapping(tokens, self.device):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+                return forward_two_batch_overlap(
+                    self.model, input_ids, positions, ctx, self.overlap
+                )
         return self.model(input_ids, positions, ctx)
 
     def _generator(self, request_id: str, params) -> torch.Generator | None:

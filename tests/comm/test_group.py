@@ -376,10 +376,10 @@ def test_standard_collectives_match_torch(members, world_size):
 def _probe(group, cache_dir: str):
     from rayinfer.comm import probe as probe_module
 
-    probe_module.CACHE_DIR = __import__("pathlib").Path(cache_dir)
     sizes = (4 << 10, 256 << 10)
-    first = probe_module.probe(group, iters=2, message_bytes=sizes)
-    again = probe_module.probe(group, iters=2, message_bytes=sizes)  # from the disk cache
+    folder = __import__("pathlib").Path(cache_dir)
+    first = probe_module.probe(group, iters=2, message_bytes=sizes, cache_dir=folder)
+    again = probe_module.probe(group, iters=2, message_bytes=sizes, cache_dir=folder)  # cached
     return first == again and len(first.bandwidth) == group.world_size
 
 

@@ -161,7 +161,7 @@ def assert_only_slots_written(padded_caches, eager_caches, before, slots: list[i
 def test_runner_sends_pure_decodes_to_the_graphs_and_the_rest_eagerly(monkeypatch):
     config = ModelConfig.from_hf_dict(HF_CONFIGS["llama"])
     graphs = CudaGraphConfig(max_batch_size=4, max_model_len=64)
-    runner = ModelRunner(config, rayinfer.config.CacheConfig(BLOCK_SIZE, 32), "cpu",
+    runner = ModelRunner(config, rayinfer.engine_config.CacheConfig(BLOCK_SIZE, 32), "cpu",
                          torch.float32, load_format="dummy", cuda_graphs=graphs)  # fmt: skip
     assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4]
     calls = []

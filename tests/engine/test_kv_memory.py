@@ -9,13 +9,7 @@ import pytest
 import torch
 
 import rayinfer
-from rayinfer.config import (
-    CacheConfig,
-    ConfigError,
-    KVMemoryConfig,
-    ModelConfig,
-    check_gpu_memory_utilization,
-)
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.engine import kv_memory, model_runner
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.kv_memory import (
@@ -33,9 +27,16 @@ from rayinfer.engine.kv_memory import (
     worker_memory,
 )
 from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.engine_config import (
+    CacheConfig,
+    KVMemoryConfig,
+    SchedulerConfig,
+    check_gpu_memory_utilization,
+)
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import LayerGroup, ParallelContext
 from rayinfer.workers.in_process import InProcessExecutor
+from rayinfer.workers.spec import WorkerSpec
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
 MIB = 2**20
@@ -411,7 +412,7 @@ def test_given_num_kv_blocks_wins_over_gpu_memory_utilization(checkpoint, fake_g
         num_kv_blocks=40,
         gpu_memory_utilization=0.5,
     )
-    assert llm.kv_memory is None and llm.cache_config.num_blocks == 40
+    assert llm.spec.kv_memory is None and llm.cache_config.num_blocks == 40
     assert "reset_peak_memory_stats" not in fake_gpu.calls  # no profiling step
 
 
@@ -427,8 +428,7 @@ def test_llm_off_cuda_keeps_the_token_count_default(checkpoint):
 
 def test_engine_takes_the_executors_block_count(checkpoint):
     config = ModelConfig.from_pretrained(checkpoint)
-    executor = InProcessExecutor(config, CacheConfig(16, 64), "cpu", torch.float32)
+    executor = InProcessExecutor(WorkerSpec(config, CacheConfig(16, 64), "cpu", torch.float32))
     executor.runner.allocate_kv(20)
-    engine = LLMEngine(config, CacheConfig(16, 64), rayinfer.config.SchedulerConfig(4, 64, 128),
-                       executor)  # fmt: skip
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(4, 64, 128), executor)
     assert engine.cache_config.num_blocks == 20 and len(engine.block_manager.blocks) == 20

@@ -115,7 +115,7 @@ def test_a_padded_prompt_gives_the_unpadded_hidden_states_and_cache(family):
 def test_runner_sends_single_new_prompts_to_the_graphs_and_the_rest_eagerly(monkeypatch):
     config = ModelConfig.from_hf_dict(HF_CONFIGS["deepseek_v3"])
     graphs = CudaGraphConfig(max_batch_size=4, max_model_len=64, max_prefill_tokens=16)
-    runner = ModelRunner(config, rayinfer.config.CacheConfig(BLOCK_SIZE, 32), "cpu",
+    runner = ModelRunner(config, rayinfer.engine_config.CacheConfig(BLOCK_SIZE, 32), "cpu",
                          torch.float32, load_format="dummy", cuda_graphs=graphs)  # fmt: skip
     assert runner.prefill_graphs is not None and runner.prefill_graph_sizes == [16]
     calls = []

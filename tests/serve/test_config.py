@@ -6,7 +6,9 @@ import pytest
 
 from rayinfer.app import build, phase_options, replica_runtime_env
 from rayinfer.config import ConfigError
-from rayinfer.deployments.config import AppConfig, nest_dotted_keys
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.config_args import nest_dotted_keys
+from rayinfer.exchange_config import AllToAllConfig, HostStagedConfig
 
 
 def test_dotted_cli_strings_become_typed_nested_fields():
@@ -90,7 +92,8 @@ def test_phase_options_reserve_whole_worker_groups():
     assert gpu["placement_group_bundles"][1:] == [{"GPU": 1.0, "CPU": 1.0}] * 2
 
 
-def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
+def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # no declared variable set: Serve's switches alone
     config = AppConfig.from_args({})
     env = phase_options(config, config.engine, use_gpus=False)["ray_actor_options"]
     assert env["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
@@ -99,6 +102,14 @@ def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
     assert ingress["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
     config = AppConfig.from_args({"handlers_on_replica_loop": "false"})
     assert "runtime_env" not in phase_options(config, config.engine, False)["ray_actor_options"]
+
+
+def test_declared_environment_variables_reach_the_replicas(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYINFER_CACHE", str(tmp_path))
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    config = AppConfig.from_args({"handlers_on_replica_loop": "false"})
+    env_vars = replica_runtime_env(config)["runtime_env"]["env_vars"]
+    assert env_vars["RAYINFER_CACHE"] == str(tmp_path) and "NCCL_P2P_DISABLE" not in env_vars
 
 
 def test_example_serve_config_is_valid():
@@ -210,18 +221,17 @@ def test_build_checks_the_served_sections_against_the_model():
 
 def test_each_phase_chooses_its_token_exchange():
     """GPUs without peer-to-peer: decode's experts exchange through host memory, FP8 dispatch;
-    the options reach the workers as LLM(all_to_all=...) takes them."""
+    the options are the AllToAllConfig that LLM(all_to_all=...) makes and the workers take."""
     config = AppConfig.from_args(
         {
             "decode.all_to_all.transport": "host",
             "decode.all_to_all.use_fp8": "true",
+            "decode.all_to_all.host.direct_max_bytes": "4096",
             "prefill.all_to_all.dedup": "false",
             "prefill.all_to_all.local_first": "true",
         }  # fmt: skip
     )
-    assert config.decode.all_to_all.options() == {
-        "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None,
-        "local_first": None,
-    }  # fmt: skip
+    host = HostStagedConfig(direct_max_bytes=4096)
+    assert config.decode.all_to_all == AllToAllConfig(transport="host", use_fp8=True, host=host)
     assert config.prefill.all_to_all.dedup is False and config.prefill.all_to_all.local_first
     assert config.prefill.all_to_all.transport == "auto"

@@ -5,7 +5,7 @@ waiting for the device.
 wait for everything already queued on the stream: the host stops until the GPU has drained, and
 the GPU then idles until the host queues more. A 16k-token prefill of a DeepSeek-V2-Lite-shaped
 model made 60 of these per step (two per MLA layer): 94 ms of host time blocked. The profiled
-step's GPU idle went from 21 ms before to 6.9 ms after (one H200; `RAYINFER_PROFILE_CPU=stack`
+step's GPU idle went from 21 ms before to 6.9 ms after (one H200; `process.profile_cpu="stack"`
 and `benchmarks/trace_overlap.py`, benchmarks/RESULTS.md).
 Here the values go through pinned memory (PyTorch's caching host allocator keeps the buffer
 until the copy has run) and an asynchronous copy.

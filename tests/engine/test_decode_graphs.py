@@ -16,6 +16,7 @@ from rayinfer.engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
 from rayinfer.engine.graph_buckets import bucket_for, graph_batch_sizes
 from rayinfer.engine.model_runner import ModelRunner
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.models.dummy import build_dummy_model
@@ -226,7 +227,7 @@ def test_graphs_default_on_for_cuda_where_the_forward_can_be_captured():
         plan = plan or ParallelPlan()
         return cuda_graph_config(requested, is_cuda=is_cuda, plan=plan, max_num_seqs=64,
                                  max_graph_batch_size=32, max_model_len=1024,
-                                 all_to_all=all_to_all)  # fmt: skip
+                                 all_to_all=AllToAllConfig.of(all_to_all))  # fmt: skip
 
     assert resolve(None) == CudaGraphConfig(max_batch_size=32, max_model_len=1024)
     assert resolve(None, is_cuda=False) is None

@@ -33,6 +33,7 @@ from rayinfer.engine_config import (
     SchedulerConfig,
     check_gpu_memory_utilization,
 )
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import LayerGroup, ParallelContext
 from rayinfer.workers.in_process import InProcessExecutor
@@ -337,12 +338,12 @@ def test_ranks_whose_exchange_cannot_be_replayed_take_no_graph_reserve(checkpoin
     runner = make_runner(checkpoint, cuda_graphs=CudaGraphConfig(8, 256))
     runner.parallel = ParallelContext(tp_rank=0, tp_size=2)  # all-reduces are captured
     assert runner.captures_decode_graphs
-    host = LayerGroup(None, rank=0, size=2, all_to_all={"transport": "host"})
+    host = LayerGroup(None, rank=0, size=2, all_to_all=AllToAllConfig(transport="host"))
     runner.parallel = ParallelContext(
         ep_rank=0, ep_size=2, ep_group=host, tokens_differ_across_ep=True
     )  # host-staged token exchange: replayed (two-state flags)
     assert runner.captures_decode_graphs
-    dedup = LayerGroup(None, rank=0, size=2, all_to_all={"dedup": True})
+    dedup = LayerGroup(None, rank=0, size=2, all_to_all=AllToAllConfig(dedup=True))
     runner.parallel = ParallelContext(
         ep_rank=0, ep_size=2, ep_group=dedup, tokens_differ_across_ep=True
     )  # sized from the routing on the host: eager

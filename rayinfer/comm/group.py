@@ -279,14 +279,8 @@ class RayinferGroup(BaseGroup):
         return f"{prefix}-{self._key_counts[prefix]}"
 
     def use_host_staged(self, config: HostStagedConfig) -> None:
-        """The settings of the host-staged transports this group makes from now on; every rank
-        must pass the same ones before its first host exchange."""
-        made = [key for key in self._transports if key.split("#")[0] == "host"]
-        if made and config != self.host_staged:
-            raise RuntimeError(
-                f"the host-staged transport of group {self._group_name!r} is already made with "
-                f"{self.host_staged}; set its config before the first host exchange"
-            )
+        """The settings of the host-staged transports (channels) this group makes from now on
+        (those made already keep theirs); every rank must pass the same ones."""
         self.host_staged = config
 
     def transport(self, name: str, channel: int = 0) -> Transport:

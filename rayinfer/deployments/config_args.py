@@ -100,11 +100,20 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel]) ->
             allowed = ", ".join(_allowed_keys(model, item["loc"][:-1]))
             lines.append(f"{key}: unknown key; allowed here: {allowed}")
         else:
-            given = item.get("input")
-            message = item["msg"].removeprefix("Value error, ")
-            where = f"{key}={given!r}: " if key else ""
-            lines.append(f"{where}{message}")
+            lines.append(_describe_value_error(item))
     return "invalid rayinfer app config: " + "; ".join(lines)
+
+
+def _describe_value_error(item: dict) -> str:
+    """`key=value: why`; a typed config's own check (its message starts with the key inside the
+    section, "overlap.first_share=...") is named by its full key instead of the section's."""
+    loc = [str(part) for part in item["loc"]]
+    message = item["msg"].removeprefix("Value error, ")
+    for start in range(len(loc)):
+        if message.startswith(".".join(loc[start:]) + "."):
+            return ".".join([*loc[:start], message])
+    where = f"{'.'.join(loc)}={item.get('input')!r}: " if loc else ""
+    return f"{where}{message}"
 
 
 def _allowed_keys(model: type, loc: tuple) -> list[str]:

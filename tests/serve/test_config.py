@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rayinfer.app import build, phase_options, replica_runtime_env
@@ -235,3 +237,45 @@ def test_each_phase_chooses_its_token_exchange():
     assert config.decode.all_to_all == AllToAllConfig(transport="host", use_fp8=True, host=host)
     assert config.prefill.all_to_all.dedup is False and config.prefill.all_to_all.local_first
     assert config.prefill.all_to_all.transport == "auto"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"decode.all_to_all.host.protocol": "nvlink"},
+         "decode.all_to_all.host.protocol='nvlink': Input should be 'auto', 'gpu' or 'cpu'"),
+        ({"decode.all_to_all.host.direct_max_bytes": "-1"},
+         "decode.all_to_all.host.direct_max_bytes=-1 must be an integer >= 0"),
+        ({"decode.all_to_all.host.chunk_size": "1"},
+         "decode.all_to_all.host.chunk_size: unknown key; allowed here: protocol, "
+         "direct_max_bytes, chunk_overhead_bytes"),
+        ({"decode.overlap.first_share": "1.5"},
+         "decode.overlap.first_share=1.5; use a fraction between 0 and 1"),
+        ({"prefill.overlap.shared_experts": "later"},
+         "prefill.overlap.shared_experts='later': Input should be 'dispatch', "
+         "'second-at-combine' or 'combine'"),
+        ({"engine.kernels.fp8_gemm": "cutlass"},
+         "engine.kernels.fp8_gemm='cutlass': Input should be 'auto', 'triton' or 'cublas'"),
+        ({"decode.process.numa": "0"},
+         "decode.process.numa: unknown key; allowed here: numa_bind, gc_freeze, profile_cpu"),
+        ({"decode.process.profile_cpu": "1"},
+         "decode.process.profile_cpu='1': Input should be 'ops', 'none', 'stack' or 'python'"),
+    ],
+)  # fmt: skip
+def test_typed_sections_name_the_bad_key_and_the_valid_values(args, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        AppConfig.from_args(args)
+
+
+def test_typed_sections_reach_the_engine_args_as_given():
+    from rayinfer.deployments.runtime import ModelSource, phase_engine_args
+
+    config = AppConfig.from_args(
+        {"decode.overlap.first_share": "0.4", "decode.kernels.small_batch_moe": "true",
+         "decode.process.gc_freeze": "false", "decode.all_to_all.host.protocol": "cpu"}
+    )  # fmt: skip
+    args = phase_engine_args(config, ModelSource.resolve(config), "decode", use_gpus=False)
+    assert args.overlap is config.decode.overlap and args.overlap.first_share == 0.4
+    assert args.kernels.small_batch_moe and not args.process.gc_freeze
+    assert args.all_to_all is config.decode.all_to_all and args.all_to_all.host.protocol == "cpu"
+    assert args.key_prefix == "decode."

@@ -33,6 +33,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from rayinfer.kernels import ops  # noqa: E402
+from rayinfer.kernels.backends import FP8_GEMM_BACKENDS  # noqa: E402
 from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module  # noqa: E402
 from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
 from rayinfer.kernels.fp8.fp8_quant import fp8_quant  # noqa: E402
@@ -178,7 +179,7 @@ class Problem:
             ref, flops,
         )  # fmt: skip
         try:
-            row["auto_backend"] = fp8_gemm_module.fp8_gemm_backend(a, b, out_dtype)
+            row["auto_backend"] = fp8_gemm_module.fp8_gemm_backend(a, b, out_dtype, args.backend)
         except Exception as error:
             row["auto_backend"] = short_error(error)
         if args.smoke:
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing", choices=list(TIMINGS), default="sustained",
                         help="do_bench window: sustained (25 ms warm-up, 100 ms timed) or "
                         "burst (5 / 30 ms)")  # fmt: skip
+    parser.add_argument("--backend", choices=list(FP8_GEMM_BACKENDS), default="auto",
+                        help="the backend the engine's KernelBackends.fp8_gemm would pass (the "
+                        "recorded auto_backend)")  # fmt: skip
     args = parser.parse_args(argv)
     global _timing
     _timing = TIMINGS[args.timing]
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = (40, 8) if args.smoke else tuple(args.rows)
     results = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
                "weights": args.weights, "timing": args.timing,
-               "backend_env": os.environ.get(fp8_gemm_module.BACKEND_ENV, "auto"),
+               "backend": args.backend,
                "max_rel_err": MAX_REL_ERR, "rows": []}  # fmt: skip
     # The first M (4,096 by default: the target) gets 70% of the budget; the others
     # share what is left evenly (M = 128 has fewer variants).

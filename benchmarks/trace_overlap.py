@@ -9,7 +9,7 @@ parallel --profile-dir DIR`) writes, one per worker, and prints per trace:
 - copies: time at least one memcpy/memset runs, and how much of it no kernel hides;
 - idle: time with nothing at all on the GPU;
 - host syncs: host time blocked in stream/device/event synchronize calls, and where: the
-  innermost host operator (and, in a trace taken with RAYINFER_PROFILE_CPU=stack, the innermost
+  innermost host operator (and, in a trace taken with process.profile_cpu="stack", the innermost
   Python frame) around each;
 - busiest streams by kernel and copy time;
 - device memory calls (cudaMalloc / cudaFree ...): calls and host time, by name;

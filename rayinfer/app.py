@@ -23,14 +23,11 @@ from typing import Any
 
 from ray.serve import Application
 
-from rayinfer.deployments.config import (
-    COLOCATED_PHASES,
-    DISAGGREGATED_PHASES,
-    AppConfig,
-    PhaseConfig,
-)
+from rayinfer import envs
+from rayinfer.deployments.config import COLOCATED_PHASES, DISAGGREGATED_PHASES, AppConfig
 from rayinfer.deployments.gpu_sharing import resolve_gpu_shares, serves_disaggregated
 from rayinfer.deployments.node_fit import alive_nodes, check_nodes_fit, phase_bundles, pins_nodes
+from rayinfer.deployments.phase_config import PhaseConfig
 from rayinfer.deployments.runtime import ModelSource, available_gpus, uses_gpus
 from rayinfer.workers.group import REPLICA_CPUS
 
@@ -115,8 +112,12 @@ ROUTER_LOOP_SWITCH = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 
 
 def replica_runtime_env(config: AppConfig, is_ingress: bool = False) -> dict[str, Any]:
-    """The `runtime_env` part of a deployment's actor options (empty: Serve's defaults)."""
-    if not config.handlers_on_replica_loop:
-        return {}
-    env_vars = {HANDLER_THREAD_SWITCH: "0"} | ({ROUTER_LOOP_SWITCH: "0"} if is_ingress else {})
-    return {"runtime_env": {"env_vars": env_vars}}
+    """The `runtime_env` part of a deployment's actor options (empty: Serve's defaults): the
+    declared environment variables set where the app is built (rayinfer.envs), and Serve's
+    switches that `handlers_on_replica_loop` sets."""
+    env_vars = envs.forwarded()
+    if config.handlers_on_replica_loop:
+        env_vars[HANDLER_THREAD_SWITCH] = "0"
+        if is_ingress:
+            env_vars[ROUTER_LOOP_SWITCH] = "0"
+    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}

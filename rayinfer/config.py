@@ -1,7 +1,9 @@
 """Internal configuration: frozen dataclasses validated at construction.
 
-`ModelConfig` is read from a Hugging Face `config.json`; `CacheConfig`, `SchedulerConfig` and
-`ParallelPlan` describe how the engine runs it. Pydantic lives only at the Serve boundary.
+`ModelConfig` is read from a Hugging Face `config.json`; `ParallelPlan` says how one phase spreads
+it over workers. The engine's sizes are in engine_config.py, the token exchange's options in
+exchange_config.py, the overlap's in overlap_config.py; `EngineArgs` (engine_args.py) gathers
+them. Pydantic lives only at the Serve boundary.
 """
 
 from __future__ import annotations
@@ -45,38 +47,6 @@ ROW_ALIGN_BYTES = 16
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the valid values."""
-
-
-# The MoE token exchange's options (LLM(all_to_all=...), a serve phase's all_to_all.*) and the
-# values each takes; see rayinfer.comm.moe and RayinferGroup.all_to_all.
-ALL_TO_ALL_CHOICES = {
-    "schedule": ("auto", "nccl", "pairwise", "hierarchical"),
-    "transport": ("auto", "dist", "host"),
-    "use_fp8": (False, True),
-    "dedup": (None, True, False),
-    # the experts of a rank run on its own tokens beside the exchange, from x, instead of on
-    # their received copies (all-tokens exchange only; None: for calls of enough tokens;
-    # layers/moe.py)
-    "local_first": (None, False, True),
-}
-
-
-def check_all_to_all(options: dict | None) -> dict:
-    """A checked copy of the exchange options; a ConfigError names the bad key or value and
-    what is allowed."""
-    options = dict(options or {})
-    for key, value in options.items():
-        if key not in ALL_TO_ALL_CHOICES:
-            raise ConfigError(
-                f"all_to_all.{key} is unknown; valid keys: {', '.join(ALL_TO_ALL_CHOICES)}"
-            )
-        allowed = ALL_TO_ALL_CHOICES[key]
-        # `is` for True/False/None (so 1 is not True), equality for the names
-        if not any(value is c or (type(value) is str and value == c) for c in allowed):
-            raise ConfigError(
-                f"all_to_all.{key}={value!r}; use one of {', '.join(map(str, allowed))}"
-            )
-    return options
 
 
 @dataclass(frozen=True)
@@ -357,72 +327,6 @@ def _dsa_fields(hf: dict) -> dict:
         index_topk=hf["index_topk"],
         indexer_types=tuple(indexer_types),
     )
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
-
-    block_size: int = 16
-    num_blocks: int = 512
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self):
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size={self.block_size} must be positive")
-        if self.num_blocks <= 0:
-            raise ConfigError(f"num_blocks={self.num_blocks} must be positive")
-
-
-def check_gpu_memory_utilization(
-    value: float | None, key: str = "gpu_memory_utilization"
-) -> float | None:
-    """None (size the KV cache by token count) or a fraction in (0, 1]; else a ConfigError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(
-            f"{key}={value!r} must be a fraction in (0, 1]: the share of each GPU's total memory "
-            "that weights, activations and the KV cache may use (e.g. 0.9)"
-        )
-    return float(value)
-
-
-@dataclass(frozen=True)
-class KVMemoryConfig:
-    """Size each worker's KV cache from its GPU's memory (`gpu_memory_utilization`), after a
-    profiling step of the largest batch the scheduler can form. Ignored off CUDA."""
-
-    gpu_memory_utilization: float
-    max_num_batched_tokens: int  # the largest step the scheduler forms
-    max_model_len: int  # the cache must hold at least one sequence this long
-    max_num_seqs: int = 1  # rows of logits the profiling step computes
-    key: str = "gpu_memory_utilization"  # how errors name the setting (`decode.` in Serve)
-    # The worker's share of its GPU (Serve's gpus_per_worker): below 1 the budget is this share
-    # of the GPU minus the worker's own usage, not the whole GPU minus everything in use.
-    gpu_share: float = 1.0
-
-    def __post_init__(self):
-        check_gpu_memory_utilization(self.gpu_memory_utilization, self.key)
-        if not 0 < self.gpu_share <= 1:
-            raise ConfigError(f"gpu_share={self.gpu_share} must be a fraction in (0, 1]")
-        for key in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-
-    def __post_init__(self):
-        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ config or a ConfigError that names the key."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from rayinfer.config import ConfigError, ModelConfig, ParallelPlan
+from rayinfer.exchange_config import AllToAllConfig
 
 # Largest prompt (tokens per rank) prefilled from a CUDA graph by default. Up to 4k tokens an
 # eager prefill step is host-bound (queueing its ~1,000 kernels takes as long as running them);
@@ -43,7 +43,7 @@ class CudaGraphConfig:
 
 
 def graph_blocker(
-    plan: ParallelPlan, all_to_all: dict | None = None, prefix: str = ""
+    plan: ParallelPlan, all_to_all: AllToAllConfig | None = None, prefix: str = ""
 ) -> str | None:
     """Why decode steps of this plan cannot run from CUDA graphs, or None when they can.
 
@@ -56,17 +56,17 @@ def graph_blocker(
     return exchange_graph_blocker(all_to_all, prefix)
 
 
-def exchange_graph_blocker(all_to_all: dict | None, prefix: str = "") -> str | None:
+def exchange_graph_blocker(all_to_all: AllToAllConfig | None, prefix: str = "") -> str | None:
     """Why a token exchange with these options cannot be replayed from a graph, or None: the
     deduplicated exchange sizes itself from the routing on the host. (The host-staged transport
     replays: captured, it hands chunks over with two-state flags, comm/flag_pipeline.py.)"""
-    options = all_to_all or {}
-    if options.get("dedup") is True:
+    options = all_to_all or AllToAllConfig()
+    if options.dedup is True:
         return f"{prefix}all_to_all.dedup=true sizes the exchange from the routing on the host"
-    if options.get("transport") == "host" and os.environ.get("RAYINFER_HOST_PROTOCOL") == "cpu":
+    if options.is_cpu_driven:
         return (
-            f"{prefix}all_to_all.transport=host with RAYINFER_HOST_PROTOCOL=cpu: the CPU drives "
-            "those copies, and a graph cannot replay them"
+            f"{prefix}all_to_all.transport=host with {prefix}all_to_all.host.protocol=cpu: the "
+            "CPU drives those copies, and a graph cannot replay them"
         )
     return None
 
@@ -79,7 +79,7 @@ def cuda_graph_config(
     max_num_seqs: int,
     max_graph_batch_size: int,
     max_model_len: int,
-    all_to_all: dict | None = None,
+    all_to_all: AllToAllConfig | None = None,
     key: str = "cuda_graphs",
     max_prefill_tokens: int = 0,
     model: ModelConfig | None = None,

@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
-from rayinfer.config import (
-    CacheConfig,
-    ConfigError,
-    KVMemoryConfig,
-    ModelConfig,
-    ParallelPlan,
-    SchedulerConfig,
-    check_all_to_all,
-    check_gpu_memory_utilization,
-)
-from rayinfer.engine.engine import LLMEngine
+from rayinfer.config import ConfigError, ParallelPlan
 from rayinfer.engine.kv_handoff import KVHandoff
-from rayinfer.engine.model_source import resolve_device, resolve_dtype, resolve_model_path
+from rayinfer.engine.model_source import resolve_device, resolve_dtype
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
-from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, cuda_graph_config
-from rayinfer.models.dummy import LOAD_FORMATS
-from rayinfer.models.fp8 import check_fp8_weights
-from rayinfer.models.loader import check_has_fp8_weights, checkpoint_files
+from rayinfer.engine_args import EngineArgs, as_config, local_executor
+from rayinfer.exchange_config import AllToAllConfig
+from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
+from rayinfer.kernels.backends import KernelBackends
+from rayinfer.overlap_config import OverlapConfig
+from rayinfer.process_config import ProcessConfig
 
 
 class LLM:
@@ -38,13 +31,11 @@ class LLM:
     GPUs, for steps of at least 12288 tokens on some rank: measured faster from there).
     load_format "dummy" draws random weights instead of reading safetensors (a folder with
     config.json is enough; for benchmarks).
-    all_to_all: options of the MoE exchange between workers, e.g. {"transport": "host"} (copy
-    through pinned host memory, for GPUs without peer-to-peer), {"use_fp8": True}, or
-    {"dedup": True/False} (each token only to the ranks of its experts, or every token to every
-    expert-parallel rank with no device sync; default: all tokens where nearly all need every
-    rank anyway, see rayinfer.comm.moe), {"local_first": True/False} (with all tokens, a rank's
-    experts run on its own tokens beside the exchange, which skips the rank itself; default: for
-    calls of >= 16384 tokens on every rank, 4096 inside a prefill graph, see rayinfer.layers.moe).
+    all_to_all: the MoE exchange between workers, an AllToAllConfig or a mapping of its fields,
+    e.g. {"transport": "host"} (copy through pinned host memory, for GPUs without peer-to-peer),
+    {"use_fp8": True}, {"dedup": True/False}, {"local_first": True/False}, {"host": {"protocol":
+    "cpu"}} (rayinfer/exchange_config.py). overlap (OverlapConfig), kernels (KernelBackends) and
+    process (ProcessConfig) likewise; docs/configuration.md lists every field.
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
     captured; with several workers their collectives are captured (NCCL kernels, or the
@@ -85,110 +76,52 @@ class LLM:
         parallel: ParallelPlan | None = None,
         two_batch_overlap: bool | None = None,
         load_format: str = "safetensors",
-        all_to_all: dict | None = None,
+        all_to_all: AllToAllConfig | dict | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch_size: int = 256,
         max_graph_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
         fp8_weights: bool = False,
         index_cache_dtype: str = "auto",
+        overlap: OverlapConfig | dict | None = None,
+        kernels: KernelBackends | dict | None = None,
+        process: ProcessConfig | dict | None = None,
     ):
-        path = resolve_model_path(model)
-        model_config = ModelConfig.from_pretrained(path)
-        self.model_config = model_config.with_index_cache_dtype(index_cache_dtype)
+        self.args = EngineArgs(
+            model=model,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            fp8_weights=fp8_weights,
+            index_cache_dtype=index_cache_dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            parallel=parallel or ParallelPlan(),
+            two_batch_overlap=two_batch_overlap,
+            cuda_graphs=cuda_graphs,
+            max_graph_batch_size=max_graph_batch_size,
+            max_graph_prefill_tokens=max_graph_prefill_tokens,
+            all_to_all=as_config(AllToAllConfig, all_to_all, "all_to_all"),
+            overlap=as_config(OverlapConfig, overlap, "overlap"),
+            kernels=as_config(KernelBackends, kernels, "kernels"),
+            process=as_config(ProcessConfig, process, "process"),
+        )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        check_gpu_memory_utilization(gpu_memory_utilization)
-        given_blocks = num_kv_blocks is not None
-        if num_kv_blocks is None:
-            num_kv_blocks = -(-max(4 * max_model_len, 16384) // block_size)
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs, max(max_num_batched_tokens, 1), max_model_len
-        )
-        self.kv_memory = None  # given num_kv_blocks wins; off CUDA the runner ignores it
-        if gpu_memory_utilization is not None and not given_blocks:
-            self.kv_memory = KVMemoryConfig(
-                gpu_memory_utilization,
-                self.scheduler_config.max_num_batched_tokens,
-                max_model_len,
-                max_num_seqs,
-            )
-        self.tokenizer = _load_tokenizer(tokenizer or path)
-        parallel = parallel or ParallelPlan()
-        parallel.check_fits(self.model_config)
-        if fp8_weights not in (True, False):
-            raise ConfigError(f"fp8_weights={fp8_weights!r}; use True or False")
-        if fp8_weights:
-            check_fp8_weights(self.model_config, parallel.tp)
-            if load_format != "dummy":
-                check_has_fp8_weights(checkpoint_files(path), path)
-        self.fp8_weights = fp8_weights
-        self.two_batch_overlap = two_batch_overlap
-        if load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load_format={load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
-        self.load_format = load_format
-        self.all_to_all = check_all_to_all(all_to_all)
-        self.cuda_graphs = cuda_graph_config(
-            cuda_graphs,
-            is_cuda=self.device.type == "cuda",
-            plan=parallel,
-            max_num_seqs=max_num_seqs,
-            max_graph_batch_size=max_graph_batch_size,
-            max_model_len=max_model_len,
-            all_to_all=self.all_to_all,
-            max_prefill_tokens=min(
-                max_graph_prefill_tokens, self.scheduler_config.max_num_batched_tokens
-            ),
-            model=self.model_config,
-        )
-        executor = self._make_executor(parallel)
-        self.engine = LLMEngine(
-            self.model_config, self.cache_config, self.scheduler_config, executor, self.tokenizer
-        )
+        use_gpus = self.device.type == "cuda"
+        spec = self.args.worker_spec(self.device.type, num_threads=0 if use_gpus else 1)
+        spec = replace(spec, dtype=self.dtype)
+        self.spec = spec  # what its workers run, as the args made it
+        self.model_config = spec.model_config
+        self.tokenizer = _load_tokenizer(tokenizer or self.args.model_path)
+        prefix = f"rayinfer-llm-{id(self):x}"
+        self.engine = self.args.build(spec, lambda s: local_executor(s, prefix), self.tokenizer)
         self.cache_config = self.engine.cache_config  # the block count the executor allocated
         self._request_ids = itertools.count()
-
-    def _make_executor(self, plan: ParallelPlan):
-        """One device in-process; several workers (one Ray actor per GPU) for a larger plan."""
-        if plan.num_workers == 1:
-            from rayinfer.workers.in_process import InProcessExecutor
-
-            return InProcessExecutor(
-                self.model_config,
-                self.cache_config,
-                self.device,
-                self.dtype,
-                self.two_batch_overlap,
-                self.load_format,
-                self.cuda_graphs,
-                self.kv_memory,
-                self.fp8_weights,
-            )
-        import ray
-
-        from rayinfer.workers.group import WorkerGroup
-        from rayinfer.workers.worker import WorkerSpec
-
-        if not ray.is_initialized():
-            ray.init()
-        use_gpus = self.device.type == "cuda"
-        spec = WorkerSpec(
-            self.model_config,
-            self.cache_config,
-            device=self.device.type,
-            dtype=self.dtype,
-            num_threads=0 if use_gpus else 1,
-            plan=plan,
-            two_batch_overlap=self.two_batch_overlap,
-            load_format=self.load_format,
-            all_to_all=self.all_to_all,
-            cuda_graphs=self.cuda_graphs,
-            kv_memory=self.kv_memory,
-            fp8_weights=self.fp8_weights,
-        )
-        prefix = f"rayinfer-llm-{id(self):x}"
-        return WorkerGroup(prefix, spec, use_gpus=use_gpus, cpus_per_worker=0.25)
 
     @property
     def graph_capture_seconds(self) -> float | None:

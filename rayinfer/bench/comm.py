@@ -15,7 +15,6 @@ import argparse
 import datetime
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from rayinfer import envs
 
 TOKENS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 A2A_VARIANTS = [
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
     if args.phase != "all":
         run_phase(args, out / f"{args.phase}.json")
         return 0
-    for phase, env in (("nvlink", {}), ("p2p-off", {"NCCL_P2P_DISABLE": "1"})):
+    for phase, env in (("nvlink", {}), ("p2p-off", {envs.NCCL_P2P_DISABLE.name: "1"})):
         cmd = [sys.executable, "-m", "rayinfer.bench", "comm", "--phase", phase, "--out", str(out)]
         cmd += _forward(args)
-        subprocess.run(cmd, env={**os.environ, **env}, check=True)
+        subprocess.run(cmd, env=envs.subprocess_env(**env), check=True)
     rows = [r for p in ("nvlink", "p2p-off") for r in json.loads((out / f"{p}.json").read_text())]
     (out / "comm.json").write_text(json.dumps(rows, indent=1))
     table = format_table(rows)

@@ -31,22 +31,19 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import torch
 
 from rayinfer.comm.cudart import CudaRuntime, StreamMemoryOps
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer
+from rayinfer.exchange_config import CHUNK_OVERHEAD_BYTES
 
-# Chunk size for an n-byte block: sqrt(n * _OVERHEAD_BYTES), clamped. A pipeline of chunks of
-# size c pays (n / c) fixed costs per chunk plus one chunk to fill, which is least near
-# c = sqrt(n * fixed). Per chunk the GPU pays ~10 us (one 64 KiB copy takes 12 us on an H200's
-# host link) and the host ~20 us to queue three driver calls (2x H200 VM), about
-# 1 MiB of link time at 38 GB/s (the rate per copy stream when both GPUs copy both ways at once).
-# So blocks up to ~1 MiB (128 tokens of 7168 bf16) go whole. RAYINFER_HOST_CHUNK_OVERHEAD_BYTES
-# overrides it.
-_OVERHEAD_BYTES = int(os.environ.get("RAYINFER_HOST_CHUNK_OVERHEAD_BYTES", 1 << 20))
+# Chunk size for an n-byte block: sqrt(n * overhead), clamped. A pipeline of chunks of size c
+# pays (n / c) fixed costs per chunk plus one chunk to fill, which is least near
+# c = sqrt(n * fixed). The live pipeline's fixed cost is HostStagedConfig.chunk_overhead_bytes
+# (default CHUNK_OVERHEAD_BYTES, whose comment has the measurement): blocks up to ~1 MiB (128
+# tokens of 7168 bf16) go whole.
 # In a graph replay the host queues nothing, and a chunk's fixed cost is the GPU's alone: the
 # flag write, the peer's wait that polls for it and a copy's start, ~10 us on 2x H200, about
 # 512 KiB of link time. Swept there (benchmarks/gpu_host_transport.py): 512 KiB beat 8, 32 and 128
@@ -57,7 +54,7 @@ _MIN_CHUNK_BYTES = 64 << 10
 
 
 def chunk_bytes_for(
-    num_bytes: int, max_chunk_bytes: int, overhead_bytes: int = _OVERHEAD_BYTES
+    num_bytes: int, max_chunk_bytes: int, overhead_bytes: int = CHUNK_OVERHEAD_BYTES
 ) -> int:
     """Both ends derive the same chunking from the block size alone; chunks of one block have
     (nearly) equal sizes."""
@@ -105,7 +102,7 @@ class FlagPipeline:
         self.shm = shm
         self.gpu = queues
         self.replayable = replayable
-        default = REPLAY_OVERHEAD_BYTES if replayable else _OVERHEAD_BYTES
+        default = REPLAY_OVERHEAD_BYTES if replayable else CHUNK_OVERHEAD_BYTES
         self._overhead_bytes = overhead_bytes or default
         n = shm.world_size
         self.sent = [0] * n  # chunks queued to each peer, over all calls

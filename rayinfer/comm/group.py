@@ -23,6 +23,7 @@ from rayinfer.comm.rendezvous import forget_store, make_store
 from rayinfer.comm.schedules import ScheduleContext, get_schedule
 from rayinfer.comm.topology import Topology
 from rayinfer.comm.transport import DistTransport, Transport
+from rayinfer.exchange_config import HostStagedConfig
 
 BACKEND_NAME = "RAYINFER"
 # Size classes (see RayinferGroup.plan) checked for a plan that does not depend on size: class c
@@ -61,6 +62,7 @@ class RayinferGroup(BaseGroup):
         self._key_counts: dict[str, int] = {}
         self.topology = Topology.uniform(world_size, is_cuda=self.device.type == "cuda")
         self._transports: dict[str, Transport] = {"dist": DistTransport(self.pg, rank, world_size)}
+        self.host_staged = HostStagedConfig()  # the host transport's settings (use_host_staged)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rayinfer-comm-{group_name}")
         self._last: Pending | None = None
         self._a2a_options = dist.AllToAllOptions()
@@ -276,6 +278,11 @@ class RayinferGroup(BaseGroup):
         self._key_counts[prefix] = self._key_counts.get(prefix, 0) + 1
         return f"{prefix}-{self._key_counts[prefix]}"
 
+    def use_host_staged(self, config: HostStagedConfig) -> None:
+        """The settings of the host-staged transports (channels) this group makes from now on
+        (those made already keep theirs); every rank must pass the same ones."""
+        self.host_staged = config
+
     def transport(self, name: str, channel: int = 0) -> Transport:
         """The transport `name` of `channel` (host: one pipeline per channel, made on first use;
         every rank makes its channels in the same order of calls, so their keys match)."""
@@ -288,9 +295,12 @@ class RayinferGroup(BaseGroup):
             if channel < 0:
                 raise ValueError(f"channel={channel} must be 0 or more")
             store = dist.PrefixStore(self.next_key("host"), self.store)
+            host = self.host_staged
             self._transports[key] = HostStagedTransport(
-                store, self.rank, self.world_size, self.device
-            )
+                store, self.rank, self.world_size, self.device, protocol=host.protocol,
+                direct_max_bytes=host.direct_max_bytes,
+                chunk_overhead_bytes=host.chunk_overhead_bytes,
+            )  # fmt: skip
         return self._transports[key]
 
     def _run_schedule(self, choice, out, inp, out_splits, in_splits, matrix, channel=0):

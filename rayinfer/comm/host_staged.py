@@ -11,8 +11,8 @@ chunk i arrives. On CPU the copies are memcpy and the same protocol runs, so CI 
 
 Exchanges captured in a CUDA graph go through a second GPU-driven pipeline with its own ring,
 whose flags replay (two-state handshakes, flag_pipeline.py). Opt-in, blocks up to
-RAYINFER_HOST_DIRECT_MAX_BYTES go through the mailbox kernel instead (mailbox.py), eager or
-captured.
+`direct_max_bytes` (HostStagedConfig) go through the mailbox kernel instead (mailbox.py), eager
+or captured.
 """
 
 import os
@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from rayinfer.comm.cudart import CudaRuntime
 from rayinfer.comm.flag_pipeline import CudaQueues, FlagPipeline
-from rayinfer.comm.mailbox import HostMailboxes, direct_max_bytes_from_env
+from rayinfer.comm.mailbox import HostMailboxes
 from rayinfer.comm.shm import SharedSegments
 from rayinfer.comm.transport import Transfer, Transport
+from rayinfer.exchange_config import CHUNK_OVERHEAD_BYTES
 
 _MIN_CHUNK_BYTES = 256 << 10
 
@@ -100,7 +101,7 @@ class _Copier:
 
 
 def _gpu_pipeline_or_none(
-    shm: SharedSegments, device: torch.device, protocol: str
+    shm: SharedSegments, device: torch.device, protocol: str, overhead_bytes: int
 ) -> FlagPipeline | None:
     """The GPU-driven protocol where it can run, unless the CPU-driven one is asked for."""
     if protocol not in ("auto", "gpu", "cpu"):
@@ -108,7 +109,7 @@ def _gpu_pipeline_or_none(
     if device.type != "cuda" or protocol == "cpu":
         return None
     try:
-        return FlagPipeline(shm, CudaQueues(device))
+        return FlagPipeline(shm, CudaQueues(device), overhead_bytes=overhead_bytes)
     except (OSError, AttributeError, RuntimeError) as e:
         warnings.warn(f"host-staged transport: CPU-driven copies ({e})", stacklevel=2)
         return None
@@ -149,14 +150,15 @@ class HostStagedTransport(Transport):
         chunk_bytes: int | None = None,
         num_slots: int | None = None,
         timeout_s: float = 120.0,
-        protocol: str | None = None,
-        direct_max_bytes: int | None = None,
+        protocol: str = "auto",
+        direct_max_bytes: int = 0,
+        chunk_overhead_bytes: int = CHUNK_OVERHEAD_BYTES,
         replay_overhead_bytes: int | None = None,
     ):
         """protocol: "auto" (GPU-driven on CUDA where the driver allows, else CPU-driven),
-        "gpu" or "cpu"; default from RAYINFER_HOST_PROTOCOL, else "auto".
-        direct_max_bytes: blocks up to this size go through the one-launch mailbox kernel
-        (0: never); default from RAYINFER_HOST_DIRECT_MAX_BYTES, else 0 (off).
+        "gpu" or "cpu". direct_max_bytes: blocks up to this size go through the one-launch
+        mailbox kernel (0: never). chunk_overhead_bytes: the live pipeline's chunking (see
+        flag_pipeline.chunk_bytes_for); the three as in HostStagedConfig.
         replay_overhead_bytes: the chunking of exchanges captured in graphs (see
         flag_pipeline.chunk_bytes_for); default flag_pipeline.REPLAY_OVERHEAD_BYTES."""
         super().__init__(rank, world_size)
@@ -169,12 +171,9 @@ class HostStagedTransport(Transport):
         num_slots = num_slots or (8 if is_cuda and world_size <= 4 else 4)
         self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
         self.shm = SharedSegments(store, rank, world_size, chunk_bytes, num_slots, pin=is_cuda)
-        protocol = protocol or os.environ.get("RAYINFER_HOST_PROTOCOL", "auto")
-        self.pipeline = _gpu_pipeline_or_none(self.shm, device, protocol)
+        self.pipeline = _gpu_pipeline_or_none(self.shm, device, protocol, chunk_overhead_bytes)
         self.replay_pipeline = _replay_pipeline_or_none(store, self.pipeline, replay_overhead_bytes)
         self.copier = _Copier(device)
-        if direct_max_bytes is None:
-            direct_max_bytes = direct_max_bytes_from_env()
         self.mailboxes = None
         if direct_max_bytes > 0:
             box_bytes = -(-direct_max_bytes // 16) * 16
@@ -229,7 +228,7 @@ class HostStagedTransport(Transport):
         if self.replay_pipeline is None:
             raise RuntimeError(
                 "the host-staged transport cannot be captured in a CUDA graph here: the driver "
-                "lacks stream memory operations (RAYINFER_HOST_PROTOCOL=cpu?); use "
+                "lacks stream memory operations (all_to_all.host.protocol=cpu?); use "
                 "all_to_all.transport=dist for graphs"
             )
         self.replay_pipeline.exchange(sends, recvs)

@@ -7,11 +7,11 @@ GPU's programs store the block into the peer's mailbox in page-locked host memor
 per-slice flags; the receiving GPU's programs poll those flags and load each slice as soon as it
 lands: one launch, no driver calls, and it replays in CUDA graphs.
 
-Measured on 2x H200 (VM; benchmarks/host_mapped_probe.py, gpu_host_transport.py): the programs
-move ~23 GB/s each way through host memory where the copy engines move ~52, and Triton's
-launcher costs ~35 us of host time, so eagerly it loses to the copy pipeline at every size.
-Replayed in a graph it is at par with the pipeline (3.7 MB blocks: 165 us against 172) and with
-NCCL (0.9 MB: 58 us against 63). Hence opt-in (RAYINFER_HOST_DIRECT_MAX_BYTES).
+Measured on 2x H200 (VM, RESULTS.md "host mailbox"): the programs move ~23 GB/s each way through
+host memory where the copy engines move ~52, and Triton's launcher costs ~35 us of host time, so
+eagerly it loses to the copy pipeline at every size. Replayed in a graph it is at par with the
+pipeline (3.7 MB blocks: 165 us against 172) and with NCCL (0.9 MB: 58 us against 63). Hence
+opt-in (all_to_all.host.direct_max_bytes, HostStagedConfig).
 
 Every rank maps every rank's mailboxes (SharedSegments). A round pairs one send with one
 receive, shifted as in the pairwise schedule (send to me + k, receive from me - k): a launch's
@@ -23,8 +23,6 @@ they always agree (the counts are part of the exchange's contract).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -38,22 +36,6 @@ from rayinfer.kernels.comm.host_mailbox import MailboxSide, host_mailbox_exchang
 # loopback); more programs only add flag traffic on the host link.
 DEFAULT_SLICES = 32
 BLOCK_WORDS = 4096
-
-
-def direct_max_bytes_from_env() -> int:
-    """Largest block sent through the mailbox: RAYINFER_HOST_DIRECT_MAX_BYTES, else 0 (off: on
-    the 2x H200 VM the mailbox was slower than the copy pipeline eagerly and at par in graphs;
-    on CPU the kernel runs in Triton's interpreter, which tests turn on)."""
-    value = os.environ.get("RAYINFER_HOST_DIRECT_MAX_BYTES")
-    if value is None:
-        return 0
-    try:
-        parsed = int(value)
-    except ValueError:
-        parsed = -1
-    if parsed < 0:
-        raise ValueError(f"RAYINFER_HOST_DIRECT_MAX_BYTES={value!r}: use a byte count >= 0")
-    return parsed
 
 
 class HostMailboxes:

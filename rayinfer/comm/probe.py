@@ -7,12 +7,12 @@ sequence of exchanges; rank 0 assembles the result and shares it through the gro
 """
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from rayinfer import envs
 from rayinfer.comm import nvidia_smi
 from rayinfer.comm.cost_model import dist_round_s, rounds
 from rayinfer.comm.nvidia_smi import is_fast_link
@@ -20,16 +20,20 @@ from rayinfer.comm.topology import Topology, find_islands
 from rayinfer.comm.transport import Transfer
 
 PROBE_BYTES = (64 << 10, 32 << 20)
-CACHE_DIR = Path(os.environ.get("RAYINFER_CACHE", Path.home() / ".cache" / "rayinfer"))
 
 
 def probe(
-    group, use_cache: bool = True, iters: int = 5, message_bytes: tuple[int, int] = PROBE_BYTES
+    group,
+    use_cache: bool = True,
+    iters: int = 5,
+    message_bytes: tuple[int, int] = PROBE_BYTES,
+    cache_dir: Path | None = None,
 ) -> Topology:
     """Measure (or load) the topology of `group` (a RayinferGroup); every rank gets the same one.
-    message_bytes: the small and the large size each pair is timed at."""
+    message_bytes: the small and the large size each pair is timed at. cache_dir: where the
+    measured topology is kept (default: envs.cache_dir())."""
     key = hardware_key(group.world_size)
-    path = CACHE_DIR / f"topology-{key}.json"
+    path = (cache_dir or envs.cache_dir()) / f"topology-{key}.json"
     call = group.next_key("probe")
     if group.rank == 0:
         text = path.read_text() if use_cache and path.exists() else None
@@ -47,11 +51,7 @@ def probe(
 
 def hardware_key(world_size: int) -> str:
     """GPU names and bus ids, world size and the NCCL settings that change the paths."""
-    parts = [
-        str(world_size),
-        os.environ.get("NCCL_P2P_DISABLE", ""),
-        os.environ.get("NCCL_SHM_DISABLE", ""),
-    ]
+    parts = [str(world_size), *envs.nccl_settings()]
     if torch.cuda.is_available():
         parts.append(
             nvidia_smi.run(["nvidia-smi", "--query-gpu=name,pci.bus_id", "--format=csv,noheader"])

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rayinfer.config import ConfigError
-from rayinfer.deployments.config import AppConfig, PhaseConfig
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.phase_config import PhaseConfig
 from rayinfer.workers.group import placement_bundles
 
 # What a node's listing leaves out: byte counts and Ray's per-node labels.

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from rayinfer.config import CacheConfig, ConfigError, KVMemoryConfig, ModelConfig, SchedulerConfig
-from rayinfer.deployments.config import AppConfig, PhaseConfig
+from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.phase_config import PhaseConfig
 from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.model_source import DTYPES, resolve_dtype, resolve_model_path
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
-from rayinfer.graph_config import (
-    DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
-    CudaGraphConfig,
-    cuda_graph_config,
-)
+from rayinfer.engine_args import MAX_DEFAULT_MODEL_LEN, EngineArgs
+from rayinfer.engine_config import KVMemoryConfig
+from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, CudaGraphConfig
 from rayinfer.workers.group import WorkerGroup
-from rayinfer.workers.worker import WorkerSpec
+from rayinfer.workers.spec import WorkerSpec
 
-MAX_DEFAULT_MODEL_LEN = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of each worker's GPU (share), as vLLM's default
 
 
@@ -93,45 +92,77 @@ def uses_gpus(config: AppConfig) -> bool:
     return torch.cuda.is_available()
 
 
+def phase_fields(phase_config: PhaseConfig, phase: str, use_gpus: bool) -> dict[str, Any]:
+    """The EngineArgs fields a phase's section sets. Serve's own defaults: on GPUs the cache
+    fills `gpu_memory_utilization` (default 0.9, as vLLM) of each worker's share of its GPU
+    unless num_kv_blocks is given; the prefill phase, whose replicas stop after the first
+    token, captures one decode bucket of 1; the decode phase no prefill graphs by default."""
+    memory = None
+    if use_gpus and phase_config.num_kv_blocks is None:
+        memory = phase_config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    prefill_tokens = phase_config.max_graph_prefill_tokens
+    if prefill_tokens is None:  # a colocated engine prefills too
+        prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if phase != "decode" else 0
+    return dict(
+        num_kv_blocks=phase_config.num_kv_blocks,
+        gpu_memory_utilization=memory,
+        gpu_share=phase_config.gpus_per_worker or 1.0,
+        max_num_seqs=phase_config.max_num_seqs,
+        max_num_batched_tokens=phase_config.max_num_batched_tokens,
+        parallel=phase_config.plan,
+        two_batch_overlap=phase_config.two_batch_overlap,
+        cuda_graphs=None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs,
+        max_graph_batch_size=1 if phase == "prefill" else phase_config.max_graph_batch_size,
+        max_graph_prefill_tokens=prefill_tokens,
+        all_to_all=phase_config.all_to_all,
+        overlap=phase_config.overlap,
+        kernels=phase_config.kernels,
+        process=phase_config.process,
+        key_prefix=f"{phase}.",
+    )
+
+
+def phase_engine_args(
+    config: AppConfig, source: ModelSource, phase: str, use_gpus: bool
+) -> EngineArgs:
+    """What one replica of `phase` runs, as the offline LLM would take it."""
+    phase_config: PhaseConfig = getattr(config, phase)
+    return EngineArgs(
+        model=source.model,
+        device="cuda" if use_gpus else "cpu",
+        dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
+        load_format=config.load_format,
+        fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),
+        index_cache_dtype=config.index_cache_dtype,
+        max_model_len=source.max_model_len,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        **phase_fields(phase_config, phase, use_gpus),
+    )
+
+
 def build_engine(
     config: AppConfig, source: ModelSource, phase: str, name_prefix: str
 ) -> tuple[LLMEngine, WorkerGroup]:
     """One replica's engine over a WorkerGroup scheduled into the replica's placement group."""
     phase_config: PhaseConfig = getattr(config, phase)
-    model_config = source.model_config.with_index_cache_dtype(config.index_cache_dtype)
-    block_size = config.block_size
-    num_blocks = phase_config.num_kv_blocks or -(
-        -max(4 * source.max_model_len, 16384) // block_size
-    )
-    cache_config = CacheConfig(block_size, num_blocks, config.enable_prefix_caching)
-    scheduler_config = SchedulerConfig(
-        phase_config.max_num_seqs, phase_config.max_num_batched_tokens, source.max_model_len
-    )
     use_gpus = uses_gpus(config)
-    spec = WorkerSpec(
-        model_config=model_config,
-        cache_config=cache_config,
-        device="cuda" if use_gpus else "cpu",
-        dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
-        num_threads=0 if use_gpus else max(1, round(phase_config.cpus_per_worker)),
-        plan=phase_config.plan,
-        two_batch_overlap=phase_config.two_batch_overlap,
-        all_to_all=phase_config.all_to_all.options(),
-        cuda_graphs=phase_graphs(phase_config, phase, use_gpus, source.max_model_len, model_config),
-        load_format=config.load_format,
-        kv_memory=kv_memory_config(phase_config, phase, use_gpus, source.max_model_len),
-        fp8_weights=phase_config.uses_fp8_weights(config.fp8_weights),
-    )
-    group = WorkerGroup(
-        name_prefix,
-        spec,
-        num_workers=phase_config.num_workers,
-        use_gpus=use_gpus,
-        cpus_per_worker=phase_config.cpus_per_worker,
-        gpus_per_worker=phase_config.gpus_per_worker or 1.0,
-    )
-    engine = LLMEngine(model_config, cache_config, scheduler_config, group, source.load_tokenizer())
-    return engine, group
+    args = phase_engine_args(config, source, phase, use_gpus)
+    num_threads = 0 if use_gpus else max(1, round(phase_config.cpus_per_worker))
+    spec = args.worker_spec(args.device, num_threads)
+
+    def start_workers(spec: WorkerSpec) -> WorkerGroup:
+        return WorkerGroup(
+            name_prefix,
+            spec,
+            num_workers=phase_config.num_workers,
+            use_gpus=use_gpus,
+            cpus_per_worker=phase_config.cpus_per_worker,
+            gpus_per_worker=phase_config.gpus_per_worker or 1.0,
+        )
+
+    engine = args.build(spec, start_workers, source.load_tokenizer())
+    return engine, engine.executor
 
 
 def kv_memory_config(
@@ -139,18 +170,9 @@ def kv_memory_config(
 ) -> KVMemoryConfig | None:
     """How a replica's workers size their KV cache: None keeps the CacheConfig's count
     (num_kv_blocks when given, which wins; on the CPU max(4 x max_model_len, 16384) tokens);
-    on GPUs from memory, `gpu_memory_utilization` (default 0.9, as vLLM) of each worker's share
-    of its GPU (workers/runner/kv_memory.py)."""
-    if phase_config.num_kv_blocks is not None or not use_gpus:
-        return None
-    return KVMemoryConfig(
-        phase_config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-        phase_config.max_num_batched_tokens,
-        max_model_len,
-        phase_config.max_num_seqs,
-        key=f"{phase}.gpu_memory_utilization",
-        gpu_share=phase_config.gpus_per_worker or 1.0,
-    )
+    on GPUs from memory (see phase_fields; workers/runner/kv_memory.py)."""
+    args = EngineArgs(**phase_fields(phase_config, phase, use_gpus))
+    return args.kv_memory(max_model_len)
 
 
 @dataclass(frozen=True)
@@ -210,20 +232,5 @@ def phase_graphs(
     (graph_config.graph_blocker). The decode phase replays its decode steps; the prefill phase,
     whose replicas stop after the first token, its new prompts (and one decode bucket of 1); a
     colocated engine both."""
-    requested = None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs
-    is_prefill = phase == "prefill"
-    prefill_tokens = phase_config.max_graph_prefill_tokens
-    if prefill_tokens is None:  # a colocated engine prefills too
-        prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if phase != "decode" else 0
-    return cuda_graph_config(
-        requested,
-        is_cuda=use_gpus,
-        plan=phase_config.plan,
-        max_num_seqs=phase_config.max_num_seqs,
-        max_graph_batch_size=1 if is_prefill else phase_config.max_graph_batch_size,
-        max_model_len=max_model_len,
-        all_to_all=phase_config.all_to_all.options(),
-        key=f"{phase}.cuda_graphs",
-        max_prefill_tokens=min(prefill_tokens, phase_config.max_num_batched_tokens),
-        model=model_config,
-    )
+    args = EngineArgs(**phase_fields(phase_config, phase, use_gpus))
+    return args.graph_config(max_model_len, use_gpus, model_config)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from rayinfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.executor import Executor
@@ -32,6 +32,7 @@ from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.scheduler import ScheduledSequence, Scheduler
 from rayinfer.engine.sequence import Sequence, SequenceStatus
 from rayinfer.engine.stop_checker import eos_token_ids
+from rayinfer.engine_config import CacheConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

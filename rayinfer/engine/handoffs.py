@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rayinfer.config import SchedulerConfig
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.scheduler import Scheduler
 from rayinfer.engine.sequence import Sequence, SequenceStatus
+from rayinfer.engine_config import SchedulerConfig
 
 # How long a step with nothing to run but copies in flight waits for one of them to finish
 # (instead of spinning); new requests wait at most this long for the loop.

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from rayinfer.config import SchedulerConfig
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.sequence import Sequence, SequenceStatus
+from rayinfer.engine_config import SchedulerConfig
 
 
 @dataclass

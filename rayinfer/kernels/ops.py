@@ -1,9 +1,8 @@
 """The engine's only door to kernels: Triton on CUDA where a kernel exists, the torch reference
-elsewhere. Layers call `ops.<name>`; nothing else picks an implementation."""
+elsewhere. Layers call `ops.<name>`; nothing else picks an implementation. Where several kernels
+serve one op, the caller's `KernelBackends` (kernels/backends.py) says which."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -15,6 +14,7 @@ from rayinfer.kernels.attention.reshape_and_cache import (
     reshape_and_cache as reshape_and_cache_triton,
 )
 from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache_reference
+from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache as dsa_write_cache_triton
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
@@ -57,13 +57,6 @@ from rayinfer.kernels.moe.router_logits import router_logits as router_logits_tr
 from rayinfer.kernels.moe.router_logits import router_logits_reference, uses_kernel
 from rayinfer.kernels.triton_compat import HAS_TRITON
 
-# Kernels that cut a decode step's launches. MoE routing in one launch: on by default (on an H200
-# it picks torch's experts with weights within 1e-7, 6-18x faster; benchmarks/RESULTS.md),
-# RAYINFER_FUSED_ROUTING=0 turns it off. The fused MoE of a few slots in two: opt-in
-# (RAYINFER_SMALL_BATCH_MOE=1) until it is faster than the general path on a GPU.
-FUSED_ROUTING = os.environ.get("RAYINFER_FUSED_ROUTING", "1") == "1"
-SMALL_BATCH_MOE = os.environ.get("RAYINFER_SMALL_BATCH_MOE", "0") == "1"
-
 
 def _on_cuda(x: torch.Tensor) -> bool:
     """Whether the Triton kernel runs: a CUDA tensor and Triton installed."""
@@ -94,14 +87,14 @@ def silu_and_mul(x, limit=None):
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, *,
-              swiglu_limit=None):  # fmt: skip
+              swiglu_limit=None, backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     MXFP4 experts (DeepSeek-V4), chosen by their dtypes: w13 [E, 2I, H/2] and w2 [E, H, I/2]
     packed e2m1 bytes with UE8M0 byte scales [E, 2I, H/32] and [E, H, I/32]
     (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
-    On CUDA with RAYINFER_SMALL_BATCH_MOE=1, a few slots take the two-launch kernel
+    On CUDA with backends.small_batch_moe, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     limit = {"swiglu_limit": swiglu_limit}
     if is_mxfp4(w13, w13_scale):
@@ -111,7 +104,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
         args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit)
         return fused_moe_mxfp4_reference(*args)
     if _on_cuda(x):
-        if SMALL_BATCH_MOE and fits_small_batch(topk_ids, w13, x):
+        if backends.small_batch_moe and fits_small_batch(topk_ids, w13, x):
             return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, **limit)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **limit)
     if w13_scale is not None:
@@ -172,10 +165,12 @@ def moe_routing(
     topk_groups=1,
     correction_bias=None,
     routed_scaling_factor=1.0,
+    backends: KernelBackends = DEFAULT_BACKENDS,
 ) -> MoeRouting:
     """[T, E] router logits -> MoeRouting(topk_weights [T, K] float32, topk_ids [T, K] int64).
-    On CUDA the one-launch kernel (moe_routing_kernel.py) unless RAYINFER_FUSED_ROUTING=0."""
-    fused = FUSED_ROUTING and _on_cuda(router_logits)
+    On CUDA the one-launch kernel (moe_routing_kernel.py) unless backends.fused_routing is
+    off."""
+    fused = backends.fused_routing and _on_cuda(router_logits)
     route = moe_routing_triton if fused else moe_routing_reference
     return route(
         router_logits,
@@ -198,7 +193,8 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
 
 
 def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                    query_lens_cpu=None, seq_lens_cpu=None, new_kv=None):  # fmt: skip
+                    query_lens_cpu=None, seq_lens_cpu=None, new_kv=None,
+                    backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
     """query [T, Hq, D] of a mixed batch over the paged cache -> [T, Hq, D]. On CUDA the decodes
     take the split-K decode kernel and the prefill chunks the varlen kernel; `query_lens_cpu`
     ([B] host ints) tells them apart without a device sync (absent: T == B means all decodes).
@@ -213,7 +209,7 @@ def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, sc
         query_lens_cpu = [1] * query.shape[0] if is_decode else query_start_loc.diff().tolist()
     return paged_mixed_attention(
         query, kv_cache, block_tables, seq_lens, query_start_loc, query_lens_cpu, scale,
-        seq_lens_cpu, new_kv,
+        seq_lens_cpu, new_kv, backends.prefill_attention,
     )  # fmt: skip
 
 
@@ -231,7 +227,8 @@ def mla_gather_context(kv_cache, block_table, seq_len):
 
 
 def mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None,
-                          is_causal=True, lse=None):  # fmt: skip
+                          is_causal=True, lse=None,
+                          backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
     """Expanded MLA prefill: q_nope [q, N, Dn] and q_pe [q, N, R] over k_nope [s, N, Dn], the
     shared k_pe [s, 1, R] and value [s, N, Dv] -> out [q, N, Dv] (written). One sequence's last
     q of s tokens, or with bounds (cu_seqlens [B + 1] int32 on the device, longest) new prompts
@@ -239,15 +236,18 @@ def mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=
     [q, N] float32, if given, gets each row's log-sum-exp (to merge parts of a context)."""
     args = (q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds, is_causal, lse)
     if _on_cuda(q_nope):
-        return mla_prefill_attention_triton(*args)
+        return mla_prefill_attention_triton(*args, backend=backends.prefill_attention)
     return mla_prefill_attention_reference(*args)
 
 
-def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
+def mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale,
+                         backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
     """Absorbed MLA decode: q_latent [B, N, L], q_pe [B, N, R] -> latent output [B, N, L].
     seq_lens: [B] host ints, or a device int32 tensor (what a CUDA graph can capture)."""
     if _on_cuda(q_latent):
-        return mla_decode_attention_triton(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
+        return mla_decode_attention_triton(
+            q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, backend=backends.mla_decode
+        )
     return mla_decode_attention_reference(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
 
 
@@ -318,11 +318,12 @@ def fp8_quant(x, group_size=128, column_major_scales=True):
     return q, scale.t().contiguous().t() if column_major_scales else scale
 
 
-def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+def fp8_gemm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16,
+             backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
     """a [M, K] fp8 with a_scale [M, K/128], b [N, K] fp8 with b_scale [N/128, K/128] -> [M, N].
     On CUDA: torch's blockwise _scaled_mm or the Triton kernel (fp8_gemm.fp8_gemm_backend)."""
     if _on_cuda(a):
-        return fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype)
+        return fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype, backends.fp8_gemm)
     return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype)
 
 

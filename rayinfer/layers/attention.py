@@ -12,10 +12,11 @@ from torch import nn
 
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import ForwardContext
+from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.rotary import RotaryEmbedding
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(UsesKernelBackends, nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, layer_idx: int):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -66,4 +67,5 @@ class PagedAttention(nn.Module):
             query_lens_cpu=attn.query_lens_cpu,
             seq_lens_cpu=attn.seq_lens_cpu,
             new_kv=(k, v),
+            backends=self.kernels,
         )

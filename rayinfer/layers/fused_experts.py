@@ -26,6 +26,7 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
+from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import FP8_BLOCK
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
@@ -66,7 +67,7 @@ def _mxfp4_bytes(loaded: torch.Tensor, is_scale: bool, what: str) -> torch.Tenso
     return loaded if loaded.dtype == torch.uint8 else loaded.view(torch.uint8)
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(UsesKernelBackends, nn.Module):
     """This rank's routed experts, stacked.
 
     w13 [E_local, 2I, H]: gate rows then up rows of each expert; w2 [E_local, H, I]: down.
@@ -177,7 +178,7 @@ class FusedExperts(nn.Module):
         """The fused MoE over this rank's experts; local_ids [T, K] outside [0, E_local) skip."""
         return ops.fused_moe(
             x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale,
-            swiglu_limit=self.swiglu_limit,
+            swiglu_limit=self.swiglu_limit, backends=self.kernels,
         )  # fmt: skip
 
     def forward(self, x, topk_weights, topk_ids):

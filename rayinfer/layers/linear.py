@@ -19,6 +19,8 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
+from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
+from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
 
 FP8_BLOCK = 128  # DeepSeek-V3 weight blocks are 128 x 128
@@ -54,7 +56,12 @@ def _check_block_aligned(what: str, size: int, tp_size: int) -> None:
         )
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    backends: KernelBackends = DEFAULT_BACKENDS,
+) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: W8A8 with per-token x 128-channel activation scales."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -62,7 +69,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
     q, q_scale = ops.fp8_quant(x2)
-    out = ops.fp8_gemm(q, q_scale, weight, scale_inv, out_dtype=x.dtype)
+    out = ops.fp8_gemm(q, q_scale, weight, scale_inv, out_dtype=x.dtype, backends=backends)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -70,7 +77,7 @@ def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> tor
     """x [..., K] @ layer.weight [N, K]^T (+ bias): W8A8 where the layer keeps FP8 weights."""
     if layer.weight_scale_inv is None:
         return F.linear(x, layer.weight, bias)
-    out = fp8_linear(x, layer.weight, layer.weight_scale_inv)
+    out = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.kernels)
     return out if bias is None else out + bias
 
 
@@ -87,7 +94,7 @@ def _check_full_size(loaded: torch.Tensor, dim: int, size: int) -> None:
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: expected {size} along dim {dim}")
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(UsesKernelBackends, nn.Module):
     """Every rank holds the whole weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = False):
@@ -116,7 +123,7 @@ class ReplicatedLinear(nn.Module):
         return _matmul(x, self, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(UsesKernelBackends, nn.Module):
     """Output features split across tensor-parallel ranks; no communication in forward.
 
     `output_sizes` lists the parts of a merged weight (e.g. [I, I] for gate and up); each part is
@@ -186,7 +193,7 @@ class ColumnParallelLinear(nn.Module):
         return _matmul(x, self, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(UsesKernelBackends, nn.Module):
     """Input features split across ranks; the partial outputs are summed with an all-reduce."""
 
     def __init__(

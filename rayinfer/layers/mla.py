@@ -24,6 +24,7 @@ from torch import nn
 from rayinfer.config import ModelConfig
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
+from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from rayinfer.layers.mla_context import (
     CONTEXT_BLOCK_ELEMENTS,
@@ -37,7 +38,7 @@ from rayinfer.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(UsesKernelBackends, nn.Module):
     use_absorbed_decode = True
     # A chunk over a cached prefix whose expanded K_nope and V would pass this many elements
     # attends to the context in blocks of at most this many (layers/mla_context.py).
@@ -205,7 +206,7 @@ class MLAAttention(nn.Module):
         k_nope, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # [s, N, *]
         rope_key = k_pe[:, None, :]  # [s, 1, R]: one per token, shared by the heads
         ops.mla_prefill_attention(q_nope, q_pe, k_nope, rope_key, value, self.scale, out, bounds,
-                                  is_causal, lse)  # fmt: skip
+                                  is_causal, lse, backends=self.kernels)  # fmt: skip
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
         """A pure-decode batch takes every row as it is, with the device context lengths: no
@@ -224,6 +225,6 @@ class MLAAttention(nn.Module):
         q_latent = q_nope_rows.new_empty(q_nope_rows.shape[0], w_uk.shape[0], w_uk.shape[2])
         torch.bmm(q_nope_rows.transpose(0, 1), w_uk, out=q_latent.transpose(0, 1))
         latent_out = ops.mla_decode_attention(
-            q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale
+            q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale, backends=self.kernels
         )  # [B, N, L]
         out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]

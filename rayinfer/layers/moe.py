@@ -60,6 +60,7 @@ from rayinfer.comm.moe import sends_all_tokens
 from rayinfer.kernels import ops
 from rayinfer.layers import side_stream
 from rayinfer.layers.fused_experts import FusedExperts
+from rayinfer.layers.layer_options import UsesKernelBackends, UsesOverlap
 from rayinfer.layers.mlp import GatedMLP, copy_checked
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.side_stream import StartOnce
@@ -140,7 +141,7 @@ def _in_order(*starts: StartOnce | None) -> Callable[[], None]:
     return start_all
 
 
-class MoE(nn.Module):
+class MoE(UsesKernelBackends, UsesOverlap, nn.Module):
     """Router + routed experts + optional shared experts; see the module docstring."""
 
     def __init__(
@@ -180,6 +181,7 @@ class MoE(nn.Module):
             topk_groups=method.topk_groups,
             correction_bias=self.gate.e_score_correction_bias,
             routed_scaling_factor=method.routed_scaling_factor,
+            backends=self.kernels,
         )
 
     def forward(self, x: torch.Tensor, routing: ops.MoeRouting | None = None) -> torch.Tensor:
@@ -263,14 +265,14 @@ class MoE(nn.Module):
         this rank); else None."""
         group = self.parallel.ep_group
         options = group.all_to_all
-        choice = options.get("local_first")
+        choice = options.local_first
         if choice is False or tokens_per_rank is None:
             return None
         if choice is None and min(tokens_per_rank) < local_first_min_tokens():
             return None
         top_k, world = routing.topk_ids.shape[1], group.size
         if not sends_all_tokens(
-            self.experts.num_experts, top_k, world, tokens_per_rank, options.get("dedup")
+            self.experts.num_experts, top_k, world, tokens_per_rank, options.dedup
         ):
             return None
 
@@ -279,7 +281,8 @@ class MoE(nn.Module):
                 return self.experts(x, routing.topk_weights, routing.topk_ids)
 
             reads = (routing.topk_weights, routing.topk_ids)
-            return side_stream.later(own_experts, x, True, reads)  # no collective inside
+            beside_from = self.overlap.shared_experts_beside_from
+            return side_stream.later(own_experts, x, True, reads, beside_from)  # no collective
 
         return StartOnce(start)
 
@@ -291,7 +294,8 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             return None
         may_run_beside = self.exchanges_tokens and self.parallel.tp_size == 1
-        return side_stream.later(self.shared_experts, x, may_run_beside)
+        beside_from = self.overlap.shared_experts_beside_from
+        return side_stream.later(self.shared_experts, x, may_run_beside, beside_from=beside_from)
 
     def finish(self, shared, combined: torch.Tensor) -> torch.Tensor:
         """`start_shared_experts`'s handle and the combined routed-expert output [T, H] -> the

@@ -14,20 +14,20 @@ from typing import Any
 
 import torch
 
-from rayinfer.config import check_all_to_all
+from rayinfer.exchange_config import AllToAllConfig
 
 
 class LayerGroup:
     """The collectives layers use, on top of a group with `allreduce`/`allgather` (in place,
     ray.util.collective naming) and, for expert parallelism, `dispatch`/`combine`."""
 
-    def __init__(self, group: Any, rank: int, size: int, all_to_all: dict | None = None):
+    def __init__(self, group: Any, rank: int, size: int, all_to_all: AllToAllConfig | None = None):
         self.group = group
         self.rank = rank
         self.size = size
-        # Options for every MoE exchange: schedule, transport ("dist"/"host"/"auto"), use_fp8,
-        # dedup (see rayinfer.comm.moe).
-        self.all_to_all = check_all_to_all(all_to_all)
+        # Every MoE exchange's options (schedule, transport, use_fp8, dedup; rayinfer.comm.moe),
+        # as validated where the user gave them.
+        self.all_to_all = all_to_all or AllToAllConfig()
         # Every rank's token count in the current forward, while `tokens_of_step` holds it:
         # MoE layers pass it to dispatch, which then needs no device sync to size the exchange.
         self.tokens_per_rank: list[int] | None = None
@@ -56,28 +56,14 @@ class LayerGroup:
     def static_exchange(self, num_tokens: int) -> Iterator[None]:
         """One forward captured in a CUDA graph (or run as one would be): every rank holds
         num_tokens tokens, and the token exchange takes only what a graph can replay: every token
-        to every rank (dedup=False: sizes from the counts alone) and, for `auto`, NCCL's one-shot
-        exchange (the size-based plan is made on the host; an explicit transport=host stays: it
-        replays through its two-state flags)."""
+        to every rank (AllToAllConfig.replayable)."""
         configured = self.all_to_all
-        static = {**configured, "dedup": False}
-        for key, replayable in (("transport", "dist"), ("schedule", "nccl")):
-            if static.get(key, "auto") == "auto":
-                static[key] = replayable
-        self.all_to_all = static
+        self.all_to_all = configured.replayable()
         try:
             with self.tokens_of_step(num_tokens, None, known=[num_tokens] * self.size):
                 yield
         finally:
             self.all_to_all = configured
-
-    def _options(self, options: dict, for_dispatch: bool) -> dict:
-        merged = {**self.all_to_all, **options}
-        merged.pop("local_first", None)  # the MoE layer's choice, not the exchange's
-        if not for_dispatch:  # combine sends the activations' own dtype back, as dispatch chose
-            merged.pop("use_fp8", None)
-            merged.pop("dedup", None)
-        return merged
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the group, in place."""
@@ -89,23 +75,23 @@ class LayerGroup:
         self.group.allgather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
-    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, **options):
-        options = self._options(options, for_dispatch=True)
-        return self.group.dispatch(x, topk_ids, topk_weights, num_experts=num_experts, **options)
+    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, **call):
+        """comm's dispatch with this group's AllToAllConfig; `call`: the call's own arguments
+        (tokens_per_rank, channel, on_packed, skip_self). local_first is the MoE layer's
+        choice, not the exchange's."""
+        a2a = self.all_to_all
+        return self.group.dispatch(
+            x, topk_ids, topk_weights, num_experts=num_experts, use_fp8=a2a.use_fp8,
+            dedup=a2a.dedup, schedule=a2a.schedule, transport=a2a.transport, **call,
+        )  # fmt: skip
 
-    def combine(self, expert_out, handle, **options):
-        return self.group.combine(expert_out, handle, **self._options(options, for_dispatch=False))
-
-    def dispatch_async(self, x, topk_ids, topk_weights, num_experts: int, **options):
-        """Like dispatch, in the background; `.wait()` on the result gives the DispatchResult."""
-        options = self._options(options, for_dispatch=True)
-        return self.group.dispatch_async(
-            x, topk_ids, topk_weights, num_experts=num_experts, **options
+    def combine(self, expert_out, handle, **call):
+        """comm's combine over the same all-to-all (it sends the activations' own dtype back,
+        as dispatch chose)."""
+        a2a = self.all_to_all
+        return self.group.combine(
+            expert_out, handle, schedule=a2a.schedule, transport=a2a.transport, **call
         )
-
-    def combine_async(self, expert_out, handle, **options):
-        options = self._options(options, for_dispatch=False)
-        return self.group.combine_async(expert_out, handle, **options)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 
 An expert-parallel MoE layer sends its tokens away (dispatch) and waits for them to come back
 (combine); the shared experts need neither, so they can run on a side stream while tokens travel
-(as DeepSeek's and SGLang's schedules do). `later(fn, x, may_run_beside)` returns a handle whose
-`result()` is fn(x): computed on a side stream from the call on, or at the `result()` call on
-the caller's stream (the plain order: on CPU, inside CUDA-graph capture, for few tokens, or where
-the caller says no).
+(as DeepSeek's and SGLang's schedules do). `later(fn, x, may_run_beside, beside_from)` returns
+a handle whose `result()` is fn(x): computed on a side stream from the call on, or at the
+`result()` call on the caller's stream (the plain order: on CPU, inside CUDA-graph capture, for
+fewer tokens than `beside_from` (OverlapConfig.shared_experts_beside_from), or where the caller
+says no).
 
 The side stream waits for what the caller queued before the call, and `result()` makes the
 caller's stream wait for the side stream's work, so values are the same either way. One side
@@ -15,30 +16,14 @@ experts never queue behind the other's).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# From how many tokens a call runs beside (default DEFAULT_BESIDE_FROM_TOKENS), or "off": the
-# plain order everywhere, for A/B measurements.
-BESIDE_ENV = "RAYINFER_SHARED_EXPERTS_BESIDE_FROM"
-# Decode-sized calls keep the plain order: the side stream was measured on prefill only.
-DEFAULT_BESIDE_FROM_TOKENS = 256
+from rayinfer.overlap_config import DEFAULT_BESIDE_FROM_TOKENS
 
 _side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-
-
-def beside_from_tokens() -> int | None:
-    """The fewest tokens a call runs beside with (RAYINFER_SHARED_EXPERTS_BESIDE_FROM), or None
-    when switched off."""
-    value = os.environ.get(BESIDE_ENV, str(DEFAULT_BESIDE_FROM_TOKENS))
-    if value == "off":
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{BESIDE_ENV}={value!r}: use a token count (e.g. 256) or off")
-    return int(value)
 
 
 def _side_stream_of(caller: torch.cuda.Stream) -> torch.cuda.Stream:
@@ -90,13 +75,13 @@ def later(
     x: torch.Tensor,
     may_run_beside: bool,
     reads: tuple = (),
+    beside_from: int | None = DEFAULT_BESIDE_FROM_TOKENS,
 ):
     """A handle on fn(x) [T, ...]: on a side stream from now on where `may_run_beside`, x is on
-    a GPU outside CUDA-graph capture and T reaches beside_from_tokens(); else computed at
+    a GPU outside CUDA-graph capture and T reaches `beside_from` (None: never); else computed at
     `result()`. reads: other tensors fn reads (kept alive for the side stream)."""
     if may_run_beside and x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        threshold = beside_from_tokens()
-        if threshold is not None and x.shape[0] >= threshold:
+        if beside_from is not None and x.shape[0] >= beside_from:
             return Beside(fn, x, reads)
     return Later(fn, x)
 

@@ -17,9 +17,10 @@ channels on one stream, first in, first out). Where dispatch must read the route
 queued work: attention(B) under the exchange of A, experts(A) under the exchange of B,
 combine(A) under experts(B), combine(B) under the next layer's attention(A). With the
 all-tokens dispatch (every rank's micro-batch sizes known from the step's, see
-micro_batch_sizes) nothing waits for the device and the host queues ahead.
+OverlapConfig.micro_batch_sizes) nothing waits for the device and the host queues ahead.
 
-The step's tokens are halved; a sequence cut by the half becomes two chunks, the second reading the
+The step's tokens are split at OverlapConfig.first_share (a half by default); a sequence cut
+there becomes two chunks, the second reading the
 first's KV from the cache (lane B waits for lane A's attention of the same layer). Every rank
 runs the same sequence of collectives, even with an empty micro-batch. On CPU the lanes are one
 and the same (the order of the work is unchanged, so CI checks it). Works for any
@@ -30,7 +31,6 @@ post_attention_layernorm, mlp) and `norm`: the DeepSeek and Llama-derived famili
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,7 @@ from rayinfer.layers.forward_context import (
     idle_forward_inputs,
     split_forward_context,
 )
+from rayinfer.overlap_config import DEFAULT_OVERLAP, OverlapConfig
 
 
 @dataclass
@@ -48,36 +49,6 @@ class MicroBatch:
     ctx: ForwardContext
     hidden: torch.Tensor  # [t, H]
     residual: torch.Tensor | None = None
-
-
-# The first micro-batch's share of a step's tokens (RAYINFER_OVERLAP_FIRST_SHARE, default one
-# half). Causal attention makes halves unequal: the second half of a long prompt attends to
-# the whole prompt (3/4 of the attention work), the first to its own half.
-FIRST_SHARE_ENV = "RAYINFER_OVERLAP_FIRST_SHARE"
-
-
-def first_share() -> float:
-    value = os.environ.get(FIRST_SHARE_ENV, "0.5")
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not 0.0 < share < 1.0:
-        raise ValueError(f"{FIRST_SHARE_ENV}={value!r}: use a fraction between 0 and 1")
-    return share
-
-
-def first_micro_batch_tokens(num_tokens: int) -> int:
-    """How many of a T-token step's tokens (in order) the first micro-batch takes."""
-    return int(num_tokens * first_share())
-
-
-def micro_batch_sizes(num_tokens: int) -> tuple[int, int]:
-    """Tokens each micro-batch of a T-token step computes (an empty one computes one
-    placeholder token): every rank derives its peers' micro-batch sizes from their step sizes
-    (so every rank must run with the same first_share)."""
-    first = first_micro_batch_tokens(num_tokens)
-    return max(first, 1), max(num_tokens - first, 1)
 
 
 # On CUDA two lanes cost the host about twice the launches of one: with fewer tokens per rank
@@ -93,47 +64,6 @@ def worth_overlapping(tokens_per_rank: list[int], device: torch.device) -> bool:
     """Whether a step with these token counts (every rank's that shares its collectives) runs
     as two micro-batches; on CPU always (the lanes there exist to check the logic)."""
     return device.type != "cuda" or max(tokens_per_rank) >= MIN_TOKENS_TO_OVERLAP_ON_CUDA
-
-
-# From how many tokens per rank a prefill captured in a CUDA graph (the runner's prefill_graphs.py)
-# runs as two micro-batches (RAYINFER_GRAPH_OVERLAP_FROM; "off": never). A replay queues no
-# host work, so the eager threshold's reason (two lanes double the host's launches) is gone:
-# same benchmark as above, 4k prompts from a graph, 1.25x without the overlap and 1.43x with it
-# (benchmarks/RESULTS.md, prefill thresholds).
-GRAPH_OVERLAP_ENV = "RAYINFER_GRAPH_OVERLAP_FROM"
-DEFAULT_GRAPH_OVERLAP_FROM = 2048
-
-
-def overlaps_in_graph(num_tokens: int) -> bool:
-    """Whether a captured prefill of num_tokens tokens per rank splits into two lanes."""
-    value = os.environ.get(GRAPH_OVERLAP_ENV, str(DEFAULT_GRAPH_OVERLAP_FROM))
-    if value == "off":
-        return False
-    if not value.isdigit():
-        raise ValueError(f"{GRAPH_OVERLAP_ENV}={value!r}: use a number of tokens or off")
-    return num_tokens >= int(value)
-
-
-# Where each lane's shared experts run (RAYINFER_OVERLAP_SHARED_EXPERTS): beside the lane's
-# dispatch, or beside its combine. Per layer the GPU has one lane's compute to put under each
-# exchange: B's attention under A's dispatch, A's experts under B's dispatch, B's experts under
-# A's combine, and only A's next attention (the smaller half of a cut prompt's: it reads its own
-# half alone) under B's combine, the largest transfer.
-SHARED_EXPERTS_ENV = "RAYINFER_OVERLAP_SHARED_EXPERTS"
-SHARED_EXPERTS_PLACES = {
-    "dispatch": (False, False),
-    "second-at-combine": (False, True),
-    "combine": (True, True),
-}
-
-
-def shared_experts_beside_combine() -> tuple[bool, bool]:
-    """Per lane, whether its shared experts start beside its combine (else its dispatch)."""
-    value = os.environ.get(SHARED_EXPERTS_ENV, "dispatch")
-    if value not in SHARED_EXPERTS_PLACES:
-        valid = ", ".join(SHARED_EXPERTS_PLACES)
-        raise ValueError(f"{SHARED_EXPERTS_ENV}={value!r}: use one of {valid}")
-    return SHARED_EXPERTS_PLACES[value]
 
 
 def supports_two_batch_overlap(model) -> bool:
@@ -171,10 +101,12 @@ def lanes_for(device: torch.device) -> tuple[Lane, Lane]:
     return _lanes[device]
 
 
-def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+def forward_two_batch_overlap(
+    model, input_ids, positions, ctx: ForwardContext, overlap: OverlapConfig = DEFAULT_OVERLAP
+) -> torch.Tensor:
     """input_ids [T], positions [T] -> hidden [T, H], the same as `model(input_ids, ...)`."""
     body = model.model
-    num_first = first_micro_batch_tokens(input_ids.shape[0])  # may cut a prompt, see the split
+    num_first = overlap.first_micro_batch_tokens(input_ids.shape[0])  # may cut a prompt
     first_ctx, second_ctx = ctx.micro_batches or split_forward_context(ctx, num_first)
     parts = [
         (input_ids[:num_first], positions[:num_first], first_ctx),
@@ -186,7 +118,8 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
         idle_forward_inputs(part_ctx, input_ids.device) if idle else (ids, pos, part_ctx)
         for (ids, pos, part_ctx), idle in zip(parts, is_idle)
     ]
-    if tuple(ids.shape[0] for ids, _, _ in parts) != micro_batch_sizes(input_ids.shape[0]):
+    sizes = overlap.micro_batch_sizes(input_ids.shape[0])
+    if tuple(ids.shape[0] for ids, _, _ in parts) != sizes:
         raise RuntimeError(f"micro-batch split of {input_ids.shape[0]} tokens broke its rule")
     lanes = lanes_for(input_ids.device)
     batches = []
@@ -196,7 +129,7 @@ def forward_two_batch_overlap(model, input_ids, positions, ctx: ForwardContext) 
             batches.append(MicroBatch(pos, part_ctx, body.embed_tokens(ids)))
     for layer in body.layers:
         if getattr(layer.mlp, "exchanges_tokens", False):
-            _overlapped_layer(layer, batches, lanes)
+            _overlapped_layer(layer, batches, lanes, overlap)
         else:
             _sequential_layer(layer, batches, lanes)
     outputs = []
@@ -228,7 +161,7 @@ def _sequential_layer(layer, batches: list[MicroBatch], lanes) -> None:
             )
 
 
-def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
+def _overlapped_layer(layer, batches: list[MicroBatch], lanes, overlap: OverlapConfig) -> None:
     moe = layer.mlp
     moe_inputs = []
     for i, (batch, lane) in enumerate(zip(batches, lanes)):
@@ -241,9 +174,11 @@ def _overlapped_layer(layer, batches: list[MicroBatch], lanes) -> None:
     # experts), and both dispatches are queued before either combine (NCCL has one stream).
     step_tokens = moe.parallel.ep_group.tokens_per_rank  # every EP rank's T, when known
     received = []
-    beside_combine = shared_experts_beside_combine()
+    beside_combine = overlap.shared_experts_beside_combine
     for i, (moe_input, lane) in enumerate(zip(moe_inputs, lanes)):  # A's under B's attention
-        tokens = None if step_tokens is None else [micro_batch_sizes(t)[i] for t in step_tokens]
+        tokens = None
+        if step_tokens is not None:
+            tokens = [overlap.micro_batch_sizes(t)[i] for t in step_tokens]
         with lane.active():  # the shared experts start beside the lane's dispatch or combine
             received.append(
                 moe.dispatch_tokens(

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from rayinfer import envs
+
 TINY_VERSION = "v1"
 SEED = 1234
 WEIGHT_STD = 0.1  # logits std ~1.6: greedy text varies (std 0.02 loops on one token more often)
@@ -246,8 +248,7 @@ def write_tiny_model(folder: str | Path) -> None:
 
 def tiny_model_dir() -> Path:
     """`$RAYINFER_CACHE/tiny-<version>`, or `~/.cache/rayinfer/tiny-<version>`."""
-    root = os.environ.get("RAYINFER_CACHE") or Path.home() / ".cache" / "rayinfer"
-    return Path(root) / f"tiny-{TINY_VERSION}"
+    return envs.cache_dir() / f"tiny-{TINY_VERSION}"
 
 
 def ensure_tiny_model() -> Path:

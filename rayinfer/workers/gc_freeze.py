@@ -11,25 +11,19 @@ Only a Ray worker calls this: its process holds one model runner for its whole l
 that builds and drops engines (the offline `LLM` in a notebook, tests, the benchmarks' driver)
 must not freeze: what is frozen is never collected, so a dropped engine's reference cycles, and
 the GPU memory they hold, would stay. Only on CUDA devices: on CPU the host's pauses starve no
-device. RAYINFER_GC_FREEZE=0 leaves the collector as Python sets it.
+device. ProcessConfig.gc_freeze=False leaves the collector as Python sets it.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
 import torch
 
-GC_FREEZE_ENV = "RAYINFER_GC_FREEZE"
 
-
-def freeze_after_startup(device: torch.device) -> bool:
+def freeze_after_startup(device: torch.device, enabled: bool = True) -> bool:
     """Collect, then freeze what is alive (see the module docstring); whether it did."""
-    value = os.environ.get(GC_FREEZE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{GC_FREEZE_ENV}={value!r}: use 1 (freeze after startup) or 0")
-    if value == "0" or device.type != "cuda":
+    if not enabled or device.type != "cuda":
         return False
     gc.collect()
     gc.freeze()

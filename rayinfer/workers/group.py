@@ -24,6 +24,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayinfer import envs
 from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
@@ -155,6 +156,9 @@ class WorkerGroup(Executor):
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=1 + rank
             )
+        env_vars = envs.forwarded()  # the declared variables, as this process sees them
+        if env_vars:
+            options["runtime_env"] = {"env_vars": env_vars}
         actor_class = ray.remote(concurrency_groups={KV_IO: 1, WATCH: 1})(Worker)
         return actor_class.options(**options).remote(
             self.worker_names[rank], rank, self.num_workers, spec

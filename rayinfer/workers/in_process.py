@@ -2,40 +2,35 @@
 
 from __future__ import annotations
 
-import torch
-
-from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
-from rayinfer.graph_config import CudaGraphConfig
+from rayinfer.engine.model_source import resolve_device, resolve_dtype
 from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
 from rayinfer.workers.runner.model_runner import ModelRunner
 from rayinfer.workers.runner.step_profiler import StepProfiler
+from rayinfer.workers.spec import WorkerSpec
 
 
 class InProcessExecutor(Executor):
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        device: str | torch.device,
-        dtype: torch.dtype,
-        two_batch_overlap: bool | None = None,
-        load_format: str = "safetensors",
-        cuda_graphs: CudaGraphConfig | None = None,
-        kv_memory: KVMemoryConfig | None = None,
-        fp8_weights: bool = False,
-    ):
+    def __init__(self, spec: WorkerSpec):
+        """One device's runner in this process; the spec's plan must be one worker."""
+        if spec.plan.num_workers != 1:
+            workers = spec.plan.num_workers
+            raise ValueError(f"plan {spec.plan} needs {workers} workers; use a WorkerGroup")
+        device = resolve_device(spec.device)
+        self.spec = spec
         self.runner = ModelRunner(
-            model_config,
-            cache_config,
+            spec.model_config,
+            spec.cache_config,
             device,
-            dtype,
-            two_batch_overlap=two_batch_overlap,
-            load_format=load_format,
-            cuda_graphs=cuda_graphs,
-            kv_memory=kv_memory,
-            fp8_weights=fp8_weights,
+            resolve_dtype(spec.dtype, device),
+            two_batch_overlap=spec.two_batch_overlap,
+            load_format=spec.load_format,
+            cuda_graphs=spec.cuda_graphs,
+            kv_memory=spec.kv_memory,
+            fp8_weights=spec.fp8_weights,
+            overlap=spec.overlap,
+            kernels=spec.kernels,
         )
 
     @property
@@ -70,7 +65,7 @@ class InProcessExecutor(Executor):
         return {"ranks": [self.runner.timelines.drain()], "driver": []}
 
     def start_profile(self, path: str) -> None:
-        self._profiler = StepProfiler(self.runner.device)
+        self._profiler = StepProfiler(self.runner.device, self.spec.process.profile_cpu)
         self._profiler.start(path)
 
     def stop_profile(self) -> list[str]:

@@ -10,7 +10,7 @@ it may use; on one-node machines (and CPU workers) nothing changes.
 
 The node and its CPUs come from sysfs (`/sys/bus/pci/devices/<bus id>/numa_node`,
 `/sys/devices/system/node/node<n>/cpulist`), the GPU's bus id from nvidia-smi. Anything missing
-or odd leaves the affinity alone. RAYINFER_NUMA_BIND=0 switches it off.
+or odd leaves the affinity alone. ProcessConfig.numa_bind=False switches it off.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from pathlib import Path
 from rayinfer.comm import nvidia_smi
 
 logger = logging.getLogger(__name__)
-
-NUMA_BIND_ENV = "RAYINFER_NUMA_BIND"
 
 
 @dataclass(frozen=True)
@@ -102,15 +100,15 @@ def choose_cpus(
     return cpus, f"bound to node {node}"
 
 
-def bind_to_gpu_node(bus_id: str | None = None, sysfs: Path = Path("/sys")) -> NumaBinding:
+def bind_to_gpu_node(
+    bus_id: str | None = None, sysfs: Path = Path("/sys"), enabled: bool = True
+) -> NumaBinding:
     """Bind every thread of this process to the allowed CPUs of its GPU's NUMA node (see the
-    module docstring); bus_id: the GPU's (default: this process's current GPU, by nvidia-smi)."""
+    module docstring); bus_id: the GPU's (default: this process's current GPU, by nvidia-smi).
+    enabled False (ProcessConfig.numa_bind) leaves the affinity alone."""
     allowed = os.sched_getaffinity(0)
-    value = os.environ.get(NUMA_BIND_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{NUMA_BIND_ENV}={value!r}: use 1 (bind to the GPU's node) or 0")
-    if value == "0":
-        return NumaBinding(None, tuple(sorted(allowed)), False, f"{NUMA_BIND_ENV}=0")
+    if not enabled:
+        return NumaBinding(None, tuple(sorted(allowed)), False, "process.numa_bind=false")
     nodes = nodes_with_cpus(sysfs)
     if len(nodes) < 2:  # the common case costs no nvidia-smi call
         return NumaBinding(None, tuple(sorted(allowed)), False, "one NUMA node")

@@ -13,20 +13,18 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import ray
 import torch
 
-from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig, ParallelPlan
 from rayinfer.engine.batch import ModelBatch, SampledTokens
-from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.gc_freeze import freeze_after_startup
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
 from rayinfer.workers.runner.step_profiler import StepProfiler
+from rayinfer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +45,6 @@ WATCH = "watch"  # the concurrency group (one thread) holding `wait_until_killed
 HOT_PATH = {"enable_task_events": False}
 
 
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its ModelRunner."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    device: str  # "auto", "cpu" or "cuda"
-    dtype: torch.dtype | None  # None: float32 on the CPU, bfloat16 on GPUs
-    num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    import_timeout_s: float = 60.0
-    plan: ParallelPlan = ParallelPlan()  # how the group's workers split the model
-    two_batch_overlap: bool | None = None  # one micro-batch's all-to-all under the other's math
-    load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
-    all_to_all: dict | None = None  # MoE exchange options: schedule, transport, use_fp8
-    collective_backend: str = "rayinfer"
-    cuda_graphs: CudaGraphConfig | None = None  # decode graphs (see graph_config.graph_blocker)
-    kv_memory: KVMemoryConfig | None = None  # size the cache from GPU memory (CUDA only)
-    fp8_weights: bool = False  # keep FP8 block-scaled checkpoint weights in FP8 (DeepSeek)
-
-
 class Worker:
     """Use through `WorkerGroup`, which wraps this class with `ray.remote` and names each actor."""
 
@@ -83,7 +61,9 @@ class Worker:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
         # Before weights and staging memory exist: their pages land on the GPU's NUMA node.
-        self.numa = bind_to_gpu_node() if self.device.type == "cuda" else None
+        self.numa = None
+        if self.device.type == "cuda":
+            self.numa = bind_to_gpu_node(enabled=spec.process.numa_bind)
         self.placement = WorkerPlacement(rank, spec.plan)
         self.block_tables: dict[str, list[int]] = {}  # request id -> its whole table, as sent
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
@@ -99,10 +79,12 @@ class Worker:
             spec.kv_memory,
             allocate_kv=False,
             fp8_weights=spec.fp8_weights,
+            overlap=spec.overlap,
+            kernels=spec.kernels,
         )
         if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
             self.runner.allocate_kv(spec.cache_config.num_blocks)
-            freeze_after_startup(self.device)  # the last of its startup
+            freeze_after_startup(self.device, spec.process.gc_freeze)  # the last of its startup
 
     def _join_groups(self, prefix: str) -> ParallelContext:
         """Form this worker's tensor- and expert-parallel collective groups with its peers (every
@@ -121,6 +103,8 @@ class Worker:
                 size, rank, backend=self.spec.collective_backend, group_name=group_name
             )
             handle = collective.get_group_handle(group_name)
+            if self.spec.collective_backend == "rayinfer":
+                handle.use_host_staged(self.spec.all_to_all.host)
             groups[kind] = LayerGroup(handle, rank, size, self.spec.all_to_all)
         return ParallelContext(
             tp_rank=placement.tp_rank,
@@ -183,10 +167,10 @@ class Worker:
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
-        freeze_after_startup(self.device)  # the last of its startup
+        freeze_after_startup(self.device, self.spec.process.gc_freeze)  # the last of its startup
 
     def start_profile(self, path: str) -> None:
-        self.profiler = StepProfiler(self.device)
+        self.profiler = StepProfiler(self.device, self.spec.process.profile_cpu)
         self.profiler.start(f"{path}-rank{self.rank}")
 
     def stop_profile(self) -> str:

@@ -243,14 +243,18 @@ def test_a_capture_without_a_replayable_path_fails_naming_the_fix():
     transport.close()
 
 
-def test_mailbox_size_setting_is_checked(monkeypatch):
-    from rayinfer.comm.mailbox import direct_max_bytes_from_env
+def test_host_staged_settings_are_checked():
+    from rayinfer.config import ConfigError
+    from rayinfer.exchange_config import CHUNK_OVERHEAD_BYTES, HostStagedConfig
 
-    monkeypatch.delenv("RAYINFER_HOST_DIRECT_MAX_BYTES", raising=False)
-    assert direct_max_bytes_from_env() == 0  # opt-in
-    monkeypatch.setenv("RAYINFER_HOST_DIRECT_MAX_BYTES", "4194304")
-    assert direct_max_bytes_from_env() == 4 << 20
-    for bad in ("4MB", "-1"):
-        monkeypatch.setenv("RAYINFER_HOST_DIRECT_MAX_BYTES", bad)
-        with pytest.raises(ValueError, match="RAYINFER_HOST_DIRECT_MAX_BYTES=.*byte count >= 0"):
-            direct_max_bytes_from_env()
+    default = HostStagedConfig()
+    assert default.direct_max_bytes == 0  # the mailbox is opt-in
+    assert default.protocol == "auto" and default.chunk_overhead_bytes == CHUNK_OVERHEAD_BYTES
+    assert HostStagedConfig(direct_max_bytes=4 << 20).direct_max_bytes == 4 << 20
+    for bad in ("4MB", -1, True):
+        with pytest.raises(ConfigError, match=r"all_to_all\.host\.direct_max_bytes=.* >= 0"):
+            HostStagedConfig(direct_max_bytes=bad)
+    with pytest.raises(ConfigError, match=r"all_to_all\.host\.chunk_overhead_bytes=0 .* >= 1"):
+        HostStagedConfig(chunk_overhead_bytes=0)
+    with pytest.raises(ConfigError, match=r"all_to_all\.host\.protocol='nvlink'; use one of auto"):
+        HostStagedConfig(protocol="nvlink")

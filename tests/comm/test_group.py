@@ -242,14 +242,11 @@ def _mailbox_exchanges(group, channel: int):
     """The host transport with its mailbox path on (the kernel in Triton's interpreter): blocks
     up to 100 bytes go through host mailboxes, larger ones through the copy pipeline, in the
     same exchange; every schedule, bf16 (30-byte rows) and int64 (120-byte rows)."""
-    import os
+    from rayinfer.exchange_config import HostStagedConfig
 
     n, me = group.world_size, group.rank
-    os.environ["RAYINFER_HOST_DIRECT_MAX_BYTES"] = "100"
-    try:
-        transport = group.transport("host", channel)  # made now, with the setting above
-    finally:
-        del os.environ["RAYINFER_HOST_DIRECT_MAX_BYTES"]
+    group.use_host_staged(HostStagedConfig(direct_max_bytes=100))
+    transport = group.transport("host", channel)  # made now, with the setting above
     group.topology = two_islands(n)
     gen = torch.Generator().manual_seed(11)
     failures = []
@@ -376,10 +373,10 @@ def test_standard_collectives_match_torch(members, world_size):
 def _probe(group, cache_dir: str):
     from rayinfer.comm import probe as probe_module
 
-    probe_module.CACHE_DIR = __import__("pathlib").Path(cache_dir)
     sizes = (4 << 10, 256 << 10)
-    first = probe_module.probe(group, iters=2, message_bytes=sizes)
-    again = probe_module.probe(group, iters=2, message_bytes=sizes)  # from the disk cache
+    folder = __import__("pathlib").Path(cache_dir)
+    first = probe_module.probe(group, iters=2, message_bytes=sizes, cache_dir=folder)
+    again = probe_module.probe(group, iters=2, message_bytes=sizes, cache_dir=folder)  # cached
     return first == again and len(first.bandwidth) == group.world_size
 
 

@@ -12,6 +12,7 @@ from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import phase_graphs
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import CudaGraphConfig, cuda_graph_config
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.models.dummy import build_dummy_model
@@ -161,7 +162,7 @@ def assert_only_slots_written(padded_caches, eager_caches, before, slots: list[i
 def test_runner_sends_pure_decodes_to_the_graphs_and_the_rest_eagerly(monkeypatch):
     config = ModelConfig.from_hf_dict(HF_CONFIGS["llama"])
     graphs = CudaGraphConfig(max_batch_size=4, max_model_len=64)
-    runner = ModelRunner(config, rayinfer.config.CacheConfig(BLOCK_SIZE, 32), "cpu",
+    runner = ModelRunner(config, rayinfer.engine_config.CacheConfig(BLOCK_SIZE, 32), "cpu",
                          torch.float32, load_format="dummy", cuda_graphs=graphs)  # fmt: skip
     assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4]
     calls = []
@@ -226,7 +227,7 @@ def test_graphs_default_on_for_cuda_where_the_forward_can_be_captured():
         plan = plan or ParallelPlan()
         return cuda_graph_config(requested, is_cuda=is_cuda, plan=plan, max_num_seqs=64,
                                  max_graph_batch_size=32, max_model_len=1024,
-                                 all_to_all=all_to_all)  # fmt: skip
+                                 all_to_all=AllToAllConfig.of(all_to_all))  # fmt: skip
 
     assert resolve(None) == CudaGraphConfig(max_batch_size=32, max_model_len=1024)
     assert resolve(None, is_cuda=False) is None

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 import rayinfer
-from rayinfer.config import (
+from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.engine.engine import LLMEngine
+from rayinfer.engine_config import (
     CacheConfig,
-    ConfigError,
     KVMemoryConfig,
-    ModelConfig,
+    SchedulerConfig,
     check_gpu_memory_utilization,
 )
-from rayinfer.engine.engine import LLMEngine
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.layers.parallel import LayerGroup, ParallelContext
 from rayinfer.workers.in_process import InProcessExecutor
@@ -36,6 +37,7 @@ from rayinfer.workers.runner.kv_memory import (
     worker_memory,
 )
 from rayinfer.workers.runner.model_runner import ModelRunner
+from rayinfer.workers.spec import WorkerSpec
 from tests.models.harness import TINY_DENSE, TINY_MLA, make_hf_checkpoint, make_prompts
 
 MIB = 2**20
@@ -336,12 +338,12 @@ def test_ranks_whose_exchange_cannot_be_replayed_take_no_graph_reserve(checkpoin
     runner = make_runner(checkpoint, cuda_graphs=CudaGraphConfig(8, 256))
     runner.parallel = ParallelContext(tp_rank=0, tp_size=2)  # all-reduces are captured
     assert runner.captures_decode_graphs
-    host = LayerGroup(None, rank=0, size=2, all_to_all={"transport": "host"})
+    host = LayerGroup(None, rank=0, size=2, all_to_all=AllToAllConfig(transport="host"))
     runner.parallel = ParallelContext(
         ep_rank=0, ep_size=2, ep_group=host, tokens_differ_across_ep=True
     )  # host-staged token exchange: replayed (two-state flags)
     assert runner.captures_decode_graphs
-    dedup = LayerGroup(None, rank=0, size=2, all_to_all={"dedup": True})
+    dedup = LayerGroup(None, rank=0, size=2, all_to_all=AllToAllConfig(dedup=True))
     runner.parallel = ParallelContext(
         ep_rank=0, ep_size=2, ep_group=dedup, tokens_differ_across_ep=True
     )  # sized from the routing on the host: eager
@@ -411,7 +413,7 @@ def test_given_num_kv_blocks_wins_over_gpu_memory_utilization(checkpoint, fake_g
         num_kv_blocks=40,
         gpu_memory_utilization=0.5,
     )
-    assert llm.kv_memory is None and llm.cache_config.num_blocks == 40
+    assert llm.spec.kv_memory is None and llm.cache_config.num_blocks == 40
     assert "reset_peak_memory_stats" not in fake_gpu.calls  # no profiling step
 
 
@@ -427,8 +429,7 @@ def test_llm_off_cuda_keeps_the_token_count_default(checkpoint):
 
 def test_engine_takes_the_executors_block_count(checkpoint):
     config = ModelConfig.from_pretrained(checkpoint)
-    executor = InProcessExecutor(config, CacheConfig(16, 64), "cpu", torch.float32)
+    executor = InProcessExecutor(WorkerSpec(config, CacheConfig(16, 64), "cpu", torch.float32))
     executor.runner.allocate_kv(20)
-    engine = LLMEngine(config, CacheConfig(16, 64), rayinfer.config.SchedulerConfig(4, 64, 128),
-                       executor)  # fmt: skip
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(4, 64, 128), executor)
     assert engine.cache_config.num_blocks == 20 and len(engine.block_manager.blocks) == 20

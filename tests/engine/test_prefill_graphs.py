@@ -115,7 +115,7 @@ def test_a_padded_prompt_gives_the_unpadded_hidden_states_and_cache(family):
 def test_runner_sends_single_new_prompts_to_the_graphs_and_the_rest_eagerly(monkeypatch):
     config = ModelConfig.from_hf_dict(HF_CONFIGS["deepseek_v3"])
     graphs = CudaGraphConfig(max_batch_size=4, max_model_len=64, max_prefill_tokens=16)
-    runner = ModelRunner(config, rayinfer.config.CacheConfig(BLOCK_SIZE, 32), "cpu",
+    runner = ModelRunner(config, rayinfer.engine_config.CacheConfig(BLOCK_SIZE, 32), "cpu",
                          torch.float32, load_format="dummy", cuda_graphs=graphs)  # fmt: skip
     assert runner.prefill_graphs is not None and runner.prefill_graph_sizes == [16]
     calls = []
@@ -164,17 +164,19 @@ def test_prefill_graph_tokens_are_capped_and_checked():
     with pytest.raises(ConfigError, match="max_graph_prefill_tokens=-1 must be >= 0"):
         resolve(-1)
     llm_config = rayinfer.LLM("tiny", device="cpu", cuda_graphs=True, max_num_batched_tokens=512)
-    assert llm_config.cuda_graphs.max_prefill_tokens == 512  # capped by the step's budget
+    assert llm_config.spec.cuda_graphs.max_prefill_tokens == 512  # capped by the step's budget
 
 
 # --- the two-batch overlap inside a captured prefill --------------------------------------------
 def test_the_static_halves_are_the_split_of_the_padded_prompt():
     from rayinfer.layers.forward_context import split_forward_context
-    from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
+    from rayinfer.overlap_config import OverlapConfig
 
-    inputs = StaticPrefillInputs([16], BLOCK_SIZE, kv_caches=[], device=torch.device("cpu"))
+    overlap = OverlapConfig(first_share=0.375)  # any cut: the static halves follow it
+    inputs = StaticPrefillInputs([16], BLOCK_SIZE, [], torch.device("cpu"), overlap)
     step = inputs.fill([prompt_request("a", list(range(1, 12)), [3, 7, 2])], bucket=16)
-    cut = first_micro_batch_tokens(16)
+    cut = overlap.first_micro_batch_tokens(16)
+    assert cut == 6
     for static, split in zip(step.ctx.micro_batches, split_forward_context(step.ctx, cut)):
         static, split = static.attn, split.attn
         for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
@@ -199,15 +201,14 @@ def test_an_overlapped_padded_prompt_gives_the_plain_hidden_states():
     torch.testing.assert_close(overlapped[:13], plain[:13], rtol=0, atol=1e-5)
 
 
-def test_when_a_captured_prefill_overlaps_is_a_setting(monkeypatch):
-    from rayinfer.layers import two_batch_overlap as tbo
+def test_when_a_captured_prefill_overlaps_is_a_setting():
+    from rayinfer.overlap_config import DEFAULT_GRAPH_OVERLAP_FROM, OverlapConfig
 
-    assert tbo.overlaps_in_graph(tbo.DEFAULT_GRAPH_OVERLAP_FROM)
-    assert not tbo.overlaps_in_graph(tbo.DEFAULT_GRAPH_OVERLAP_FROM - 1)
-    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "2048")
-    assert tbo.overlaps_in_graph(4096) and not tbo.overlaps_in_graph(1024)
-    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "off")
-    assert not tbo.overlaps_in_graph(1 << 20)
-    monkeypatch.setenv(tbo.GRAPH_OVERLAP_ENV, "soon")
-    with pytest.raises(ValueError, match="RAYINFER_GRAPH_OVERLAP_FROM='soon'"):
-        tbo.overlaps_in_graph(4096)
+    default = OverlapConfig()
+    assert default.overlaps_in_graph(DEFAULT_GRAPH_OVERLAP_FROM)
+    assert not default.overlaps_in_graph(DEFAULT_GRAPH_OVERLAP_FROM - 1)
+    earlier = OverlapConfig(graph_overlap_from=1024)
+    assert earlier.overlaps_in_graph(1024) and not earlier.overlaps_in_graph(1023)
+    assert not OverlapConfig(graph_overlap_from=None).overlaps_in_graph(1 << 20)
+    with pytest.raises(ConfigError, match=r"overlap\.graph_overlap_from='soon'; use a number"):
+        OverlapConfig(graph_overlap_from="soon")

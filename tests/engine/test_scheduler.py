@@ -1,10 +1,10 @@
 """Scheduler: token budget, chunked prefill, admission limits and preemption, without torch."""
 
-from rayinfer.config import SchedulerConfig
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.scheduler import Scheduler
 from rayinfer.engine.sequence import Sequence, SequenceStatus
+from rayinfer.engine_config import SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=4, budget=16, max_seqs=8) -> Scheduler:

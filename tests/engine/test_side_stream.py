@@ -1,11 +1,15 @@
 """The shared experts' handle (layers/side_stream.py): on CPU, and wherever it is switched off,
-fn(x) is computed when its result is asked for, on the caller's stream; the switch is checked."""
+fn(x) is computed when its result is asked for, on the caller's stream; OverlapConfig checks the
+switch."""
 
 import pytest
 import torch
 
+from rayinfer.config import ConfigError
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.layers import side_stream
 from rayinfer.layers.moe import MoE, RoutingMethod
+from rayinfer.overlap_config import OverlapConfig
 
 
 def test_on_cpu_the_work_waits_for_its_result(monkeypatch):
@@ -20,16 +24,28 @@ def test_on_cpu_the_work_waits_for_its_result(monkeypatch):
     assert torch.equal(handle.result(), torch.full((4096, 2), 2.0)) and calls == [4096]
 
 
-@pytest.mark.parametrize("value, expected", [("256", 256), ("0", 0), ("off", None)])
-def test_the_switch(monkeypatch, value, expected):
-    monkeypatch.setenv(side_stream.BESIDE_ENV, value)
-    assert side_stream.beside_from_tokens() == expected
+@pytest.mark.parametrize("value", [256, 0, None])
+def test_the_switch(value):
+    assert OverlapConfig(shared_experts_beside_from=value).shared_experts_beside_from == value
 
 
-def test_a_bad_switch_names_itself_and_the_valid_values(monkeypatch):
-    monkeypatch.setenv(side_stream.BESIDE_ENV, "yes")
-    with pytest.raises(ValueError, match="RAYINFER_SHARED_EXPERTS_BESIDE_FROM.*token count.*off"):
-        side_stream.beside_from_tokens()
+@pytest.mark.parametrize("bad", ["yes", -1, True, 2.5])
+def test_a_bad_switch_names_itself_and_the_valid_values(bad):
+    expected = r"overlap\.shared_experts_beside_from=.*number of tokens >= 0, or None"
+    with pytest.raises(ConfigError, match=expected):
+        OverlapConfig(shared_experts_beside_from=bad)
+
+
+def test_below_the_threshold_the_work_keeps_the_plain_order(monkeypatch):
+    """On a GPU tensor outside capture, `later` runs beside from `beside_from` tokens on and
+    in the plain order below it or with None (the Beside class is replaced: no GPU here)."""
+    monkeypatch.setattr(side_stream, "Beside", lambda fn, x, reads: "beside")
+    x = torch.ones(300, 2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert side_stream.later(lambda t: t, x, True, beside_from=256) == "beside"
+    assert isinstance(side_stream.later(lambda t: t, x, True, beside_from=512), side_stream.Later)
+    assert isinstance(side_stream.later(lambda t: t, x, True, beside_from=None), side_stream.Later)
 
 
 def small_moe_and_tokens() -> tuple[MoE, torch.Tensor]:
@@ -62,7 +78,7 @@ class LoggingExchange:
     """A one-rank expert-parallel group (what MoE layers call, as a LayerGroup) that logs its
     exchanges."""
 
-    rank, size, all_to_all = 0, 1, {}  # no exchange options: local_first off
+    rank, size, all_to_all = 0, 1, AllToAllConfig(local_first=False)
 
     def __init__(self, log):
         from rayinfer.comm import moe as comm_moe
@@ -134,15 +150,12 @@ def test_shared_experts_that_ran_beside_are_added_in_the_combines_pass():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
-def test_where_the_overlap_puts_each_lanes_shared_experts_is_a_setting(monkeypatch):
-    from rayinfer.layers import two_batch_overlap as tbo
-
-    assert tbo.shared_experts_beside_combine() == (False, False)  # default: beside dispatch
-    monkeypatch.setenv(tbo.SHARED_EXPERTS_ENV, "second-at-combine")
-    assert tbo.shared_experts_beside_combine() == (False, True)
-    monkeypatch.setenv(tbo.SHARED_EXPERTS_ENV, "later")
-    with pytest.raises(ValueError, match="RAYINFER_OVERLAP_SHARED_EXPERTS.*dispatch, second"):
-        tbo.shared_experts_beside_combine()
+def test_where_the_overlap_puts_each_lanes_shared_experts_is_a_setting():
+    assert OverlapConfig().shared_experts_beside_combine == (False, False)  # beside dispatch
+    second = OverlapConfig(shared_experts="second-at-combine")
+    assert second.shared_experts_beside_combine == (False, True)
+    with pytest.raises(ConfigError, match=r"overlap\.shared_experts='later'.*dispatch, second"):
+        OverlapConfig(shared_experts="later")
 
 
 def test_local_first_by_default_where_every_rank_has_enough_tokens():
@@ -156,13 +169,13 @@ def test_local_first_by_default_where_every_rank_has_enough_tokens():
     from rayinfer.layers.moe import LOCAL_FIRST_MIN_TOKENS
 
     moe, x = small_moe_and_tokens()
-    group = SimpleNamespace(rank=0, size=2, all_to_all={"dedup": False})
+    group = SimpleNamespace(rank=0, size=2, all_to_all=AllToAllConfig(dedup=False))
     moe.parallel = replace(moe.parallel, ep_group=group)
     routing = moe.route(x)
     enough = LOCAL_FIRST_MIN_TOKENS
 
     def runs_local(tokens_per_rank, **options):
-        group.all_to_all = {"dedup": False, **options}
+        group.all_to_all = AllToAllConfig(**{"dedup": False, **options})
         return moe._local_experts(x, routing, tokens_per_rank) is not None
 
     assert runs_local([enough, enough])

@@ -67,18 +67,22 @@ def test_a_gap_before_work_queued_earlier_is_a_dependency(tmp_path):
     assert row["idle_by_cause_ms"] == {"host": 0.0, "dependency": 0.03, "unknown": 0.0}
 
 
-def test_the_profiler_switch_for_gpu_activity_only(monkeypatch):
+def test_the_profiler_switch_for_gpu_activity_only():
     import pytest
     import torch
     from torch.profiler import ProfilerActivity
 
-    from rayinfer.workers.runner.step_profiler import PROFILE_CPU_ENV, StepProfiler
+    from rayinfer.config import ConfigError
+    from rayinfer.process_config import ProcessConfig
+    from rayinfer.workers.runner.step_profiler import StepProfiler
 
-    monkeypatch.setenv(PROFILE_CPU_ENV, "0")  # on CPU the host's activity is all there is
-    assert StepProfiler(torch.device("cpu")).activities == [ProfilerActivity.CPU]
-    monkeypatch.setenv(PROFILE_CPU_ENV, "no")
-    with pytest.raises(ValueError, match="RAYINFER_PROFILE_CPU='no'.*1.*0"):
-        StepProfiler(torch.device("cpu"))
+    # on CPU the host's activity is all there is
+    assert StepProfiler(torch.device("cpu"), "none").activities == [ProfilerActivity.CPU]
+    expected = r"process\.profile_cpu='no'; use one of ops, none, stack, python"
+    with pytest.raises(ConfigError, match=expected):
+        ProcessConfig(profile_cpu="no")
+    with pytest.raises(ValueError, match=expected):
+        StepProfiler(torch.device("cpu"), "no")
 
 
 def test_host_self_time_leaves_out_nested_calls():
@@ -100,13 +104,12 @@ def test_the_python_profile_lists_the_host_functions(monkeypatch, tmp_path):
 
     import torch
 
-    from rayinfer.workers.runner.step_profiler import PROFILE_CPU_ENV, StepProfiler
+    from rayinfer.workers.runner.step_profiler import StepProfiler
 
     def queue_work():
         return torch.ones(64).sum()
 
-    monkeypatch.setenv(PROFILE_CPU_ENV, "python")
-    profiler = StepProfiler(torch.device("cpu"))
+    profiler = StepProfiler(torch.device("cpu"), "python")
     profiler.start(str(tmp_path / "step"))
     for _ in range(3):
         queue_work()

@@ -36,14 +36,12 @@ def test_a_sequence_cut_by_the_split_becomes_two_chunks():
 def test_micro_batch_sizes_and_when_to_overlap():
     import torch
 
-    from rayinfer.layers.two_batch_overlap import (
-        MIN_TOKENS_TO_OVERLAP_ON_CUDA,
-        micro_batch_sizes,
-        worth_overlapping,
-    )
+    from rayinfer.layers.two_batch_overlap import MIN_TOKENS_TO_OVERLAP_ON_CUDA, worth_overlapping
+    from rayinfer.overlap_config import OverlapConfig
 
     # an empty half computes one placeholder token; peers derive these from the step's counts
-    assert [micro_batch_sizes(t) for t in (1, 2, 7)] == [(1, 1), (1, 1), (3, 4)]
+    sizes = OverlapConfig().micro_batch_sizes
+    assert [sizes(t) for t in (1, 2, 7)] == [(1, 1), (1, 1), (3, 4)]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small, large = MIN_TOKENS_TO_OVERLAP_ON_CUDA - 1, MIN_TOKENS_TO_OVERLAP_ON_CUDA
     assert not worth_overlapping([small, 5], cuda)
@@ -51,15 +49,15 @@ def test_micro_batch_sizes_and_when_to_overlap():
     assert worth_overlapping([1], cpu)  # CPU lanes check the logic at any size
 
 
-def test_the_first_micro_batch_share_is_a_setting(monkeypatch):
+def test_the_first_micro_batch_share_is_a_setting():
     import pytest
 
-    from rayinfer.layers import two_batch_overlap as tbo
+    from rayinfer.config import ConfigError
+    from rayinfer.overlap_config import OverlapConfig
 
-    monkeypatch.setenv(tbo.FIRST_SHARE_ENV, "0.6")
-    assert tbo.micro_batch_sizes(10) == (6, 4) and tbo.first_micro_batch_tokens(10) == 6
-    assert tbo.micro_batch_sizes(1) == (1, 1)  # the empty first one computes a placeholder
-    for bad in ("1", "0", "half"):
-        monkeypatch.setenv(tbo.FIRST_SHARE_ENV, bad)
-        with pytest.raises(ValueError, match="RAYINFER_OVERLAP_FIRST_SHARE.*between 0 and 1"):
-            tbo.micro_batch_sizes(10)
+    overlap = OverlapConfig(first_share=0.6)
+    assert overlap.micro_batch_sizes(10) == (6, 4) and overlap.first_micro_batch_tokens(10) == 6
+    assert overlap.micro_batch_sizes(1) == (1, 1)  # the empty first one computes a placeholder
+    for bad in (1, 0, "half", True):
+        with pytest.raises(ConfigError, match=r"overlap\.first_share=.*between 0 and 1"):
+            OverlapConfig(first_share=bad)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from rayinfer.config import ModelConfig
-from rayinfer.kernels.attention import prefill_attention as prefill_module
 from rayinfer.kernels.mla import mla_attention as mla
 from rayinfer.layers.mla import MLAAttention
 
@@ -53,10 +52,10 @@ def mla_scores_reference(q_nope, q_pe, k_nope, k_pe, value, scale):
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_mla_prefill_over_keys_of_more_than_2_31_elements(backend, monkeypatch):
+def test_mla_prefill_over_keys_of_more_than_2_31_elements(backend):
     """kv_b_proj's output [s, 16 x 256] past 2**31 elements (s = 540k): K_nope and V are views
-    of it, as in the layer; 256 queries at the end of the context, against float32."""
-    monkeypatch.setenv(prefill_module.BACKEND_ENV, backend)
+    of it, as in the layer; 256 queries at the end of the context, against float32; `backend`
+    as KernelBackends.prefill_attention passes it."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     seq_len, num_queries = math.ceil(PAST_INT32 / (HEADS * (NOPE + VALUE))), 256
     kv = torch.randn(seq_len, HEADS, NOPE + VALUE, device="cuda", generator=generator)
@@ -67,7 +66,9 @@ def test_mla_prefill_over_keys_of_more_than_2_31_elements(backend, monkeypatch):
     q_nope, q_pe = query.bfloat16().split([NOPE, ROPE], -1)
     out = q_nope.new_empty(num_queries, HEADS, VALUE)
     # scale 0.5: score std ~7, so a few keys dominate and the outputs are O(1), not averages ~0
-    mla.mla_prefill_attention(q_nope, q_pe.contiguous(), k_nope, k_pe, value, 0.5, out)
+    mla.mla_prefill_attention(
+        q_nope, q_pe.contiguous(), k_nope, k_pe, value, 0.5, out, backend=backend
+    )
     expected = mla_scores_reference(q_nope, q_pe, k_nope, k_pe, value, 0.5)
     # bf16 probabilities in P.V: a few elements of peaked rows land ~4e-2 off
     torch.testing.assert_close(out.float(), expected, atol=6e-2, rtol=2e-2)

@@ -100,9 +100,8 @@ def test_fp8_gemm_tma_variants_match_reference(m, n, k, config):
 
 @pytest.fixture
 def fresh_probes(monkeypatch):
-    """An empty probe cache, the env var unset, and probes allowed for CPU tensors."""
+    """An empty probe cache, and probes allowed for CPU tensors."""
     monkeypatch.setattr(fp8_gemm_module, "_PROBED", {})
-    monkeypatch.delenv(fp8_gemm_module.BACKEND_ENV, raising=False)
     monkeypatch.setattr(fp8_gemm_module, "_can_probe", lambda a: True)
     return fp8_gemm_module._PROBED
 
@@ -123,18 +122,20 @@ def _fake_scaled_mm(calls, fail=False):
     return scaled_mm
 
 
-def test_backend_env_forces_either_side(monkeypatch, fresh_probes):
+def test_the_backend_forces_either_side(monkeypatch, fresh_probes):
+    from rayinfer.kernels.backends import KernelBackends
+
     a, _, b, _ = _operands(8, 128, 256, seed=1)
     probe = []
     monkeypatch.setattr(fp8_gemm_module, "probe_blockwise_scaled_mm", lambda *a: probe.append(a))
-    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "triton")
-    assert fp8_gemm_backend(a, b) == "triton"
-    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "CUBLAS")
-    assert fp8_gemm_backend(a, b) == "cublas-blockwise"
+    assert fp8_gemm_backend(a, b, backend="triton") == "triton"
+    assert fp8_gemm_backend(a, b, backend="cublas") == "cublas-blockwise"
     assert not probe and not fresh_probes  # forcing never probes
-    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "cutlass")
-    with pytest.raises(ValueError, match="RAYINFER_FP8_GEMM"):
-        fp8_gemm_backend(a, b)
+    expected = r"kernels\.fp8_gemm='cutlass'; use one of auto, triton, cublas"
+    with pytest.raises(ValueError, match=expected):
+        fp8_gemm_backend(a, b, backend="cutlass")
+    with pytest.raises(ValueError, match=expected):
+        KernelBackends(fp8_gemm="cutlass")
 
 
 @pytest.mark.parametrize("supported", [True, False])
@@ -160,7 +161,6 @@ def test_auto_probes_once_per_shape_class(monkeypatch, fresh_probes, supported):
 def test_auto_without_a_probe_picks_triton_and_caches_nothing(monkeypatch):
     """CPU tensors (and CUDA graph capture): no probe, Triton, nothing cached."""
     monkeypatch.setattr(fp8_gemm_module, "_PROBED", {})
-    monkeypatch.delenv(fp8_gemm_module.BACKEND_ENV, raising=False)
     a, _, b, _ = _operands(8, 128, 256, seed=3)
     assert fp8_gemm_backend(a, b) == "triton" and not fp8_gemm_module._PROBED
 
@@ -193,11 +193,10 @@ def test_auto_falls_back_to_triton_on_error_and_remembers(monkeypatch, fresh_pro
 
 
 def test_forced_cublas_raises_its_errors(monkeypatch, fresh_probes):
-    monkeypatch.setenv(fp8_gemm_module.BACKEND_ENV, "cublas")
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm([], fail=True), raising=False)
     a, a_scale, b, b_scale = _operands(8, 128, 256, seed=5)
     with pytest.raises(RuntimeError, match="Invalid scaling"):
-        fp8_gemm_auto(a, a_scale, b, b_scale)
+        fp8_gemm_auto(a, a_scale, b, b_scale, backend="cublas")
 
 
 @pytest.mark.parametrize("behaviour", ["right", "wrong", "raises"])

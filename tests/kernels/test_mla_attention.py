@@ -54,7 +54,8 @@ LAYOUTS = {
 }
 
 
-def run_decode_case(seq_lens, num_heads, latent_rank, rope_dim, block_size, dtype, params):
+def run_decode_case(seq_lens, num_heads, latent_rank, rope_dim, block_size, dtype, params,
+                    backend="auto"):  # fmt: skip
     """(ours, float32 reference) on one random case."""
     generator = torch.Generator().manual_seed(len(seq_lens) + num_heads)
     tables, num_blocks = shuffled_tables(seq_lens, block_size, generator)
@@ -63,7 +64,9 @@ def run_decode_case(seq_lens, num_heads, latent_rank, rope_dim, block_size, dtyp
     q_latent = torch.randn(batch, num_heads, latent_rank, generator=generator)
     q_pe = torch.randn(batch, num_heads, rope_dim, generator=generator)
     args = (kv_cache.to(dtype), tables, seq_lens, 0.1)
-    ours = mla.mla_decode_attention(q_latent.to(dtype), q_pe.to(dtype), *args, params=params)
+    ours = mla.mla_decode_attention(
+        q_latent.to(dtype), q_pe.to(dtype), *args, params=params, backend=backend
+    )
     reference = mla.mla_decode_attention_reference(
         q_latent, q_pe, kv_cache.to(dtype).float(), tables, seq_lens, 0.1
     )
@@ -265,20 +268,24 @@ def test_the_gluon_layouts_fall_back_to_triton_tiles_off_hopper(layout, fallback
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_the_environment_pins_the_triton_kernel(monkeypatch):
-    """RAYINFER_MLA_DECODE=triton: a Gluon layout runs the entry's fallback Triton tiles without
-    asking the Gluon kernel whether it could run."""
-    from rayinfer.kernels.mla import mla_decode, mla_decode_hopper
+def test_the_kernel_backends_pin_the_triton_kernel(monkeypatch):
+    """KernelBackends.mla_decode="triton": a Gluon layout runs the entry's fallback Triton tiles
+    without asking the Gluon kernel whether it could run; another value fails, naming the key
+    and the valid values."""
+    from rayinfer.kernels.backends import KernelBackends
+    from rayinfer.kernels.mla import mla_decode_hopper
 
     def must_not_be_asked(*args):
         raise AssertionError("the Gluon kernel was considered")
 
-    monkeypatch.setenv(mla_decode.BACKEND_ENV, "triton")
     monkeypatch.setattr(mla_decode_hopper, "supports", must_not_be_asked)
     params = dict(layout="gluon_ws_tokens", BLOCK_N=64, BLOCK_H=16, max_splits=4,
                   min_tokens_per_split=64, target_programs=64,
                   fallback=dict(BLOCK_N=16, min_tokens_per_split=16))  # fmt: skip
-    ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params)
+    ours, reference = run_decode_case([5, 40, 17], 4, 32, 16, 16, torch.float32, params,
+                                      backend="triton")  # fmt: skip
+    with pytest.raises(ValueError, match=r"kernels\.mla_decode='gluon'; use one of auto, triton"):
+        KernelBackends(mla_decode="gluon")
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 

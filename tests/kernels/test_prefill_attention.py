@@ -301,12 +301,16 @@ def test_the_gluon_backend_falls_back_where_it_does_not_apply(monkeypatch):
     run_varlen([5, 3], [9, 3], 2, 1, 32, 32, torch.float32)
 
 
-def test_the_environment_pins_the_triton_kernel(monkeypatch):
-    """RAYINFER_PREFILL_ATTENTION=triton overrides a config's Gluon backend; auto keeps it."""
-    assert prefill_module._backend({"backend": "gluon_ws"}) == "gluon_ws"
-    assert prefill_module._backend({}) == "triton"
-    monkeypatch.setenv(prefill_module.BACKEND_ENV, "triton")
-    assert prefill_module._backend({"backend": "gluon_ws"}) == "triton"
+def test_the_kernel_backends_pin_the_triton_kernel():
+    """KernelBackends.prefill_attention="triton" overrides a config's Gluon backend; auto keeps
+    it; another value fails, naming the key and the valid values."""
+    from rayinfer.kernels.backends import KernelBackends
+
+    assert prefill_module._backend({"backend": "gluon_ws"}, "auto") == "gluon_ws"
+    assert prefill_module._backend({}, "auto") == "triton"
+    assert prefill_module._backend({"backend": "gluon_ws"}, "triton") == "triton"
+    with pytest.raises(ValueError, match=r"kernels\.prefill_attention='gluon'; use one of auto"):
+        KernelBackends(prefill_attention="gluon")
 
 
 def test_a_gluon_kernel_that_does_not_build_hands_over_to_triton(monkeypatch, caplog):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rayinfer.app import build, phase_options, replica_runtime_env
 from rayinfer.config import ConfigError
-from rayinfer.deployments.config import AppConfig, nest_dotted_keys
+from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.config_args import nest_dotted_keys
+from rayinfer.exchange_config import AllToAllConfig, HostStagedConfig
 
 
 def test_dotted_cli_strings_become_typed_nested_fields():
@@ -90,7 +94,8 @@ def test_phase_options_reserve_whole_worker_groups():
     assert gpu["placement_group_bundles"][1:] == [{"GPU": 1.0, "CPU": 1.0}] * 2
 
 
-def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
+def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # no declared variable set: Serve's switches alone
     config = AppConfig.from_args({})
     env = phase_options(config, config.engine, use_gpus=False)["ray_actor_options"]
     assert env["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
@@ -99,6 +104,14 @@ def test_handlers_on_replica_loop_sets_serves_switches_in_the_replicas():
     assert ingress["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
     config = AppConfig.from_args({"handlers_on_replica_loop": "false"})
     assert "runtime_env" not in phase_options(config, config.engine, False)["ray_actor_options"]
+
+
+def test_declared_environment_variables_reach_the_replicas(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYINFER_CACHE", str(tmp_path))
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    config = AppConfig.from_args({"handlers_on_replica_loop": "false"})
+    env_vars = replica_runtime_env(config)["runtime_env"]["env_vars"]
+    assert env_vars["RAYINFER_CACHE"] == str(tmp_path) and "NCCL_P2P_DISABLE" not in env_vars
 
 
 def test_example_serve_config_is_valid():
@@ -210,18 +223,59 @@ def test_build_checks_the_served_sections_against_the_model():
 
 def test_each_phase_chooses_its_token_exchange():
     """GPUs without peer-to-peer: decode's experts exchange through host memory, FP8 dispatch;
-    the options reach the workers as LLM(all_to_all=...) takes them."""
+    the options are the AllToAllConfig that LLM(all_to_all=...) makes and the workers take."""
     config = AppConfig.from_args(
         {
             "decode.all_to_all.transport": "host",
             "decode.all_to_all.use_fp8": "true",
+            "decode.all_to_all.host.direct_max_bytes": "4096",
             "prefill.all_to_all.dedup": "false",
             "prefill.all_to_all.local_first": "true",
         }  # fmt: skip
     )
-    assert config.decode.all_to_all.options() == {
-        "transport": "host", "schedule": "auto", "use_fp8": True, "dedup": None,
-        "local_first": None,
-    }  # fmt: skip
+    host = HostStagedConfig(direct_max_bytes=4096)
+    assert config.decode.all_to_all == AllToAllConfig(transport="host", use_fp8=True, host=host)
     assert config.prefill.all_to_all.dedup is False and config.prefill.all_to_all.local_first
     assert config.prefill.all_to_all.transport == "auto"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"decode.all_to_all.host.protocol": "nvlink"},
+         "decode.all_to_all.host.protocol='nvlink': Input should be 'auto', 'gpu' or 'cpu'"),
+        ({"decode.all_to_all.host.direct_max_bytes": "-1"},
+         "decode.all_to_all.host.direct_max_bytes=-1 must be an integer >= 0"),
+        ({"decode.all_to_all.host.chunk_size": "1"},
+         "decode.all_to_all.host.chunk_size: unknown key; allowed here: protocol, "
+         "direct_max_bytes, chunk_overhead_bytes"),
+        ({"decode.overlap.first_share": "1.5"},
+         "decode.overlap.first_share=1.5; use a fraction between 0 and 1"),
+        ({"prefill.overlap.shared_experts": "later"},
+         "prefill.overlap.shared_experts='later': Input should be 'dispatch', "
+         "'second-at-combine' or 'combine'"),
+        ({"engine.kernels.fp8_gemm": "cutlass"},
+         "engine.kernels.fp8_gemm='cutlass': Input should be 'auto', 'triton' or 'cublas'"),
+        ({"decode.process.numa": "0"},
+         "decode.process.numa: unknown key; allowed here: numa_bind, gc_freeze, profile_cpu"),
+        ({"decode.process.profile_cpu": "1"},
+         "decode.process.profile_cpu='1': Input should be 'ops', 'none', 'stack' or 'python'"),
+    ],
+)  # fmt: skip
+def test_typed_sections_name_the_bad_key_and_the_valid_values(args, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        AppConfig.from_args(args)
+
+
+def test_typed_sections_reach_the_engine_args_as_given():
+    from rayinfer.deployments.runtime import ModelSource, phase_engine_args
+
+    config = AppConfig.from_args(
+        {"decode.overlap.first_share": "0.4", "decode.kernels.small_batch_moe": "true",
+         "decode.process.gc_freeze": "false", "decode.all_to_all.host.protocol": "cpu"}
+    )  # fmt: skip
+    args = phase_engine_args(config, ModelSource.resolve(config), "decode", use_gpus=False)
+    assert args.overlap is config.decode.overlap and args.overlap.first_share == 0.4
+    assert args.kernels.small_batch_moe and not args.process.gc_freeze
+    assert args.all_to_all is config.decode.all_to_all and args.all_to_all.host.protocol == "cpu"
+    assert args.key_prefix == "decode."

@@ -23,9 +23,9 @@ def llm():
 def new_loop(llm, **callbacks) -> EngineLoop:
     from rayinfer.workers.in_process import InProcessExecutor
 
-    executor = InProcessExecutor(llm.model_config, llm.cache_config, llm.device, llm.dtype)
+    executor = InProcessExecutor(llm.spec)
     engine = LLMEngine(
-        llm.model_config, llm.cache_config, llm.scheduler_config, executor, llm.tokenizer
+        llm.model_config, llm.cache_config, llm.engine.scheduler_config, executor, llm.tokenizer
     )
     return EngineLoop(engine, name="test-loop", **callbacks)
 

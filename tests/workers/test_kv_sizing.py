@@ -11,14 +11,16 @@ import uuid
 import pytest
 import torch
 
-from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
+from rayinfer.config import ModelConfig
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import ModelSource, build_engine
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.engine_config import CacheConfig, KVMemoryConfig
 from rayinfer.workers.group import WorkerGroup
 from rayinfer.workers.runner import model_runner
 from rayinfer.workers.runner.kv_memory import kv_bytes_per_block
-from rayinfer.workers.worker import Worker, WorkerSpec
+from rayinfer.workers.spec import WorkerSpec
+from rayinfer.workers.worker import Worker
 from tests.engine.test_kv_memory import GIB, MIB, FakeCuda
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

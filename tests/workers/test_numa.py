@@ -35,16 +35,19 @@ def test_which_cpus():
     assert numa.choose_cpus(0, {0: [0, 1]}, {0, 1})[1] == "one NUMA node"
 
 
-def test_one_node_machines_and_the_switch_leave_the_affinity_alone(tmp_path, monkeypatch):
+def test_one_node_machines_and_the_switch_leave_the_affinity_alone(tmp_path):
+    from rayinfer.config import ConfigError
+    from rayinfer.process_config import ProcessConfig
+
     sysfs = make_sysfs(tmp_path, {0: "0-63"}, "0000:18:00.0", 0)
+    two_nodes = make_sysfs(tmp_path / "two", {0: "0-1", 1: "2-3"}, "0000:18:00.0", 1)
     before = os.sched_getaffinity(0)
     assert not numa.bind_to_gpu_node("00000000:18:00.0", sysfs).bound
-    monkeypatch.setenv(numa.NUMA_BIND_ENV, "0")
-    assert numa.bind_to_gpu_node("00000000:18:00.0", sysfs).reason == "RAYINFER_NUMA_BIND=0"
+    off = numa.bind_to_gpu_node("00000000:18:00.0", two_nodes, enabled=False)
+    assert not off.bound and off.reason == "process.numa_bind=false"
     assert os.sched_getaffinity(0) == before
-    monkeypatch.setenv(numa.NUMA_BIND_ENV, "yes")
-    with pytest.raises(ValueError, match="RAYINFER_NUMA_BIND='yes'.*1.*0"):
-        numa.bind_to_gpu_node("00000000:18:00.0", sysfs)
+    with pytest.raises(ConfigError, match=r"process\.numa_bind='yes'; use one of True, False"):
+        ProcessConfig(numa_bind="yes")
 
 
 def test_two_nodes_bind_every_thread_to_the_gpus_node(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rayinfer.config import ParallelPlan
+from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import graph_blocker
 from rayinfer.layers.parallel import LayerGroup
 from rayinfer.workers.placement import WorkerPlacement, valid_plans
@@ -63,19 +64,22 @@ def test_known_token_counts_need_no_gather_and_are_checked():
     ],
 )  # fmt: skip
 def test_a_graph_forward_exchanges_every_token_over_replayable_options(configured, static):
+    configured = AllToAllConfig(**configured)
     layers = LayerGroup(GatherCounter([0, 0]), rank=0, size=2, all_to_all=configured)
     with layers.static_exchange(8):
-        assert layers.all_to_all == static
+        assert layers.all_to_all == AllToAllConfig(**static)
         assert layers.tokens_per_rank == [8, 8]
     assert layers.all_to_all == configured and layers.tokens_per_rank is None
 
 
-def test_graph_blocker_names_the_options_that_cannot_be_replayed(monkeypatch):
+def test_graph_blocker_names_the_options_that_cannot_be_replayed():
     ep = ParallelPlan(dp=2, ep=2)
+    host, dedup = AllToAllConfig(transport="host"), AllToAllConfig(dedup=True)
     assert graph_blocker(ep) is None
-    assert graph_blocker(ep, {"transport": "host"}) is None  # replays with two-state flags
-    assert "decode.all_to_all.dedup=true" in graph_blocker(ep, {"dedup": True}, prefix="decode.")
-    assert graph_blocker(ParallelPlan(tp=2, ep=2), {"dedup": True}) is None  # all-reduce
-    monkeypatch.setenv("RAYINFER_HOST_PROTOCOL", "cpu")  # the CPU drives the copies
-    assert "RAYINFER_HOST_PROTOCOL=cpu" in graph_blocker(ep, {"transport": "host"})
-    assert graph_blocker(ep, {"transport": "dist"}) is None
+    assert graph_blocker(ep, host) is None  # replays with two-state flags
+    assert "decode.all_to_all.dedup=true" in graph_blocker(ep, dedup, prefix="decode.")
+    assert graph_blocker(ParallelPlan(tp=2, ep=2), dedup) is None  # all-reduce
+    cpu_driven = AllToAllConfig.of({"transport": "host", "host": {"protocol": "cpu"}})
+    assert "all_to_all.host.protocol=cpu" in graph_blocker(ep, cpu_driven)
+    dist_cpu = AllToAllConfig.of({"transport": "dist", "host": {"protocol": "cpu"}})
+    assert graph_blocker(ep, dist_cpu) is None

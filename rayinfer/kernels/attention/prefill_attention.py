@@ -28,7 +28,8 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 - "backend": "gluon_ws": contiguous causal K/V go to the warp-specialized Gluon kernel of
   prefill_attention_hopper where it applies (an H100/H200, bf16, value head dim 128, query/key
   128 or MLA's 192); the tiles and options above serve everything else.
-  RAYINFER_PREFILL_ATTENTION=triton pins the Triton kernel whatever the config says;
+  a call's backend="triton" (KernelBackends.prefill_attention) pins the Triton kernel whatever
+  the config says;
 - CONDITIONAL_RESCALE: the running max moves only when some row of the tile grew by more than
   RESCALE_THRESHOLD (8, log2 units): otherwise the tile's probabilities are taken against the old
   max (each <= 2**8, exact after the final division by the sum, which carries the same factor)
@@ -38,7 +39,6 @@ Launch options beyond the tile sizes (keys of configs/prefill_attention.json, of
 
 from __future__ import annotations
 
-import os
 from itertools import accumulate
 
 import torch
@@ -56,7 +56,6 @@ from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, glu
 from rayinfer.kernels.host_lists import device_ints
 from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 
-BACKEND_ENV = "RAYINFER_PREFILL_ATTENTION"  # auto (the config's backend) | triton
 GLUON_KERNEL = "prefill_attention"  # its name for gluon_compat's failure record
 LAUNCH_OPTIONS = dict(USE_TMA=False, PIPELINE_QK=False, HEADS_FASTEST=False, WARP_SPECIALIZE=False,
                       CONDITIONAL_RESCALE=False)  # fmt: skip
@@ -116,10 +115,10 @@ def _launch_options(params: dict, tensors, column_offsets, is_paged: bool) -> di
     return options
 
 
-def _backend(params: dict) -> str:
-    """The config's "backend" ("triton" when absent), unless RAYINFER_PREFILL_ATTENTION=triton
-    pins the Triton kernel (to compare, or to step around the Gluon one)."""
-    if os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+def _backend(params: dict, backend: str) -> str:
+    """The config's "backend" ("triton" when absent), unless `backend` "triton" pins the Triton
+    kernel (to compare, or to step around the Gluon one)."""
+    if backend == "triton":
         return "triton"
     return params.get("backend", "triton")
 
@@ -145,7 +144,7 @@ def join_rope(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, is_paged,
-            block_size, max_query_len, is_causal, rope=None, lse=None):  # fmt: skip
+            block_size, max_query_len, is_causal, rope=None, lse=None, backend="auto"):  # fmt: skip
     """rope: None, or (query_rope, key_rope), MLA's rope columns apart from query and key. The
     Gluon kernel reads them where they lie; the Triton kernel gets them joined. lse: None, or
     [T, Hq] float32 that the Triton kernel fills with each row's log-sum-exp (the Gluon kernel
@@ -157,7 +156,7 @@ def _launch(query, key, value, out, block_tables, cu_seqlens_q, kv_lens, scale, 
         params = {**params, **(params.get("paged") or {})}
     elif (
         lse is None
-        and _backend(params) == "gluon_ws"
+        and _backend(params, backend) == "gluon_ws"
         and gluon_enabled(GLUON_KERNEL)
         and prefill_attention_hopper.supports(query, key, value, is_causal, *(rope or ()))
     ):
@@ -208,6 +207,7 @@ def prefill_attention(
     key_rope: torch.Tensor | None = None,  # [S, Hkv or 1, R]: their keys (1: shared by heads)
     out: torch.Tensor | None = None,  # [T, Hq, Dv]: written in place when given (float dtype)
     lse: torch.Tensor | None = None,  # [T, Hq] float32: each row's log-sum-exp, written if given
+    backend: str = "auto",  # "triton" pins the Triton kernel (KernelBackends.prefill_attention)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Varlen flash attention over contiguous K/V; the queries are each context's last tokens.
     With query_rope and key_rope, scores are query . key + query_rope . key_rope (DeepSeek's
@@ -225,7 +225,7 @@ def prefill_attention(
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
     no_table = cu_seqlens_q  # unused when not paged; any int32 tensor
     return _launch(query, key, value, out, no_table[None], cu_seqlens_q, cu_seqlens_k, scale,
-                   False, 1, max_query_len, is_causal, rope, lse)  # fmt: skip
+                   False, 1, max_query_len, is_causal, rope, lse, backend)  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -301,6 +301,7 @@ def paged_mixed_attention(
     scale: float,
     seq_lens_cpu: list[int] | None = None,  # [B] on the host, with new_kv
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's (key, value) [T, Hkv, D]
+    backend: str = "auto",  # of the contiguous kernel (KernelBackends.prefill_attention)
 ) -> torch.Tensor:  # [T, Hq, D]
     """A scheduler batch: its decodes (one query) through the split-K decode kernel, which reads
     each kv head once for its whole query group and splits long contexts over programs; its
@@ -319,7 +320,7 @@ def paged_mixed_attention(
     if len(chunk_seqs) == len(query_lens):  # no decodes: one kernel when the chunks agree
         if not paged:
             return prefill_attention(query, *new_kv, query_start_loc, query_start_loc,
-                                     max(query_lens), scale)  # fmt: skip
+                                     max(query_lens), scale, backend=backend)  # fmt: skip
         if not direct:
             return paged_prefill_attention(query, kv_cache, block_tables, seq_lens,
                                            query_start_loc, max(query_lens), scale)  # fmt: skip
@@ -337,7 +338,7 @@ def paged_mixed_attention(
         rows, cu_seqlens, longest = _rows_of(direct, query_lens, starts, device)
         key, value = (t[rows] for t in new_kv)
         out[rows] = prefill_attention(query[rows], key, value, cu_seqlens, cu_seqlens, longest,
-                                      scale)  # fmt: skip
+                                      scale, backend=backend)  # fmt: skip
     if paged:
         rows, cu_seqlens, longest = _rows_of(paged, query_lens, starts, device)
         paged_idx = device_ints(paged, torch.int64, device)

@@ -8,7 +8,7 @@ partial product in float32 before adding it to the accumulator.
 Two implementations of the same product: the Triton kernels (in fp8_gemm_kernels, launched by
 `fp8_gemm` here), and torch's own blockwise-scaled `torch._scaled_mm` (cuBLAS,
 `fp8_gemm_scaled_mm`). `fp8_gemm_auto` (what `ops.fp8_gemm` calls on CUDA) picks one per call:
-`fp8_gemm_backend` says which, from RAYINFER_FP8_GEMM=triton|cublas|auto (auto: cuBLAS where a
+`fp8_gemm_backend` says which, from the call's backend triton|cublas|auto (auto: cuBLAS where a
 tiny probe call of the same shape class ran and matched the reference, once per device and class;
 Triton otherwise and on any error).
 """
@@ -16,7 +16,6 @@ Triton otherwise and on any error).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -29,7 +28,6 @@ from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import TensorDescriptor, triton
 
 SCALE_BLOCK = 128
-BACKEND_ENV = "RAYINFER_FP8_GEMM"  # triton | cublas | auto (default)
 TRITON, CUBLAS = "triton", "cublas-blockwise"
 LAUNCH_KEYS = ("USE_TMA", "K_UNROLL", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN")
 
@@ -209,10 +207,9 @@ def probe_blockwise_scaled_mm(device, out_dtype, m: int, n: int, k: int) -> bool
         return False
 
 
-def _forced_backend() -> str | None:
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+def _forced_backend(choice: str) -> str | None:
     if choice not in ("auto", "triton", "cublas"):
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected triton, cublas or auto")
+        raise ValueError(f"kernels.fp8_gemm={choice!r}; use one of auto, triton, cublas")
     return {"triton": TRITON, "cublas": CUBLAS}.get(choice)
 
 
@@ -223,14 +220,16 @@ def _can_probe(a: torch.Tensor) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def fp8_gemm_backend(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16) -> str:
+def fp8_gemm_backend(
+    a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16, backend: str = "auto"
+) -> str:
     """The backend `fp8_gemm_auto` runs for these operands: "cublas-blockwise" or "triton".
 
-    RAYINFER_FP8_GEMM=triton|cublas forces one; auto (the default) takes cuBLAS where the probe
-    of this shape class passed (probed on first use; never while a CUDA graph is captured: Triton
-    then, without caching the answer), Triton elsewhere.
+    backend triton|cublas (KernelBackends.fp8_gemm) forces one; auto (the default) takes cuBLAS
+    where the probe of this shape class passed (probed on first use; never while a CUDA graph is
+    captured: Triton then, without caching the answer), Triton elsewhere.
     """
-    forced = _forced_backend()
+    forced = _forced_backend(backend)
     if forced:
         return forced
     key = _shape_class(a, b, out_dtype)
@@ -242,13 +241,12 @@ def fp8_gemm_backend(a: torch.Tensor, b: torch.Tensor, out_dtype=torch.bfloat16)
     return CUBLAS if supported else TRITON
 
 
-def fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """The product through the backend `fp8_gemm_backend` picks. In auto mode an error of the
-    cuBLAS call falls back to Triton and marks the shape class unsupported; a forced backend's
-    errors are raised."""
-    backend = fp8_gemm_backend(a, b, out_dtype)
-    if backend == CUBLAS:
-        if _forced_backend():
+def fp8_gemm_auto(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, backend: str = "auto"):
+    """The product [M, N] through the kernel `fp8_gemm_backend` picks for `backend`. In auto
+    mode an error of the cuBLAS call falls back to Triton and marks the shape class unsupported;
+    a forced backend's errors are raised."""
+    if fp8_gemm_backend(a, b, out_dtype, backend) == CUBLAS:
+        if _forced_backend(backend):
             return fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype)
         try:
             return fp8_gemm_scaled_mm(a, a_scale, b, b_scale, out_dtype)

@@ -96,6 +96,7 @@ def mla_prefill_attention(
     bounds: tuple[torch.Tensor, int] | None = None,  # new prompts: (cu_seqlens [B + 1], longest)
     is_causal: bool = True,  # False: every query sees every key (a block of an earlier context)
     lse: torch.Tensor | None = None,  # [q, N] float32: each row's log-sum-exp, written if given
+    backend: str = "auto",  # "triton" pins the Triton kernel (KernelBackends.prefill_attention)
 ) -> torch.Tensor:  # out
     """Expanded-form MLA prefill: each sequence's queries are the last of its context, causal.
     Without bounds one sequence (q <= s, or any q when not causal); with them several new
@@ -107,7 +108,7 @@ def mla_prefill_attention(
     dtype = q_nope.dtype
     return prefill_attention(q_nope, k_nope.to(dtype), value.to(dtype), cu_q, cu_k, longest,
                              scale, is_causal, query_rope=q_pe, key_rope=k_pe.to(dtype), out=out,
-                             lse=lse)  # fmt: skip
+                             lse=lse, backend=backend)  # fmt: skip
 
 
 def mla_prefill_attention_reference(q_nope, q_pe, k_nope, k_pe, value, scale, out, bounds=None,

@@ -6,7 +6,6 @@ shared with GQA (paged_attention.split_k_decode) or the dedicated MLA kernel, wh
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -21,9 +20,6 @@ from rayinfer.kernels.triton_compat import tma_rows_fit, triton
 # heads) and tokens-major (few heads); where it cannot run, the Triton kernel runs heads-major.
 GLUON_LAYOUTS = ("gluon_ws", "gluon_ws_tokens")
 GLUON_SPLIT_KEYS = ("whole_waves", "programs_per_sm")  # a Gluon entry's split policy only
-# RAYINFER_MLA_DECODE=triton pins the Triton kernel (the entries' "fallback" tiles) whatever the
-# config says: to compare, or to step around the Gluon kernel.
-BACKEND_ENV = "RAYINFER_MLA_DECODE"  # auto | triton
 GLUON_KERNEL = "mla_decode"  # its name for gluon_compat's failure record
 # float32 on a GPU (parity checks, not a speed path): tiles whose pipeline fits shared memory at
 # four bytes an element, whatever the entry's bf16 tiles are.
@@ -39,6 +35,7 @@ def mla_decode_attention(
     seq_lens: torch.Tensor | list[int],  # [B] context length, the new token included
     scale: float,
     params: dict | None = None,  # tile config override (sweeps, tests); else configs/*.json
+    backend: str = "auto",  # "triton" pins the Triton kernel (KernelBackends.mla_decode)
 ) -> torch.Tensor:  # [B, N, L]
     """Each program holds BLOCK_H heads' queries and streams the shared latent rows once; the
     value tile is the key's latent part, so a cached byte is read once per head tile.
@@ -61,7 +58,7 @@ def mla_decode_attention(
     params = {**found, **(params or {})}
     if params.get("layout", "shared") != "shared":  # tokens_major, heads_major or gluon_ws*
         return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
-                                   kv_cache.shape[1])  # fmt: skip
+                                   kv_cache.shape[1], backend)  # fmt: skip
     layout = dict(
         heads_per_program=None, queries_per_kv=q_latent.shape[1], block_size=kv_cache.shape[1],
         head_dim_v=latent_rank, has_pe=True, stride_kv_head=0, value_offset=0, value_is_key=True,
@@ -70,12 +67,13 @@ def mla_decode_attention(
                           "mla_attention")  # fmt: skip
 
 
-def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size,
+                        backend="auto"):  # fmt: skip
     """Split + combine launches of the dedicated kernel -> [B, N, L]. slots [num_slots, L + R].
     A Gluon split kernel that does not build with this Triton is reported once, and the Triton
     kernel answers this call and the later ones."""
     out, launch_split, launch_combine = mla_decode_launches(
-        q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size
+        q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size, backend
     )
     try:
         launch_split()
@@ -84,7 +82,7 @@ def _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
             raise  # the Triton kernel's own failure
         gluon_failed(GLUON_KERNEL, error)
         return _mla_split_k_decode(q_latent, q_pe, slots, block_tables, seq_lens, scale, params,
-                                   block_size)  # fmt: skip
+                                   block_size, backend)  # fmt: skip
     if launch_combine is not None:
         launch_combine()
     return out
@@ -111,7 +109,8 @@ def _tma_scratch(device: torch.device):
     return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
 
 
-def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size):
+def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, params, block_size,
+                        backend="auto"):  # fmt: skip
     """(out [B, N, L], split launch, combine launch or None): the dedicated kernel's launches on
     buffers allocated once, so that the sweep can time the split kernel and the combine apart.
 
@@ -125,10 +124,11 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
 
     A Gluon entry (layout in GLUON_LAYOUTS) also has "whole_waves" and "programs_per_sm" (its
     split policy: one program per SM, see choose_split) and "fallback", the Triton tiles that
-    run where the Gluon kernel cannot (`triton_fallback`)."""
+    run where the Gluon kernel cannot (`triton_fallback`), and wherever `backend` is "triton"
+    (to compare, or to step around the Gluon kernel)."""
     num_seqs, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
-    if params["layout"] in GLUON_LAYOUTS and _gluon_allowed():
+    if params["layout"] in GLUON_LAYOUTS and _gluon_allowed(backend):
         q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # heads one row apart
         q_pe = mla_decode_hopper.with_uniform_rows(q_pe)
         params = _per_sm(params, q_latent.device)
@@ -174,10 +174,9 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     return out, launch_split, _combine(mid_out, mid_lse, out, params, seq_lens, split)
 
 
-def _gluon_allowed() -> bool:
-    """Not pinned to Triton (RAYINFER_MLA_DECODE), and the Gluon kernel has not failed to build."""
-    pinned = os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton"
-    return not pinned and gluon_enabled(GLUON_KERNEL)
+def _gluon_allowed(backend: str) -> bool:
+    """Not pinned to Triton (`backend`), and the Gluon kernel has not failed to build."""
+    return backend != "triton" and gluon_enabled(GLUON_KERNEL)
 
 
 def triton_fallback(params: dict) -> dict:

@@ -24,11 +24,8 @@ from rayinfer.layers.forward_context import (
     token_positions,
 )
 from rayinfer.layers.parallel import ParallelContext
-from rayinfer.layers.two_batch_overlap import (
-    forward_two_batch_overlap,
-    overlaps_in_graph,
-    worth_overlapping,
-)
+from rayinfer.layers.two_batch_overlap import forward_two_batch_overlap, worth_overlapping
+from rayinfer.overlap_config import OverlapConfig
 from rayinfer.workers.runner.step_timeline import StepTimeline
 
 
@@ -40,12 +37,14 @@ class StepForward:
         device: torch.device,
         block_size: int,
         two_batch_overlap: bool,
+        overlap: OverlapConfig,
     ):
         self.model = model
         self.parallel = parallel
         self.device = device
         self.block_size = block_size
         self.two_batch_overlap = two_batch_overlap
+        self.overlap = overlap
 
     def eager(
         self,
@@ -104,18 +103,22 @@ class StepForward:
             return self.model(input_ids, positions, ctx)
         with self.parallel.ep_group.static_exchange(input_ids.shape[0]):
             if self._overlaps_in_graph(input_ids.shape[0], ctx):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+                return forward_two_batch_overlap(
+                    self.model, input_ids, positions, ctx, self.overlap
+                )
             return self.model(input_ids, positions, ctx)
 
     def _overlaps_in_graph(self, num_tokens: int, ctx: ForwardContext) -> bool:
         """A captured prefill runs as two micro-batches where its inputs hold the halves."""
         has_halves = ctx.micro_batches is not None
-        return self.two_batch_overlap and has_halves and overlaps_in_graph(num_tokens)
+        return self.two_batch_overlap and has_halves and self.overlap.overlaps_in_graph(num_tokens)
 
     def _run_model(self, input_ids, positions, ctx) -> torch.Tensor:
         if self.two_batch_overlap:
             ep_group = self.parallel.ep_group
             tokens = getattr(ep_group, "tokens_per_rank", None) or [input_ids.shape[0]]
             if worth_overlapping(tokens, self.device):
-                return forward_two_batch_overlap(self.model, input_ids, positions, ctx)
+                return forward_two_batch_overlap(
+                    self.model, input_ids, positions, ctx, self.overlap
+                )
         return self.model(input_ids, positions, ctx)

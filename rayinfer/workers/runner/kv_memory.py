@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from rayinfer.config import ConfigError, ModelConfig, check_gpu_memory_utilization
+from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.engine_config import check_gpu_memory_utilization
 
 GIB = 2**30
 SAFETY_MARGIN_BYTES = GIB // 2  # fragmentation, lazily created cuBLAS / NCCL workspaces

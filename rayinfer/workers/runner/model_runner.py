@@ -21,16 +21,20 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rayinfer.config import CacheConfig, KVMemoryConfig, ModelConfig
+from rayinfer.config import ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
+from rayinfer.engine_config import CacheConfig, KVMemoryConfig
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.layers.layer_options import configure_layers
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import log_probabilities
 from rayinfer.layers.two_batch_overlap import supports_two_batch_overlap
 from rayinfer.models.dummy import build_dummy_model
 from rayinfer.models.loader import load_model
+from rayinfer.overlap_config import DEFAULT_OVERLAP, OverlapConfig
 from rayinfer.workers.runner.decode_graphs import DecodeGraphs
 from rayinfer.workers.runner.forward import StepForward
 from rayinfer.workers.runner.kv_cache import KVCache, new_kv_caches
@@ -68,6 +72,8 @@ class ModelRunner:
         kv_memory: KVMemoryConfig | None = None,
         allocate_kv: bool = True,
         fp8_weights: bool = False,
+        overlap: OverlapConfig = DEFAULT_OVERLAP,
+        kernels: KernelBackends = DEFAULT_BACKENDS,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -86,11 +92,13 @@ class ModelRunner:
             )
         else:
             self.model = load_model(model_config, dtype, self.device, parallel, fp8_weights)
+        configure_layers(self.model, kernels, overlap)
+        self.overlap = overlap
         if two_batch_overlap is None:  # measured faster where GPUs' experts exchange tokens
             two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
         two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.forward = StepForward(
-            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap
+            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap, overlap
         )
         self.sampler = RequestSampler(model_config, pin=self.device.type == "cuda")
         self.cuda_graphs = cuda_graphs
@@ -215,6 +223,7 @@ class ModelRunner:
             config.max_prefill_tokens,
             self.cache_config.block_size,
             self.device,
+            self.overlap,
         )
         graphs.capture()
         return graphs

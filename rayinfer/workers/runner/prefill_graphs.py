@@ -16,7 +16,7 @@ to every expert-parallel rank (see ModelRunner._graph_forward).
 
 Buckets run from 256 tokens up to `max_tokens` in steps of at most 1.5x (the padding is at most a
 third of a step's work). Each bucket's inputs also hold the two-batch overlap's halves, so a
-captured forward may split the step (layers/two_batch_overlap.overlaps_in_graph). On the CPU
+captured forward may split the step (OverlapConfig.overlaps_in_graph). On the CPU
 nothing is captured: `run` pads the same way and runs the forward eagerly over the static inputs,
 so padding, static buffers and slicing are tested there.
 """
@@ -30,7 +30,7 @@ import torch
 
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
-from rayinfer.layers.two_batch_overlap import first_micro_batch_tokens
+from rayinfer.overlap_config import DEFAULT_OVERLAP, OverlapConfig
 from rayinfer.workers.runner.decode_inputs import PAD_BLOCK, PAD_SLOT, PAD_TOKEN, GraphStep
 from rayinfer.workers.runner.graph_buckets import bucket_for
 from rayinfer.workers.runner.graph_capture import BucketGraphs
@@ -81,8 +81,15 @@ class StaticPrefillInputs:
     forward arguments (views of these buffers, and device constants for the bounds) are made
     once: positions 0..T-1, one sequence of `bucket` tokens, and the two-batch overlap's halves."""
 
-    def __init__(self, sizes: list[int], block_size: int, kv_caches, device: torch.device):
-        self.sizes, self.block_size = sizes, block_size
+    def __init__(
+        self,
+        sizes: list[int],
+        block_size: int,
+        kv_caches,
+        device: torch.device,
+        overlap: OverlapConfig = DEFAULT_OVERLAP,
+    ):
+        self.sizes, self.block_size, self.overlap = sizes, block_size, overlap
         self.kv_caches, self.device = kv_caches, device
         rows = sizes[-1]
         width = -(-rows // block_size)
@@ -131,7 +138,7 @@ class StaticPrefillInputs:
     def _step(self, bucket: int) -> GraphStep:
         """Views of the bucket's rows; the context also holds the two-batch overlap's halves:
         the prompt's first t tokens, then the rest as a chunk over them."""
-        cut = first_micro_batch_tokens(bucket)
+        cut = self.overlap.first_micro_batch_tokens(bucket)
         whole = self._context(bucket, 0, bucket, bucket)
         whole.micro_batches = (
             self._context(bucket, 0, cut, cut),
@@ -165,9 +172,10 @@ class PrefillGraphs(BucketGraphs):
         max_tokens: int,
         block_size: int,
         device: torch.device,
+        overlap: OverlapConfig = DEFAULT_OVERLAP,  # where the two-batch overlap cuts a prompt
     ):
         sizes = prefill_graph_sizes(max_tokens)
-        inputs = StaticPrefillInputs(sizes, block_size, kv_caches, device)
+        inputs = StaticPrefillInputs(sizes, block_size, kv_caches, device, overlap)
         super().__init__(forward, sizes, inputs, device)
 
     def bucket_of(self, requests: list[ScheduledRequest]) -> int | None:

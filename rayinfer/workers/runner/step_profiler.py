@@ -2,41 +2,38 @@
 busiest operators (device time first) to `<path>.txt` and a Chrome trace to `<path>.json`
 (open it in chrome://tracing or Perfetto). The same switch as vLLM's `LLM.start_profile`.
 
-RAYINFER_PROFILE_CPU says what of the host is recorded besides the GPU's activity: 1 (default) its
-operators; 0 nothing (tracing every operator slows the host enough to open gaps between kernels
-that a host-bound step, such as the two-batch overlap's, does not have unprofiled); stack its
-operators and Python frames (slower still: to find which line waits for the GPU, see
-benchmarks/trace_overlap.py); python the host's Python alone, through cProfile instead of
-torch.profiler (no GPU activity): `<path>.txt` lists the functions by their own time and
-`<path>.pstats` holds the whole profile, to see what a host-bound step's queueing is made of."""
+`cpu` (ProcessConfig.profile_cpu) says what of the host is recorded besides the GPU's activity:
+"ops" (default) its operators; "none" nothing (tracing every operator slows the host enough to
+open gaps between kernels that a host-bound step, such as the two-batch overlap's, does not have
+unprofiled); "stack" its operators and Python frames (slower still: to find which line waits for
+the GPU, see benchmarks/trace_overlap.py); "python" the host's Python alone, through cProfile
+instead of torch.profiler (no GPU activity): `<path>.txt` lists the functions by their own time
+and `<path>.pstats` holds the whole profile, to see what a host-bound step's queueing is made
+of."""
 
 from __future__ import annotations
 
 import cProfile
 import io
-import os
 import pstats
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-PROFILE_CPU_ENV = "RAYINFER_PROFILE_CPU"
-PROFILE_CPU_CHOICES = ("0", "1", "stack", "python")
+from rayinfer.process_config import PROFILE_CPU_CHOICES
 
 
 class StepProfiler:
-    def __init__(self, device: torch.device):
-        host = os.environ.get(PROFILE_CPU_ENV, "1")
-        if host not in PROFILE_CPU_CHOICES:
+    def __init__(self, device: torch.device, cpu: str = "ops"):
+        if cpu not in PROFILE_CPU_CHOICES:
             raise ValueError(
-                f"{PROFILE_CPU_ENV}={host!r}: use 1 (host operators), 0 (GPU only), stack "
-                "(host operators and Python frames) or python (cProfile of the host alone)"
+                f"process.profile_cpu={cpu!r}; use one of {', '.join(PROFILE_CPU_CHOICES)}"
             )
         on_gpu = device.type == "cuda"
-        self.python_only = host == "python"
-        self.activities = [ProfilerActivity.CPU] if host != "0" or not on_gpu else []
-        self.with_stack = host == "stack"
+        self.python_only = cpu == "python"
+        self.activities = [ProfilerActivity.CPU] if cpu != "none" or not on_gpu else []
+        self.with_stack = cpu == "stack"
         if on_gpu:
             self.activities.append(ProfilerActivity.CUDA)
         self._profile = None

@@ -1,0 +1,83 @@
+"""How the engine sizes its work: the paged KV cache (`CacheConfig`, or `KVMemoryConfig` to size it
+from GPU memory) and continuous batching's limits (`SchedulerConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayinfer.config import ConfigError
+
+# KV cache tokens when neither a block count nor a memory share is given (the CPU's default):
+# room for four longest sequences, and never less than this many tokens.
+MIN_DEFAULT_KV_TOKENS = 16384
+
+
+def default_num_kv_blocks(max_model_len: int, block_size: int) -> int:
+    """Blocks for max(4 x max_model_len, MIN_DEFAULT_KV_TOKENS) tokens."""
+    return -(-max(4 * max_model_len, MIN_DEFAULT_KV_TOKENS) // block_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size={self.block_size} must be positive")
+        if self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be positive")
+
+
+def check_gpu_memory_utilization(
+    value: float | None, key: str = "gpu_memory_utilization"
+) -> float | None:
+    """None (size the KV cache by token count) or a fraction in (0, 1]; else a ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(
+            f"{key}={value!r} must be a fraction in (0, 1]: the share of each GPU's total memory "
+            "that weights, activations and the KV cache may use (e.g. 0.9)"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class KVMemoryConfig:
+    """Size each worker's KV cache from its GPU's memory (`gpu_memory_utilization`), after a
+    profiling step of the largest batch the scheduler can form. Ignored off CUDA."""
+
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int  # the largest step the scheduler forms
+    max_model_len: int  # the cache must hold at least one sequence this long
+    max_num_seqs: int = 1  # rows of logits the profiling step computes
+    key: str = "gpu_memory_utilization"  # how errors name the setting (`decode.` in Serve)
+    # The worker's share of its GPU (Serve's gpus_per_worker): below 1 the budget is this share
+    # of the GPU minus the worker's own usage, not the whole GPU minus everything in use.
+    gpu_share: float = 1.0
+
+    def __post_init__(self):
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.key)
+        if not 0 < self.gpu_share <= 1:
+            raise ConfigError(f"gpu_share={self.gpu_share} must be a fraction in (0, 1]")
+        for key in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be positive")

@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayinfer import envs
+
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding the rayinfer package
 PORT_NAMES = (
     "port",
@@ -108,7 +110,7 @@ class ServeCluster:
         return self.temp_dir / "serve_run.log"
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = envs.subprocess_env()  # this process's environment, for the cluster's children
         python_path = [str(REPO_ROOT), env.get("PYTHONPATH", "")]
         env.update(
             PYTHONPATH=os.pathsep.join(p for p in python_path if p),
@@ -126,7 +128,8 @@ class ServeCluster:
         return self.temp_dir / f"n{index}"
 
     def start(self, timeout_s: float = 240) -> None:
-        assert "RAY_ADDRESS" not in os.environ, "unset RAY_ADDRESS: the tests start their own"
+        inherited = envs.subprocess_env()
+        assert "RAY_ADDRESS" not in inherited, "unset RAY_ADDRESS: the tests start their own"
         self.ports = dict(zip((*PORT_NAMES, "http"), free_ports(len(PORT_NAMES) + 1)))
         port_flags = [f"--{name}={self.ports[name]}" for name in PORT_NAMES]
         self._run(

@@ -96,7 +96,7 @@ async def inflict(args: argparse.Namespace, fault: str, load: Load) -> dict:
 async def soak(args: argparse.Namespace) -> dict:
     import ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    ray.init(address="auto", log_to_driver=False)  # RAY_ADDRESS where set, else the local one
     session_dir = soak_memory.session_dir()
     model = args.model or first_model(args.url)
     faults = args.faults

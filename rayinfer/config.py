@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rayinfer.config_error import ConfigError
+from rayinfer.config_v4 import V4Config
+
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -43,10 +46,6 @@ INDEX_SCALE_BYTES = 4  # the float32 scale after a token's FP8 key
 # multiples as such and otherwise assumes alignments the rows lack (the FP8 score kernel hit a
 # misaligned address on an H200 with 1,284-byte rows; tests/gpu/test_dsa_fp8_kernels.py)
 ROW_ALIGN_BYTES = 16
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key and the valid values."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +139,6 @@ class ModelConfig:
         mla = _mla_fields(hf) if is_mla else {}
         dsa = _dsa_fields(hf) if arch in DSA_ARCHITECTURES else {}
         if arch == V4_ARCHITECTURE:
-            from rayinfer.config_v4 import V4Config  # it builds on this module
-
             V4Config.from_hf(hf)  # checked here, so a bad key fails before any weight loads
             mla = dict(q_lora_rank=hf.get("q_lora_rank"))
         return cls(**common, **moe, **mla, **dsa)
@@ -224,8 +221,6 @@ class ModelConfig:
             latent = self.kv_lora_rank + self.qk_rope_head_dim
             return (latent + self.index_key_columns(dtype_bytes),)
         if self.is_v4:
-            from rayinfer.config_v4 import V4Config  # it builds on this module
-
             return (V4Config.from_hf(self.hf).row.width,)
         return (2, self.num_kv_heads, self.head_dim)
 

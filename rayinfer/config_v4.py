@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayinfer.config import ConfigError
+from rayinfer.config_error import ConfigError
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

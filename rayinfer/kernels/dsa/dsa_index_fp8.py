@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config import ConfigError
+from rayinfer.config_error import ConfigError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4

@@ -63,6 +63,7 @@ def build(args: dict[str, Any] | None = None) -> Application:
     }
     ingress_actor = {"num_cpus": 0, "resources": dict(config.ingress.resources)}
     ingress_options = dict(
+        num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
         ray_actor_options=ingress_actor | replica_runtime_env(config, is_ingress=True),

@@ -165,6 +165,13 @@ class PhaseConfig(Strict):
 
 
 class IngressConfig(Strict):
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="ingress replicas behind Serve's proxy; with two or more, one's death "
+        "leaves the others answering new requests while Serve replaces it (the streams it "
+        "carried still end)",
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="requests one ingress replica serves")
     max_queued_requests: int = Field(
         1024, ge=1, description="requests waiting for a replica before HTTP answers 503"

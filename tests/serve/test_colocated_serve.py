@@ -21,7 +21,12 @@ from tests.serve.offline_reference import (
 
 pytestmark = pytest.mark.slow
 
-APP_ARGS = ["disaggregate=false", "max_model_len=256", "health_check_period_s=2"]
+APP_ARGS = [
+    "disaggregate=false",
+    "max_model_len=256",
+    "health_check_period_s=2",
+    "ingress.num_replicas=2",
+]
 CAPACITY = "ray_rayinfer_kv_cache_capacity_tokens"
 
 
@@ -35,6 +40,7 @@ def test_one_engine_deployment_serves(server):
     deployments = server.serve_status()["applications"]["default"]["deployments"]
     assert set(deployments) == {"Ingress", "Engine"}
     assert server.running_replicas("Engine") == 1
+    assert server.running_replicas("Ingress") == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,8 +6,10 @@ under 16 clients, per fault what it cost, the memory before and after).
     python benchmarks/soak.py --json soak.json                    # Prefill + Decode
     python benchmarks/soak.py --colocated --json soak.json        # Engine (disaggregate=false)
     python benchmarks/soak.py --steady-s 600 --faults ''          # memory growth alone
+    python benchmarks/soak.py ingress.num_replicas=2 --faults ingress-replica
 
-Every option after the script's own goes to `rayinfer.bench soak` unchanged.
+A `key=value` argument goes to the app (`serve run rayinfer.app:build key=value`); every other
+argument after `--colocated` goes to `rayinfer.bench soak` unchanged.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ def app_args(colocated: bool) -> list[str]:
     return args
 
 
+def is_app_arg(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
 def main() -> None:
-    colocated = "--colocated" in sys.argv[1:]
-    soak_args = [arg for arg in sys.argv[1:] if arg != "--colocated"]
-    with ServeCluster(app_args(colocated)) as server:
+    argv = sys.argv[1:]
+    colocated = "--colocated" in argv
+    extra_app_args = [arg for arg in argv if is_app_arg(arg)]
+    soak_args = [arg for arg in argv if arg != "--colocated" and not is_app_arg(arg)]
+    with ServeCluster(app_args(colocated) + extra_app_args) as server:
         command = ["-m", "rayinfer.bench", "soak", "--url", server.http_url, *soak_args]
         print(server.run_python(*command, timeout_s=7200), end="")
 

@@ -128,7 +128,8 @@ async def soak(args: argparse.Namespace) -> dict:
     await asyncio.sleep(args.quiet_s)
     after = await asyncio.to_thread(memory_snapshot, session_dir)
 
-    steady = soak_report.steady_summary([o for o in load.outcomes if o.began < steady_end], refs)
+    first_kill = records[0]["killed_at"] if records else float("inf")
+    steady = soak_report.steady_summary(load.outcomes, refs, steady_end, first_kill)
     p95_s = steady["latency_p95_s"] or args.timeout_s
     ends = [r["killed_at"] for r in records[1:]] + [float("inf")]
     return {

@@ -23,7 +23,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def steady_summary(outcomes: list[Outcome], references: list[str]) -> dict:
+def steady_summary(
+    outcomes: list[Outcome], references: list[str], steady_end: float, first_kill: float
+) -> dict:
+    """The steady phase's requests: sent before it ended, ended before the first kill (one in
+    flight at the kill is that fault's)."""
+    outcomes = [o for o in outcomes if o.began < steady_end and o.ended <= first_kill]
     latencies = [o.latency_s for o in outcomes if o.status == "ok"]
     return {
         "requests": len(outcomes),

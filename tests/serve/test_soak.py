@@ -32,6 +32,13 @@ def test_a_request_is_charged_to_the_last_kill_before_its_end():
     assert summary["failures"] == ["lost: cut"]
 
 
+def test_the_steady_phase_leaves_out_what_the_first_kill_caught():
+    outcomes = [outcome(0.0, 4.0), outcome(3.0, 7.0), outcome(9.0, 12.0, status="lost", text="")]
+    steady = soak_report.steady_summary(outcomes, REFERENCES, steady_end=10.0, first_kill=11.0)
+    assert (steady["requests"], steady["ok"], steady["lost"]) == (2, 2, 0)
+    assert steady["latency_p50_s"] == 4.0
+
+
 def test_a_request_slower_than_twice_the_steady_p95_delays_recovery():
     outcomes = [outcome(9.0, 11.0), outcome(11.0, 13.0), outcome(12.0, 18.5)]
     record = {"fault": "prefill-worker", "victim": "v", "killed_at": 10.0, "replaced_at": 12.0}

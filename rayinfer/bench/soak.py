@@ -25,6 +25,7 @@ import time
 import urllib.request
 
 from rayinfer.bench import soak_faults, soak_memory, soak_report
+from rayinfer.bench.serve_cluster import wait_for
 from rayinfer.bench.soak_load import Load, references
 
 DISAGGREGATED_FAULTS = (
@@ -72,6 +73,12 @@ def memory_snapshot(session_dir: str) -> dict:
     return {"rss": rss, "object_store_bytes": used, "objects": objects}
 
 
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """When (time.monotonic) predicate() first held, polled every 0.25 s."""
+    wait_for(predicate, timeout_s, interval_s=0.25, what=what)
+    return time.monotonic()
+
+
 async def inflict(args: argparse.Namespace, fault: str, load: Load) -> dict:
     """Kill the fault's victim under the load; returns when service is back (or gives up)."""
     deployment = soak_faults.deployment_of(fault)
@@ -83,11 +90,11 @@ async def inflict(args: argparse.Namespace, fault: str, load: Load) -> dict:
     record = {"fault": fault, "victim": victim.actor_name, "killed_at": killed_at}
     is_back = lambda: soak_faults.replaced(args.app, victim, counts, before)
     what = f"a running replacement for {victim.replica_id}"
-    wait = soak_faults.wait_until
-    record["replaced_at"] = await asyncio.to_thread(wait, is_back, args.replace_timeout_s, what)
+    timeout_s = args.replace_timeout_s
+    record["replaced_at"] = await asyncio.to_thread(wait_until, is_back, timeout_s, what)
     await asyncio.sleep(args.settle_s)
     enough = lambda: load.ended_ok_since(record["replaced_at"]) >= args.clients
-    await asyncio.to_thread(wait, enough, args.replace_timeout_s, "answers after the replacement")
+    await asyncio.to_thread(wait_until, enough, timeout_s, "answers after the replacement")
     print(f"{fault}: killed {victim.actor_name} (pid {victim.pid}); replaced in "
           f"{record['replaced_at'] - killed_at:.1f}s", flush=True)  # fmt: skip
     return record

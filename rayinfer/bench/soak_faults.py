@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 from ray import serve
 from ray.util.state import list_actors
 
 PHASES = ("prefill", "decode", "engine", "ingress")
-FAULTS = tuple(f"{phase}-{part}" for phase in PHASES for part in ("worker", "replica"))
-FAULTS = tuple(fault for fault in FAULTS if fault != "ingress-worker")  # the ingress has none
+FAULTS = tuple(
+    f"{phase}-{part}"
+    for phase in PHASES
+    for part in ("worker", "replica")
+    if (phase, part) != ("ingress", "worker")  # the ingress has no workers
+)
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,3 @@ def replaced(app: str, victim: Victim, before: dict[str, int], replicas_before: 
     if victim.replica_id in alive or not set(alive) - replicas_before:
         return False
     return running_replicas(app) == before
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.25) -> float:
-    """Poll predicate() until true; the monotonic time it first was. Raises after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return time.monotonic()
-        time.sleep(interval_s)
-    raise TimeoutError(f"{what} not reached within {timeout_s:.0f}s")

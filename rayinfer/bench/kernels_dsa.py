@@ -8,7 +8,8 @@ blocks of 64), as medians of `triton.testing.do_bench` after warm-up:
   decode attending to 2048 distinct random tokens of its context: time, and the bandwidth of the
   bytes it must read (T x 2048 rows of (L + R) x 2 bytes + the queries) against the copy figure;
 - the indexer at decode (kernels/dsa/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
-  whole selection (scores + top-k) and the score kernel alone, with the bandwidth of its key reads;
+  whole selection (scores + radix top-k), the same with torch.topk, and the score kernel alone,
+  with the bandwidth of its key reads;
 - the same-run dense baseline: rayinfer's absorbed MLA decode (ops.mla_decode_attention) over
   plain [blocks, 64, 576] caches of the same contexts, and the kernel-level figure
   speedup = dense_ms / (indexer_ms + sparse_ms), DSA's whole attention cost per layer being its
@@ -117,12 +118,14 @@ def time_indexer(batch: int, context: int, copy_rate: float) -> dict:
     weights = torch.randn(batch, INDEX_HEADS, device="cuda", generator=generator)
     args = (q_index, weights, kv_cache, LATENT_RANK + ROPE_DIM, tables, query_seq, positions)
     ms = median_ms(lambda: dsa_index_topk(*args, TOPK, context))
+    torch_ms = median_ms(lambda: dsa_index_topk(*args, TOPK, context, selection="torch"))
     buffer = torch.empty(batch, context, dtype=torch.float32, device="cuda")
     params = index_params(q_index)
     scores_ms = median_ms(lambda: index_scores(*args, buffer, params))
     rate = indexer_bytes(batch, context) / (scores_ms * 1e-3)
     return dict(kernel="dsa_indexer_decode", batch=batch, context=context, ms=ms,
-                scores_ms=scores_ms, topk_ms=ms - scores_ms, bytes=indexer_bytes(batch, context),
+                scores_ms=scores_ms, topk_ms=ms - scores_ms, torch_topk_ms=torch_ms,
+                bytes=indexer_bytes(batch, context),
                 tb_per_s=rate / 1e12, copy_share=rate / copy_rate)  # fmt: skip
 
 
@@ -172,6 +175,8 @@ def print_row(row: dict) -> None:
               f"sparse {row['sparse_ms']:.3f}) = {row['speedup']:6.2f}x", flush=True)  # fmt: skip
     else:
         extra = f" scores {row['scores_ms']:.3f} ms" if "scores_ms" in row else ""
+        if "torch_topk_ms" in row:  # the same selection with torch.topk, same run
+            extra += f" (with torch.topk {row['torch_topk_ms']:.3f} ms)"
         print(f"{head} {row['ms']:8.3f} ms{extra}  {row['tb_per_s']:5.2f} TB/s "
               f"({row['copy_share']:.0%} of copy)", flush=True)  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The indexer's top-k at its shapes (k = 2048 of 16k-1M float32 scores per query, 1-2048
 queries) on one GPU: rayinfer's radix select (kernels/dsa/radix_topk.py) under a few launch
 configurations against torch.topk (unsorted, what the indexer ran before) in the same run,
-medians of `triton.testing.do_bench_cudagraph` (replayed as decode replays them), each radix
+medians of CUDA-graph replays (rayinfer/bench/graph_timing.py, as decode replays them), each radix
 result checked to hold torch's values. The scores are the indexer's own (its score kernel at
 GLM-5's shapes over random bf16 keys, the queries at a context's last positions): how they are
 distributed decides how fast a top-k is.
@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -31,6 +30,7 @@ from rayinfer.bench.dsa_shapes import (  # noqa: E402
     own_contexts,
     random_bf16,
 )
+from rayinfer.bench.graph_timing import graph_median_ms  # noqa: E402
 from rayinfer.kernels.dsa.dsa_indexer import index_params, index_scores  # noqa: E402
 from rayinfer.kernels.dsa.radix_topk import radix_topk  # noqa: E402
 
@@ -61,8 +61,7 @@ def indexer_scores(num_rows: int, length: int) -> torch.Tensor:
 
 
 def median_ms(fn) -> float:
-    fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return graph_median_ms(fn)
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """`python -m rayinfer.bench kernels dsa [--json PATH] [--sweep [--config-out FILE]]`: DeepSeek
 Sparse Attention's kernels on CUDA at GLM-5's shapes (64 heads per rank, latent 512, rope 64,
 index_topk 2048; indexer 32 heads x 128; cache rows [c_kv | k_pe | index key] 704 bf16 wide,
-blocks of 64), as medians of `triton.testing.do_bench_cudagraph` (each op replayed from a CUDA
-graph, as decode runs it; `--timing eager`: `do_bench`, Python launches included) after warm-up:
+blocks of 64), as medians of CUDA-graph replays (bench/graph_timing.py: each op replayed as
+decode runs it; `--timing eager`: `do_bench`, Python launches included) after warm-up:
 
 - the HBM copy figure of this run: a 1 GiB `copy_` (bytes read + written / time);
 - sparse decode attention (kernels/dsa/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
@@ -45,6 +45,7 @@ from rayinfer.bench.dsa_shapes import (
     own_contexts,
     random_bf16,
 )
+from rayinfer.bench.graph_timing import graph_median_ms
 from rayinfer.kernels import ops
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, index_params, index_scores
 from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention
@@ -84,33 +85,14 @@ TIMING = {"mode": "graph"}  # main's --timing
 
 
 def median_ms(fn) -> float:
-    """The median of fn's GPU time: replayed from a CUDA graph of one call (as decode runs these
-    kernels; no Python launch cost), ten replays per timed sample; or launched eagerly
-    (`--timing eager`, where a few small launches cost more on the host than on the GPU)."""
+    """The median of fn's GPU time: replayed from a CUDA graph (bench/graph_timing.py, as decode
+    runs these kernels), or launched eagerly (`--timing eager`, where a few small launches cost
+    more on the host than on the GPU)."""
     import triton.testing
 
     if TIMING["mode"] == "eager":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiled, tuned and allocated before the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    samples = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 10)
-    del graph
-    return sorted(samples[5:])[len(samples[5:]) // 2]  # the first five warm the replays
+    return graph_median_ms(fn)
 
 
 def copy_bytes_per_s() -> float:

@@ -7,7 +7,8 @@ parser reads (the way Llama 3.1 prompts JSON tool calls), placed first.
 Reply, by tool_choice (deployments/structured_fields.py): a named function's output is its
 arguments (the grammar makes it so); `required`'s is a JSON list of {"name", "parameters"}; with
 `auto` the text is read in the formats of the checkpoint's family (tool_call_formats.py). Text
-before the first call stays `content`; what follows the first call marker is read as calls.
+before the first call, less its trailing whitespace, stays `content`; what follows the first
+call marker is read as calls.
 
 Streams send content as it comes and each call as OpenAI does: first a delta with its id, type
 and name (arguments ""), then its arguments in fragments as they are written. A whole reply
@@ -81,7 +82,7 @@ def parse_tool_calls(
     calls = [c for c in call_format.read(text[at:], string_params or {}) if c.name is not None]
     if not calls:
         return text, []
-    content = text[:at].strip() or None
+    content = text[:at].rstrip() or None
     return content, [ToolCall(call.name, call.arguments) for call in calls]
 
 
@@ -147,7 +148,7 @@ class ToolCallStream:
         self.text += text
         if self.mode == "named":
             return self._named(text)
-        out = [] if self.call_start is not None else self._content(finish_reason)
+        out = [] if self.call_start is not None else self._content()
         if self.call_start is not None:
             at, call_format = self.call_start
             calls = call_format.read(self.text[at:], self.string_params, self.memo)
@@ -163,14 +164,15 @@ class ToolCallStream:
         called = self.named_call is not None or bool(self.sent_calls)
         return "tool_calls" if reason == "stop" and called else reason
 
-    def _content(self, finish_reason: str | None) -> list[dict]:
-        """The text before any call, as far as no call marker can still start in it."""
+    def _content(self) -> list[dict]:
+        """The text before any call, as far as no call marker can still start in it, less
+        its trailing whitespace: sent once text follows it, dropped if a call does (or sent at
+        the end of a reply without calls)."""
         self.call_start = self.formats.start(self.text)
         end = self.call_start[0] if self.call_start else streamable_length(
             self.text, self.formats.markers
         )  # fmt: skip
-        if self.text[:end].strip() == "" and finish_reason is None:
-            end = 0  # only whitespace yet: the reply may still start with a JSON call
+        end = len(self.text[:end].rstrip())
         if end <= self.num_content_chars:
             return []
         content, self.num_content_chars = self.text[self.num_content_chars : end], end

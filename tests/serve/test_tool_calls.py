@@ -149,7 +149,7 @@ def test_streamed_deltas_reassemble_to_the_whole_texts_calls(family, size):
     bodies = _stream(stream, [text[i : i + size] for i in range(0, len(text), size)])
     content, calls = _reassemble(bodies)
     whole = _parse(text, family)[1]
-    assert content.strip() == "Let me look."
+    assert content == "Let me look."
     assert calls == [(call.name, call.arguments) for call in whole]
     assert stream.finish_reason("stop") == "tool_calls"
 
@@ -193,7 +193,7 @@ def test_a_reply_cut_off_inside_a_call_streams_what_the_whole_reply_holds(family
     content, calls = _reassemble(_stream(stream, list(cut), reason="length"))
     whole_content, whole = _parse(cut, family)
     assert calls == [(call.name, call.arguments) for call in whole] != []
-    assert calls[0][0] == "weather" and content.strip() == whole_content
+    assert calls[0][0] == "weather" and content == whole_content
     assert stream.finish_reason("length") == "length"
 
 
@@ -203,7 +203,9 @@ def test_named_stream_sends_arguments_as_they_come():
     assert _reassemble(_stream(stream, [text[:5], text[5:]])) == ("", [("weather", text)])
 
 
-@pytest.mark.parametrize("text", ["Hello there", "<tool_call>{broken</tool_call>", '{"a": 1}'])
+@pytest.mark.parametrize(
+    "text", ["Hello there ", " \n", "<tool_call>{broken</tool_call>", ' {"a": 1}\n']
+)
 def test_text_without_calls_streams_as_content(text):
     stream = ToolCallStream("auto")
     assert _reassemble(_stream(stream, [text[:4], text[4:]])) == (text, [])

@@ -155,6 +155,9 @@ def test_an_auto_call_streams_its_name_then_its_arguments_as_written(client):
          "tools[0].function.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
          "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "objekt"}}}]}, "tools[0].function.parameters"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
     ],
 )  # fmt: skip
 def test_bad_fields_answer_400_and_the_next_request_succeeds(client, fields, param):

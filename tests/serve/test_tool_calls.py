@@ -234,6 +234,15 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "objekt"}}}]}, "tools[0].function.parameters"),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
     ],
@@ -244,3 +253,4 @@ def test_bad_fields_answer_400_naming_the_field(fields, param):
         ChatCompletionRequest.model_validate(body)
     answer = validation_to_openai(error.value.errors())
     assert answer.status == 400 and answer.param == param, answer.message
+    assert answer.message.startswith(f"{param}: "), answer.message

@@ -187,7 +187,9 @@ class DsmlCalls(CallFormat):
     def read(
         self, text: str, string_params: StringParams, memo: dict | None = None
     ) -> list[PartialCall]:
-        opening = next(marker for marker in self.markers if text.startswith(marker))
+        opening = next((marker for marker in self.markers if text.startswith(marker)), None)
+        if opening is None:  # the marker itself has not all come
+            return []
         block, is_closed = until(text, "</" + opening[1:], len(opening))
         calls, position = [], skip_whitespace(block, 0)
         while invoke := self.INVOKE.match(block, position):

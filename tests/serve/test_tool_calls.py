@@ -155,6 +155,19 @@ def test_streamed_deltas_reassemble_to_the_whole_texts_calls(family, size):
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
+def test_reads_of_a_growing_reply_only_add_to_its_calls(family):
+    """What a stream relies on: over every prefix, a call once named keeps its name, and its
+    arguments are a prefix of the whole reply's."""
+    text = CASES[family][1]
+    at, call_format = _formats(family).start(text)
+    whole = call_format.read(text[at:], STRING_PARAMS)
+    for end in range(at, len(text) + 1):
+        for call, final in zip(call_format.read(text[at:end], STRING_PARAMS), whole):
+            assert call.name in (None, final.name), (end, call)
+            assert final.arguments.startswith(call.arguments), (end, call)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
 def test_a_call_streams_its_name_first_then_its_arguments_in_fragments(family):
     """Fed a character at a time: the first call's head goes out long before the reply ends,
     and its arguments in several deltas (a parameter's value, or JSON, as it is written)."""

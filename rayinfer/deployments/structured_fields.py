@@ -172,6 +172,38 @@ class ChatOutputFields(GuidedFields):
     )
     parallel_tool_calls: bool = Field(True, description="false: at most one call ('required')")
 
+    @field_validator("tools")
+    @classmethod
+    def _names_differ(cls, value):
+        first_of = {}  # name -> index of the first tool with it
+        for index, tool in enumerate(value or ()):
+            name = tool.function.name
+            if name in first_of:
+                raise ValueError(
+                    f"tools[{index}].function.name {name!r} is also tools[{first_of[name]}]'s; "
+                    "each tool needs its own name"
+                )
+            first_of[name] = index
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, value):
+        """One message for any malformed choice (pydantic would name a member of the union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if (
+            isinstance(function, dict)
+            and value.get("type") == "function"
+            and isinstance(function.get("name"), str)
+        ):
+            return value
+        raise ValueError(
+            "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+            '{"name": ...}}'
+        )
+
     @field_validator("response_format")
     @classmethod
     def _format_complete(cls, value):

@@ -17,8 +17,8 @@ sends them all at once. `--max-concurrency N` caps the requests in flight whatev
 default there is no cap (as vllm bench serve). A list of rates runs one pass per rate, each on
 fresh prompts (seed, seed+1, ...) so the server's prefix cache cannot serve a later pass.
 
-`--response-format` (with `--endpoint chat`) puts structured output (OpenAI's `response_format`)
-on every request, to measure what the grammar costs against a pass without it.
+`--response-format` puts structured output (OpenAI's `response_format`, which rayinfer takes on
+completions too) on every request, to measure what the grammar costs against a pass without it.
 
 Every request is greedy and generates exactly its output length (`ignore_eos`; for transformers
 serve, `min_new_tokens` in its `generation_config`). TTFT is taken at the first chunk that
@@ -125,8 +125,6 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     check_dataset_args(args)
     args.goodput = parse_goodput(args.goodput)
-    if args.response_format is not None and args.endpoint != "chat":
-        raise SystemExit("--response-format is a chat field: add --endpoint chat")
     if args.burstiness <= 0:
         raise SystemExit(f"--burstiness={args.burstiness} must be > 0")
     return args

@@ -160,12 +160,29 @@ class NamedToolChoice(BaseModel):
     function: ToolChoiceFunction
 
 
-class ChatOutputFields(GuidedFields):
-    """Chat's response_format, tools and tool_choice."""
+class ResponseFormatFields(GuidedFields):
+    """OpenAI's response_format: chat's field, which completions take too (as vLLM does)."""
 
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema (strict or not)"
     )
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_complete(cls, value):
+        if value is not None:
+            value.structured_output()
+        return value
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.response_format is not None:
+            return self.response_format.structured_output()
+        return super().structured_output()
+
+
+class ChatOutputFields(ResponseFormatFields):
+    """Chat's response_format, tools and tool_choice."""
+
     tools: list[ChatTool] | None = Field(None, description="functions the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without"
@@ -203,13 +220,6 @@ class ChatOutputFields(GuidedFields):
             "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
             '{"name": ...}}'
         )
-
-    @field_validator("response_format")
-    @classmethod
-    def _format_complete(cls, value):
-        if value is not None:
-            value.structured_output()
-        return value
 
     @field_validator("tool_choice")
     @classmethod
@@ -255,8 +265,6 @@ class ChatOutputFields(GuidedFields):
         if mode == "required":
             schema = required_calls_schema(self.tools, self.parallel_tool_calls)
             return StructuredOutput.json_schema(schema)
-        if self.response_format is not None:
-            return self.response_format.structured_output()
         return super().structured_output()
 
 

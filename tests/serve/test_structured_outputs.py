@@ -74,6 +74,14 @@ def test_json_schema_replies_validate_for_20_seeds(client):
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_completions_take_response_format_as_vllm_does(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = client.completions.create(model="tiny", prompt="a b c", seed=4, max_tokens=120,
+                                      extra_body={"response_format": response_format})  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].text
+    jsonschema.validate(json.loads(reply.choices[0].text), PERSON)
+
+
 def test_json_object_reply_is_an_object(client):
     reply = _chat(client, response_format={"type": "json_object"}, seed=1, max_tokens=200)
     content = reply.choices[0].message.content

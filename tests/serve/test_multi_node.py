@@ -40,9 +40,15 @@ DEAD_NODE = {**DECODE_NODE, "NodeID": "cc" * 28, "Alive": False,
 NODES = [HEAD_NODE, DECODE_NODE, DEAD_NODE]
 
 
-def check(args: dict) -> None:
-    config = AppConfig.from_args({"disaggregate": "true", **args})
-    check_nodes_fit(config, ("prefill", "decode"), use_gpus=False, nodes=NODES)
+# One node offering a single `box`: phases pinned to it compete for it (and for its CPUs).
+BOX_NODE = {"NodeID": "dd" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.4",
+            "Resources": {"CPU": 4.0, "box": 1.0, "node:10.0.0.4": 1.0}}  # fmt: skip
+
+
+def check(args: dict, nodes: list[dict] = NODES, phases=("prefill", "decode")) -> None:
+    disaggregate = "true" if phases == ("prefill", "decode") else "false"
+    config = AppConfig.from_args({"disaggregate": disaggregate, **args})
+    check_nodes_fit(config, phases, use_gpus=False, nodes=nodes)
 
 
 def test_phases_pinned_to_nodes_that_hold_them_pass():
@@ -73,6 +79,70 @@ def test_a_phase_no_alive_node_holds_fails_naming_the_key_and_the_nodes(args, ex
     assert "10.0.0.1 (aaaaaaaa): CPU=16, prefill_box=8" in message
     assert "10.0.0.2 (bbbbbbbb): CPU=2, decode_box=2" in message
     assert "gpu_box" not in message.split("offer:")[1]  # the dead node is not offered
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"prefill.resources.box": "0.5", "decode.resources.box": "0.5"},
+        {"prefill.resources.box": "0.3", "decode.resources.box": "0.1",
+         "ingress.resources.box": "0.3", "decode.tp": "4"},  # box 0.3 + 4 x 0.1 + 0.3, 2.7 CPUs
+    ],
+)  # fmt: skip
+def test_phases_sharing_one_node_that_holds_them_all_pass(args):
+    check(args, nodes=[BOX_NODE])
+
+
+@pytest.mark.parametrize(
+    "args, nodes, phases, expected",
+    [
+        (  # each alone takes the one box
+            {"prefill.resources.box": "1", "decode.resources.box": "1"}, [BOX_NODE],
+            ("prefill", "decode"),
+            "prefill.resources (1 x CPU=0.6, box=1) and decode.resources (1 x CPU=0.6, box=1) "
+            "each fit a node alone but not all at once: together they need CPU=1.2, box=2",
+        ),
+        (  # the ingress too; its actor takes no CPU
+            {"prefill.resources.box": "0.4", "decode.resources.box": "0.4",
+             "ingress.resources.box": "0.4"}, [BOX_NODE], ("prefill", "decode"),
+            "and ingress.resources (1 x box=0.4) each fit a node alone but not all at once: "
+            "together they need CPU=1.2, box=1.2",
+        ),
+        (  # the box would do, the CPUs not: 2 x (0.1 + 4 x 0.5) = 4.2 > 4
+            {"prefill.resources.box": "0.1", "decode.resources.box": "0.1", "prefill.tp": "4",
+             "decode.tp": "4"}, [BOX_NODE], ("prefill", "decode"),
+            "together they need CPU=4.2, box=0.8",
+        ),
+        (  # the colocated Engine's two starting replicas and the ingress
+            {"engine.resources.box": "0.5", "engine.autoscaling.min_replicas": "2",
+             "engine.autoscaling.max_replicas": "2", "ingress.resources.box": "0.5"},
+            [BOX_NODE], ("engine",),
+            "engine.resources (2 x CPU=0.6, box=0.5) and ingress.resources (1 x box=0.5)",
+        ),
+        (  # three starting decode replicas on a node holding two
+            {"decode.resources.decode_box": "1", "decode.autoscaling.initial_replicas": "3",
+             "decode.autoscaling.max_replicas": "3"}, NODES, ("prefill", "decode"),
+            "decode.resources (3 x CPU=0.6, decode_box=1) each fit a node alone but not all",
+        ),
+    ],
+)  # fmt: skip
+def test_phases_competing_for_one_node_fail_naming_the_keys_and_what_it_offers(
+    args, nodes, phases, expected
+):
+    with pytest.raises(ConfigError) as error:
+        check(args, nodes, phases)
+    message = str(error.value)
+    assert expected in message
+    offered = "which offer: " + ("10.0.0.4 (dddddddd): CPU=4, box=1" if nodes == [BOX_NODE]
+                                 else "10.0.0.2 (bbbbbbbb): CPU=2, decode_box=2")  # fmt: skip
+    assert offered + ". Offer more" in message  # only the nodes the competing keys can use
+
+
+def test_phases_pinned_to_different_nodes_do_not_compete():
+    """Decode's two replicas fill the decode node; the head still holds prefill and ingress."""
+    check({"prefill.resources.prefill_box": "7", "decode.resources.decode_box": "1",
+           "decode.autoscaling.min_replicas": "2", "decode.autoscaling.max_replicas": "2",
+           "ingress.resources.prefill_box": "0.01", "ingress.num_replicas": "2"})  # fmt: skip
 
 
 @pytest.mark.parametrize(

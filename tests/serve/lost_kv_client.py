@@ -67,8 +67,7 @@ def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, li
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         statuses.append(reply.status_code)
         if reply.status_code >= 500:
-            error = {"status": reply.status_code, "text": reply.text}
-            return error | {"retry_after": reply.headers.get("Retry-After")}, statuses
+            return {"status": reply.status_code, "text": reply.text}, statuses
     return None, statuses
 
 

@@ -1,10 +1,15 @@
-"""Run by test_server.py inside the test cluster: lose a hand-off's KV, decode must recompute.
+"""Run inside the test cluster: lose a hand-off's KV, decode must recompute.
 
-Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV's chunks
-before anyone read it, then decodes the hand-off. Prints JSON: the decoded text, whether decode
-reported a recompute, and the greedy text of the same prompt through the normal path. With the
-server's URL as argument, also what an HTTP request answered while the Prefill replica's worker
-was dead (a 5xx: its error body must show no internals).
+Prefills a prompt through the Prefill deployment, loses the worker actors that own the KV's
+chunks before anyone read them, then decodes the hand-off. Prints JSON: the decoded text, whether
+decode reported a recompute, and the greedy text of the same prompt through the normal path.
+With the server's URL as argument, also what an HTTP request answered while the Prefill
+replica's worker was dead (a 5xx: its error body must show no internals).
+
+How the owners are lost: by default this kills the actors (test_server.py, one node). With
+`--node-killed-by-caller` (test_multi_node.py) it prints `{"owner_node_ids": [...]}` (the
+Ray nodes the owners run on) and waits for a line on stdin: the caller kills that whole node
+meanwhile, as a machine's death would.
 """
 
 from __future__ import annotations
@@ -66,7 +71,26 @@ def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, li
     return None, statuses
 
 
+def owner_node_ids(owners: list[str]) -> list[str]:
+    """The nodes the owner actors run on."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return sorted({actor.node_id for actor in actors if actor.name in owners})
+
+
+def lose_owners(owners: list[str], node_killed_by_caller: bool) -> None:
+    if not node_killed_by_caller:
+        for owner in owners:
+            kill_and_wait(ray.get_actor(owner, namespace="serve"))
+        return
+    print(json.dumps({"owner_node_ids": owner_node_ids(owners)}), flush=True)
+    sys.stdin.readline()
+
+
 def main() -> None:
+    node_killed_by_caller = "--node-killed-by-caller" in sys.argv
+    urls = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     ray.init(address="auto", log_to_driver=False)
     ingress = serve.get_app_handle("default")
     reference = ingress.generate.remote(
@@ -77,9 +101,8 @@ def main() -> None:
     prefill = serve.get_deployment_handle("Prefill", app_name="default")
     result = prefill.prefill.remote(PrefillRequest("lost-kv-0", PROMPT_IDS, params)).result()
     owners = result.handoff.payload.owners
-    for owner in owners:
-        kill_and_wait(ray.get_actor(owner, namespace="serve"))
-    during_death, statuses = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else (None, [])
+    lose_owners(owners, node_killed_by_caller)
+    during_death, statuses = first_server_error(urls[0]) if urls else (None, [])
     wait_until_lost(result.handoff.payload.shards[0])
 
     decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)

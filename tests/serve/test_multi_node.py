@@ -176,6 +176,10 @@ def test_prefill_and_decode_workers_sit_on_the_nodes_offering_their_resources(se
 @pytest.mark.slow
 def test_greedy_text_across_nodes_equals_the_offline_engine(server):
     assert served_replies(server.http_url, stream=True) == offline_replies()
+    # The prefill worker's arena is on the other node: decode asks for it through the store.
+    body = {"model": "tiny", "prompt": "The river", "max_tokens": 2, "rayinfer_timings": True}
+    timings = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60).json()
+    assert timings["rayinfer_timings"]["kv_path"] == "arena_via_object_store"
 
 
 @pytest.mark.slow

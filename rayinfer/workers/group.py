@@ -355,14 +355,19 @@ class WorkerGroup(Executor):
             raise RuntimeError(self.lost_worker.describe())
         ray.get([worker.describe.remote() for worker in self.workers], timeout=timeout_s)
 
-    def shutdown(self, close_timeout_s: float = 10.0) -> None:
-        """Unlink the workers' hand-off arenas (each after its exports in flight; a worker that
-        does not answer within close_timeout_s leaves its file to the next arena made on the
-        node, which unlinks a dead owner's), then kill the workers."""
+    def close_arenas(self, timeout_s: float = 10.0) -> None:
+        """Unlink the workers' hand-off arenas (each after its exports in flight; later exports
+        go through the object store). Killed workers unlink nothing: a worker that does not
+        answer within timeout_s leaves its file to the next arena made on the node, which
+        unlinks a dead owner's."""
+        closing = [worker.close_kv_arena.remote() for worker in self.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s, fetch_local=False)
+
+    def shutdown(self) -> None:
+        """Unlink the workers' arenas, then kill the workers."""
         if self._death_watch is not None:
             self._death_watch.close()
-        closing = [worker.close_kv_arena.remote() for worker in self.workers]
-        ray.wait(closing, num_returns=len(closing), timeout=close_timeout_s, fetch_local=False)
+        self.close_arenas()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []

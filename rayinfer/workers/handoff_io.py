@@ -131,13 +131,13 @@ class HandoffIO:
 
     def kv_from_arena(self, header: KVPayload) -> KVPayload | None:
         """For an importer on another node: the header's chunks put into the object store from
-        this worker's arena (its span then freed); None when the span is no longer held."""
+        this worker's arena (the span stays held until the importer releases it: other ranks
+        may ask too); None when the span is no longer held."""
         span = header.arena
         if self.arena is None or not self.arena.holds(span):
             return None
         begin = time.perf_counter()
         refs = [ray.put(chunk.numpy()) for chunk in arena_chunks(self.arena.view(span), header)]
-        self.arena.free(span)
         timings = dict(header.timings, put_s=time.perf_counter() - begin)
         return KVPayload(refs, header.num_layers, header.shape, header.dtype,
                          header.generator_state, header.kv_heads, timings)  # fmt: skip
@@ -154,23 +154,26 @@ class HandoffIO:
         """Write this rank's part of a hand-off (shards: per prefill worker an ObjectRef to, or
         a, KVPayload; `needs(payload)`: whether this rank takes from it) into the cache. Raises
         KVLost when a payload it needs is gone. release: free the arena spans read once the
-        copy has ended (False where other ranks read them too: whoever knows that all of
-        them have ended calls `discard`)."""
+        copy has ended, landed or not (False where other ranks read them too: whoever knows
+        that all of them have ended calls `discard`)."""
         start = time.perf_counter()
         try:
             payloads = fetch_payloads(shards, needs, self.import_timeout_s)
-            payloads, path = self._resolve(payloads, release)
         except LOST_OBJECT_ERRORS as error:
             raise KVLost(type(error).__name__) from None
-        fetched = time.perf_counter()
+        spans = [p.arena for p in payloads if p.arena is not None]
         try:
+            payloads, path = self._resolve(payloads)
+            fetched = time.perf_counter()
             state = cache.import_payloads(block_table, payloads)
-            mapped = [p.arena for p in payloads if p.arena is not None]
+            mapped = [p.arena for p in payloads if p.arena is not None]  # read from the mapping
             if not all(self.maps.still_holds(span) for span in mapped):
                 raise KVLost("an arena span was taken back during the copy")
+        except LOST_OBJECT_ERRORS as error:
+            raise KVLost(type(error).__name__) from None
         finally:
             if release:
-                self._release(payloads)
+                self._release(spans)
         timings = {
             "path": path,
             "get_s": fetched - start,
@@ -179,9 +182,9 @@ class HandoffIO:
         }
         return Landed(state, timings)
 
-    def _resolve(self, payloads: list[KVPayload], release: bool) -> tuple[list, str]:
-        """The payloads with their chunks in this process (arena views or object-store
-        buffers), and the path they came by."""
+    def _resolve(self, payloads: list[KVPayload]) -> tuple[list, str]:
+        """The payloads with their chunks in this process (views of an arena mapped here, which
+        keep their `arena`, or object-store buffers), and the path they came by."""
         resolved, path = [], "object_store"
         here = this_node_id()
         for payload in payloads:
@@ -191,8 +194,6 @@ class HandoffIO:
             elif span.node_id == here:
                 memory = self.maps.view(span)
                 if memory is None:
-                    if release:
-                        self._release(resolved)
                     raise KVLost(f"the arena {span.path} is gone or its span was reused")
                 resolved.append(payload.with_chunks(arena_chunks(memory, payload)))
                 path = "shm"
@@ -202,6 +203,8 @@ class HandoffIO:
         return resolved, path
 
     def _pull_from_other_node(self, payload: KVPayload) -> KVPayload:
+        """The payload's chunks put into the object store by their arena's owner, pulled here
+        (arena None: buffers of the object store)."""
         if payload.arena.owner is None:
             raise KVLost("an arena on another node, with no owner to ask")
         timeout = self.import_timeout_s
@@ -212,32 +215,33 @@ class HandoffIO:
 
     def discard(self, shards: list) -> None:
         """Release the arena spans of a hand-off that will not be imported (aborted, or ended
-        at its first token); a payload that is gone needs nothing."""
+        at its first token), or that every rank reading them has imported; a payload that is
+        gone needs nothing."""
         try:
             headers = fetch_payloads(shards, lambda p: p.arena is not None, self.import_timeout_s)
         except LOST_OBJECT_ERRORS:
             return
+        self._release([header.arena for header in headers])
+
+    def release_own_span(self, span) -> None:
+        """Free a span of this worker's arena (an importer on another node is done with it)."""
+        if self.arena is not None:
+            self.arena.free(span)
+
+    def _release(self, spans: list) -> None:
+        """Tell the spans' owners they may reuse them: through the arena's header on this node,
+        by a call to the owner from another (it no longer holds a span that is gone)."""
         here = this_node_id()
-        for header in headers:
-            span = header.arena
+        for span in spans:
             if span.node_id == here:
                 self.maps.release(span)
             elif span.owner is not None:
                 span.owner.release_arena_span.remote(span)
 
-    def release_own_span(self, span) -> None:
-        """Free a span of this worker's arena (an importer on another node dropped it)."""
-        if self.arena is not None:
-            self.arena.free(span)
-
-    def _release(self, payloads: list[KVPayload]) -> None:
-        """Free the arena spans on this node that these payloads were read from."""
-        for payload in payloads:
-            if payload.arena is not None and payload.chunks:
-                self.maps.release(payload.arena)
-
     def close(self) -> None:
         """Unlink this worker's arena and drop its mappings of others' (at shutdown)."""
         if self.arena is not None:
             self.arena.close()
+            self.arena = None
+        self._arena_failed = True  # exports after this go through the object store
         self.maps.close()

@@ -182,10 +182,10 @@ def test_the_arena_file_goes_when_its_owner_exits_or_is_killed():
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         assert os.path.exists(killed_span.path)  # a killed owner unlinks nothing
-        assert maps.view(killed_span) is None  # its lock went with it: the KV reads as lost
         next_owner = KVArena(1 << 20, lease_s=60, pin=False)  # the next arena on the node
         next_owner.close()
         assert not os.path.exists(killed_span.path) and not os.path.exists(next_owner.path)
+        assert maps.view(killed_span) is None  # its lock went with it: the KV reads as lost
         assert unlink_dead_arenas() == []
     finally:
         maps.close()

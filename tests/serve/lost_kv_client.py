@@ -1,10 +1,10 @@
 """Run by test_server.py inside the test cluster: lose a hand-off's KV, decode must recompute.
 
-Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV's chunks
-before anyone read it, then decodes the hand-off. Prints JSON: the decoded text, whether decode
-reported a recompute, and the greedy text of the same prompt through the normal path. With the
-server's URL as argument, also what an HTTP request answered while the Prefill replica's worker
-was dead (a 5xx: its error body must show no internals).
+Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV (its
+arena on this node, by default) before anyone read it, then decodes the hand-off. Prints JSON:
+the decoded text, whether decode reported a recompute, and the greedy text of the same prompt
+through the normal path. With the server's URL as argument, also what an HTTP request answered
+while the Prefill replica's worker was dead (a 5xx: its error body must show no internals).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ray import serve
 
 from rayinfer.deployments.types import DecodeRequest, GenerateRequest, PrefillRequest
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8, 250, 31]
 MAX_TOKENS = 12
@@ -38,15 +39,29 @@ def kill_and_wait(actor, timeout_s: float = 30) -> None:
 
 def wait_until_lost(shard, timeout_s: float = 30) -> None:
     """Ray notices an owner's death within about a second; until then the chunks still read.
-    An export the killed worker had not finished reads as its death."""
+    A KV in the worker's arena (the same-node path) reads as lost once its process is gone (its
+    lock on the arena with it). An export the killed worker had not finished reads as its
+    death."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get(ray.get(shard, timeout=5).chunks, timeout=5)
+            if not is_readable(ray.get(shard, timeout=5)):
+                return
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
             return
         time.sleep(0.2)
-    raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
+    raise TimeoutError(f"the KV was still readable {timeout_s}s after its owner died")
+
+
+def is_readable(payload) -> bool:
+    if payload.arena is None:
+        ray.get(payload.chunks, timeout=5)
+        return True
+    maps = ArenaMaps(pin=False)
+    try:
+        return maps.view(payload.arena) is not None
+    finally:
+        maps.close()
 
 
 def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, list[int]]:
@@ -94,6 +109,7 @@ def main() -> None:
         "token_ids": token_ids,
         "finish_reason": chunks[-1].finish_reason,
         "was_recomputed": chunks[0].was_recomputed,
+        "kv_in_arena": ray.get(result.handoff.payload.shards[0]).arena is not None,
         "reference_text": reference.text,
         "reference_token_ids": reference.token_ids,
         "http_while_prefill_worker_dead": during_death,

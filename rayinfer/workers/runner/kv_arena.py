@@ -21,8 +21,9 @@ another request's bytes.
 Lifetime of the file: the owner holds an exclusive `flock` on it for its whole life and
 unlinks it when it closes (at worker shutdown, or at exit). A shared `flock` taken without
 waiting succeeds only once the owner is dead (the kernel drops a dead process's locks): then
-importers read its KV as lost (decode recomputes, the KV-loss policy), and the next arena made
-on the node, or `unlink_dead_arenas`, unlinks the file.
+importers read its KV as lost (decode recomputes, the KV-loss policy), and the first importer to
+find it so, the next arena made on the node, or `unlink_dead_arenas` (a node's cleanup), unlinks
+the file.
 """
 
 from __future__ import annotations
@@ -86,13 +87,18 @@ class KVArena:
         self.node_id = this_node_id()
         folder = shared_folder(num_bytes)
         self.path = f"{folder}/{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.fd = _create_locked(self.path, num_bytes, reserve=pin)
-        self.is_sparse = not pin
-        self.memory = map_file(f"/proc/self/fd/{self.fd}", num_bytes)  # [num_bytes] uint8
-        self.table = self.memory[:HEADER_BYTES].view(torch.int64).view(MAX_SPANS, 2).numpy()
-        self.is_pinned = pin and pin_host(self.memory)
         self.held: dict[int, _Held] = {}  # slot -> the span held there
         self._next_generation = 1
+        self.fd = _create_locked(self.path, num_bytes, reserve=pin)
+        self.is_sparse = not pin
+        self.is_pinned = False
+        try:
+            self.memory = map_file(f"/proc/self/fd/{self.fd}", num_bytes)  # [num_bytes] uint8
+            self.table = self.memory[:HEADER_BYTES].view(torch.int64).view(MAX_SPANS, 2).numpy()
+            self.is_pinned = pin and pin_host(self.memory)
+        except BaseException:  # no arena: leave no file behind
+            self.close()
+            raise
         atexit.register(self.close)
 
     # --- spans -------------------------------------------------------------------------------
@@ -170,6 +176,7 @@ class KVArena:
             return
         if self.is_pinned:
             unpin_host(self.memory)
+            self.is_pinned = False
         self.table = None
         self.memory = None
         try:
@@ -193,7 +200,7 @@ def _create_locked(path: str, num_bytes: int, reserve: bool) -> int:
         os.rename(temp, path)
     except BaseException:
         os.close(fd)
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise
     return fd
 
@@ -224,9 +231,9 @@ def unlink_dead_arenas(folders: tuple[str, ...] | None = None) -> list[str]:
         for name in names:
             path = os.path.join(folder, name)
             if name.startswith(FILE_PREFIX) and _is_dead(path):
-                unlinked += [path] if _unlink_quietly(path) else []
+                unlinked += [path] if unlink_quietly(path) else []
             elif name.startswith(f".{FILE_PREFIX}") and _is_stale_temp(path):
-                unlinked += [path] if _unlink_quietly(path) else []
+                unlinked += [path] if unlink_quietly(path) else []
     return unlinked
 
 
@@ -248,7 +255,8 @@ def _is_stale_temp(path: str) -> bool:
         return False
 
 
-def _unlink_quietly(path: str) -> bool:
+def unlink_quietly(path: str) -> bool:
+    """Unlink `path` unless it is gone already (or not ours); whether this call unlinked it."""
     try:
         os.unlink(path)
     except (FileNotFoundError, PermissionError):

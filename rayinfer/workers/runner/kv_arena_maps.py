@@ -3,7 +3,8 @@ view of the exporter's own pages, checked against the owner's death and the span
 
 Each arena is opened and mapped once per importing process (page-locked on CUDA, so that the
 host -> device copy reads the exporter's pages by DMA; registering 2 GiB costs far more than a
-request's copy) and kept until its owner is found dead or gone.
+request's copy) and kept until its owner is found dead or gone; an importer that finds the owner
+dead unlinks its file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import numpy as np
 import torch
 
 from rayinfer.comm.shm import map_file, pin_host, unpin_host
-from rayinfer.workers.runner.kv_arena import HEADER_BYTES, MAX_SPANS, ArenaSpan, owner_is_alive
+from rayinfer.workers.runner.kv_arena import (
+    HEADER_BYTES,
+    MAX_SPANS,
+    ArenaSpan,
+    owner_is_alive,
+    unlink_quietly,
+)
 
 
 @dataclass
@@ -38,8 +45,9 @@ class ArenaMaps:
         mapping = self._mapping(span.path)
         if mapping is None:
             return None
-        if not owner_is_alive(mapping.fd):
+        if not owner_is_alive(mapping.fd):  # killed: its file is ours to unlink
             self._drop(span.path)
+            unlink_quietly(span.path)
             return None
         if not self.still_holds(span):
             return None

@@ -32,11 +32,11 @@ def expected(ray_cluster):
     return rayinfer.LLM("tiny", max_model_len=128).generate(PROMPT_IDS, GREEDY)[0].token_ids
 
 
-def engine_for(phase: str, path: str = "auto"):
+def engine_for(phase: str, path: str = "auto", tp: int = 1):
     config = AppConfig(
         max_model_len=128,
         prefill={"num_kv_blocks": 64},
-        decode={"num_kv_blocks": 64},
+        decode={"num_kv_blocks": 64, "tp": tp},
         kv_handoff={"path": path},
     )
     source = ModelSource.resolve(config)
@@ -131,6 +131,26 @@ def test_a_dropped_handoff_releases_its_span(ray_cluster, prefill, decode, how):
         wait_until(lambda: maps.is_released(span), "the decode worker's release of the span")
     finally:
         maps.close()
+
+
+def test_two_decode_ranks_read_one_span_which_is_released_once_both_have(
+    ray_cluster, prefill, expected
+):
+    """MLA's latent is the same on every tensor-parallel rank: one span, read by both."""
+    ray = ray_cluster
+    prefill_engine, _ = prefill
+    decode_engine, decode_group = engine_for("decode", tp=2)
+    maps = ArenaMaps(pin=False)
+    try:
+        handoff = prefill_handoff(prefill_engine, "two-ranks")
+        span = ray.get(handoff.payload.shards[0]).arena
+        decode_engine.add_prefilled_request(handoff, GREEDY)
+        assert run_to_end(decode_engine, "two-ranks") == expected
+        assert decode_group.stats.handoff_timings["two-ranks"]["path"] == "shm"
+        wait_until(lambda: maps.is_released(span), "the group's release once both ranks landed")
+    finally:
+        maps.close()
+        decode_group.shutdown()
 
 
 def test_handoff_by_reference_through_the_object_store(ray_cluster, decode, expected):

@@ -56,6 +56,22 @@ def prefill(ray_cluster):
     group.shutdown()
 
 
+@pytest.fixture(scope="module")
+def decode_of(ray_cluster):
+    """decode_of(block_size) -> (engine, group): one decode replica per block size, shared by
+    the module's tests (each uses its own request ids)."""
+    made = {}
+
+    def decode(block_size: int):
+        if block_size not in made:
+            made[block_size] = engine_for("decode", block_size=block_size)
+        return made[block_size]
+
+    yield decode
+    for _, group in made.values():
+        group.shutdown()
+
+
 def prefilled(engine, request_id: str) -> KVHandoff:
     engine.add_request(request_id, PROMPT_IDS, GREEDY, prefill_only=True)
     step_until(engine, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
@@ -92,7 +108,9 @@ def finished(request_id: str):
 
 
 @pytest.mark.parametrize("path", ["object_store", "shm"])
-def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected, prefill, path):
+def test_a_pending_import_does_not_hold_up_the_batch(
+    ray_cluster, expected, prefill, decode_of, path
+):
     """The KV held back by a gate: an in-process payload (put into the object store by the
     decode group), or the header of a prefill worker's arena export."""
     ray = ray_cluster
@@ -112,7 +130,8 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected, pref
             return payload
 
     gate = Gate.options(max_concurrency=2).remote()
-    decode, group = engine_for("decode")
+    decode, group = decode_of(16)
+    other = f"other-{path}"
     try:
         held = expected["handoff"] if path == "object_store" else prefilled(prefill, "held")
         header = held.payload
@@ -123,9 +142,9 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected, pref
         late_kv = KVRefs([gate.payload.remote(header)], header.num_bytes, ["gate"])
         late = KVHandoff(held.request_id, held.prompt_token_ids, held.first_token_id, late_kv)
         decode.add_prefilled_request(late, GREEDY)
-        decode.add_request("other", OTHER_IDS, GREEDY)
-        outputs = step_until(decode, finished("other"))  # decodes while the KV is held back
-        assert tokens_of(outputs, "other") == expected["other"]
+        decode.add_request(other, OTHER_IDS, GREEDY)
+        outputs = step_until(decode, finished(other))  # decodes while the KV is held back
+        assert tokens_of(outputs, other) == expected["other"]
         in_flight = decode.handoffs.imports_in_flight
         assert [p.state.seq.request_id for p in in_flight] == [held.request_id]
         assert not any(o.request_id == held.request_id and o.token_ids for o in outputs)
@@ -136,58 +155,58 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected, pref
         assert decode.kv_usage == 0
         assert group.stats.handoff_timings[held.request_id]["path"] == path
     finally:
-        group.shutdown()
+        ray.kill(gate)
 
 
-def test_export_frees_its_blocks_once_copied(ray_cluster, expected, prefill):
-    decode, decode_group = engine_for("decode", block_size=8)  # another block size
-    try:
-        prefill.add_request("h", PROMPT_IDS, GREEDY, prefill_only=True)
-        step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
-        handoff = prefill.take_handoff("h")
-        assert handoff.num_bytes > 0
-        # The blocks stay held until the engine sees the export done (at a later step).
-        step_until(prefill, lambda outs: not prefill.handoffs.exports_in_flight)
-        assert prefill.kv_usage == 0
+def test_export_frees_its_blocks_once_copied(ray_cluster, expected, prefill, decode_of):
+    decode, decode_group = decode_of(8)  # another block size
+    prefill.add_request("h", PROMPT_IDS, GREEDY, prefill_only=True)
+    step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
+    handoff = prefill.take_handoff("h")
+    assert handoff.num_bytes > 0
+    # The blocks stay held until the engine sees the export done (at a later step).
+    step_until(prefill, lambda outs: not prefill.handoffs.exports_in_flight)
+    assert prefill.kv_usage == 0
 
-        decode.add_prefilled_request(handoff, GREEDY)
-        outputs = step_until(decode, finished("h"))
-        assert tokens_of(outputs, "h") == expected["prompt"]
-        timings = decode_group.stats.handoff_timings["h"]
-        assert {"get_s", "copy_s", "path"} <= timings.keys()
-        assert {"export_s", "put_s", "copy_s", "path"} <= timings["export"].keys()
-    finally:
-        decode_group.shutdown()
+    decode.add_prefilled_request(handoff, GREEDY)
+    outputs = step_until(decode, finished("h"))
+    assert tokens_of(outputs, "h") == expected["prompt"]
+    timings = decode_group.stats.handoff_timings["h"]
+    assert {"get_s", "copy_s", "path"} <= timings.keys()
+    assert {"export_s", "put_s", "copy_s", "path"} <= timings["export"].keys()
 
 
 @pytest.mark.parametrize("path", ["object_store", "auto"])
-def test_bytes_survive_export_then_import(ray_cluster, prefill, path):
+def test_bytes_survive_export_then_import(ray_cluster, prefill, decode_of, path):
     """export -> put -> get -> import (object_store), or export -> header -> mapped import
-    (auto, the same-node arena), between groups of block sizes 16 and 8."""
+    (auto, the same-node arena), between groups of block sizes 16 and 8 (the decode group
+    exports back through its own arena)."""
     ray = ray_cluster
     own_prefill = None
     if path == "object_store":
         prefill, own_prefill = engine_for("prefill", path=path)
-    decode, decode_group = engine_for("decode", block_size=8, path=path)
+    decode, decode_group = decode_of(8)
+    request_id = f"b-{path}"
     try:
-        handoff = prefilled(prefill, f"b-{path}")
+        handoff = prefilled(prefill, request_id)
         [shard] = handoff.payload.shards
         sent = ray.get(shard)
         assert (sent.arena is not None) == (path == "auto")
         before = payload_bytes(ray, sent)  # read now: the import releases the span
-        # Into the decode cache (block size 8, blocks 3, 0, 5), then exported again from there.
-        table = [3, 0, 5]
-        pending = decode_group.import_kv("b", table, handoff.payload)
+        # Into the decode cache (block size 8, blocks 43, 40, 45: past what the engine's own
+        # requests take), then exported again from there.
+        table = [43, 40, 45]
+        pending = decode_group.import_kv(request_id, table, handoff.payload)
         while decode_group.transfers_done([pending]) != [True]:
             time.sleep(0.01)
         decode_group.finish_import(pending)
-        assert decode_group.stats.handoff_timings["b"]["path"] == {"auto": "shm"}.get(path, path)
-        [back] = decode_group.export_kv("b", table, len(PROMPT_IDS)).shards
+        came_by = decode_group.stats.handoff_timings[request_id]["path"]
+        assert came_by == {"auto": "shm"}.get(path, path)
+        [back] = decode_group.export_kv(request_id, table, len(PROMPT_IDS)).shards
         received = ray.get(back)
         assert received.shape == sent.shape and received.dtype == sent.dtype
         after = payload_bytes(ray, received)
         assert before.shape[1] == len(PROMPT_IDS) and np.array_equal(before, after)
     finally:
-        decode_group.shutdown()
         if own_prefill is not None:
             own_prefill.shutdown()

@@ -153,7 +153,7 @@ def test_two_decode_ranks_read_one_span_which_is_released_once_both_have(
         decode_group.shutdown()
 
 
-def test_handoff_by_reference_through_the_object_store(ray_cluster, decode, expected):
+def test_handoff_by_reference_through_the_object_store_and_its_loss(ray_cluster, decode, expected):
     ray = ray_cluster
     decode_engine, decode_group = decode
     prefill_engine, prefill_group = engine_for("prefill", path="object_store")
@@ -170,24 +170,22 @@ def test_handoff_by_reference_through_the_object_store(ray_cluster, decode, expe
         assert handoff.num_bytes == payload.num_bytes > 0
         decode_engine.add_prefilled_request(handoff, GREEDY)
         assert run_to_end(decode_engine, "h0") == expected
-        assert decode_engine.handoffs.num_kv_recomputes == 0
         assert decode_group.stats.handoff_timings["h0"]["path"] == "object_store"
+        lost = prefill_handoff(prefill_engine, "lost-object-store")
+        lost_chunk = ray.get(lost.payload.shards[0]).chunks[0]  # the export finished
     finally:
-        prefill_group.shutdown()
+        prefill_group.shutdown()  # kills the worker that owns the KV's chunks
+    wait_until_lost(ray, lost_chunk)
+    assert_recomputed(decode, lost, expected)
 
 
-@pytest.mark.parametrize(
-    "path, death",
-    [("object_store", "shut down"), ("auto", "shut down"), ("auto", "killed")],
-)
-def test_lost_owner_is_recomputed(ray_cluster, decode, expected, path, death):
+@pytest.mark.parametrize("death", ["shut down", "killed"])
+def test_lost_arena_owner_is_recomputed(ray_cluster, decode, expected, death):
     ray = ray_cluster
-    decode_engine, decode_group = decode
-    prefill_engine, prefill_group = engine_for("prefill", path=path)
-    request_id = f"lost-{path}-{death[0]}"
+    prefill_engine, prefill_group = engine_for("prefill")
     try:
-        handoff = prefill_handoff(prefill_engine, request_id)
-        payload = ray.get(handoff.payload.shards[0])  # the export finished
+        handoff = prefill_handoff(prefill_engine, f"lost-arena-{death[0]}")
+        span = ray.get(handoff.payload.shards[0]).arena  # the export finished
     finally:
         pid = prefill_group.descriptions[0]["pid"]
         if death == "killed":  # as a crash: nothing closes the arena
@@ -195,20 +193,24 @@ def test_lost_owner_is_recomputed(ray_cluster, decode, expected, path, death):
             wait_until(lambda: not os.path.exists(f"/proc/{pid}"), "the worker's exit")
         else:
             prefill_group.shutdown()
-    if path == "object_store":
-        wait_until_lost(ray, payload.chunks[0])
-    else:  # shut down: its file is unlinked; killed: it stays until the next arena
-        assert os.path.exists(payload.arena.path) == (death == "killed")
+    # shut down: its file is unlinked; killed: it stays until someone finds the owner dead
+    assert os.path.exists(span.path) == (death == "killed")
+    assert_recomputed(decode, handoff, expected)
+    # killed: the decode worker that found the owner dead unlinked its file
+    assert not os.path.exists(span.path)
+
+
+def assert_recomputed(decode, handoff, expected) -> None:
+    """The hand-off's KV reads as lost (naming its owner), and decode recomputes the prompt."""
+    decode_engine, decode_group = decode
     pending = decode_group.import_kv("probe", [0], handoff.payload)
     with pytest.raises(KVLostError, match="rayinfer-test-prefill-"):
         decode_group.finish_import(pending)
     decode_engine.add_prefilled_request(handoff, GREEDY)
     recomputes = decode_engine.handoffs.num_kv_recomputes
-    assert run_to_end(decode_engine, request_id) == expected
+    assert run_to_end(decode_engine, handoff.request_id) == expected
     assert decode_engine.handoffs.num_kv_recomputes == recomputes + 1
-    assert request_id in decode_group.stats.lost_request_ids
-    if death == "killed":  # the decode worker that found the owner dead unlinked its file
-        assert not os.path.exists(payload.arena.path)
+    assert handoff.request_id in decode_group.stats.lost_request_ids
 
 
 def wait_until_lost(ray, ref, timeout_s: float = 30) -> None:

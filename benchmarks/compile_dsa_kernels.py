@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
 
-from rayinfer.kernels.dsa import dsa_cache, dsa_indexer, sparse_mla, v4_attention  # noqa: E402
+from rayinfer.kernels.dsa import (  # noqa: E402
+    dsa_cache,
+    dsa_indexer,
+    radix_topk,
+    sparse_mla,
+    v4_attention,
+)
 from rayinfer.kernels.mla.mla_decode_kernels import _mla_combine_kernel  # noqa: E402
 from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
 from rayinfer.kernels.triton_compat import triton  # noqa: E402
@@ -151,6 +157,37 @@ def v4_attention_every(arch: int, dtype: str):
     return _v4_attention(arch, dtype, v4_attention.EVERY_ENTRY, V4_HCA_RATE)
 
 
+def _radix_params() -> dict:
+    return pick_tile_config("radix_topk", "default", "default", 1)
+
+
+def topk_histogram(arch: int, dtype: str):
+    """The selection's last histogram pass (three chosen bytes to re-derive): float32 scores,
+    whatever the model's dtype."""
+    params = _radix_params()
+    types = dict(scores_ptr="*fp32", hist_ptr="*i32")
+    constants = dict(PASS=3, BLOCK=params["BLOCK"])
+    return compile_for(radix_topk._radix_histogram_kernel, types, constants, arch,
+                       params["num_warps"], 1)  # fmt: skip
+
+
+def topk_count(arch: int, dtype: str):
+    params = _radix_params()
+    types = dict(scores_ptr="*fp32", hist_ptr="*i32", split_counts_ptr="*i32")
+    return compile_for(radix_topk._radix_count_kernel, types, dict(BLOCK=params["BLOCK"]), arch,
+                       params["num_warps"], 1)  # fmt: skip
+
+
+def topk_write(arch: int, dtype: str):
+    """The write pass as decode runs it: chosen positions mapped to cache slots."""
+    params = _radix_params()
+    types = dict(scores_ptr="*fp32", hist_ptr="*i32", split_counts_ptr="*i32", out_ptr="*i32",
+                 block_tables_ptr="*i32", query_seq_ptr="*i32", positions_ptr="*i64")  # fmt: skip
+    constants = dict(BLOCK=params["BLOCK"], BLOCK_SPLITS=64, TO_SLOTS=True)
+    return compile_for(radix_topk._radix_write_kernel, types, constants, arch,
+                       params["num_warps"], 1)  # fmt: skip
+
+
 KERNELS = {
     "sparse_mla": sparse_mla_split,
     "sparse_mla_combine": sparse_mla_combine,
@@ -160,10 +197,15 @@ KERNELS = {
     "v4_index_scores": v4_index_scores,
     "v4_attention_listed": v4_attention_listed,
     "v4_attention_every": v4_attention_every,
+    "dsa_topk_histogram": topk_histogram,
+    "dsa_topk_count": topk_count,
+    "dsa_topk_write": topk_write,
 }
 # DeepSeek-V4's serve bf16 models; their float32 path (parity runs) is the same code with
 # smaller tiles, compiled on the GPU by tests/gpu/test_v4_kernels.py.
 V4_KERNELS = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")
+# The radix top-k reads float32 scores whatever the model's dtype: compiled once ("bf16").
+TOPK_KERNELS = ("dsa_topk_histogram", "dsa_topk_count", "dsa_topk_write")
 # Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa/dsa_index_fp8.FP8_CAPABILITY). FP8
 # keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill
 # instructions), left to float32 parity runs, which keep "auto" keys.
@@ -201,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for dtype in args.dtype or ["bf16"]:
                 if kernel in FP8_KERNELS and dtype not in FP8_DTYPES:
                     continue
-                if kernel in V4_KERNELS and dtype == "fp32":
+                if kernel in V4_KERNELS + TOPK_KERNELS and dtype == "fp32":
                     continue
                 rows.append(report(kernel, arch, dtype))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)

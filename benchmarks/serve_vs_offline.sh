@@ -9,7 +9,8 @@
 #   3. with WITH_TRANSFORMERS=1: rayinfer at concurrency 16 on text prompts (--seed 50), then
 #      `transformers serve` on the same folder, same client, same prompts.
 # Each serve pass sends $WARMUPS (16) untimed requests first, as the offline runs warm up;
-# OFFLINE=0 skips step 1; SERVE_PASSES (default "c16 c64") and RATES (empty: no sweep) choose the
+# OFFLINE=0 skips step 1; SERVE_PASSES (default "c16 c64"; chatN / jsonN: chat at 16 streams
+# without / with a json_schema response_format) and RATES (empty: no sweep) choose the
 # serve passes. Arguments go to `build`, e.g. `disaggregate=false load_format=dummy` or `disaggregate=true`;
 # with load_format=dummy the offline engine draws random weights too (transformers serve needs
 # real weights in the folder: without *.safetensors it is skipped). Run through the device tool
@@ -71,6 +72,14 @@ if wait_up "http://127.0.0.1:$PORT" "${UP_TIMEOUT:-600}"; then
     case $pass in
       c16) bench serve_c16 "$URL" --max-concurrency 16 --seed 0 ;;
       c64) bench serve_c64 "$URL" --max-concurrency 64 --seed 1 ;;
+      # chat at 16 streams without and with structured output (issue 25), alternated, each
+      # pass on fresh prompts: chat1 json1 chat2 json2
+      chat[0-9]) bench "serve_$pass" "$URL" --endpoint chat --max-concurrency 16 --seed "2${pass#chat}0" ;;
+      json[0-9])
+        echo '{"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": "object",
+          "properties": {"text": {"type": "string"}}, "required": ["text"]}}}' >"$OUT/format.json"
+        bench "serve_$pass" "$URL" --endpoint chat --max-concurrency 16 --seed "2${pass#json}1" \
+          --response-format "$OUT/format.json" ;;
     esac
   done
   # shellcheck disable=SC2086
@@ -132,6 +141,8 @@ rows = [("serve c16 / offline (all at once)", summary("serve_c16"), offline),
         ("serve c64 / offline c64", summary("serve_c64"), summary("offline_c64")),
         ("transformers c16 / rayinfer c16 (text)", summary("transformers_c16"),
          summary("serve_c16_text"))]
+rows += [(f"json_schema / plain chat c16, pass {i}", summary(f"serve_json{i}"),
+          summary(f"serve_chat{i}")) for i in range(1, 10)]
 print(f"{'':40} {'input tok/s':>12} {'output tok/s':>13} {'P50 TPOT':>9} {'P50 TTFT':>9}")
 for label, a, b in rows:
     if a is None or b is None:

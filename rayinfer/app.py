@@ -4,6 +4,7 @@
     serve run rayinfer.app:build model=/path/to/checkpoint decode.autoscaling.max_replicas=2
     serve run rayinfer.app:build disaggregate=false engine.max_num_batched_tokens=8192
     serve run rayinfer.app:build prefill.resources.prefill_box=1 decode.resources.decode_box=1
+    serve deploy examples/serve_config_nodes.yaml --address=http://<head>:8265   # the same, as YAML
 
 Disaggregated (`disaggregate=true`): three deployments, `Ingress` (OpenAI API over HTTP,
 Python-handle API), `Prefill` and `Decode`, each replica of the last two holding its own
@@ -14,7 +15,9 @@ decode in mixed batches. `auto` (the default) is colocated where the two phases 
 (rayinfer/deployments/config.py); the checks of a phase's section (plan, FP8 weights, GPU
 shares) apply to the sections the chosen mode serves with. A phase's `resources` pin its
 replicas to the Ray nodes offering them (docs/serving.md); build checks that an alive
-node holds a whole replica (deployments/node_fit.py).
+node holds a whole replica, and that the pinned replicas Serve starts with fit the nodes all
+at once (deployments/node_fit.py). Under `serve deploy` build runs in a Ray task on some node
+of the cluster, and reads the nodes from there.
 """
 
 from __future__ import annotations

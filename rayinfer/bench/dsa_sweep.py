@@ -3,8 +3,8 @@ kernel at GLM-5's decode shapes (batch 1/16/64 over 128k tokens; dsa_shapes.py's
 
 Each config (the keys its kernel reads from configs/sparse_mla.json or dsa_indexer.json) is
 first checked against the float32 reference on one small case; one that fails to compile, to
-launch (shared memory) or to match is skipped with its reason. The rest are timed with short
-do_bench windows (the whole --sweep stays within a few minutes on an H200). Printed: the best
+launch (shared memory) or to match is skipped with its reason. The rest are timed from short
+CUDA-graph replays (the whole --sweep stays within a few minutes on an H200). Printed: the best
 config per shape, and the one for the file, whose entries are bucketed by heads per rank only
 (not by batch): the least geometric-mean time over the three shapes.
 """
@@ -18,6 +18,7 @@ import math
 import torch
 
 from rayinfer.bench import dsa_shapes as glm5
+from rayinfer.bench.graph_timing import graph_median_ms
 from rayinfer.kernels.dsa.dsa_indexer import context_slots, index_scores
 from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
@@ -47,6 +48,11 @@ SPARSE_MLA_SWEEP = [dict(zip(SPARSE_MLA_KEYS, values)) for values in (
     (32, 64, 8, 2, 1056, 64, 64),
     (16, 16, 4, 3, 1056, 32, 64),
     (32, 16, 4, 2, 1056, 32, 64),
+    # more splits: a few decodes' programs fill the GPU
+    (16, 32, 4, 2, 2112, 64, 64),
+    (32, 32, 8, 2, 2112, 32, 64),
+    (64, 32, 8, 2, 2112, 32, 64),
+    (16, 64, 4, 3, 1056, 64, 64),
 )]  # fmt: skip
 INDEXER_KEYS = ("BLOCK_N", "KEYS_PER_PROGRAM", "num_warps", "num_stages")
 INDEXER_SWEEP = [dict(zip(INDEXER_KEYS, values)) for values in (
@@ -60,12 +66,11 @@ INDEXER_SWEEP = [dict(zip(INDEXER_KEYS, values)) for values in (
 
 
 def quick_ms(fn) -> float:
-    """Median of a short do_bench window (each config is timed at three shapes); inf where it
-    fails at this shape (printed), which rules the config out of the file's pick."""
-    import triton.testing
-
+    """Median GPU time from a CUDA graph's replays (bench/graph_timing.py: decode's way, with no
+    Python launch cost to drown small shapes); inf where it fails at this shape (printed), which
+    rules the config out of the file's pick."""
     try:
-        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        return graph_median_ms(fn, samples=12, replays=5, warm_samples=2)
     except Exception as failure:  # a launch past a limit that the small check did not reach
         print(f"  failed: {type(failure).__name__}: {failure}"[:240], flush=True)
         return math.inf

@@ -1,14 +1,17 @@
 """`python -m rayinfer.bench kernels dsa [--json PATH] [--sweep [--config-out FILE]]`: DeepSeek
 Sparse Attention's kernels on CUDA at GLM-5's shapes (64 heads per rank, latent 512, rope 64,
 index_topk 2048; indexer 32 heads x 128; cache rows [c_kv | k_pe | index key] 704 bf16 wide,
-blocks of 64), as medians of `triton.testing.do_bench` after warm-up:
+blocks of 64), as medians of CUDA-graph replays (bench/graph_timing.py: each op replayed as
+decode runs it; `--timing eager`: `do_bench`, Python launches included) after warm-up:
 
 - the HBM copy figure of this run: a 1 GiB `copy_` (bytes read + written / time);
 - sparse decode attention (kernels/dsa/sparse_mla) at batch 1/16/64 over contexts 8k/128k/1M, each
   decode attending to 2048 distinct random tokens of its context: time, and the bandwidth of the
   bytes it must read (T x 2048 rows of (L + R) x 2 bytes + the queries) against the copy figure;
 - the indexer at decode (kernels/dsa/dsa_indexer) at batch 1/16/64 over contexts 8k/128k/1M: the
-  whole selection (scores + top-k) and the score kernel alone, with the bandwidth of its key reads;
+  whole selection (scores + top-k as "auto" picks it), with the radix select and with torch.topk
+  each, and the score kernel alone,
+  with the bandwidth of its key reads;
 - the same-run dense baseline: rayinfer's absorbed MLA decode (ops.mla_decode_attention) over
   plain [blocks, 64, 576] caches of the same contexts, and the kernel-level figure
   speedup = dense_ms / (indexer_ms + sparse_ms), DSA's whole attention cost per layer being its
@@ -42,6 +45,7 @@ from rayinfer.bench.dsa_shapes import (
     own_contexts,
     random_bf16,
 )
+from rayinfer.bench.graph_timing import graph_median_ms
 from rayinfer.kernels import ops
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk, index_params, index_scores
 from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention
@@ -76,10 +80,19 @@ def indexer_cache_bytes(batch: int, context: int) -> int:
     return batch * context * ROW_WIDTH * ELEMENT_BYTES
 
 
+TIMINGS = ("graph", "eager")
+TIMING = {"mode": "graph"}  # main's --timing
+
+
 def median_ms(fn) -> float:
+    """The median of fn's GPU time: replayed from a CUDA graph (bench/graph_timing.py, as decode
+    runs these kernels), or launched eagerly (`--timing eager`, where a few small launches cost
+    more on the host than on the GPU)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if TIMING["mode"] == "eager":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return graph_median_ms(fn)
 
 
 def copy_bytes_per_s() -> float:
@@ -117,12 +130,15 @@ def time_indexer(batch: int, context: int, copy_rate: float) -> dict:
     weights = torch.randn(batch, INDEX_HEADS, device="cuda", generator=generator)
     args = (q_index, weights, kv_cache, LATENT_RANK + ROPE_DIM, tables, query_seq, positions)
     ms = median_ms(lambda: dsa_index_topk(*args, TOPK, context))
+    radix_ms = median_ms(lambda: dsa_index_topk(*args, TOPK, context, selection="radix"))
+    torch_ms = median_ms(lambda: dsa_index_topk(*args, TOPK, context, selection="torch"))
     buffer = torch.empty(batch, context, dtype=torch.float32, device="cuda")
     params = index_params(q_index)
     scores_ms = median_ms(lambda: index_scores(*args, buffer, params))
     rate = indexer_bytes(batch, context) / (scores_ms * 1e-3)
     return dict(kernel="dsa_indexer_decode", batch=batch, context=context, ms=ms,
-                scores_ms=scores_ms, topk_ms=ms - scores_ms, bytes=indexer_bytes(batch, context),
+                scores_ms=scores_ms, topk_ms=ms - scores_ms, radix_topk_ms=radix_ms,
+                torch_topk_ms=torch_ms, bytes=indexer_bytes(batch, context),
                 tb_per_s=rate / 1e12, copy_share=rate / copy_rate)  # fmt: skip
 
 
@@ -172,6 +188,9 @@ def print_row(row: dict) -> None:
               f"sparse {row['sparse_ms']:.3f}) = {row['speedup']:6.2f}x", flush=True)  # fmt: skip
     else:
         extra = f" scores {row['scores_ms']:.3f} ms" if "scores_ms" in row else ""
+        if "torch_topk_ms" in row:  # the same selection with torch.topk, same run
+            extra += (f" (radix {row['radix_topk_ms']:.3f} ms, torch.topk "
+                      f"{row['torch_topk_ms']:.3f} ms)")  # fmt: skip
         print(f"{head} {row['ms']:8.3f} ms{extra}  {row['tb_per_s']:5.2f} TB/s "
               f"({row['copy_share']:.0%} of copy)", flush=True)  # fmt: skip
 
@@ -199,6 +218,9 @@ def timed(rows: dict, case: tuple[int, int]) -> dict | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rayinfer.bench kernels dsa")
     parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--timing", choices=TIMINGS, default="graph",
+                        help="graph: each op replayed from a CUDA graph (decode's way); eager: "
+                        "launched from Python, host launch cost included")  # fmt: skip
     parser.add_argument(
         "--sweep", action="store_true", help="also sweep both kernels' tiles at 1/16/64 x 128k"
     )
@@ -212,6 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    TIMING["mode"] = args.timing
     if not torch.cuda.is_available():
         print("kernels dsa: no CUDA device; nothing to measure")
         return 0
@@ -225,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in speedups:
         print_row(row)
     rows = [*sparse.values(), *indexer.values(), *dense.values(), *speedups]
-    result = dict(device=torch.cuda.get_device_name(), copy_tb_per_s=copy_rate / 1e12, rows=rows)
+    result = dict(device=torch.cuda.get_device_name(), copy_tb_per_s=copy_rate / 1e12,
+                  timing=args.timing, rows=rows)  # fmt: skip
     if args.sweep:
         result["sweep"] = dsa_sweep.run(args.config_out)
     if args.json:

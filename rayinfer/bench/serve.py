@@ -17,6 +17,9 @@ sends them all at once. `--max-concurrency N` caps the requests in flight whatev
 default there is no cap (as vllm bench serve). A list of rates runs one pass per rate, each on
 fresh prompts (seed, seed+1, ...) so the server's prefix cache cannot serve a later pass.
 
+`--response-format` puts structured output (OpenAI's `response_format`, which rayinfer takes on
+completions too) on every request, to measure what the grammar costs against a pass without it.
+
 Every request is greedy and generates exactly its output length (`ignore_eos`; for transformers
 serve, `min_new_tokens` in its `generation_config`). TTFT is taken at the first chunk that
 carries a generated token, even one with empty text (rayinfer/bench/serve_client.py). Datasets
@@ -111,6 +114,11 @@ def parse_args(argv):
         help="requests of the dataset (seed - 1, so not the timed ones) sent untimed first, at "
         "--max-concurrency: a fresh server compiles kernels and fills allocators on them",
     )  # fmt: skip
+    parser.add_argument(
+        "--response-format", type=parse_response_format, default=None,
+        help="structured output on every request: json_object, or a JSON file holding OpenAI's "
+        "response_format object (e.g. a json_schema)",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=600, help="per request")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--plot", default=None, help="write throughput and TTFT to this PNG")
@@ -120,6 +128,21 @@ def parse_args(argv):
     if args.burstiness <= 0:
         raise SystemExit(f"--burstiness={args.burstiness} must be > 0")
     return args
+
+
+def parse_response_format(value: str) -> dict:
+    """--response-format: "json_object", or the path of a JSON file with the whole object."""
+    if value == "json_object":
+        return {"type": "json_object"}
+    try:
+        with open(value) as f:
+            response_format = json.load(f)
+    except (OSError, ValueError) as error:
+        message = f"{value}: not json_object nor a JSON file ({error})"
+        raise argparse.ArgumentTypeError(message) from None
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise argparse.ArgumentTypeError(f"{value}: needs an object with a 'type'")
+    return response_format
 
 
 def arrival_times(num: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -156,7 +179,7 @@ async def run_pass(session, args, model: str, requests: list[SampleRequest], rat
             await limit.acquire()
         try:
             sent_s = time.perf_counter() - start
-            body = request_body(request, model, args.endpoint, args.backend)
+            body = request_body(request, model, args.endpoint, args.backend, args.response_format)
             result = await send_one(session, args.url, body, request, args.endpoint)
             result.sent_s = sent_s
             return result
@@ -172,7 +195,7 @@ async def warm_up(session, args, model: str) -> float:
     """One request outside the timing; returns the server's words per token (1.0 if unknown)."""
     text = " ".join(random.Random(args.seed - 1).choices(WORDS, k=NUM_WARMUP_WORDS))
     request = SampleRequest(text, NUM_WARMUP_WORDS, 4)
-    body = request_body(request, model, args.endpoint, args.backend)
+    body = request_body(request, model, args.endpoint, args.backend, args.response_format)
     result = await send_one(session, args.url, body, request, args.endpoint)
     if not result.ok:
         raise SystemExit(f"the warm-up request failed: {result.error}")

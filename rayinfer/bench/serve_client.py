@@ -45,6 +45,7 @@ class RequestResult:
     kv_bytes: float = 0.0
     kv_parts_s: dict[str, float] = field(default_factory=dict)  # HANDOFF_PARTS the server sent
     kv_path: str = ""  # how its KV came: shm, object_store or arena_via_object_store
+    text: str = ""  # what was generated, as streamed
 
     @property
     def tpot_s(self) -> float | None:
@@ -53,8 +54,10 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def request_body(request: SampleRequest, model: str, endpoint: str, backend: str) -> dict:
-    """A streamed, greedy request for exactly `output_len` tokens, in the backend's dialect."""
+def request_body(request: SampleRequest, model: str, endpoint: str, backend: str,
+                 response_format: dict | None = None) -> dict:  # fmt: skip
+    """A streamed, greedy request for exactly `output_len` tokens, in the backend's dialect;
+    `response_format` as OpenAI's (structured output), when given."""
     body = {
         "model": model,
         "max_tokens": request.output_len,
@@ -74,6 +77,8 @@ def request_body(request: SampleRequest, model: str, endpoint: str, backend: str
         body["stream_options"]["continuous_usage_stats"] = True
     if backend == "rayinfer":
         body["rayinfer_timings"] = True
+    if response_format is not None:
+        body["response_format"] = response_format
     return body
 
 
@@ -96,6 +101,7 @@ def record_event(result: RequestResult, event: dict, elapsed_s: float) -> None:
     choices = event.get("choices") or []
     usage = event.get("usage")
     if choices:
+        result.text += choice_text(choices[0])
         if result.first_chunk_s is None:
             result.first_chunk_s = elapsed_s
             result.has_chunk_usage = usage is not None

@@ -1,5 +1,7 @@
 """A private Ray cluster plus a real `serve run rayinfer.app:build` subprocess, for the end-to-end
-tests (tests/serve) and the benchmarks that load a server (benchmarks/soak.py).
+tests (tests/serve) and the benchmarks that load a server (benchmarks/soak.py); or, given a
+Serve config (`serve_config`), the app deployed onto the running cluster with `serve deploy`
+through the dashboard, as a user deploys onto a cluster of several machines.
 
 The cluster is started with `ray start --head` in its own short temp dir, with every port found
 free at run time, so it cannot collide with the pytest process's own cluster (`ray_cluster` in
@@ -23,10 +25,17 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayinfer import envs
+from rayinfer.bench.cluster_processes import (
+    cluster_process_ids,
+    node_process_ids,
+    raylet_node_id,
+    stop_processes,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding the rayinfer package
 PORT_NAMES = (
@@ -76,7 +85,11 @@ def free_ports(count: int) -> list[int]:
 
 @dataclass
 class ServeCluster:
-    app_args: list[str]
+    app_args: list[str] = field(default_factory=list)  # `serve run rayinfer.app:build` args
+    # A Serve config (a YAML file's mapping) to `serve deploy` instead of `serve run`; its HTTP
+    # port is replaced by a free one.
+    serve_config: dict | None = None
+    failing_apps: tuple[str, ...] = ()  # of serve_config, meant to fail their deploy: awaited
     num_cpus: int = 4
     head_resources: dict[str, float] = field(default_factory=dict)
     nodes: list[NodeSpec] = field(default_factory=list)  # joining the head, in order
@@ -84,6 +97,8 @@ class ServeCluster:
     killed_nodes: list[int] = field(default_factory=list)  # indexes into `nodes`
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
     ports: dict[str, int] = field(default_factory=dict)
+    head_node_id: str = ""
+    node_ids: list[str] = field(default_factory=list)  # Ray's id of each joined node, in order
     serve_process: subprocess.Popen | None = None
     # Its own auth token: Ray turns token auth on for `ray start` when ~/.ray/auth_token exists
     # (any earlier `ray.init()` writes one), and then clients must send that token too.
@@ -147,8 +162,13 @@ class ServeCluster:
             ],
             timeout_s=120,
         )
-        for index, node in enumerate(self.nodes):
-            self._start_node(index, node)
+        if self.nodes:
+            self.head_node_id = raylet_node_id(self.temp_dir)
+            self._start_nodes()
+        if self.serve_config is not None:
+            self.deploy(self.serve_config)
+            self.wait_until_deployed(self.serve_config, timeout_s)
+            return
         serve_start = ["serve", "start", f"--http-port={self.ports['http']}"]
         if self.nodes:  # one machine: every node's proxy would want the same port
             serve_start.append("--proxy-location=HeadOnly")
@@ -160,10 +180,20 @@ class ServeCluster:
             )
         self.wait_until_ready(timeout_s)
 
-    def _start_node(self, index: int, node: NodeSpec) -> None:
+    def _start_nodes(self) -> None:
+        """`ray start --address=...` every joined node at once (each waits mostly for its
+        raylet to register), on ports all chosen beforehand so that none is taken twice."""
+        num_ports = len(NODE_PORT_NAMES)
+        ports = free_ports(num_ports * len(self.nodes))
+        node_ports = [ports[i * num_ports : (i + 1) * num_ports] for i in range(len(self.nodes))]
+        with ThreadPoolExecutor(max(1, len(self.nodes))) as pool:
+            list(pool.map(self._start_node, range(len(self.nodes)), self.nodes, node_ports))
+        self.node_ids = [raylet_node_id(self.node_temp_dir(i)) for i in range(len(self.nodes))]
+
+    def _start_node(self, index: int, node: NodeSpec, port_numbers: list[int]) -> None:
         temp_dir = self.node_temp_dir(index)
         temp_dir.mkdir()
-        ports = dict(zip(NODE_PORT_NAMES, free_ports(len(NODE_PORT_NAMES))))
+        ports = dict(zip(NODE_PORT_NAMES, port_numbers))
         command = [
             "ray",
             "start",
@@ -177,16 +207,14 @@ class ServeCluster:
         ]
         self._run(command, timeout_s=120)
 
+    def node_indexes(self) -> dict[str, int]:
+        """Ray's node id -> the node's index into `nodes`; -1 for the head."""
+        return {self.head_node_id: -1} | {node_id: i for i, node_id in enumerate(self.node_ids)}
+
     def kill_node(self, index: int) -> list[int]:
         """SIGKILL every process of joined node `index` (its raylet, agents and workers), as if
         its machine died; the ids killed."""
-        temp_dir = self.node_temp_dir(index)
-        roots = [
-            int(entry.name)
-            for entry in Path("/proc").iterdir()
-            if entry.name.isdigit() and _names(entry, f"{temp_dir}/")
-        ]
-        pids = with_descendants(roots)
+        pids = node_process_ids(self.node_temp_dir(index))
         self.killed_nodes.append(index)
         for pid in pids:
             try:
@@ -194,6 +222,72 @@ class ServeCluster:
             except ProcessLookupError:
                 pass
         return pids
+
+    def deploy(self, config: dict) -> None:
+        """`serve deploy` a Serve config through the dashboard (starting Serve with its HTTP
+        options, on a free port); returns once the controller has it, not once it runs."""
+        http_options = {**config.get("http_options", {}), "port": self.ports["http"]}
+        config = {**config, "http_options": {**http_options, "host": "127.0.0.1"}}
+        if self.nodes:  # one machine: every node's proxy would want the same port
+            config["proxy_location"] = "HeadOnly"
+        path = self.temp_dir / "serve_config.yaml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        self._run(["serve", "deploy", str(path), f"--address={self.dashboard_url}"], 120)
+
+    def dashboard_json(self, path: str) -> dict:
+        """GET a route of the dashboard's REST API (what the `serve` and `ray list` CLIs read,
+        without starting a process for each call)."""
+        request = urllib.request.Request(
+            self.dashboard_url + path, headers={"Authorization": f"Bearer {self.auth_token}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    def serve_details(self) -> dict:
+        """What `serve status` shows and more: per application its status, message and
+        deployments, and per replica its state and node_id."""
+        return self.dashboard_json("/api/serve/applications/")
+
+    def alive_actors(self) -> list[tuple[str, int]]:
+        """(name, node index as in `node_indexes`) of every alive named actor."""
+        query = "filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=10000"
+        actors = self.dashboard_json(f"/api/v0/actors?{query}")["data"]["result"]["result"]
+        indexes = self.node_indexes()
+        return [(a["name"], indexes[a["node_id"]]) for a in actors if a.get("name")]
+
+    def app_status(self, app: str) -> tuple[str, str]:
+        """An application's status (DEPLOYING, RUNNING, DEPLOY_FAILED, ...) and its message."""
+        return self.app_statuses([app])[app]
+
+    def app_statuses(self, apps: list[str]) -> dict[str, tuple[str, str]]:
+        details = self.serve_details()["applications"]
+        statuses = {app: details.get(app, {}) for app in apps}
+        return {
+            app: (status.get("status", "NOT_STARTED"), status.get("message", ""))
+            for app, status in statuses.items()
+        }
+
+    def replica_nodes(self, deployment: str, app: str = "default") -> list[int]:
+        """The node index (into `nodes`; -1 for the head) of each RUNNING replica."""
+        details = self.serve_details()["applications"][app]["deployments"][deployment]
+        node_ids = [r["node_id"] for r in details["replicas"] if r["state"] == "RUNNING"]
+        return sorted(self.node_indexes()[node_id] for node_id in node_ids)
+
+    def wait_until_deployed(self, config: dict, timeout_s: float) -> None:
+        """Until every application of `config` runs, except `failing_apps`, which must fail
+        to deploy instead; raise as soon as another one fails."""
+        deadline = time.monotonic() + timeout_s
+        names = [app.get("name", "default") for app in config["applications"]]
+        while time.monotonic() < deadline:
+            statuses = self.app_statuses(names)
+            failed = {n: message for n, (s, message) in statuses.items() if s == "DEPLOY_FAILED"}
+            if set(failed) - set(self.failing_apps):
+                raise RuntimeError(f"serve deploy failed: {failed}")
+            expected = {n: "DEPLOY_FAILED" if n in self.failing_apps else "RUNNING" for n in names}
+            if {n: status for n, (status, _) in statuses.items()} == expected:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"serve deploy: not as expected after {timeout_s}s: {statuses}")
 
     def wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -224,6 +318,20 @@ class ServeCluster:
     def run_python(self, script: str, *args: str, timeout_s: float = 120) -> str:
         """Run Python (a file, or -m module) against this cluster, e.g. handle clients."""
         return self._run([sys.executable, script, *args], timeout_s)
+
+    def popen_python(self, script: str, *args: str) -> subprocess.Popen:
+        """Start Python against this cluster with text pipes to its stdin and stdout (a client
+        that waits for the caller between steps); its stderr goes to a log in the temp dir."""
+        with open(self.temp_dir / f"client-{uuid.uuid4().hex[:8]}.log", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, script, *args],
+                env=self.env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=REPO_ROOT,
+            )
 
     def serve_status(self) -> dict:
         import yaml
@@ -288,82 +396,6 @@ class ServeCluster:
         from rayinfer.workers.runner.kv_arena import unlink_dead_arenas
 
         unlink_dead_arenas()
-
-
-def _parent_ids() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return parents
-
-
-def _belongs_to_cluster(entry: Path, temp_dir: Path, auth_token: str) -> bool:
-    """Its command line names the temp dir, or it inherited the cluster's private token (Ray's
-    agents and client server rename themselves and name neither)."""
-    try:
-        if str(temp_dir).encode() in (entry / "cmdline").read_bytes():
-            return True
-        token = f"RAY_AUTH_TOKEN={auth_token}".encode()
-        return token in (entry / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-
-
-def _names(entry: Path, text: str) -> bool:
-    """Whether the process's command line contains `text`."""
-    try:
-        return text.encode() in (entry / "cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def cluster_process_ids(temp_dir: Path, auth_token: str) -> list[int]:
-    """This cluster's processes (see `_belongs_to_cluster`) and all their descendants."""
-    roots = {
-        int(entry.name)
-        for entry in Path("/proc").iterdir()
-        if entry.name.isdigit()
-        and int(entry.name) != os.getpid()
-        and _belongs_to_cluster(entry, temp_dir, auth_token)
-    }
-    return with_descendants(roots)
-
-
-def with_descendants(roots) -> list[int]:
-    """The processes `roots` and all their descendants."""
-    parents = _parent_ids()
-    found = set(roots)
-    grew = True
-    while grew:
-        children = {pid for pid, parent in parents.items() if parent in found} - found
-        found |= children
-        grew = bool(children)
-    return sorted(found)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def stop_processes(pids: list[int], grace_s: float = 3) -> None:
-    """SIGTERM, then SIGKILL whatever still runs after grace_s (gcs_server ignores SIGTERM)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_is_running(pid) for pid in pids):
-            time.sleep(0.2)
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0, what: str = "condition"):

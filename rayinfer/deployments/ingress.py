@@ -186,8 +186,8 @@ class Ingress:
         (prompt_ids, params), request = built[0], singles[0]
         timings = Timings()
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
-        reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0,
-                          self._echo_text(request, prompt_ids))  # fmt: skip
+        echo_text, formats = self._echo_text(request, prompt_ids), self.prompts.tool_call_formats
+        reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0, echo_text, formats)
         if request.stream:
             first = await first_delta(deltas)
             events = reply.stream(prepend(first, deltas), timings)
@@ -199,6 +199,7 @@ class Ingress:
         prompt * n + choice (deployments/choices.py). A stream starts once every choice has
         its first token, so that overload still answers 503 up front."""
         model, n = self.source.served_model_name, request.n
+        formats = self.prompts.tool_call_formats
         runs, replies, timings = [], [], []
         for single, (prompt_ids, params) in zip(singles, built):
             echo_text = self._echo_text(single, prompt_ids)
@@ -208,7 +209,7 @@ class Ingress:
                 runs.append(self.pipeline.run(f"{request_id}-{index}", prompt_ids, choice,
                                               timings[-1]))  # fmt: skip
                 replies.append(HttpReply(request_id, model, chat, request, len(prompt_ids),
-                                         index, echo_text))  # fmt: skip
+                                         index, echo_text, formats))  # fmt: skip
         if not request.stream:
             return JSONResponse(await whole_of_choices(replies, runs, timings, n))
         firsts = await asyncio.gather(*(first_delta(run) for run in runs), return_exceptions=True)

@@ -4,8 +4,11 @@ A phase's `resources` (and the ingress's) pin its replicas to the nodes offering
 Prefill, Decode or Engine replica reserves a STRICT_PACK placement group (the replica and all
 its workers on one node), so one alive node must hold a whole group: a phase no node can hold
 would leave its replicas pending forever. `build` checks instead and fails naming the key and
-listing what each alive node offers. Phases without `resources` are not checked here (the GPU
-count is: gpu_sharing.py). The nodes are read once, at build (`ray.nodes()`).
+listing what each alive node offers. Then the pinned phases together: the replicas Serve starts
+with (each phase's initial or minimum replicas, at least one; the ingress's `num_replicas`) must
+all fit at once, where phases pinned to the same nodes compete for them (node_packing.py).
+Phases without `resources` are not checked here (the GPU count is: gpu_sharing.py). The nodes
+are read once, at build (`ray.nodes()`): their totals, whatever else already runs there.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Iterable
 
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig
+from rayinfer.deployments.node_packing import fit_together
+from rayinfer.deployments.node_packing import fits as fits_offer
 from rayinfer.deployments.phase_config import PhaseConfig
 from rayinfer.workers.group import placement_bundles
 
@@ -60,11 +65,80 @@ def check_nodes_fit(
                 raise ConfigError(misfit(f"{phase}.resources", phase_config, demand, alive))
     if config.ingress.resources and not any(fits(config.ingress.resources, n) for n in alive):
         raise ConfigError(misfit("ingress.resources", None, config.ingress.resources, alive))
+    check_fit_together(pinned_groups(config, phases, use_gpus), alive)
 
 
 def fits(demand: dict[str, float], node: dict) -> bool:
-    offered = node.get("Resources", {})
-    return all(offered.get(name, 0.0) >= amount for name, amount in demand.items())
+    return fits_offer(demand, node.get("Resources", {}))
+
+
+def start_replicas(phase: PhaseConfig) -> int:
+    """The replicas Serve starts a phase with; at least one, as every request needs one."""
+    autoscaling = phase.autoscaling
+    initial = autoscaling.initial_replicas
+    return max(1, autoscaling.min_replicas if initial is None else initial)
+
+
+def pinned_groups(
+    config: AppConfig, phases: tuple[str, ...], use_gpus: bool
+) -> list[tuple[str, dict[str, float]]]:
+    """(key, demand) of every group Serve places at start that asks for custom resources:
+    each pinned phase's replicas (one placement group each) and the ingress's replicas."""
+    groups = []
+    for phase in phases:
+        phase_config: PhaseConfig = getattr(config, phase)
+        if phase_config.resources:
+            demand = group_demand(phase_bundles(phase_config, use_gpus))
+            groups += [(f"{phase}.resources", demand)] * start_replicas(phase_config)
+    if config.ingress.resources:
+        demand = dict(config.ingress.resources)  # the ingress actor takes no CPU
+        groups += [("ingress.resources", demand)] * config.ingress.num_replicas
+    return groups
+
+
+def check_fit_together(groups: list[tuple[str, dict]], alive: list[dict]) -> None:
+    """Raise ConfigError when the groups, each of which fits some node alone, cannot all be
+    placed at once. Keys whose groups can use a common node compete; each set of competing
+    keys is searched on its own nodes, and the first set that does not fit is named."""
+    for keys, nodes in competing_keys(groups, alive):
+        demands = [demand for key, demand in groups if key in keys]
+        offers = [node.get("Resources", {}) for node in nodes]
+        if fit_together(demands, offers) is False:
+            raise ConfigError(crowded(keys, groups, nodes))
+
+
+def competing_keys(
+    groups: list[tuple[str, dict]], alive: list[dict]
+) -> list[tuple[set[str], list[dict]]]:
+    """The keys split into sets that share no node a group of theirs fits, each with its
+    nodes (connected components of keys linked by a node both can use)."""
+    nodes_of = {}
+    for key, demand in groups:
+        nodes_of[key] = {i for i, node in enumerate(alive) if fits(demand, node)}
+    components: list[tuple[set[str], set[int]]] = []
+    for key, node_ids in nodes_of.items():
+        linked = [c for c in components if c[1] & node_ids]
+        for component in linked:
+            components.remove(component)
+        keys = {key}.union(*(c[0] for c in linked))
+        components.append((keys, node_ids.union(*(c[1] for c in linked))))
+    return [(keys, [alive[i] for i in sorted(ids)]) for keys, ids in components]
+
+
+def crowded(keys: set[str], groups: list[tuple[str, dict]], nodes: list[dict]) -> str:
+    """Which pinned keys compete, what each and all of them need, and what their nodes offer."""
+    needs = []
+    for key in (k for k in dict(groups) if k in keys):
+        demands = [demand for k, demand in groups if k == key]
+        needs.append(f"{key} ({len(demands)} x {_format(demands[0])})")
+    total = group_demand(demand for key, demand in groups if key in keys)
+    return (
+        f"{' and '.join(needs)} each fit a node alone but not all at once: together they need "
+        f"{_format(total)} of the nodes that can hold them, which offer: {describe_nodes(nodes)}. "
+        "Offer more on those nodes (`ray start ... --resources=...`), pin a phase to another "
+        "node, or start fewer replicas (<phase>.autoscaling.min_replicas, initial_replicas, "
+        "ingress.num_replicas)"
+    )
 
 
 def misfit(key: str, phase: PhaseConfig | None, demand: dict, alive: list[dict]) -> str:

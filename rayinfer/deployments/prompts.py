@@ -9,8 +9,10 @@ from __future__ import annotations
 from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
+from rayinfer.deployments.tool_call_formats import ToolCallFormats
 from rayinfer.deployments.tool_calls import template_inputs
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
+from rayinfer.engine.tokenizer import TokenizerError
 
 # Slack on max_model_len x the longest token's characters: a normalizer (NFKD, accent stripping)
 # can fold several characters of a text into one of a token.
@@ -26,6 +28,9 @@ class PromptBuilder:
         if self.tokenizer is not None:
             per_token = self.tokenizer.max_token_chars * CHARS_PER_TOKEN_SLACK
             self.max_text_chars = self.max_model_len * per_token
+        self.tool_call_formats = ToolCallFormats.of_checkpoint(
+            source.model_config.architecture, self._template_reads_tools()
+        )  # the formats tool calls in replies are read in
 
     def build(self, request) -> tuple[list[int], SamplingParams]:
         """request: ChatCompletionRequest, CompletionRequest or GenerateRequest."""
@@ -60,6 +65,13 @@ class PromptBuilder:
             return self.tokenizer.encode_chat(messages, tools=tools)
         except Exception as error:  # TokenizerError, or the template raised
             raise OpenAIError(400, f"messages: {error}", param="messages") from None
+
+    def _template_reads_tools(self) -> bool:
+        """False too without a chat template (a chat then answers 400 anyway)."""
+        try:
+            return self.tokenizer is not None and self.tokenizer.template_reads_tools()
+        except TokenizerError:
+            return False
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if not prompt:

@@ -29,7 +29,11 @@ from pydantic import (
     model_validator,
 )
 
-from rayinfer.deployments.structured_fields import ChatOutputFields, GuidedFields
+from rayinfer.deployments.structured_fields import (
+    ChatOutputFields,
+    GuidedFields,
+    ResponseFormatFields,
+)
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 # Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
@@ -225,7 +229,7 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
         return messages
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, ResponseFormatFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="a text, token ids, or a batch of texts or of token-id lists (each prompt "

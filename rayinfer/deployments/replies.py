@@ -17,6 +17,7 @@ from rayinfer.deployments.response_bodies import (
     usage_body,
     usage_chunk_body,
 )
+from rayinfer.deployments.tool_call_formats import ALL_FORMATS, ToolCallFormats
 from rayinfer.deployments.tool_calls import put_tool_calls, tool_call_stream
 from rayinfer.deployments.types import Delta, Timings
 
@@ -70,9 +71,11 @@ class HttpReply:
         num_prompt_tokens: int,
         index: int = 0,
         echo_text: str = "",
+        tool_call_formats: ToolCallFormats = ALL_FORMATS,
     ):
         """`index`: this reply's choice among the request's `n` (see deployments/choices.py).
-        `echo_text`: the prompt's text, put before the completion with `echo` (completions)."""
+        `echo_text`: the prompt's text, put before the completion with `echo` (completions).
+        `tool_call_formats`: the formats of the checkpoint's tool calls (tool_call_formats.py)."""
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -85,7 +88,8 @@ class HttpReply:
         self._has_cached_count = False
         self._shown_text = ""  # completions' logprobs in a stream: the text sent so far
         self._text_offset = 0  # completions' logprobs: where the next token's text is looked for
-        self.tool_calls = tool_call_stream(request) if chat else None  # None: no tools to call
+        # None: no tools to call
+        self.tool_calls = tool_call_stream(request, tool_call_formats) if chat else None
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
         text, finish_reason, entries = self.echo_text, None, []

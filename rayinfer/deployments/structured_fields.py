@@ -160,17 +160,12 @@ class NamedToolChoice(BaseModel):
     function: ToolChoiceFunction
 
 
-class ChatOutputFields(GuidedFields):
-    """Chat's response_format, tools and tool_choice."""
+class ResponseFormatFields(GuidedFields):
+    """OpenAI's response_format: chat's field, which completions take too (as vLLM does)."""
 
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema (strict or not)"
     )
-    tools: list[ChatTool] | None = Field(None, description="functions the model may call")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default: auto with tools, none without"
-    )
-    parallel_tool_calls: bool = Field(True, description="false: at most one call ('required')")
 
     @field_validator("response_format")
     @classmethod
@@ -178,6 +173,53 @@ class ChatOutputFields(GuidedFields):
         if value is not None:
             value.structured_output()
         return value
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.response_format is not None:
+            return self.response_format.structured_output()
+        return super().structured_output()
+
+
+class ChatOutputFields(ResponseFormatFields):
+    """Chat's response_format, tools and tool_choice."""
+
+    tools: list[ChatTool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call ('required')")
+
+    @field_validator("tools")
+    @classmethod
+    def _names_differ(cls, value):
+        first_of = {}  # name -> index of the first tool with it
+        for index, tool in enumerate(value or ()):
+            name = tool.function.name
+            if name in first_of:
+                raise ValueError(
+                    f"tools[{index}].function.name {name!r} is also tools[{first_of[name]}]'s; "
+                    "each tool needs its own name"
+                )
+            first_of[name] = index
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, value):
+        """One message for any malformed choice (pydantic would name a member of the union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if (
+            isinstance(function, dict)
+            and value.get("type") == "function"
+            and isinstance(function.get("name"), str)
+        ):
+            return value
+        raise ValueError(
+            "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+            '{"name": ...}}'
+        )
 
     @field_validator("tool_choice")
     @classmethod
@@ -223,8 +265,6 @@ class ChatOutputFields(GuidedFields):
         if mode == "required":
             schema = required_calls_schema(self.tools, self.parallel_tool_calls)
             return StructuredOutput.json_schema(schema)
-        if self.response_format is not None:
-            return self.response_format.structured_output()
         return super().structured_output()
 
 

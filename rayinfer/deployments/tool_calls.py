@@ -6,35 +6,31 @@ parser reads (the way Llama 3.1 prompts JSON tool calls), placed first.
 
 Reply, by tool_choice (deployments/structured_fields.py): a named function's output is its
 arguments (the grammar makes it so); `required`'s is a JSON list of {"name", "parameters"}; with
-`auto` the text is read in the format of the family that wrote it:
-- Qwen3 (Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated;
-- DeepSeek V3 / V3.1+: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
-  ```json ARGS```<｜tool▁call▁end｜>` (V3.1 and later: `NAME<｜tool▁sep｜>ARGS`), repeated;
-- Llama 3: `<|python_tag|>` and/or a bare `{"name": ..., "parameters": {...}}`, `;`-separated.
-Text before the first call stays `content`. Streams send content as it comes, hold everything
-from the first call marker on (a text that starts with `{` counts as one), and send the calls
-at the end: each as one delta with its id, type and name, then one with its arguments. A named
-function streams its arguments as they come.
+`auto` the text is read in the formats of the checkpoint's family (tool_call_formats.py). Text
+before the first call, less its trailing whitespace, stays `content`; what follows the first
+call marker is read as calls.
+
+Streams send content as it comes and each call as OpenAI does: first a delta with its id, type
+and name (arguments ""), then its arguments in fragments as they are written. A whole reply
+reads the finished text with the same readers, so its calls are what the stream's deltas
+reassemble to. A reply whose call markers turn out to hold no call is sent as content at the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
+from rayinfer.deployments.tool_call_formats import (
+    ALL_FORMATS,
+    FORMATS,
+    StringParams,
+    ToolCallFormats,
+)
+from rayinfer.deployments.tool_call_reading import PartialCall
 from rayinfer.engine.stop_checker import streamable_length
 
-QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-DEEPSEEK_BEGIN = "<｜tool▁calls▁begin｜>"
-DEEPSEEK_CALL = re.compile(
-    r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name>[^\n]+)\n```(?:json)?\n"
-    r"(?P<args>.*?)\n```|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<args31>.*?))<｜tool▁call▁end｜>",
-    re.DOTALL,
-)
-LLAMA_TAG = "<|python_tag|>"
-MARKERS = ("<tool_call>", DEEPSEEK_BEGIN, LLAMA_TAG)
 TOOLS_PROMPT = (
     "You can call these functions:\n{tools}\n"
     'To call one, answer with only a JSON object {{"name": function name, "arguments": '
@@ -69,69 +65,55 @@ def template_inputs(messages, tools, template_reads_tools: bool):
     return [system, *messages], None
 
 
-def parse_tool_calls(text: str, mode: str, function: str | None = None):
+def parse_tool_calls(
+    text: str,
+    mode: str,
+    function: str | None = None,
+    formats: ToolCallFormats = ALL_FORMATS,
+    string_params: StringParams | None = None,
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) read from a finished reply; calls is [] when the text holds none."""
     if mode == "named":
         return None, [ToolCall(function, text.strip())]
-    if mode == "required":
-        return None, _json_calls(text)
-    start = _call_start(text)
+    start = (0, FORMATS["json"]) if mode == "required" else formats.start(text)
     if start is None:
         return text, []
-    calls = _calls_in(text[start:])
+    at, call_format = start
+    calls = [c for c in call_format.read(text[at:], string_params or {}) if c.name is not None]
     if not calls:
         return text, []
-    content = text[:start].strip() or None
-    return content, calls
+    content = text[:at].rstrip() or None
+    return content, [ToolCall(call.name, call.arguments) for call in calls]
 
 
-def _call_start(text: str) -> int | None:
-    found = [text.find(marker) for marker in MARKERS if marker in text]
-    if text.lstrip().startswith(("{", "[")):
-        found.append(len(text) - len(text.lstrip()))
-    return min(found) if found else None
+def string_params_of(tools) -> StringParams:
+    """Function name -> its parameters typed "string" in its schema, from a request's tools."""
+    params = {}
+    for tool in tools or ():
+        properties = tool.function.parameters.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        params[tool.function.name] = frozenset(
+            name for name, schema in properties.items()
+            if isinstance(schema, dict) and schema.get("type") == "string"
+        )  # fmt: skip
+    return params
 
 
-def _calls_in(text: str) -> list[ToolCall]:
-    if text.startswith("<tool_call>"):
-        return [c for body in QWEN_CALL.findall(text) for c in _json_calls(body)]
-    if text.startswith(DEEPSEEK_BEGIN):
-        return [_deepseek_call(match) for match in DEEPSEEK_CALL.finditer(text)]
-    text = text.removeprefix(LLAMA_TAG)
-    return [c for part in text.split(";") for c in _json_calls(part)]
-
-
-def _deepseek_call(match: re.Match) -> ToolCall:
-    name = match.group("name") or match.group("name31")
-    args = match.group("args") if match.group("name") else match.group("args31")
-    return ToolCall(name.strip(), args.strip())
-
-
-def _json_calls(text: str) -> list[ToolCall]:
-    """Calls from JSON text: one {"name", "arguments" | "parameters"} object or a list."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return []
-        arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls
-
-
-def tool_call_stream(request) -> ToolCallStream | None:
-    """The stream reader of a chat request that may call tools, else None."""
+def tool_call_stream(request, formats: ToolCallFormats = ALL_FORMATS) -> ToolCallStream | None:
+    """The stream reader of a chat request that may call tools, else None. formats: those of
+    the checkpoint (ToolCallFormats.of_checkpoint)."""
     mode = getattr(request, "tool_call_mode", "none")
-    return None if mode == "none" else ToolCallStream(mode, request.called_function)
+    if mode == "none":
+        return None
+    string_params = string_params_of(request.tools)
+    return ToolCallStream(mode, request.called_function, formats, string_params)
 
 
 def put_tool_calls(choice: dict, stream: ToolCallStream, text: str, reason: str | None) -> None:
     """A whole reply's choice with the calls its text holds (`message.tool_calls`)."""
-    content, calls = parse_tool_calls(text, stream.mode, stream.function)
+    content, calls = parse_tool_calls(
+        text, stream.mode, stream.function, stream.formats, stream.string_params
+    )
     if not calls:
         return
     choice["message"] = {"role": "assistant", "content": content,
@@ -142,38 +124,77 @@ def put_tool_calls(choice: dict, stream: ToolCallStream, text: str, reason: str 
 class ToolCallStream:
     """Turns a reply's text deltas into chat `delta` bodies with `tool_calls`."""
 
-    def __init__(self, mode: str, function: str | None = None):
+    def __init__(
+        self,
+        mode: str,
+        function: str | None = None,
+        formats: ToolCallFormats = ALL_FORMATS,
+        string_params: StringParams | None = None,
+    ):
         self.mode = mode
         self.function = function
+        self.formats = formats
+        self.string_params = string_params or {}
         self.text = ""
         self.num_content_chars = 0  # of `text`, sent as content
-        self.is_holding = mode == "required"  # the rest of the text is a call
+        # where the first call opens in `text`, and its format (None: no call seen yet)
+        self.call_start = (0, FORMATS["json"]) if mode == "required" else None
         self.named_call: ToolCall | None = None
-        self._parsed_calls: list[ToolCall] = []
+        self.sent_calls: list[ToolCall] = []  # the calls begun, their arguments as sent
+        self.memo: dict = {}  # the call formats' place in the growing text (CallFormat.read)
 
     def deltas(self, text: str, finish_reason: str | None) -> list[dict]:
-        """The delta bodies for this text; with finish_reason, the calls as well."""
+        """The delta bodies for this text (and, with finish_reason, all that is left)."""
         self.text += text
         if self.mode == "named":
             return self._named(text)
-        out = []
-        if not self.is_holding:
-            start = _call_start(self.text)
-            end = start if start is not None else streamable_length(self.text, MARKERS)
-            if self.text[:end].strip() == "" and finish_reason is None:
-                end = 0  # only whitespace yet: the reply may still start with a JSON call
-            if end > self.num_content_chars:
-                out.append({"content": self.text[self.num_content_chars : end]})
-                self.num_content_chars = end
-            self.is_holding = start is not None
-        if finish_reason is not None:
-            out += self._finish()
+        out = [] if self.call_start is not None else self._content()
+        if self.call_start is not None:
+            at, call_format = self.call_start
+            calls = call_format.read(self.text[at:], self.string_params, self.memo)
+            out += self._call_deltas(calls)
+        if finish_reason is not None and not self.sent_calls:  # the markers held no call
+            held = self.text[self.num_content_chars :]
+            self.num_content_chars = len(self.text)
+            out += [{"content": held}] if held else []
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
         """'tool_calls' where the reply ended ("stop") having called a tool."""
-        called = self.named_call is not None or bool(self._parsed_calls)
+        called = self.named_call is not None or bool(self.sent_calls)
         return "tool_calls" if reason == "stop" and called else reason
+
+    def _content(self) -> list[dict]:
+        """The text before any call, as far as no call marker can still start in it, less
+        its trailing whitespace: sent once text follows it, dropped if a call does (or sent at
+        the end of a reply without calls)."""
+        self.call_start = self.formats.start(self.text)
+        end = self.call_start[0] if self.call_start else streamable_length(
+            self.text, self.formats.markers
+        )  # fmt: skip
+        end = len(self.text[:end].rstrip())
+        if end <= self.num_content_chars:
+            return []
+        content, self.num_content_chars = self.text[self.num_content_chars : end], end
+        return [{"content": content}]
+
+    def _call_deltas(self, calls: list[PartialCall]) -> list[dict]:
+        """What the calls read so far add to those sent: a new call's id, type and name, then
+        the arguments written since."""
+        out = []
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break
+            if index == len(self.sent_calls):
+                self.sent_calls.append(ToolCall(call.name, ""))
+                head = self.sent_calls[index].body()
+                out.append(_call_delta(index, head))
+            sent = self.sent_calls[index]
+            if len(call.arguments) > len(sent.arguments):
+                new = call.arguments[len(sent.arguments) :]
+                sent.arguments = call.arguments
+                out.append(_call_delta(index, {"function": {"arguments": new}}))
+        return out
 
     def _named(self, text: str) -> list[dict]:
         out = []
@@ -182,20 +203,6 @@ class ToolCallStream:
             out.append(_call_delta(0, self.named_call.body()))
         if text:
             out.append(_call_delta(0, {"function": {"arguments": text}}))
-        return out
-
-    def _finish(self) -> list[dict]:
-        held = self.text[self.num_content_chars :]
-        content, calls = parse_tool_calls(held, self.mode)
-        self._parsed_calls = calls
-        if not calls:
-            return [{"content": held}] if held else []
-        out = [{"content": content}] if content else []
-        for index, call in enumerate(calls):
-            head = call.body()
-            head["function"] = {"name": call.name, "arguments": ""}
-            out.append(_call_delta(index, head))
-            out.append(_call_delta(index, {"function": {"arguments": call.arguments}}))
         return out
 
 

@@ -8,8 +8,10 @@ the float32 references over the same (rounded) inputs:
 import pytest
 import torch
 
+from rayinfer.kernels.attention.paged_attention import launch_params
 from rayinfer.kernels.dsa import dsa_indexer
 from rayinfer.kernels.dsa.dsa_indexer import context_slots, dsa_index_topk, dsa_index_topk_reference
+from rayinfer.kernels.dsa.radix_topk import radix_topk
 from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 pytestmark = [
@@ -137,3 +139,30 @@ def test_indexer_at_a_million_tokens_keeps_its_scores_within_a_gibibyte():
     ref_scores = chosen_scores(dsa_index_topk_reference(*few), few)
     scale = ref_scores.abs().max()
     torch.testing.assert_close(ours_scores, ref_scores, atol=1e-3 * scale, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num_rows,num_cols,k",
+    [
+        (1, 8192, 2048),
+        (16, 131072, 2048),
+        (64, 131072, 2048),
+        (4, 1 << 20, 2048),
+        (512, 16384, 2048),
+        (3, 5000, 1),
+    ],
+    ids=["1x8k", "16x128k", "64x128k", "4x1M", "prefill-512x16k", "top-1"],
+)
+def test_radix_topk_picks_the_values_torch_topk_picks(num_rows, num_cols, k):
+    """The selection's kernel at decode and prefill sizes, with -inf tails (causal masking) and
+    ties (rounded scores): the same values as torch.topk, each column once."""
+    generator = torch.Generator(device="cuda").manual_seed(num_rows)
+    scores = torch.randn(num_rows, num_cols, device="cuda", generator=generator)
+    scores = scores.round(decimals=2)  # many ties, some at the threshold
+    scores[0, num_cols // 2 :] = float("-inf")
+    out = torch.empty(num_rows, k, dtype=torch.int32, device="cuda")
+    radix_topk(scores, k, out, launch_params("radix_topk", scores.device))
+    chosen = scores.gather(1, out.long()).sort(-1).values
+    assert torch.equal(chosen, scores.topk(k, dim=-1).values.sort(-1).values)
+    distinct = out.sort(-1).values.diff(dim=-1)
+    assert (distinct > 0).all()  # each column once

@@ -36,6 +36,7 @@ def test_dsa_kernels_compile_for_sm80_sm89_sm90():
     built = {(r["kernel"], r["arch"], r["dtype"]) for r in rows}
     kernels = ("sparse_mla", "sparse_mla_combine", "dsa_index_scores")
     v4_kernels = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")  # bf16 only
+    v4_kernels += ("dsa_topk_histogram", "dsa_topk_count", "dsa_topk_write")  # float32 scores
     fp8_kernels = ("dsa_index_scores_fp8", "dsa_write_cache_fp8")  # fp8e4nv: sm_89 and later
     expected = {(k, a, d) for k in kernels for a in (80, 89, 90) for d in ("bf16", "fp32")}
     expected |= {(k, a, "bf16") for k in v4_kernels for a in (80, 89, 90)}

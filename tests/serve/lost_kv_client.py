@@ -1,10 +1,16 @@
-"""Run by test_server.py inside the test cluster: lose a hand-off's KV, decode must recompute.
+"""Run inside the test cluster: lose a hand-off's KV, decode must recompute.
 
-Prefills a prompt through the Prefill deployment, kills the worker actor that owns the KV (its
-arena on this node, by default) before anyone read it, then decodes the hand-off. Prints JSON:
-the decoded text, whether decode reported a recompute, and the greedy text of the same prompt
-through the normal path. With the server's URL as argument, also what an HTTP request answered
-while the Prefill replica's worker was dead (a 5xx: its error body must show no internals).
+Prefills a prompt through the Prefill deployment, loses the worker actors that hold the KV (in
+their arenas, by default, or the object store) before anyone read it, then decodes the hand-off.
+Prints JSON: the decoded text, whether decode reported a recompute, and the greedy text of the
+same prompt through the normal path. With the server's URL as argument, also what an HTTP
+request answered while the Prefill replica's worker was dead (a 5xx: its error body must show
+no internals).
+
+How the owners are lost: by default this kills the actors (test_server.py, one node). With
+`--node-killed-by-caller` (test_multi_node.py) it prints `{"owner_node_ids": [...]}` (the
+Ray nodes the owners run on) and waits for a line on stdin: the caller kills that whole node
+meanwhile, as a machine's death would.
 """
 
 from __future__ import annotations
@@ -39,9 +45,9 @@ def kill_and_wait(actor, timeout_s: float = 30) -> None:
 
 def wait_until_lost(shard, timeout_s: float = 30) -> None:
     """Ray notices an owner's death within about a second; until then the chunks still read.
-    A KV in the worker's arena (the same-node path) reads as lost once its process is gone (its
-    lock on the arena with it). An export the killed worker had not finished reads as its
-    death."""
+    A KV in a worker's arena reads as lost once its process is gone (its lock on the arena with
+    it), or, from another node, once its owner no longer answers. An export the killed worker
+    had not finished reads as its death."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -54,12 +60,17 @@ def wait_until_lost(shard, timeout_s: float = 30) -> None:
 
 
 def is_readable(payload) -> bool:
-    if payload.arena is None:
+    """Whether an importer here could still read the payload's KV (raises what Ray raises for
+    an object or an owner that is gone)."""
+    span = payload.arena
+    if span is None:
         ray.get(payload.chunks, timeout=5)
         return True
+    if span.node_id != ray.get_runtime_context().get_node_id():
+        return ray.get(span.owner.kv_from_arena.remote(payload), timeout=5) is not None
     maps = ArenaMaps(pin=False)
     try:
-        return maps.view(payload.arena) is not None
+        return maps.view(span) is not None
     finally:
         maps.close()
 
@@ -81,7 +92,26 @@ def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, li
     return None, statuses
 
 
+def owner_node_ids(owners: list[str]) -> list[str]:
+    """The nodes the owner actors run on."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return sorted({actor.node_id for actor in actors if actor.name in owners})
+
+
+def lose_owners(owners: list[str], node_killed_by_caller: bool) -> None:
+    if not node_killed_by_caller:
+        for owner in owners:
+            kill_and_wait(ray.get_actor(owner, namespace="serve"))
+        return
+    print(json.dumps({"owner_node_ids": owner_node_ids(owners)}), flush=True)
+    sys.stdin.readline()
+
+
 def main() -> None:
+    node_killed_by_caller = "--node-killed-by-caller" in sys.argv
+    urls = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     ray.init(address="auto", log_to_driver=False)
     ingress = serve.get_app_handle("default")
     reference = ingress.generate.remote(
@@ -92,9 +122,9 @@ def main() -> None:
     prefill = serve.get_deployment_handle("Prefill", app_name="default")
     result = prefill.prefill.remote(PrefillRequest("lost-kv-0", PROMPT_IDS, params)).result()
     owners = result.handoff.payload.owners
-    for owner in owners:
-        kill_and_wait(ray.get_actor(owner, namespace="serve"))
-    during_death, statuses = first_server_error(sys.argv[1]) if len(sys.argv) > 1 else (None, [])
+    kv_in_arena = ray.get(result.handoff.payload.shards[0]).arena is not None
+    lose_owners(owners, node_killed_by_caller)
+    during_death, statuses = first_server_error(urls[0]) if urls else (None, [])
     wait_until_lost(result.handoff.payload.shards[0])
 
     decode = serve.get_deployment_handle("Decode", app_name="default").options(stream=True)
@@ -109,7 +139,7 @@ def main() -> None:
         "token_ids": token_ids,
         "finish_reason": chunks[-1].finish_reason,
         "was_recomputed": chunks[0].was_recomputed,
-        "kv_in_arena": ray.get(result.handoff.payload.shards[0]).arena is not None,
+        "kv_in_arena": kv_in_arena,
         "reference_text": reference.text,
         "reference_token_ids": reference.token_ids,
         "http_while_prefill_worker_dead": during_death,

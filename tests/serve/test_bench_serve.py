@@ -361,3 +361,22 @@ def test_sharegpt_chat_against_the_server(server, tmp_path):
     (only,) = json.loads(out.read_text())["passes"]
     assert only["summary"]["completed"] == 4
     assert all(r["output_tokens"] == 6 and r["ttft_s"] > 0 for r in only["requests"])
+
+
+@pytest.mark.slow
+def test_response_format_puts_structured_output_on_every_request(server, tmp_path):
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    path = tmp_path / "format.json"
+    path.write_text(json.dumps({"type": "json_schema",
+                                "json_schema": {"name": "reply", "schema": schema}}))  # fmt: skip
+    out = tmp_path / "structured.json"
+    argv = ["--url", server.http_url, "--endpoint", "chat", "--num-prompts", "4",
+            "--input-len", "16", "--output-len", "12", "--response-format", str(path),
+            "--json", str(out)]  # fmt: skip
+    assert bench_serve.main(argv) == 0
+    (only,) = json.loads(out.read_text())["passes"]
+    assert only["summary"]["completed"] == 4
+    for request in only["requests"]:  # random weights: only the grammar makes it JSON
+        assert request["output_tokens"] == 12 and request["text"].startswith('{"text": "')
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--response-format", str(tmp_path / "missing.json")])

@@ -1,7 +1,9 @@
 """End to end with the openai SDK against a real `serve run` (disaggregated, so every grammar
 crosses the prefill -> decode hand-off): JSON-schema replies that validate for 20 seeds from the
 random-weights tiny model (only the grammar makes them valid), json_object, a named-function
-tool call, streamed tool-call deltas that reassemble to the whole reply's call, and the 400s.
+tool call, streamed tool-call deltas that reassemble to the whole reply's call (an `auto` call,
+whose text a regex makes the model write, streams its name first and then its arguments as
+they are written), and the 400s.
 
 One server for the module (starting one costs ~40 s on 2 cores).
 """
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from rayinfer.bench.serve_cluster import ServeCluster
+from tests.serve.streamed_calls import read_stream
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +74,14 @@ def test_json_schema_replies_validate_for_20_seeds(client):
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_completions_take_response_format_as_vllm_does(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = client.completions.create(model="tiny", prompt="a b c", seed=4, max_tokens=120,
+                                      extra_body={"response_format": response_format})  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].text
+    jsonschema.validate(json.loads(reply.choices[0].text), PERSON)
+
+
 def test_json_object_reply_is_an_object(client):
     reply = _chat(client, response_format={"type": "json_object"}, seed=1, max_tokens=200)
     content = reply.choices[0].message.content
@@ -102,32 +113,44 @@ def test_named_tool_call_arguments_validate(client):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
-def _streamed_calls(client, **fields):
-    calls, finish_reasons = {}, []
-    for chunk in _chat(client, stream=True, **fields):
-        for choice in chunk.choices:
-            finish_reasons.append(choice.finish_reason)
-            for part in choice.delta.tool_calls or []:
-                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
-                call["id"] = call["id"] or part.id
-                call["name"] += part.function.name or "" if part.function else ""
-                call["arguments"] += (part.function.arguments or "") if part.function else ""
-    return [calls[i] for i in sorted(calls)], [r for r in finish_reasons if r]
-
-
 @pytest.mark.parametrize("mode", ["named", "required"])
 def test_streamed_tool_call_deltas_reassemble_to_the_whole_replys_call(client, mode):
     fields = _named(5) if mode == "named" else dict(
         tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, seed=5, max_tokens=80
     )  # fmt: skip
     whole = _chat(client, **fields).choices[0]
-    streamed, finish_reasons = _streamed_calls(client, **fields)
-    assert finish_reasons == [whole.finish_reason] == ["tool_calls"]
+    streamed = read_stream(_chat(client, stream=True, **fields))
+    assert streamed.finish_reasons == [whole.finish_reason] == ["tool_calls"]
     expected = [
         (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
     ]
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == expected
-    assert all(c["id"] for c in streamed)
+    assert [(c.name, json.loads(c.arguments)) for c in streamed.calls] == expected
+
+
+# What the tiny model's system prompt asks for (its template shows no tools), after some text
+AUTO_CALL = (
+    r'Let me check\.<\|python_tag\|>\{"name": "get_weather", "arguments": \{"city": '
+    r'"[a-z]{3,8}", "unit": "(celsius|fahrenheit)"\}\}'
+)
+
+
+def test_an_auto_call_streams_its_name_then_its_arguments_as_written(client):
+    fields = dict(tools=[WEATHER, CLOCK], seed=7, max_tokens=190,
+                  extra_body={"structured_outputs": {"regex": AUTO_CALL}})  # fmt: skip
+    whole = _chat(client, **fields).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    (call,) = whole.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = read_stream(_chat(client, stream=True, **fields))
+    assert streamed.content == "Let me check." and streamed.finish_reasons == ["tool_calls"]
+    (streamed_call,) = streamed.calls
+    assert (streamed_call.name, streamed_call.arguments) == (call.function.name,
+                                                           call.function.arguments)  # fmt: skip
+    # the text first, then the call's head, then its arguments over many chunks
+    assert max(streamed.content_chunks) < streamed_call.head_chunk
+    assert streamed_call.head_chunk < streamed_call.argument_chunks[0]
+    # several fragments (fewer than tokens where a loaded server coalesces a stream's tokens)
+    assert len(streamed_call.argument_chunks) >= 2
 
 
 @pytest.mark.parametrize(
@@ -141,6 +164,9 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_replys_call(client, m
          "tools[0].function.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
          "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "objekt"}}}]}, "tools[0].function.parameters"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
     ],
 )  # fmt: skip
 def test_bad_fields_answer_400_and_the_next_request_succeeds(client, fields, param):

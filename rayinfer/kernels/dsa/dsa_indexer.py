@@ -21,8 +21,9 @@ then an entry number, and m = 1 is DSA's one entry per token.
 On a GPU, `dsa_index_topk` scores with a Triton kernel: one program per (query, chunk of
 KEYS_PER_PROGRAM context positions) holds the query's Hi x D heads and reads the chunk's keys
 BLOCK_N at a time through the block table; the head sum is fused, so only the [T, S] float32
-scores are written (never [T, Hi, S]). torch.topk then picks from the scores of a bounded number
-of queries at a time (SCORE_BUFFER_BYTES), so a 1M-token context needs no more than 1 GiB.
+scores are written (never [T, Hi, S]). A radix select (kernels/dsa/radix_topk.py) for small
+decode steps, torch.topk for the rest (SELECTIONS), then picks from the scores of a bounded
+number of queries at a time (SCORE_BUFFER_BYTES), so a 1M-token context needs no more than 1 GiB.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ from rayinfer.kernels.dsa.dsa_index_fp8 import (
     gather_index_keys,
     write_index_keys_reference,
 )
+from rayinfer.kernels.dsa.radix_topk import radix_topk
 from rayinfer.kernels.triton_compat import tl, triton
 
+# How dsa_index_topk picks the top-k of its scores; "auto": the radix select for chunks of at
+# most configs/radix_topk.json's `max_elements` scores (small decode steps: 1.5-1.8x torch.topk
+# at 1 x 128k, 1.07x at 16 x 128k, slower from 64 x 128k and at 16 x 1M), torch.topk for more
+# (benchmarks/topk_probe.py over the indexer's own scores, CUDA graphs, H200).
+SELECTIONS = ("auto", "radix", "torch")
 SCORE_BUFFER_BYTES = 1 << 30  # [queries, max_context] float32 scores: 256 queries at 1M tokens
 # float32 on a GPU (parity checks): 64-key tiles of 128-wide float32 keys spill registers
 # (sm_89: 256 spill instructions, benchmarks/compile_dsa_kernels.py), 16-key ones do not.
@@ -266,8 +273,9 @@ def dsa_index_topk(
     score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
     params: dict | None = None,  # tile override; else configs/dsa_indexer.json
     entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
+    selection: str = "auto",  # SELECTIONS: radix (kernels/dsa/radix_topk.py), torch.topk
 ) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
-    """The reference's selection: Triton scores, torch.topk over bounded chunks of queries."""
+    """The reference's selection: Triton scores, then the top-k of bounded chunks of queries."""
     num_queries, num_heads, head_dim = q_index.shape
     if weights.shape != (num_queries, num_heads) or weights.dtype != torch.float32:
         raise ValueError(f"weights {tuple(weights.shape)} {weights.dtype} must be "
@@ -281,7 +289,10 @@ def dsa_index_topk(
                          f"[{key_offset}, {key_offset + head_dim}) densely")  # fmt: skip
     if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or q_index.stride(-1) != 1:
         raise ValueError("kv_cache blocks must be one after another; q_index's last dim dense")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r}; use one of {', '.join(SELECTIONS)}")
     params = {**index_params(q_index), **(params or {})}
+    topk_params = launch_params("radix_topk", q_index.device)
     block_tables, query_seq = block_tables.contiguous(), query_seq.contiguous()
     out = torch.full((num_queries, topk), -1, dtype=torch.int32, device=q_index.device)
     k = min(topk, max_context)
@@ -293,6 +304,14 @@ def dsa_index_topk(
         index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
                      query_seq[rows], positions[rows], part, params, index_fp8,
                      entry_stride)  # fmt: skip
+        use_radix = selection == "radix" or (
+            selection == "auto" and part.numel() <= topk_params["max_elements"]
+        )
+        if use_radix:  # the slots written by its last pass
+            slot_map = (block_tables, query_seq[rows], positions[rows], kv_cache.shape[1],
+                        entry_stride)  # fmt: skip
+            radix_topk(part, k, out[rows], topk_params, slot_map)
+            continue
         # unsorted: the order is not needed; 1.05-1.34x torch's sorted topk on an H200 at
         # [1-256, 128k] (benchmarks/RESULTS.md, DeepSeek Sparse Attention)
         chosen = part.topk(k, dim=-1, sorted=False).indices  # [n, k]

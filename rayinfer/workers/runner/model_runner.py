@@ -100,7 +100,9 @@ class ModelRunner:
         self.forward = StepForward(
             self.model, parallel, self.device, cache_config.block_size, two_batch_overlap, overlap
         )
-        self.sampler = RequestSampler(model_config, pin=self.device.type == "cuda")
+        self.sampler = RequestSampler(
+            model_config, self.device.type == "cuda", parallel.tp_group, self.device
+        )
         self.cuda_graphs = cuda_graphs
         # Sizing the cache from memory needs CUDA's allocator statistics; elsewhere the
         # CacheConfig's count stands.

@@ -4,6 +4,13 @@ Each request that samples at a temperature above 0 keeps its own torch.Generator
 `SamplingParams.seed`, else from the OS), so that a seeded request samples the same tokens
 whatever else shares its batch; its state travels with the KV hand-off. Structured-output
 requests keep a grammar matcher (grammar_matchers.py) whose masks limit their logits.
+
+Under tensor parallelism every rank of a replica samples the same rows, but only the first
+rank's tokens are returned (workers/group.py), and an unseeded request's generator is seeded by
+each rank's OS, so the ranks' own draws differ. That is harmless except for grammar matchers,
+whose state is the tokens they accepted: in a step that holds a grammar, the ranks therefore all
+take the first rank's tokens (one all-gather of B ids over the TP group) before any matcher
+advances, so every rank's matchers, masks and returned tokens are the replica's.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import torch
 from rayinfer.config import ModelConfig
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.layers.parallel import LayerGroup
 from rayinfer.layers.sampler import (
     NO_TOKEN,
     SampledRows,
@@ -25,9 +33,19 @@ from rayinfer.workers.runner.grammar_matchers import GrammarMasks, GrammarMatche
 
 
 class RequestSampler:
-    def __init__(self, model_config: ModelConfig, pin: bool):
-        """pin: page-locked host grammar masks (on CUDA)."""
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        pin: bool,
+        tp_group: LayerGroup | None = None,
+        device: torch.device | None = None,
+    ):
+        """pin: page-locked host grammar masks (on CUDA); tp_group: the replica's tensor-
+        parallel group (None or size 1: this rank samples alone), whose collectives run on
+        `device`."""
         self.generators: dict[str, torch.Generator] = {}
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
+        self.device = device or torch.device("cpu")
         self.grammars = GrammarMatchers(
             model_config.path, model_config.vocab_size, model_config.eos_token_ids, pin=pin
         )
@@ -76,9 +94,21 @@ class RequestSampler:
         for row in setup_errors:
             rows.token_ids[row] = NO_TOKEN
         errors = {**rows.errors, **setup_errors}
+        token_ids = rows.token_ids
         if masks is not None:
-            errors.update(self.grammars.accept(sampling, masks, rows.token_ids))
-        return SampledRows(rows.token_ids, errors)
+            token_ids = self.first_rank_tokens(token_ids)
+            errors.update(self.grammars.accept(sampling, masks, token_ids))
+        return SampledRows(token_ids, errors)
+
+    def first_rank_tokens(self, token_ids: list[int]) -> list[int]:
+        """[B] the tokens the TP group's first rank sampled (this rank's own without a group).
+        Every rank of the group must call it in the same step: a step holds a grammar on all of
+        them or on none, since they sample the same requests."""
+        if self.tp_group is None:
+            return token_ids
+        mine = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # [B]
+        every = self.tp_group.all_gather_concat(mine, 0)  # [tp * B], rank order
+        return every[: len(token_ids)].tolist()
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """The request's generator, made at its first sampled token; None when greedy."""

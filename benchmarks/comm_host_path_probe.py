@@ -35,14 +35,14 @@ MIB = 1 << 20
 
 
 def copy_concurrency(num_bytes: int = 64 * MIB, reps: int = 8) -> list[dict]:
-    from rayinfer.comm.shm import _pin
+    from rayinfer.comm.shm import pin_host
 
     devices = [torch.device("cuda", i) for i in range(2)]
     on_gpu = {d: torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=d) for d in devices}
     spare = {d: torch.empty(num_bytes, dtype=torch.uint8, device=d) for d in devices}
     rows = []
     for memory in ("torch-pinned", "shm-registered"):
-        hosts = [_host_buffer(num_bytes, memory, _pin) for _ in range(4)]
+        hosts = [_host_buffer(num_bytes, memory, pin_host) for _ in range(4)]
         cases = {
             "gpu0 d2h": [(0, "d2h")],
             "gpu0 h2d": [(0, "h2d")],
@@ -73,7 +73,7 @@ def ring_reuse(total_bytes: int = 256 * MIB) -> list[dict]:
     """GB/s per stream with all four copies at once, each chunk through ring slot i % R: GPU 0
     writes ring A and reads ring B, GPU 1 the reverse (no ordering between them: a bandwidth
     probe, not an exchange)."""
-    from rayinfer.comm.shm import _pin
+    from rayinfer.comm.shm import pin_host
 
     devices = [torch.device("cuda", i) for i in range(2)]
     sources = [torch.randint(0, 255, (total_bytes,), dtype=torch.uint8, device=d) for d in devices]
@@ -82,7 +82,7 @@ def ring_reuse(total_bytes: int = 256 * MIB) -> list[dict]:
     for chunk, slots in ((8 * MIB, 8), (4 * MIB, 4), (1 * MIB, 4), (MIB // 2, 4), (MIB // 4, 8),
                          (1 * MIB, 2), (MIB // 16, 8)):  # fmt: skip
         # torch's pinned memory: copies as fast as the registered /dev/shm pages (part 1)
-        rings = [_host_buffer(chunk * slots, "torch-pinned", _pin) for _ in range(2)]
+        rings = [_host_buffer(chunk * slots, "torch-pinned", pin_host) for _ in range(2)]
         streams = [torch.cuda.Stream(d) for d in devices for _ in range(2)]
         plan = [  # (stream, gpu, direction, ring)
             (streams[0], 0, "d2h", rings[0]), (streams[1], 0, "h2d", rings[1]),
@@ -193,7 +193,7 @@ def _host_buffer(num_bytes: int, memory: str, pin) -> torch.Tensor:
         f.truncate(num_bytes)
     buf = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
     os.unlink(path)
-    pin([buf])
+    pin(buf)
     return buf
 
 

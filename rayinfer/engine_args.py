@@ -2,8 +2,9 @@
 configs, its executor and the engine, for the offline `LLM` and the Serve deployments alike.
 
 The user-facing entry points (`LLM(...)`'s arguments, a Serve phase's config) become one
-EngineArgs; its typed sub-configs (AllToAllConfig, OverlapConfig, KernelBackends, ProcessConfig)
-are validated when they are made and travel unchanged in the WorkerSpec to every worker.
+EngineArgs; its typed sub-configs (AllToAllConfig, OverlapConfig, KernelBackends, ProcessConfig,
+KVHandoffConfig) are validated when they are made and travel unchanged in the WorkerSpec to every
+worker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from rayinfer.engine.engine import LLMEngine
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.model_source import resolve_model_path
 from rayinfer.engine_config import (
+    DEFAULT_KV_HANDOFF,
     CacheConfig,
+    KVHandoffConfig,
     KVMemoryConfig,
     SchedulerConfig,
     check_gpu_memory_utilization,
@@ -93,6 +96,7 @@ class EngineArgs:
     overlap: OverlapConfig = DEFAULT_OVERLAP
     kernels: KernelBackends = DEFAULT_BACKENDS
     process: ProcessConfig = DEFAULT_PROCESS
+    kv_handoff: KVHandoffConfig = DEFAULT_KV_HANDOFF
     key_prefix: str = ""
 
     def __post_init__(self):
@@ -110,6 +114,7 @@ class EngineArgs:
             ("overlap", OverlapConfig),
             ("kernels", KernelBackends),
             ("process", ProcessConfig),
+            ("kv_handoff", KVHandoffConfig),
         ):
             if not isinstance(getattr(self, key), config_type):
                 raise ConfigError(f"{prefix}{key}: use a {config_type.__name__} (as_config)")
@@ -207,6 +212,7 @@ class EngineArgs:
             overlap=self.overlap,
             kernels=self.kernels,
             process=self.process,
+            kv_handoff=self.kv_handoff,
         )
 
     def build(

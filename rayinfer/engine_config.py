@@ -1,9 +1,11 @@
 """How the engine sizes its work: the paged KV cache (`CacheConfig`, or `KVMemoryConfig` to size it
-from GPU memory) and continuous batching's limits (`SchedulerConfig`)."""
+from GPU memory) and continuous batching's limits (`SchedulerConfig`); and how the KV of a request
+moves from prefill to decode (`KVHandoffConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rayinfer.config import ConfigError
 
@@ -81,3 +83,52 @@ class SchedulerConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be positive")
+
+
+# How a prefill worker's KV leaves it (workers/handoff_io.py): "auto" lands it in the worker's
+# shared-memory arena, which an importer on the same Ray node maps (one copy each way, no object
+# store); "object_store" puts it into Ray's object store, as across nodes.
+KV_HANDOFF_PATHS = ("auto", "object_store")
+# Each exporting worker's arena: room for ~18 V2-Lite requests of 3.7k tokens (115 MB) waiting
+# for decode; page-locked on CUDA, reserved as it is used on the CPU.
+DEFAULT_ARENA_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class KVHandoffConfig:
+    """The KV hand-off between prefill and decode workers.
+
+    path: "auto": into the exporting worker's shared-memory arena, from which an importer on the
+    same Ray node copies straight into its cache; an importer on another node asks the exporter
+    to put it into the object store, and an export that finds the arena full goes through the
+    object store. "object_store": always through Ray's object store.
+    arena_bytes: the size of each exporting worker's arena (a file in /dev/shm).
+    lease_s: how long an exported request's KV keeps its arena space for an importer that has
+    neither landed nor dropped it; past it the space may be reused (the late importer then
+    reads the KV as lost and recomputes the prompt)."""
+
+    # The Serve app's config (pydantic) validates this dataclass field by field and forbids
+    # unknown keys; __post_init__ checks it either way.
+    __pydantic_config__ = {"extra": "forbid"}
+
+    path: Literal[KV_HANDOFF_PATHS] = "auto"
+    arena_bytes: int = DEFAULT_ARENA_BYTES
+    lease_s: float = 60.0
+
+    def __post_init__(self):
+        if self.path not in KV_HANDOFF_PATHS:
+            raise ConfigError(
+                f"kv_handoff.path={self.path!r}; use one of {', '.join(KV_HANDOFF_PATHS)}"
+            )
+        arena = self.arena_bytes
+        if isinstance(arena, bool) or not isinstance(arena, int) or arena < 1 << 20:
+            raise ConfigError(
+                f"kv_handoff.arena_bytes={arena!r} must be an integer >= 1048576 (1 MiB); a "
+                "request's KV that does not fit goes through the object store"
+            )
+        lease = self.lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0:
+            raise ConfigError(f"kv_handoff.lease_s={lease!r} must be a positive number of seconds")
+
+
+DEFAULT_KV_HANDOFF = KVHandoffConfig()

@@ -13,6 +13,7 @@ from rayinfer.engine.model_source import resolve_device, resolve_dtype
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine_args import EngineArgs, as_config, local_executor
+from rayinfer.engine_config import KVHandoffConfig
 from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 from rayinfer.kernels.backends import KernelBackends
@@ -36,6 +37,9 @@ class LLM:
     {"use_fp8": True}, {"dedup": True/False}, {"local_first": True/False}, {"host": {"protocol":
     "cpu"}} (rayinfer/exchange_config.py). overlap (OverlapConfig), kernels (KernelBackends) and
     process (ProcessConfig) likewise; docs/configuration.md lists every field.
+    kv_handoff: how `prefill`'s KV leaves a multi-worker plan's workers (KVHandoffConfig, or a
+    mapping: {"path": "object_store"}; the default "auto" copies it into each worker's
+    shared-memory arena, which an importer on the same Ray node maps).
     cuda_graphs: replay pure-decode steps of up to min(max_num_seqs, max_graph_batch_size)
     sequences from CUDA graphs captured at start (None: on for CUDA runs whose forward can be
     captured; with several workers their collectives are captured (NCCL kernels, or the
@@ -85,6 +89,7 @@ class LLM:
         overlap: OverlapConfig | dict | None = None,
         kernels: KernelBackends | dict | None = None,
         process: ProcessConfig | dict | None = None,
+        kv_handoff: KVHandoffConfig | dict | None = None,
     ):
         self.args = EngineArgs(
             model=model,
@@ -109,6 +114,7 @@ class LLM:
             overlap=as_config(OverlapConfig, overlap, "overlap"),
             kernels=as_config(KernelBackends, kernels, "kernels"),
             process=as_config(ProcessConfig, process, "process"),
+            kv_handoff=as_config(KVHandoffConfig, kv_handoff, "kv_handoff"),
         )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

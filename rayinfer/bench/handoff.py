@@ -1,20 +1,27 @@
-"""The KV hand-off's data movement between two Ray actors (prefill -> decode), new path against
-the old one in the same run.
+"""The KV hand-off's data movement between two Ray actors (prefill -> decode): the same-node
+arena path against the object-store path (and the per-layer path before them), in the same run.
 
     python -m rayinfer.bench handoff [--tokens 3700 --layers 27 --row 576 --dtype bfloat16]
     python -m rayinfer.bench handoff --two-nodes   # also into an importer on another Ray node
 
 Each actor holds a paged cache of `--layers` layers of `--row`-element rows (default: a 3.7k-token
 DeepSeek-V2-Lite request, 27 x 576 bf16 = 115 MB) on the GPU (both actors on one GPU, as the
-disaggregated server on one GPU runs them) or the CPU. Export: the rows at a request's slots into
-the object store; import: from there into the other actor's cache at other slots.
-- `chunked` (workers/runner/kv_copy.py): gather into device staging, one asynchronous copy per
-  chunk into pinned memory, one object-store put per chunk while the next copies; import through
-  pinned memory with a parallel memcpy and one host -> device copy per chunk, then a scatter;
+disaggregated server on one GPU runs them) or the CPU, and exports and imports through the
+workers' own code (workers/handoff_io.py):
+- `shm` (kv_handoff.path=auto): gather into device staging, one device -> host copy per chunk
+  into the exporter's page-locked shared-memory arena; the importer maps the arena and copies
+  from it straight to the device, then scatters (workers/runner/kv_arena.py). An importer on
+  another node asks the exporter to put the span into the object store and pulls it;
+- `object-store` (kv_handoff.path=object_store, workers/runner/kv_copy.py): gather into device
+  staging, one asynchronous copy per chunk into pinned memory, one object-store put per chunk
+  while the next copies; import through pinned memory with a parallel memcpy and one host ->
+  device copy per chunk, then a scatter;
 - `per-layer` (the path before issue 28): a synchronous `.cpu()` of each layer's rows into
   pageable memory, one put of the list; import with one `.to(device)` per layer.
-Times are medians over `--repeats` after one warm-up, measured inside the actors; every run checks
-that the importer's rows equal the exporter's byte for byte.
+Times are medians over `--repeats` after one warm-up (which makes and page-locks the arena and
+the importer's mapping of it), measured inside the actors: export = copy + put, import = get
+(headers, the arena's mapping, or the object-store get) + copy. Every run checks that the
+importer's rows equal the exporter's byte for byte.
 
 `--two-nodes` starts a local two-node Ray cluster (`ray.cluster_utils.Cluster`: two raylets, two
 object stores on this machine) and runs every path twice in the same run: into an importer on
@@ -35,8 +42,11 @@ import time
 import ray
 import torch
 
-from rayinfer.workers.runner.kv_copy import CHUNK_BYTES, KVCopier
-from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads, pack_kv, token_slots
+from rayinfer.engine_config import KVHandoffConfig
+from rayinfer.workers.handoff_io import HandoffIO
+from rayinfer.workers.runner.kv_cache import KVCache
+from rayinfer.workers.runner.kv_copy import CHUNK_BYTES
+from rayinfer.workers.runner.kv_transfer import pack_kv, token_slots
 
 BLOCK_SIZE = 64
 # Custom resources that pin the actors of a --two-nodes run to the exporter's node or the other.
@@ -45,7 +55,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 class CacheHolder:
-    """One side of the hand-off: a random paged cache and both paths' copies over it."""
+    """One side of the hand-off: a random paged cache and every path's copies over it."""
 
     def __init__(self, layers: int, row: int, dtype: str, num_blocks: int, seed: int):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,38 +65,47 @@ class CacheHolder:
             torch.randn(shape, generator=generator, device=self.device).to(DTYPES[dtype])
             for _ in range(layers)
         ]
-        self.copiers: dict[int, KVCopier] = {}
+        self.kv_caches: dict[int, KVCache] = {}  # chunk bytes -> the cache's chunked copies
+        is_cuda = self.device.type == "cuda"
+        # path -> the worker's hand-off code, as a worker with that kv_handoff.path runs it
+        self.handoffs = {
+            name: HandoffIO(is_cuda, KVHandoffConfig(path=path))
+            for name, path in (("shm", "auto"), ("object-store", "object_store"))
+        }
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def export_chunked(self, table: list[int], num_tokens: int, chunk_bytes: int) -> KVPayload:
-        copier = self.copiers.setdefault(chunk_bytes, KVCopier(self.caches, chunk_bytes))
-        self._sync()
-        start = time.perf_counter()
-        slots = token_slots(table, num_tokens, BLOCK_SIZE)
-        timings: dict = {}
-        refs, put_s = [], 0.0
-        for chunk in copier.export(slots, timings):
-            begin = time.perf_counter()
-            refs.append(ray.put(chunk))
-            put_s += time.perf_counter() - begin
-        header = KVPayload(
-            [], len(self.caches), (num_tokens, self.caches[0].shape[2]), self.caches[0].dtype,
-            None, timings=dict(timings, put_s=put_s, total_s=time.perf_counter() - start),
-        )  # fmt: skip
-        return header.with_chunks(refs)
+    def _cache(self, chunk_bytes: int) -> KVCache:
+        if chunk_bytes not in self.kv_caches:
+            self.kv_caches[chunk_bytes] = KVCache(self.caches, BLOCK_SIZE, None, chunk_bytes)
+        return self.kv_caches[chunk_bytes]
 
-    def import_chunked(self, shard, table: list[int], chunk_bytes: int) -> dict:
-        copier = self.copiers.setdefault(chunk_bytes, KVCopier(self.caches, chunk_bytes))
+    def export(self, variant: str, table: list[int], num_tokens: int, chunk_bytes: int):
+        """The payload (a header naming an arena span, or the chunks' ObjectRefs)."""
         self._sync()
-        start = time.perf_counter()
-        [payload] = fetch_payloads([shard])
-        fetched = time.perf_counter()
-        copier.import_(token_slots(table, payload.num_tokens, BLOCK_SIZE), payload.chunks)
-        end = time.perf_counter()
-        return {"get_s": fetched - start, "copy_s": end - fetched, "total_s": end - start}
+        cache = self._cache(chunk_bytes)
+        payload = self.handoffs[variant].export(cache, table, num_tokens, generator_state=None)
+        payload.timings["total_s"] = payload.timings["export_s"]
+        return payload
+
+    def import_(self, variant: str, shard, table: list[int], chunk_bytes: int) -> dict:
+        self._sync()
+        cache = self._cache(chunk_bytes)
+        timings = self.handoffs[variant].import_(cache, table, [shard]).timings
+        return dict(timings, total_s=timings["get_s"] + timings["copy_s"])
+
+    def kv_from_arena(self, header):
+        """For an importer on another node (HandoffIO's contract with exporting actors)."""
+        return self.handoffs["shm"].kv_from_arena(header)
+
+    def release_arena_span(self, span) -> None:
+        self.handoffs["shm"].release_own_span(span)
+
+    def close(self) -> None:
+        for handoff in self.handoffs.values():
+            handoff.close()
 
     def export_per_layer(self, table: list[int], num_tokens: int) -> tuple[ray.ObjectRef, dict]:
         self._sync()
@@ -151,9 +170,9 @@ def run_variant(exporter, importer, name: str, args, export_table, import_table,
             refs, export = ray.get(exporter.export_per_layer.remote(export_table, args.tokens))
             landed = ray.get(importer.import_per_layer.remote(refs, import_table, args.tokens))
         else:
-            shard = exporter.export_chunked.remote(export_table, args.tokens, chunk_bytes)
+            shard = exporter.export.remote(name, export_table, args.tokens, chunk_bytes)
             export = ray.get(shard).timings
-            landed = ray.get(importer.import_chunked.remote(shard, import_table, chunk_bytes))
+            landed = ray.get(importer.import_.remote(name, shard, import_table, chunk_bytes))
         samples.append((export, landed))
     exact = ray.get(exporter.digest.remote(export_table, args.tokens)) == ray.get(
         importer.digest.remote(import_table, args.tokens)
@@ -166,6 +185,7 @@ def run_variant(exporter, importer, name: str, args, export_table, import_table,
     return {
         "variant": name,
         "chunk_mb": chunk_bytes >> 20 if name != "per-layer" else None,
+        "path": samples[-1][1].get("path", "per-layer"),  # how the import's bytes came
         "exact": exact,
         "export_s": median(0, "total_s"),
         "export_copy_s": median(0, "copy_s"),
@@ -198,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         tables = (export_table, import_table)
         found = [run_variant(exporter, importer, "per-layer", args, *tables, 0)]
         for chunk_mb in (int(c) for c in args.chunk_mb.split(",")):
-            found.append(run_variant(exporter, importer, "chunked", args, *tables, chunk_mb << 20))
+            for variant in ("object-store", "shm"):
+                found.append(
+                    run_variant(exporter, importer, variant, args, *tables, chunk_mb << 20)
+                )
         rows += [dict(row, importer=placement) for row in found]
     device = "cuda" if use_gpu else "cpu"
     print_rows(rows, num_bytes, args, device)
@@ -206,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"num_bytes": num_bytes, "device": device, "args": vars(args), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    ray.get([actor.close.remote() for actor in (exporter, *importers)])  # unlinks the arena
     for actor in (exporter, *importers):
         ray.kill(actor)
     if started_ray or cluster is not None:
@@ -245,27 +269,34 @@ def holder_on(placement: str, use_gpu: bool, two_nodes: bool):
 def print_rows(rows: list[dict], num_bytes: int, args, device: str) -> None:
     print(f"hand-off of {num_bytes / 1e6:.1f} MB ({args.tokens} tokens x {args.layers} layers x "
           f"{args.row} {args.dtype}) between two actors on {device}")  # fmt: skip
-    print(f"{'importer':10s} {'variant':10s} {'chunk':>6s} {'export ms':>10s} {'GB/s':>6s} "
+    print(f"{'importer':10s} {'variant':12s} {'chunk':>6s} {'export ms':>10s} {'GB/s':>6s} "
           f"{'(copy/put)':>14s} {'import ms':>10s} {'GB/s':>6s} {'(get/copy)':>14s} "
-          "exact")  # fmt: skip
+          f"{'path':22s} exact")  # fmt: skip
     for row in rows:
         row["export_gb_s"] = num_bytes / row["export_s"] / 1e9
         row["import_gb_s"] = num_bytes / row["import_s"] / 1e9
         chunk = "-" if row["chunk_mb"] is None else f"{row['chunk_mb']}M"
         print(
-            f"{row['importer']:10s} {row['variant']:10s} {chunk:>6s} "
+            f"{row['importer']:10s} {row['variant']:12s} {chunk:>6s} "
             f"{row['export_s'] * 1e3:10.2f} {row['export_gb_s']:6.1f} "
             f"{row['export_copy_s'] * 1e3:6.2f}/{row['export_put_s'] * 1e3:<7.2f}"
             f" {row['import_s'] * 1e3:10.2f} {row['import_gb_s']:6.1f} "
-            f"{row['import_get_s'] * 1e3:6.2f}/{row['import_copy_s'] * 1e3:<7.2f} {row['exact']}"
+            f"{row['import_get_s'] * 1e3:6.2f}/{row['import_copy_s'] * 1e3:<7.2f} "
+            f"{row['path']:22s} {row['exact']}"
         )
     for placement in dict.fromkeys(row["importer"] for row in rows):
-        base, *chunked = [row for row in rows if row["importer"] == placement]
-        for row in chunked:
-            export_ratio = base["export_s"] / row["export_s"]
-            import_ratio = base["import_s"] / row["import_s"]
-            print(f"{placement}: chunked {row['chunk_mb']}M vs per-layer: export "
-                  f"{export_ratio:.1f}x, import {import_ratio:.1f}x")  # fmt: skip
+        here = {(r["variant"], r["chunk_mb"]): r for r in rows if r["importer"] == placement}
+        base = here[("per-layer", None)]
+        for (variant, chunk_mb), row in here.items():
+            if variant == "shm":
+                store = here[("object-store", chunk_mb)]
+                print(f"{placement}: shm vs object-store, {chunk_mb}M chunks: export "
+                      f"{store['export_s'] / row['export_s']:.1f}x, import "
+                      f"{store['import_s'] / row['import_s']:.1f}x")  # fmt: skip
+            if variant != "per-layer":
+                print(f"{placement}: {variant} {chunk_mb}M vs per-layer: export "
+                      f"{base['export_s'] / row['export_s']:.1f}x, import "
+                      f"{base['import_s'] / row['import_s']:.1f}x")  # fmt: skip
     same = {(r["variant"], r["chunk_mb"]): r for r in rows if r["importer"] == "same node"}
     for row in rows:
         if row["importer"] == "other node":

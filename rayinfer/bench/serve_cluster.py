@@ -391,6 +391,11 @@ class ServeCluster:
         # processes (those naming its temp dir) and their children (the worker processes).
         stop_processes(cluster_process_ids(self.temp_dir, self.auth_token))
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        # The node's cleanup: the hand-off arenas of workers killed with the cluster (a live
+        # owner's, another cluster's, stays).
+        from rayinfer.workers.runner.kv_arena import unlink_dead_arenas
+
+        unlink_dead_arenas()
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0, what: str = "condition"):

@@ -4,6 +4,7 @@ mean/P50/P95/P99, goodput under SLOs), plus the KV hand-off's, the report and th
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from rayinfer.bench.serve_client import HANDOFF_PARTS, RequestResult
 
@@ -86,6 +87,7 @@ def summarize(
     # streamed, so this bounds what the hand-off could add to a request's first tokens.
     shares = [(r.kv_export_s + r.kv_import_s) / r.ttft_s for r in done if r.ttft_s > 0]
     summary["mean_kv_bytes"] = sum(r.kv_bytes for r in done) / max(len(done), 1)
+    summary["kv_paths"] = dict(Counter(r.kv_path for r in done if r.kv_path))
     summary["mean_handoff_share_of_ttft_pct"] = 100 * sum(shares) / max(len(shares), 1)
     summary["p50_handoff_share_of_ttft_pct"] = 100 * percentile(shares, 50)
     return summary
@@ -129,7 +131,9 @@ def format_report(s: dict, title: str = "Serving Benchmark Result", slos=None) -
         for q in PERCENTILES:
             row(f"P{q} {short} (ms):", s[f"p{q}_{key}_ms"])
     if has_handoff:
-        lines.append("KV hand-off through the object store".center(50, "-"))
+        lines.append("KV hand-off".center(50, "-"))
+        paths = ", ".join(f"{path} {count}" for path, count in s.get("kv_paths", {}).items())
+        row("Requests by hand-off path:", paths or "-")
         for part in HANDOFF_PARTS:
             key = part.removesuffix("_s")
             if f"mean_{key}_ms" in s:

@@ -1,4 +1,6 @@
 """Shared host memory for the ranks of one node: one segment per rank, mapped by every rank.
+The file helpers at the end (`shared_folder`, `create_file`, `map_file`, `pin_host`) also make
+the KV hand-off's arenas (workers/runner/kv_arena.py).
 
 Segment of rank r: a header, then one ring of `num_slots` slots of `slot_bytes` for each
 destination d (slot bytes r -> d live in r's segment). The header holds
@@ -43,19 +45,19 @@ class SharedSegments:
         self.segment_bytes = self._header_bytes + world_size * num_slots * slot_bytes
         token = _agree_on_token(store, rank)
         _check_one_node(store, token, rank, world_size)
-        folder = _shared_folder(self.segment_bytes * world_size) if rank == 0 else None
+        folder = shared_folder(self.segment_bytes * world_size) if rank == 0 else None
         if rank == 0:
             store.set(f"shm-folder-{token}", folder)
         folder = store.get(f"shm-folder-{token}").decode()
         paths = [f"{folder}/rayinfer-{token}-{r}" for r in range(world_size)]
-        _create_file(paths[rank], self.segment_bytes)
+        os.close(create_file(paths[rank], self.segment_bytes))
         _wait_all(store, f"shm-created-{token}", world_size)
-        self.segments = [_map(p, self.segment_bytes) for p in paths]
+        self.segments = [map_file(p, self.segment_bytes) for p in paths]
         _wait_all(store, f"shm-mapped-{token}", world_size)
         os.unlink(paths[rank])  # the mappings stay valid; nothing is left behind
         self.headers = [_header(seg, world_size) for seg in self.segments]
         self._flags_base = [seg.data_ptr() + self._flags_at for seg in self.segments]
-        self.is_pinned = pin and _pin(self.segments)
+        self.is_pinned = pin and all(pin_host(seg) for seg in self.segments)
 
     def slot(self, src: int, dst: int, seq: int, num_bytes: int | None = None) -> torch.Tensor:
         """[slot_bytes] uint8 (or its first num_bytes): the ring slot that carries chunk `seq`
@@ -95,7 +97,7 @@ class SharedSegments:
     def close(self) -> None:
         if self.is_pinned:
             for seg in self.segments:
-                torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
+                unpin_host(seg)
         self.segments, self.headers, self._flags_base = [], [], []
 
 
@@ -131,22 +133,38 @@ def _wait_all(store: dist.Store, key: str, world_size: int) -> None:
         time.sleep(0.001)
 
 
-def _create_file(path: str, num_bytes: int) -> None:
+def create_file(path: str, num_bytes: int, reserve: bool = True) -> int:
+    """Create `path` (which must not exist) of num_bytes; the open file descriptor (the caller
+    closes it). With `reserve` its pages are allocated now, so that a full /dev/shm fails here
+    (ENOSPC) and not with SIGBUS on first touch; without, the file is sparse and the caller
+    reserves each range before writing it (`reserve_range`)."""
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, num_bytes)  # fail now (ENOSPC), not with SIGBUS on first touch
-    finally:
+        if reserve:
+            os.posix_fallocate(fd, 0, num_bytes)
+        else:
+            os.ftruncate(fd, num_bytes)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
-def _shared_folder(num_bytes: int) -> str:
+def reserve_range(fd: int, offset: int, num_bytes: int) -> None:
+    """Allocate the pages of [offset, offset + num_bytes) of a sparse file (OSError ENOSPC when
+    the folder is full); a no-op for pages already allocated."""
+    os.posix_fallocate(fd, offset, num_bytes)
+
+
+def shared_folder(num_bytes: int) -> str:
     """/dev/shm when it has room (containers often cap it at 64 MB), else the temp folder."""
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * num_bytes:
         return "/dev/shm"
     return tempfile.gettempdir()
 
 
-def _map(path: str, num_bytes: int) -> torch.Tensor:
+def map_file(path: str, num_bytes: int) -> torch.Tensor:
+    """[num_bytes] uint8: the file's first num_bytes, mapped shared (writes reach every mapper)."""
     return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
 
 
@@ -154,9 +172,13 @@ def _header(segment: torch.Tensor, world_size: int) -> np.ndarray:
     return segment[: 2 * world_size * 8].view(torch.int64).numpy()
 
 
-def _pin(segments: list[torch.Tensor]) -> bool:
-    for seg in segments:
-        err = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({err}); is /dev/shm large enough?")
+def pin_host(memory: torch.Tensor) -> bool:
+    """Page-lock host memory (cudaHostRegister), so that copies to and from it are DMA."""
+    err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({err}); is /dev/shm large enough?")
     return True
+
+
+def unpin_host(memory: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())

@@ -19,6 +19,7 @@ from rayinfer.deployments.config_args import (
     parse_bool_or_auto,
 )
 from rayinfer.deployments.phase_config import IngressConfig, PhaseConfig
+from rayinfer.engine_config import KVHandoffConfig
 from rayinfer.graph_config import graph_blocker
 
 
@@ -98,6 +99,15 @@ class AppConfig(Strict):
         "prefill graphs as the prefill phase's, decode graphs as decode's",
     )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    kv_handoff: KVHandoffConfig = Field(
+        default_factory=KVHandoffConfig,
+        description="the KV hand-off from Prefill to Decode (disaggregated): path=auto copies "
+        "each request's KV into its prefill worker's shared-memory arena (arena_bytes each, in "
+        "/dev/shm), from which a decode worker on the same Ray node copies it straight into its "
+        "cache; across nodes, or when the arena is full, it goes through the object store; "
+        "path=object_store: always through the object store. lease_s: how long an exported KV "
+        "keeps its arena space for a decode that has not taken it (rayinfer/engine_config.py)",
+    )
     stream_interval_ms: float = Field(
         50.0,
         ge=0,

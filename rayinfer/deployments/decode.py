@@ -38,11 +38,12 @@ class Decode(PhaseReplica):
                 chunk.kv_timings = stats.handoff_timings.pop(handoff.request_id, None)
                 chunk.was_recomputed = handoff.request_id in stats.lost_request_ids
                 stats.lost_request_ids.discard(handoff.request_id)
-                self.metrics.observe_handoff(chunk.kv_import_s)
                 if chunk.kv_timings:  # the export, timed by the prefill worker that ran it
-                    export_s = chunk.kv_timings["export"].get("export_s", 0.0)
-                    prefill_tags = {**self.metrics.tags, "phase": "prefill"}
-                    self.metrics.kv_handoff_seconds.observe(export_s, tags=prefill_tags)
+                    self.metrics.observe_handoff(chunk.kv_import_s, chunk.kv_timings["path"])
+                    export = chunk.kv_timings["export"]
+                    self.metrics.observe_handoff(
+                        export.get("export_s", 0.0), export.get("path", ""), phase="prefill"
+                    )
                 is_first = False
             else:
                 self.metrics.observe_token_gap(now - last, len(output.new_token_ids))

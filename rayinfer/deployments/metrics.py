@@ -43,14 +43,16 @@ METRICS = {
     "kv_handoff_bytes": (
         "counter",
         "rayinfer_kv_handoff_bytes",
-        "KV bytes put into the object store by prefill for decode.",
+        "KV bytes prefill exported for decode (into its arena or the object store).",
         (),
     ),
     "kv_handoff_seconds": (
         "transfer",
         "rayinfer_kv_handoff_seconds",
-        "Seconds to export (prefill) or import (decode) one request's KV.",
-        (),
+        "Seconds to export (prefill) or import (decode) one request's KV, by the path it took: "
+        "shm (the prefill worker's shared-memory arena, mapped on the same node), "
+        "object_store, or arena_via_object_store (an arena on another node, put when asked).",
+        ("path",),
     ),
     "kv_recomputes": (
         "counter",
@@ -101,10 +103,11 @@ class ServeMetrics:
         """A chunk of num_tokens tokens `seconds` after the one before."""
         self.inter_token_latency.observe(seconds / max(num_tokens, 1), tags=self.tags)
 
-    def observe_handoff(self, seconds: float, num_bytes: int = 0) -> None:
-        self.kv_handoff_seconds.observe(seconds, tags=self.tags)
-        if num_bytes:
-            self.kv_handoff_bytes.inc(num_bytes, tags=self.tags)
+    def observe_handoff(self, seconds: float, path: str, phase: str | None = None) -> None:
+        """One request's export (phase "prefill") or import (this replica's phase) seconds,
+        by the path its KV took."""
+        tags = {**self.tags, "phase": phase or self.tags["phase"], "path": path}
+        self.kv_handoff_seconds.observe(seconds, tags=tags)
 
     def add_steps(self, mode: str, count: int) -> None:
         if count:

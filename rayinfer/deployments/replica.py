@@ -65,6 +65,14 @@ class PhaseReplica:
         )  # fmt: skip
         self.workers.watch(lambda lost: self._leave(lost.describe()))
 
+    def __del__(self) -> None:
+        """Serve's hook at a replica's graceful stop (scale-down, redeploy, `serve shutdown`),
+        called once before Ray ends the actor: unlink the workers' hand-off arenas, which
+        workers killed with their owner would leave behind (workers/runner/kv_arena.py)."""
+        workers = getattr(self, "workers", None)  # None: the constructor failed
+        if workers is not None and workers.workers and ray.is_initialized():
+            workers.close_arenas()
+
     def _engine_failed(self, error: BaseException) -> None:
         self._leave(f"its engine loop failed ({type(error).__name__})")
 

@@ -137,6 +137,7 @@ def phase_engine_args(
         max_model_len=source.max_model_len,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
+        kv_handoff=config.kv_handoff,
         **phase_fields(phase_config, phase, use_gpus),
     )
 

@@ -147,16 +147,20 @@ class Timings:
     kv_export_s: float = 0.0  # the prefill worker's export, beside its steps: copies and puts
     kv_import_s: float = 0.0  # the decode worker's import: object-store get and copies in
     kv_bytes: int = 0
-    # Where the hand-off's time went: device -> pinned host copies and object-store puts on
-    # export; object-store get and host -> device copies on import.
+    # Where the hand-off's time went: device -> host copies (into pinned memory or the
+    # prefill worker's arena) and object-store puts on export; object-store get (or the
+    # arena's mapping) and host -> device copies on import.
     kv_export_copy_s: float = 0.0
     kv_put_s: float = 0.0
     kv_get_s: float = 0.0
     kv_import_copy_s: float = 0.0
+    # How the KV came: "shm" (mapped from the prefill worker's arena on the same node),
+    # "object_store", or "arena_via_object_store" (an arena on another node); "" without one.
+    kv_path: str = ""
     was_recomputed: bool = False
     was_resumed: bool = False  # a decode replica died mid-stream and another one finished it
 
-    def as_dict(self) -> dict[str, float | int | bool]:
+    def as_dict(self) -> dict[str, float | int | bool | str]:
         return asdict(self)
 
     def add_handoff(self, kv_timings: dict | None) -> None:
@@ -169,4 +173,5 @@ class Timings:
         self.kv_put_s = export.get("put_s", 0.0)
         self.kv_get_s = kv_timings.get("get_s", 0.0)
         self.kv_import_copy_s = kv_timings.get("copy_s", 0.0)
+        self.kv_path = kv_timings.get("path", "")
         self.kv_import_s = self.kv_get_s + self.kv_import_copy_s

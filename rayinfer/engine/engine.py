@@ -108,12 +108,14 @@ class LLMEngine:
             first = state.take_output()  # the caller already has the first token
         except Exception:  # the caller hears it; nothing of the request stays
             pending_imports.pop()
+            self.executor.discard_kv(handoff.payload)
             self.states.pop(handoff.request_id, None)
             raise
         finally:
             self._free_finished()
         if state.seq.is_finished:  # max_tokens=1, or the first token was EOS
             pending_imports.pop()
+            self.executor.discard_kv(handoff.payload)
             self.ready_outputs.append(first)
 
     def abort(self, request_id: str) -> None:

@@ -51,6 +51,10 @@ class Executor(ABC):
 
         Raises KVLostError when the payload can no longer be read."""
 
+    def discard_kv(self, payload: Any) -> None:
+        """Release what a payload from `export_kv` holds (an exporter's shared-memory span)
+        when it will not be imported: its request was aborted or ended at its first token."""
+
     def transfers_done(self, transfers: list[Any]) -> list[bool]:
         """Whether each export or import handle's copy has finished (without waiting)."""
         return [True] * len(transfers)

@@ -71,8 +71,12 @@ class Handoffs:
         return payload
 
     def abort(self, state: RequestState) -> bool:
-        """Forget a waiting import of `state`; True when its KV is being copied in (its blocks
-        are freed when that ends), so the caller leaves the rest to `finish_transfers`."""
+        """Forget a waiting import of `state` (its payload released); True when its KV is being
+        copied in (its blocks are freed when that ends), so the caller leaves the rest to
+        `finish_transfers`."""
+        for pending in self.pending_imports:
+            if pending.state is state:
+                self.executor.discard_kv(pending.payload)
         self.pending_imports = [p for p in self.pending_imports if p.state is not state]
         for pending in self.imports_in_flight:
             if pending.state is state:

@@ -71,6 +71,7 @@ class PendingImport:
     request_id: str
     calls: list[ray.ObjectRef]
     owners: list[str]
+    shards: list[ray.ObjectRef]  # the hand-off's: its arena spans are released once all land
 
 
 @dataclass
@@ -271,11 +272,20 @@ class WorkerGroup(Executor):
         Starts the holders' imports (their KV transfer threads) and returns at once."""
         if isinstance(payload, KVPayload):
             payload = KVRefs([ray.put(payload)], payload.num_bytes, ["driver"])
+        holders = self._holders(partition)
+        # A lone holder frees the arena spans it read itself; several all read the same spans,
+        # which `finish_import` frees once every one has ended.
+        alone = len(holders) == 1
         calls = [
-            self.workers[rank].import_kv.remote(request_id, block_table, payload.shards)
-            for rank in self._holders(partition)
+            self.workers[rank].import_kv.remote(request_id, block_table, payload.shards, alone)
+            for rank in holders
         ]
-        return PendingImport(request_id, calls, payload.owners)
+        return PendingImport(request_id, calls, payload.owners, [] if alone else payload.shards)
+
+    def discard_kv(self, payload) -> None:
+        """Release what a hand-off holds that will not be imported (its arena spans)."""
+        if isinstance(payload, KVRefs):
+            self.workers[0].discard_kv.remote(payload.shards)
 
     def transfers_done(self, transfers: list) -> list[bool]:
         calls = [call for transfer in transfers for call in _calls_of(transfer)]
@@ -292,6 +302,8 @@ class WorkerGroup(Executor):
 
     def finish_import(self, transfer: PendingImport) -> None:
         request_id = transfer.request_id
+        if transfer.shards:  # every holder has ended: the spans they read may be reused
+            self.workers[0].discard_kv.remote(transfer.shards)
         try:
             results = ray.get(transfer.calls)
         except REPLICA_WORKER_ERRORS as error:  # a holding worker died: the step will fail too
@@ -299,8 +311,8 @@ class WorkerGroup(Executor):
         if not all(results):
             self.stats.lost_request_ids.add(request_id)
             raise KVLostError(
-                f"request {request_id!r}: its KV in the object store is gone (owners "
-                f"{transfer.owners} died or the object was evicted); decode recomputes the prompt"
+                f"request {request_id!r}: its KV is gone (owners {transfer.owners} died, or its "
+                "object was evicted or its arena span reused); decode recomputes the prompt"
             )
         slowest = max(results, key=lambda timings: timings["get_s"] + timings["copy_s"])
         self.stats.import_seconds[request_id] = slowest["get_s"] + slowest["copy_s"]
@@ -343,9 +355,19 @@ class WorkerGroup(Executor):
             raise RuntimeError(self.lost_worker.describe())
         ray.get([worker.describe.remote() for worker in self.workers], timeout=timeout_s)
 
+    def close_arenas(self, timeout_s: float = 10.0) -> None:
+        """Unlink the workers' hand-off arenas (each after its exports in flight; later exports
+        go through the object store). Killed workers unlink nothing: a worker that does not
+        answer within timeout_s leaves its file to the next arena made on the node, which
+        unlinks a dead owner's."""
+        closing = [worker.close_kv_arena.remote() for worker in self.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s, fetch_local=False)
+
     def shutdown(self) -> None:
+        """Unlink the workers' arenas, then kill the workers."""
         if self._death_watch is not None:
             self._death_watch.close()
+        self.close_arenas()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []

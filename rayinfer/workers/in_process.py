@@ -5,7 +5,7 @@ from __future__ import annotations
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.model_source import resolve_device, resolve_dtype
-from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
+from rayinfer.workers.runner.kv_transfer import KVPayload
 from rayinfer.workers.runner.model_runner import ModelRunner
 from rayinfer.workers.runner.step_profiler import StepProfiler
 from rayinfer.workers.spec import WorkerSpec
@@ -32,6 +32,7 @@ class InProcessExecutor(Executor):
             overlap=spec.overlap,
             kernels=spec.kernels,
         )
+        self._handoff = None  # a HandoffIO, made at the first import from a WorkerGroup
 
     @property
     def num_kv_blocks(self) -> int:
@@ -52,11 +53,34 @@ class InProcessExecutor(Executor):
     def import_kv(
         self, request_id: str, block_table: list[int], payload, partition: int = 0
     ) -> None:
-        """`payload`: a KVPayload, or a WorkerGroup's KVRefs (fetched from the object store);
-        written before this returns."""
+        """`payload`: a KVPayload, or a WorkerGroup's KVRefs (mapped from the exporters' arenas
+        or fetched from the object store); written before this returns."""
+        if not hasattr(payload, "shards"):
+            self.runner.import_kv(request_id, block_table, payload)
+            return
+        from rayinfer.engine.executor import KVLostError
+        from rayinfer.workers.handoff_io import KVLost
+
+        try:
+            landed = self.handoff.import_(self.runner.kv_cache, block_table, payload.shards)
+        except KVLost as lost:
+            raise KVLostError(f"request {request_id!r}: its KV is gone ({lost})") from None
+        if landed.generator_state is not None:
+            self.runner.sampler.restore_generator(request_id, landed.generator_state)
+
+    def discard_kv(self, payload) -> None:
         if hasattr(payload, "shards"):
-            payload = fetch_payloads(payload.shards)
-        self.runner.import_kv(request_id, block_table, payload)
+            self.handoff.discard(payload.shards)
+
+    @property
+    def handoff(self):
+        """The hand-off's import side (workers/handoff_io.py), made at first use: it needs Ray."""
+        if self._handoff is None:
+            from rayinfer.workers.handoff_io import HandoffIO
+
+            is_cuda = self.runner.device.type == "cuda"
+            self._handoff = HandoffIO(is_cuda, self.spec.kv_handoff, self.spec.import_timeout_s)
+        return self._handoff
 
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rayinfer.config import ModelConfig, ParallelPlan
-from rayinfer.engine_config import CacheConfig, KVMemoryConfig
+from rayinfer.engine_config import DEFAULT_KV_HANDOFF, CacheConfig, KVHandoffConfig, KVMemoryConfig
 from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
@@ -38,3 +38,4 @@ class WorkerSpec:
     overlap: OverlapConfig = DEFAULT_OVERLAP  # the two-batch overlap's split, shared experts
     kernels: KernelBackends = DEFAULT_BACKENDS  # which kernel serves ops with several
     process: ProcessConfig = DEFAULT_PROCESS  # NUMA binding, GC freeze, profiler
+    kv_handoff: KVHandoffConfig = DEFAULT_KV_HANDOFF  # how exported KV leaves (handoff_io.py)

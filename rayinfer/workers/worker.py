@@ -1,10 +1,12 @@
 """A Ray actor on exactly one GPU (or the CPU) holding one ModelRunner.
 
-KV hand-off: `export_kv` and `import_kv` run on the actor's own KV transfer thread (the `kv_io`
-concurrency group), beside `execute`, so a step never waits for a copy. `export_kv` puts the KV
-into the object store chunk by chunk from inside this actor, which owns those objects, and
-returns the KVPayload with the chunks' ObjectRefs (references, not copies). `import_kv`
-resolves them here; a payload whose owner died reads as lost (None).
+KV hand-off (workers/handoff_io.py): `export_kv` and `import_kv` run on the actor's own KV
+transfer thread (the `kv_io` concurrency group), beside `execute`, so a step never waits for a
+copy. `export_kv` copies the KV into this worker's shared-memory arena (the payload names the
+span) or puts it into the object store chunk by chunk from inside this actor, which owns those
+objects (the payload holds the chunks' ObjectRefs: references, not copies). `import_kv` maps or
+pulls them here; a payload whose owner died reads as lost (None). `close_kv_arena` unlinks the
+arena before the group kills its workers.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import ray
 import torch
@@ -20,23 +21,15 @@ import torch
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.gc_freeze import freeze_after_startup
+from rayinfer.workers.handoff_io import HandoffIO, KVLost
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
-from rayinfer.workers.runner.kv_transfer import KVPayload, fetch_payloads
+from rayinfer.workers.runner.kv_transfer import KVPayload
 from rayinfer.workers.runner.step_profiler import StepProfiler
 from rayinfer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-# The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError); an export
-# whose worker died before it finished, or that failed, reads the same: decode recomputes.
-LOST_OBJECT_ERRORS = (
-    ray.exceptions.ObjectLostError,
-    ray.exceptions.ObjectFetchTimedOutError,
-    ray.exceptions.GetTimeoutError,
-    ray.exceptions.RayActorError,
-    ray.exceptions.RayTaskError,
-)
 KV_IO = "kv_io"  # the concurrency group (one thread) of the hand-off's copies
 WATCH = "watch"  # the concurrency group (one thread) holding `wait_until_killed` open
 # The calls made per step or per request keep no task events: the GCS holds ~3.5 KB for each call
@@ -82,6 +75,8 @@ class Worker:
             overlap=spec.overlap,
             kernels=spec.kernels,
         )
+        is_cuda = self.device.type == "cuda"
+        self.handoff = HandoffIO(is_cuda, spec.kv_handoff, spec.import_timeout_s)
         if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
             self.runner.allocate_kv(spec.cache_config.num_blocks)
             freeze_after_startup(self.device, spec.process.gc_freeze)  # the last of its startup
@@ -178,39 +173,51 @@ class Worker:
 
     @ray.method(concurrency_group=KV_IO, **HOT_PATH)
     def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
-        """The request's KV put into the object store, chunk by chunk as the copies land (the
-        next chunk copies while this one is put); returns it with the chunks' ObjectRefs."""
-        start = time.perf_counter()
-        header, chunks = self.runner.export_kv_chunks(request_id, block_table, num_tokens)
-        refs, put_s = [], 0.0
-        for chunk in chunks:
-            begin = time.perf_counter()
-            refs.append(ray.put(chunk))
-            put_s += time.perf_counter() - begin
-        header.timings.update(put_s=put_s, export_s=time.perf_counter() - start)
-        return header.with_chunks(refs)
+        """The request's KV copied out before this returns: into this worker's arena (the
+        payload names the span) or into the object store (it holds the chunks' ObjectRefs)."""
+        state = self.runner.sampler.generator_state(request_id)
+        return self.handoff.export(self.runner.kv_cache, block_table, num_tokens, state)
 
     @ray.method(concurrency_group=KV_IO, **HOT_PATH)
-    def import_kv(self, request_id: str, block_table: list[int], shards: list) -> dict | None:
+    def import_kv(
+        self, request_id: str, block_table: list[int], shards: list, release: bool = True
+    ) -> dict | None:
         """Write this rank's part of a hand-off (from any prefill plan) into the cache: shards
         are per prefill worker an ObjectRef to (or a) KVPayload. Returns the timings in seconds
-        ("get_s", "copy_s", and the export's under "export"), or None when an object it needs
-        is gone."""
-        start = time.perf_counter()
+        ("get_s", "copy_s", "path", and the export's under "export"), or None when a payload it
+        needs is gone. release: free the arena spans read (False: other ranks read them too,
+        and the group discards them once all have ended)."""
         try:
-            payloads = fetch_payloads(
-                shards, lambda p: self._needs(p.kv_heads), self.spec.import_timeout_s
+            landed = self.handoff.import_(
+                self.runner.kv_cache, block_table, shards, self._wants, release
             )
-        except LOST_OBJECT_ERRORS as error:
-            logger.warning("KV of %s cannot be read (%s)", request_id, type(error).__name__)
+        except KVLost as lost:
+            logger.warning("KV of %s cannot be read (%s)", request_id, lost)
             return None
-        fetched = time.perf_counter()
-        self.runner.import_kv(request_id, block_table, payloads)
-        return {
-            "get_s": fetched - start,
-            "copy_s": time.perf_counter() - fetched,
-            "export": dict(payloads[0].timings),
-        }
+        if landed.generator_state is not None:
+            self.runner.sampler.restore_generator(request_id, landed.generator_state)
+        return landed.timings
+
+    @ray.method(concurrency_group=KV_IO, **HOT_PATH)
+    def discard_kv(self, shards: list) -> None:
+        """Release the arena spans of a hand-off that will not be imported, or that every
+        holding rank has imported."""
+        self.handoff.discard(shards)
+
+    @ray.method(concurrency_group=KV_IO, **HOT_PATH)
+    def kv_from_arena(self, header: KVPayload) -> KVPayload | None:
+        """For an importer on another node: the KV of a span of this worker's arena, put into
+        the object store (None: the span is no longer held)."""
+        return self.handoff.kv_from_arena(header)
+
+    @ray.method(concurrency_group=KV_IO, **HOT_PATH)
+    def release_arena_span(self, span) -> None:
+        self.handoff.release_own_span(span)
+
+    @ray.method(concurrency_group=KV_IO)
+    def close_kv_arena(self) -> None:
+        """Unlink this worker's arena (after the exports before this call; at shutdown)."""
+        self.handoff.close()
 
     @ray.method(concurrency_group=WATCH)
     def wait_until_killed(self) -> None:
@@ -223,6 +230,9 @@ class Worker:
         for request_id in request_ids:
             self.block_tables.pop(request_id, None)
         self.runner.free_requests(request_ids)
+
+    def _wants(self, payload: KVPayload) -> bool:
+        return self._needs(payload.kv_heads)
 
     def _needs(self, shard_heads: tuple[int, int] | None) -> bool:
         mine = self.runner.kv_heads

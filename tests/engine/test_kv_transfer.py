@@ -1,11 +1,18 @@
 """KV hand-off data movement is exact: pack -> object store -> unpack into a cache with another
-block size, and K/V heads merged or split between tensor-parallel layouts."""
+block size, and K/V heads merged or split between tensor-parallel layouts, from the object store
+or the exporters' arenas; a full arena sends the export through the object store; `python -m
+rayinfer.bench handoff` measures the arena path against the object-store path on the CPU."""
 
+import json
 import pickle
 
 import pytest
 import torch
 
+from rayinfer.bench import handoff as bench_handoff
+from rayinfer.engine_config import KVHandoffConfig
+from rayinfer.workers.handoff_io import HandoffIO
+from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_transfer import (
     KVPayload,
     pack_kv,
@@ -61,3 +68,66 @@ def test_mismatched_layout_is_refused():
         unpack_kv([torch.zeros(4, 2, 96)], token_slots([0], 2, 2), payload.kv)
     with pytest.raises(ValueError, match="layers"):
         unpack_kv([torch.zeros(4, 2, 80)] * 2, token_slots([0], 2, 2), payload.kv)
+
+
+def test_heads_of_two_arenas_merge_into_one_rank_exactly():
+    """A tp=2 prefill's two arena exports (its K/V heads split) into a tp=1 decode cache."""
+    layers = [torch.randn(4, 4, 2, 4, 8) for _ in range(2)]  # [blocks, block, 2, heads, D]
+    exporters = [HandoffIO(is_cuda=False) for _ in range(2)]
+    importer = HandoffIO(is_cuda=False)
+    try:
+        headers = [
+            io.export(
+                KVCache(
+                    [t[:, :, :, 2 * r : 2 * r + 2].contiguous() for t in layers], 4, (2 * r, 2)
+                ),
+                [3, 1],
+                6,
+                None,
+            )  # fmt: skip
+            for r, io in enumerate(exporters)
+        ]
+        assert all(h.arena is not None for h in headers)
+        target = KVCache([torch.zeros(3, 8, 2, 4, 8) for _ in range(2)], 8, (0, 4))
+        importer.import_(target, [2], headers)
+        slots = token_slots([3, 1], 6, 4)
+        for source, landed in zip(layers, target.layers):
+            assert torch.equal(landed.view(-1, 2, 4, 8)[16:22], source.view(-1, 2, 4, 8)[slots])
+    finally:
+        for io in (*exporters, importer):
+            io.close()
+
+
+def test_a_full_arena_sends_the_export_through_the_object_store(ray_cluster):
+    layers = [torch.randn(8, 16, 4096) for _ in range(2)]  # 32 KiB per token: 64 tokens = 2 MiB
+    exporter = HandoffIO(is_cuda=False, config=KVHandoffConfig(arena_bytes=1 << 20))
+    importer = HandoffIO(is_cuda=False)
+    try:
+        small = exporter.export(KVCache(layers, 16, None), [0], 8, None)
+        assert small.arena is not None  # 256 KiB fits
+        big = exporter.export(KVCache(layers, 16, None), [7, 2, 5, 0], 64, None)
+        assert big.arena is None and big.timings["path"] == "object_store"
+        assert all(isinstance(chunk, ray_cluster.ObjectRef) for chunk in big.chunks)
+        target = KVCache([torch.zeros(8, 16, 4096) for _ in range(2)], 16, None)
+        assert importer.import_(target, [1, 3, 4, 6], [big]).timings["path"] == "object_store"
+        expected = pack_kv(layers, token_slots([7, 2, 5, 0], 64, 16))
+        assert all(torch.equal(a, b) for a, b in zip(pack_kv(target.layers, token_slots(
+            [1, 3, 4, 6], 64, 16)), expected))  # fmt: skip
+    finally:
+        exporter.close()
+        importer.close()
+
+
+def test_bench_handoff_runs_every_path_on_the_cpu(ray_cluster, tmp_path):
+    out = tmp_path / "handoff.json"
+    argv = ["--tokens", "70", "--layers", "3", "--row", "64", "--chunk-mb", "1",
+            "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert bench_handoff.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["path"]) for r in rows] == [
+        ("per-layer", "per-layer"), ("object-store", "object_store"), ("shm", "shm"),
+    ]  # fmt: skip
+    assert all(r["exact"] for r in rows)
+    shm = rows[2]
+    assert shm["export_put_s"] == 0 and shm["export_copy_s"] > 0 and shm["import_copy_s"] > 0
+    assert all(r["export_s"] > 0 and r["import_s"] > 0 for r in rows)

@@ -1,6 +1,8 @@
 """The hand-off's chunked copies on a GPU (device staging, pinned buffers, copy stream) are exact
 at DeepSeek-V2-Lite's row (576 bf16) and GLM-5's (704 bf16), across chunk boundaries, with chunks
-longer than the importer's staging, and while the compute stream keeps writing other blocks:
+longer than the importer's staging, and while the compute stream keeps writing other blocks;
+and so is the same-node path through a page-locked shared-memory arena (export into the arena,
+import from another mapping of it, page-locked too: workers/handoff_io.py):
 
     python -m pytest -q -m gpu tests/gpu/test_kv_copy.py
 """
@@ -9,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from rayinfer.workers.handoff_io import HandoffIO
+from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_copy import KVCopier
 from rayinfer.workers.runner.kv_transfer import pack_kv, token_slots
 
@@ -58,3 +62,33 @@ def test_gpu_export_import_exact(row, dtype, num_tokens):
         others = torch.ones(target[layer].shape[0] * 16, dtype=torch.bool, device="cuda")
         others[target_slots.cuda()] = False
         assert torch.equal(target[layer].view(-1, row)[others], before[layer].view(-1, row)[others])
+
+
+@pytest.mark.parametrize("row", [576, 704])
+@pytest.mark.parametrize("num_tokens", [1, 1000, 3700])
+def test_gpu_arena_export_import_exact(row, num_tokens):
+    layers, block_size, dtype = 5, 64, torch.bfloat16
+    blocks = -(-num_tokens // block_size)
+    source = random_caches(layers, 2 * blocks + 3, block_size, row, dtype, seed=1)
+    table = list(range(2 * blocks + 2, 2 * blocks + 2 - 2 * blocks, -2))  # scattered
+    row_bytes = row * dtype.itemsize
+    exporting = KVCache(source, block_size, None, chunk_bytes=layers * row_bytes * 257)
+    target = random_caches(layers, blocks * 4 + 4, 16, row, dtype, seed=2)  # block size 16
+    importing = KVCache(target, 16, None, chunk_bytes=layers * row_bytes * 100)
+    target_table = list(range(3, 3 + -(-num_tokens // 16)))
+    exporter, importer = HandoffIO(is_cuda=True), HandoffIO(is_cuda=True)
+    try:
+        header = exporter.export(exporting, table, num_tokens, generator_state=None)
+        assert header.arena is not None and exporter.arena.is_pinned
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):  # work queued on the compute stream meanwhile
+            busy = busy @ busy / 64
+        landed = importer.import_(importing, target_table, [header])
+        assert landed.timings["path"] == "shm"
+        expected = pack_kv(source, token_slots(table, num_tokens, block_size))
+        got = pack_kv(target, token_slots(target_table, num_tokens, 16))
+        for a, b in zip(got, expected):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    finally:
+        exporter.close()
+        importer.close()

@@ -1,10 +1,11 @@
 """Run inside the test cluster: lose a hand-off's KV, decode must recompute.
 
-Prefills a prompt through the Prefill deployment, loses the worker actors that own the KV's
-chunks before anyone read them, then decodes the hand-off. Prints JSON: the decoded text, whether
-decode reported a recompute, and the greedy text of the same prompt through the normal path.
-With the server's URL as argument, also what an HTTP request answered while the Prefill
-replica's worker was dead (a 5xx: its error body must show no internals).
+Prefills a prompt through the Prefill deployment, loses the worker actors that hold the KV (in
+their arenas, by default, or the object store) before anyone read it, then decodes the hand-off.
+Prints JSON: the decoded text, whether decode reported a recompute, and the greedy text of the
+same prompt through the normal path. With the server's URL as argument, also what an HTTP
+request answered while the Prefill replica's worker was dead (a 5xx: its error body must show
+no internals).
 
 How the owners are lost: by default this kills the actors (test_server.py, one node). With
 `--node-killed-by-caller` (test_multi_node.py) it prints `{"owner_node_ids": [...]}` (the
@@ -23,6 +24,7 @@ from ray import serve
 
 from rayinfer.deployments.types import DecodeRequest, GenerateRequest, PrefillRequest
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8, 250, 31]
 MAX_TOKENS = 12
@@ -43,15 +45,34 @@ def kill_and_wait(actor, timeout_s: float = 30) -> None:
 
 def wait_until_lost(shard, timeout_s: float = 30) -> None:
     """Ray notices an owner's death within about a second; until then the chunks still read.
-    An export the killed worker had not finished reads as its death."""
+    A KV in a worker's arena reads as lost once its process is gone (its lock on the arena with
+    it), or, from another node, once its owner no longer answers. An export the killed worker
+    had not finished reads as its death."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get(ray.get(shard, timeout=5).chunks, timeout=5)
+            if not is_readable(ray.get(shard, timeout=5)):
+                return
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError):
             return
         time.sleep(0.2)
-    raise TimeoutError(f"the KV object was still readable {timeout_s}s after its owner died")
+    raise TimeoutError(f"the KV was still readable {timeout_s}s after its owner died")
+
+
+def is_readable(payload) -> bool:
+    """Whether an importer here could still read the payload's KV (raises what Ray raises for
+    an object or an owner that is gone)."""
+    span = payload.arena
+    if span is None:
+        ray.get(payload.chunks, timeout=5)
+        return True
+    if span.node_id != ray.get_runtime_context().get_node_id():
+        return ray.get(span.owner.kv_from_arena.remote(payload), timeout=5) is not None
+    maps = ArenaMaps(pin=False)
+    try:
+        return maps.view(span) is not None
+    finally:
+        maps.close()
 
 
 def first_server_error(url: str, timeout_s: float = 10) -> tuple[dict | None, list[int]]:
@@ -101,6 +122,7 @@ def main() -> None:
     prefill = serve.get_deployment_handle("Prefill", app_name="default")
     result = prefill.prefill.remote(PrefillRequest("lost-kv-0", PROMPT_IDS, params)).result()
     owners = result.handoff.payload.owners
+    kv_in_arena = ray.get(result.handoff.payload.shards[0]).arena is not None
     lose_owners(owners, node_killed_by_caller)
     during_death, statuses = first_server_error(urls[0]) if urls else (None, [])
     wait_until_lost(result.handoff.payload.shards[0])
@@ -117,6 +139,7 @@ def main() -> None:
         "token_ids": token_ids,
         "finish_reason": chunks[-1].finish_reason,
         "was_recomputed": chunks[0].was_recomputed,
+        "kv_in_arena": kv_in_arena,
         "reference_text": reference.text,
         "reference_token_ids": reference.token_ids,
         "http_while_prefill_worker_dead": during_death,

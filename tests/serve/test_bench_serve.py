@@ -152,14 +152,15 @@ def test_text_events_fill_ttft_itl_usage_and_timings():
     record_event(result, completion("a"), 0.25)
     record_event(result, completion(""), 0.30)  # no usage per chunk: an empty chunk is not a token
     record_event(result, completion("b"), 0.35)
-    handoff = {"kv_export_s": 0.01, "kv_import_s": 0.02, "kv_bytes": 640.0, "kv_put_s": 0.004}
+    handoff = {"kv_export_s": 0.01, "kv_import_s": 0.02, "kv_bytes": 640.0, "kv_put_s": 0.004,
+               "kv_path": "shm"}  # fmt: skip
     usage = {"prompt_tokens": 7, "completion_tokens": 3}
     record_event(result, {"choices": [], "usage": usage, "rayinfer_timings": handoff}, 0.4)
     finish(result, 0.4, SampleRequest("x", 1, 3))
     assert result.ok and result.ttft_s == 0.25 and result.itl_s == [pytest.approx(0.1)]
     assert (result.prompt_tokens, result.output_tokens) == (7, 3)
     assert (result.kv_export_s, result.kv_import_s, result.kv_bytes) == (0.01, 0.02, 640.0)
-    assert result.kv_parts_s == {"kv_put_s": 0.004}
+    assert result.kv_parts_s == {"kv_put_s": 0.004} and result.kv_path == "shm"
     record_event(result, {"error": {"message": "boom"}}, 0.5)
     assert result.error == "boom"
     record_event(result, {"error": "transformers says"}, 0.5)  # transformers serve's shape
@@ -224,7 +225,9 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     for result, export_s in zip(results, (0.01, 0.02)):
         result.kv_export_s, result.kv_import_s, result.kv_bytes = export_s, 0.02, 1000.0
         result.kv_parts_s = {"kv_get_s": export_s / 2}
+    results[1].kv_path = "object_store"
     summary = summarize(results, duration_s=2.0)
+    assert summary["kv_paths"] == {"object_store": 1}
     assert summary["completed"] == 2 and summary["failed"] == 1
     assert summary["request_throughput"] == 1.0
     assert summary["input_throughput"] == 10.0 and summary["output_throughput"] == 5.0
@@ -246,6 +249,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
         "Mean / P50 kv_get (ms):",
     ):
         assert line in report
+    assert "Requests by hand-off path:" + " " * 14 + "object_store 1" in report
 
 
 def test_json_has_no_inf_or_nan():

@@ -1,5 +1,6 @@
 """Prefill and decode on different Ray nodes: `prefill.resources` / `decode.resources` pin each
-phase to the node offering its resource; the KV crosses nodes through the object store.
+phase to the node offering its resource; the KV crosses nodes through the object store (the
+prefill worker puts it there from its shared-memory arena when decode asks).
 
 The e2e tests run one real cluster of four `ray start` nodes on this one machine
 (rayinfer/bench/serve_cluster.py): a head for the HTTP proxy and the ingress, a node offering
@@ -279,6 +280,10 @@ def test_each_phase_sits_on_the_node_offering_its_resources(server):
 @pytest.mark.slow
 def test_greedy_text_across_nodes_equals_the_offline_engine(server, offline):
     assert served_replies(server.http_url, stream=True) == offline
+    # The prefill worker's arena is on another node: decode asks for it through the store.
+    body = {"model": "tiny", "prompt": "The river", "max_tokens": 2, "rayinfer_timings": True}
+    timings = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60).json()
+    assert timings["rayinfer_timings"]["kv_path"] == "arena_via_object_store"
 
 
 @pytest.mark.slow
@@ -394,7 +399,8 @@ def test_the_decode_node_dies_and_a_replacement_decode_on_the_other_node_serves(
 @pytest.mark.slow
 def test_the_prefill_node_dies_holding_a_handoff_and_decode_recomputes_it(server):
     """The client prefills through the Prefill handle; this test then kills the whole prefill
-    node, which owns the hand-off's KV in its object store, before decode has read it. Decode
+    node, which holds the hand-off's KV in its prefill worker's arena, before decode has read it
+    (the KV would have come through the object store had decode asked). Decode
     recomputes the prompt on its node and the text is the normal path's. With no other node
     offering prefill_box, new requests then get a 503 within ingress.max_replica_wait_s."""
     client = server.popen_python(LOST_KV_CLIENT, server.http_url, "--node-killed-by-caller")
@@ -411,7 +417,7 @@ def test_the_prefill_node_dies_holding_a_handoff_and_decode_recomputes_it(server
             client.kill()
     assert client.returncode == 0, output
     report = json.loads(output.strip().splitlines()[-1])
-    assert report["was_recomputed"], report
+    assert report["was_recomputed"] and report["kv_in_arena"], report
     assert report["token_ids"] == report["reference_token_ids"]
     assert report["text"] == report["reference_text"]
     assert report["finish_reason"] == "length"

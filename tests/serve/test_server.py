@@ -36,6 +36,7 @@ APP_ARGS = [
     "decode.autoscaling.metrics_interval_s=0.5",
 ]
 PROMPT = "The quick brown fox"
+PHASES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
@@ -181,12 +182,26 @@ def test_serve_status_and_handoff_metric(server, client):
         timeout_s=90,
         what="every deployment HEALTHY",
     )
-    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "rayinfer_timings": True}  # fmt: skip
+    reply = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60).json()
+    # On one node the KV goes through the prefill worker's shared-memory arena by default.
+    timings = reply["rayinfer_timings"]
+    assert timings["kv_path"] == "shm" and timings["kv_put_s"] == 0.0
+    assert timings["kv_bytes"] > 0 and timings["kv_import_s"] > 0
     wait_for(
         lambda: server.metric_sum("ray_rayinfer_kv_handoff_bytes_total") > 0,
         timeout_s=60,
         what="a non-zero ray_rayinfer_kv_handoff_bytes_total",
     )
+    name = "ray_rayinfer_kv_handoff_seconds_count"
+
+    def observed() -> bool:  # the export (phase=prefill) and the import, both by the arena
+        text = server.metrics_text()
+        return all(sum(metric_samples(text, name, phase=p, path="shm")) for p in PHASES)
+
+    wait_for(observed, timeout_s=60, what=f"{name} of both phases with path=shm")
+    assert not metric_samples(server.metrics_text(), name, path="object_store")
 
 
 def test_prometheus_lists_rayinfer_metrics(server):
@@ -437,7 +452,7 @@ def test_lost_kv_is_recomputed(server, client):
             timeout_s=30,
             what="the failed request's id and traceback in the server's logs",
         )
-    assert report["was_recomputed"]
+    assert report["was_recomputed"] and report["kv_in_arena"]
     assert report["token_ids"] == report["reference_token_ids"]
     assert report["text"] == report["reference_text"]
     assert report["finish_reason"] == "length"

@@ -1,7 +1,8 @@
 """The hand-off runs beside the steps: an import still waiting for its KV does not hold up the
 decode steps of other requests, and joins the batch once the KV lands; an export returns before
 its copy ends and frees its blocks only after. Bytes stay exact through export -> put -> get ->
-import into a cache of another block size."""
+import, and through export -> header -> mapped import (the same-node arena), into a cache of
+another block size. Both paths, between real worker groups."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from rayinfer.deployments.runtime import ModelSource, build_engine
 from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.workers.group import KVRefs
+from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
+from rayinfer.workers.runner.kv_transfer import arena_chunks
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8, 250, 31, 77]
 OTHER_IDS = [9, 8, 7, 6, 5, 4]
@@ -33,15 +36,58 @@ def expected():
     }
 
 
-def engine_for(phase: str, block_size: int = 16):
+def engine_for(phase: str, block_size: int = 16, path: str = "auto"):
     config = AppConfig(
         max_model_len=128,
         block_size=block_size,
         prefill={"num_kv_blocks": 64},
         decode={"num_kv_blocks": 64},
+        kv_handoff={"path": path},
     )
     source = ModelSource.resolve(config)
     return build_engine(config, source, phase, f"rayinfer-test-{phase}-{uuid.uuid4().hex[:6]}")
+
+
+@pytest.fixture(scope="module")
+def prefill(ray_cluster):
+    """A prefill replica's engine exporting through its arena (the default path)."""
+    engine, group = engine_for("prefill")
+    yield engine
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode_of(ray_cluster):
+    """decode_of(block_size) -> (engine, group): one decode replica per block size, shared by
+    the module's tests (each uses its own request ids)."""
+    made = {}
+
+    def decode(block_size: int):
+        if block_size not in made:
+            made[block_size] = engine_for("decode", block_size=block_size)
+        return made[block_size]
+
+    yield decode
+    for _, group in made.values():
+        group.shutdown()
+
+
+def prefilled(engine, request_id: str) -> KVHandoff:
+    engine.add_request(request_id, PROMPT_IDS, GREEDY, prefill_only=True)
+    step_until(engine, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
+    return engine.take_handoff(request_id)
+
+
+def payload_bytes(ray, payload) -> np.ndarray:
+    """[num_layers, num_tokens, row_bytes] uint8: a copy of the payload's KV, wherever it is."""
+    if payload.arena is None:
+        return np.concatenate(ray.get(payload.chunks), axis=1)
+    maps = ArenaMaps(pin=False)
+    try:
+        chunks = arena_chunks(maps.view(payload.arena), payload)
+        return np.concatenate([chunk.numpy() for chunk in chunks], axis=1)  # copies
+    finally:
+        maps.close()
 
 
 def step_until(engine, done, timeout_s: float = 120) -> list:
@@ -61,7 +107,12 @@ def finished(request_id: str):
     return lambda outputs: any(o.request_id == request_id and o.finished for o in outputs)
 
 
-def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected):
+@pytest.mark.parametrize("path", ["object_store", "shm"])
+def test_a_pending_import_does_not_hold_up_the_batch(
+    ray_cluster, expected, prefill, decode_of, path
+):
+    """The KV held back by a gate: an in-process payload (put into the object store by the
+    decode group), or the header of a prefill worker's arena export."""
     ray = ray_cluster
 
     @ray.remote(num_cpus=0)
@@ -79,15 +130,21 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected):
             return payload
 
     gate = Gate.options(max_concurrency=2).remote()
-    decode, group = engine_for("decode")
+    decode, group = decode_of(16)
+    other = f"other-{path}"
     try:
-        held = expected["handoff"]
-        late_kv = KVRefs([gate.payload.remote(held.payload)], held.payload.num_bytes, ["gate"])
+        held = expected["handoff"] if path == "object_store" else prefilled(prefill, "held")
+        header = held.payload
+        if path == "shm":
+            [shard] = held.payload.shards
+            header = ray.get(shard)
+            assert header.arena is not None
+        late_kv = KVRefs([gate.payload.remote(header)], header.num_bytes, ["gate"])
         late = KVHandoff(held.request_id, held.prompt_token_ids, held.first_token_id, late_kv)
         decode.add_prefilled_request(late, GREEDY)
-        decode.add_request("other", OTHER_IDS, GREEDY)
-        outputs = step_until(decode, finished("other"))  # decodes while the KV is held back
-        assert tokens_of(outputs, "other") == expected["other"]
+        decode.add_request(other, OTHER_IDS, GREEDY)
+        outputs = step_until(decode, finished(other))  # decodes while the KV is held back
+        assert tokens_of(outputs, other) == expected["other"]
         in_flight = decode.handoffs.imports_in_flight
         assert [p.state.seq.request_id for p in in_flight] == [held.request_id]
         assert not any(o.request_id == held.request_id and o.token_ids for o in outputs)
@@ -96,55 +153,60 @@ def test_a_pending_import_does_not_hold_up_the_batch(ray_cluster, expected):
         assert tokens_of(outputs, held.request_id) == expected["prompt"]
         assert decode.handoffs.num_kv_recomputes == 0 and not decode.handoffs.imports_in_flight
         assert decode.kv_usage == 0
+        assert group.stats.handoff_timings[held.request_id]["path"] == path
     finally:
-        group.shutdown()
+        ray.kill(gate)
 
 
-def test_export_frees_its_blocks_once_copied(ray_cluster, expected):
-    prefill, prefill_group = engine_for("prefill")
-    decode, decode_group = engine_for("decode", block_size=8)  # another block size
-    try:
-        prefill.add_request("h", PROMPT_IDS, GREEDY, prefill_only=True)
-        step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
-        handoff = prefill.take_handoff("h")
-        assert handoff.num_bytes > 0
-        # The blocks stay held until the engine sees the export done (at a later step).
-        step_until(prefill, lambda outs: not prefill.handoffs.exports_in_flight)
-        assert prefill.kv_usage == 0
+def test_export_frees_its_blocks_once_copied(ray_cluster, expected, prefill, decode_of):
+    decode, decode_group = decode_of(8)  # another block size
+    prefill.add_request("h", PROMPT_IDS, GREEDY, prefill_only=True)
+    step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
+    handoff = prefill.take_handoff("h")
+    assert handoff.num_bytes > 0
+    # The blocks stay held until the engine sees the export done (at a later step).
+    step_until(prefill, lambda outs: not prefill.handoffs.exports_in_flight)
+    assert prefill.kv_usage == 0
 
-        decode.add_prefilled_request(handoff, GREEDY)
-        outputs = step_until(decode, finished("h"))
-        assert tokens_of(outputs, "h") == expected["prompt"]
-        timings = decode_group.stats.handoff_timings["h"]
-        assert {"get_s", "copy_s"} <= timings.keys()
-        assert {"export_s", "put_s", "copy_s"} <= timings["export"].keys()
-    finally:
-        prefill_group.shutdown()
-        decode_group.shutdown()
+    decode.add_prefilled_request(handoff, GREEDY)
+    outputs = step_until(decode, finished("h"))
+    assert tokens_of(outputs, "h") == expected["prompt"]
+    timings = decode_group.stats.handoff_timings["h"]
+    assert {"get_s", "copy_s", "path"} <= timings.keys()
+    assert {"export_s", "put_s", "copy_s", "path"} <= timings["export"].keys()
 
 
-def test_bytes_survive_export_put_get_import(ray_cluster):
+@pytest.mark.parametrize("path", ["object_store", "auto"])
+def test_bytes_survive_export_then_import(ray_cluster, prefill, decode_of, path):
+    """export -> put -> get -> import (object_store), or export -> header -> mapped import
+    (auto, the same-node arena), between groups of block sizes 16 and 8 (the decode group
+    exports back through its own arena)."""
     ray = ray_cluster
-    prefill, prefill_group = engine_for("prefill")
-    decode, decode_group = engine_for("decode", block_size=8)
+    own_prefill = None
+    if path == "object_store":
+        prefill, own_prefill = engine_for("prefill", path=path)
+    decode, decode_group = decode_of(8)
+    request_id = f"b-{path}"
     try:
-        prefill.add_request("b", PROMPT_IDS, GREEDY, prefill_only=True)
-        step_until(prefill, lambda outs: any(o.finish_reason == "prefilled" for o in outs))
-        handoff = prefill.take_handoff("b")
+        handoff = prefilled(prefill, request_id)
         [shard] = handoff.payload.shards
         sent = ray.get(shard)
-        # Into the decode cache (block size 8, blocks 3, 0, 5), then exported again from there.
-        table = [3, 0, 5]
-        pending = decode_group.import_kv("b", table, handoff.payload)
+        assert (sent.arena is not None) == (path == "auto")
+        before = payload_bytes(ray, sent)  # read now: the import releases the span
+        # Into the decode cache (block size 8, blocks 43, 40, 45: past what the engine's own
+        # requests take), then exported again from there.
+        table = [43, 40, 45]
+        pending = decode_group.import_kv(request_id, table, handoff.payload)
         while decode_group.transfers_done([pending]) != [True]:
             time.sleep(0.01)
         decode_group.finish_import(pending)
-        [back] = decode_group.export_kv("b", table, len(PROMPT_IDS)).shards
+        came_by = decode_group.stats.handoff_timings[request_id]["path"]
+        assert came_by == {"auto": "shm"}.get(path, path)
+        [back] = decode_group.export_kv(request_id, table, len(PROMPT_IDS)).shards
         received = ray.get(back)
         assert received.shape == sent.shape and received.dtype == sent.dtype
-        before = np.concatenate(ray.get(sent.chunks), axis=1)
-        after = np.concatenate(ray.get(received.chunks), axis=1)
+        after = payload_bytes(ray, received)
         assert before.shape[1] == len(PROMPT_IDS) and np.array_equal(before, after)
     finally:
-        prefill_group.shutdown()
-        decode_group.shutdown()
+        if own_prefill is not None:
+            own_prefill.shutdown()

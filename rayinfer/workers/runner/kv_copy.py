@@ -12,6 +12,10 @@ A synchronous `.cpu()` of each layer into pageable memory ran at 1.6-2.2 GB/s fo
 V2-Lite request (issue 28); pinned memory and one copy per chunk is what lets the host link's
 55 GB/s show (`python -m rayinfer.bench handoff`).
 
+Same-node hand-offs skip the object store and both host copies (workers/runner/kv_arena.py):
+`export_into` lands each chunk's device -> host copy in the exporter's page-locked arena, and
+`import_(..., pinned=True)` copies the importer's mapping of it straight to the device.
+
 On the CPU the cache already is host memory: rows are gathered and scattered directly.
 The copier is used from one thread at a time (the worker's KV transfer thread).
 """
@@ -88,6 +92,31 @@ class KVCopier:
         if timings is not None:
             timings["copy_s"] = waited
 
+    def export_into(
+        self, slots: torch.Tensor, chunks: list[torch.Tensor], timings: dict | None = None
+    ) -> None:
+        """Copy the rows at `slots` into host `chunks` (as `chunk_bounds` splits them, each a
+        contiguous [num_layers, tokens, row_bytes] uint8 tensor: page-locked on CUDA, so the
+        copy is DMA); returns once they are there. timings gets "copy_s" as `export` does."""
+        begin = time.perf_counter()
+        bounds = self.chunk_bounds(len(slots))
+        if not self.is_cuda:
+            for (start, end), chunk in zip(bounds, chunks):
+                for layer, rows in enumerate(self.rows):
+                    torch.index_select(rows, 0, slots[start:end], out=chunk[layer])
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                device_slots = slots.to(self.device, non_blocking=True)
+                for (start, end), chunk in zip(bounds, chunks):
+                    # One staging buffer: in stream order each gather waits for the copy before.
+                    staging = self._device_view(end - start)
+                    for layer, rows in enumerate(self.rows):
+                        torch.index_select(rows, 0, device_slots[start:end], out=staging[layer])
+                    chunk.copy_(staging, non_blocking=True)
+                self._stream.synchronize()
+        if timings is not None:
+            timings["copy_s"] = time.perf_counter() - begin
+
     def _gather_to_host(self, device_slots, bounds: tuple[int, int], index: int):
         start, end = bounds
         staging = self._device_view(end - start)
@@ -100,9 +129,13 @@ class KVCopier:
         return event
 
     # --- import ------------------------------------------------------------------------------
-    def import_(self, slots: torch.Tensor, chunks: Iterable[np.ndarray]) -> None:
+    def import_(
+        self, slots: torch.Tensor, chunks: Iterable[np.ndarray], pinned: bool = False
+    ) -> None:
         """Write chunks (as `export` yields them, of a request laid out by `chunk_bounds` or in
-        any token split) into the rows at `slots`; returns once they are in the cache."""
+        any token split) into the rows at `slots`; returns once they are in the cache.
+        pinned: the chunks are page-locked host memory (an arena's mapping), copied to the
+        device as they are, without the memcpy into the copier's pinned buffers."""
         start = 0
         if not self.is_cuda:
             for chunk in chunks:
@@ -117,15 +150,18 @@ class KVCopier:
             freed = [None, None]  # per pinned buffer, the event after which it may be refilled
             for index, piece in enumerate(self._pieces(chunks)):
                 num_tokens = piece.shape[1]
-                buffer = index % 2
-                if freed[buffer] is not None:
-                    freed[buffer].synchronize()
-                pinned = self._host_view(buffer, num_tokens)
-                self._parallel_copy(pinned, piece)
                 staging = self._device_view(num_tokens)
-                staging.copy_(pinned, non_blocking=True)
-                freed[buffer] = torch.cuda.Event()
-                freed[buffer].record(self._stream)
+                if pinned:  # in stream order each copy waits for the scatter before
+                    _copy_layers_async(staging, piece)
+                else:
+                    buffer = index % 2
+                    if freed[buffer] is not None:
+                        freed[buffer].synchronize()
+                    host = self._host_view(buffer, num_tokens)
+                    self._parallel_copy(host, piece)
+                    staging.copy_(host, non_blocking=True)
+                    freed[buffer] = torch.cuda.Event()
+                    freed[buffer].record(self._stream)
                 chunk_slots = device_slots[start : start + num_tokens]
                 for layer, rows in enumerate(self.rows):
                     rows.index_copy_(0, chunk_slots, staging[layer])
@@ -174,6 +210,17 @@ class KVCopier:
             ]
         size = self.num_layers * num_tokens * self.row_bytes
         return self._pinned[buffer][:size].view(self.num_layers, num_tokens, self.row_bytes)
+
+
+def _copy_layers_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src for a device dst and a page-locked host src, [num_layers, tokens, row_bytes]:
+    one copy when src is contiguous (a whole chunk), else one per layer (each layer's rows of a
+    piece are contiguous), never a host copy to make src contiguous."""
+    if src.is_contiguous():
+        dst.copy_(src, non_blocking=True)
+        return
+    for layer in range(src.shape[0]):
+        dst[layer].copy_(src[layer], non_blocking=True)
 
 
 def _copy_layers(dst: torch.Tensor, src: torch.Tensor, layers: range) -> None:

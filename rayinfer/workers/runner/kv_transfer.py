@@ -6,6 +6,9 @@ The packed form is layout-free: per token, every layer's cache row
 different parallel plan) can take it. It travels in chunks of tokens, each one
 `[num_layers, chunk_tokens, row_bytes]` uint8 array, so a long prompt's KV streams through small
 staging buffers (workers/runner/kv_copy.py) instead of being held whole in pinned memory.
+On one node the chunks may instead lie in the exporter's shared-memory arena
+(workers/runner/kv_arena.py): the payload then names its span (`arena`) and carries no chunks
+until the importer maps them (`arena_chunks`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ class KVPayload:
     `chunks` are numpy arrays in memory (Ray stores numpy buffers out of band and reads them back
     without a copy, where torch tensors are pickled: benchmarks/object_store_payload.py), or, in
     the object-store form a worker returns, ObjectRefs to them (each put by the worker, which
-    owns it). `kv` gives per-layer torch views.
+    owns it). In the arena form, `chunks` is empty and `arena` names the span holding them,
+    back to back in chunks of `arena_chunk_tokens` tokens (the last one shorter); an importer
+    on that node fills `chunks` with uint8 tensor views of its mapping. `kv` gives per-layer
+    torch views.
     """
 
     chunks: list[Any]  # per chunk of tokens: [num_layers, chunk_tokens, row_bytes] uint8
@@ -35,7 +41,9 @@ class KVPayload:
     dtype: torch.dtype
     generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
     kv_heads: tuple[int, int] | None = None  # (first, count) of the K/V heads held; None: all
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: how the export went
+    timings: dict[str, Any] = field(default_factory=dict)  # seconds: how the export went
+    arena: Any = None  # kv_arena.ArenaSpan holding the chunks (the same-node path); else None
+    arena_chunk_tokens: int = 0  # tokens per chunk in the arena
 
     @classmethod
     def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:
@@ -63,11 +71,33 @@ class KVPayload:
     @property
     def kv(self) -> list[torch.Tensor]:
         """Per layer [num_tokens, *shape] tensors (views of a single chunk; read-only)."""
-        with warnings.catch_warnings():  # buffers read from the object store are not writable
-            warnings.simplefilter("ignore", UserWarning)
-            parts = [torch.from_numpy(chunk) for chunk in self.chunks]
+        parts = [_as_tensor(chunk) for chunk in self.chunks]
         whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return [whole[layer].view(self.dtype).reshape(self.shape) for layer in range(len(whole))]
+
+
+def arena_chunks(memory: torch.Tensor, payload: KVPayload) -> list[torch.Tensor]:
+    """The payload's chunks in its arena span: [span bytes] uint8 -> per chunk a contiguous
+    [num_layers, tokens, row_bytes] view, back to back (what the exporter writes and the
+    importer reads)."""
+    chunks, begin = [], 0
+    step = payload.arena_chunk_tokens
+    for start in range(0, payload.num_tokens, step):
+        num_tokens = min(step, payload.num_tokens - start)
+        size = payload.num_layers * num_tokens * payload.row_bytes
+        chunk = memory[begin : begin + size]
+        chunks.append(chunk.view(payload.num_layers, num_tokens, payload.row_bytes))
+        begin += size
+    return chunks
+
+
+def _as_tensor(chunk) -> torch.Tensor:
+    """A chunk (a tensor, or numpy, possibly a read-only object-store buffer) as a tensor."""
+    if isinstance(chunk, torch.Tensor):
+        return chunk
+    with warnings.catch_warnings():  # buffers read from the object store are not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(chunk)
 
 
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:

@@ -1,0 +1,247 @@
+"""One worker's side of the KV hand-off: how its exports leave and its imports arrive.
+
+Export (`KVHandoffConfig.path`):
+- "auto": into this worker's shared-memory arena (workers/runner/kv_arena.py), one device ->
+  host copy; the payload returned carries only the span's name. When the arena has no room,
+  as "object_store".
+- "object_store": chunk by chunk into pinned memory and the object store (one `ray.put` each,
+  while the next chunk copies); the payload carries the chunks' ObjectRefs.
+Import, whatever form arrives: an arena on this Ray node is mapped and copied from directly
+(kv_arena_maps.py); an arena on another node is put into the object store by its owner when
+asked (`kv_from_arena`, a method every exporting actor offers) and pulled from there; chunks
+in the object store are pulled. The import releases the arena span once its copy has landed;
+`discard` releases the spans of a hand-off that will not be imported.
+
+Timings (seconds) travel with the payload: the export's "copy_s", "put_s", "export_s" and
+"path"; the import adds "get_s" (headers, mappings, and for object-store chunks their get),
+"copy_s" and its own "path" ("shm", "object_store", or "arena_via_object_store": from an arena
+on another node).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from rayinfer.comm.rendezvous import this_node_id
+from rayinfer.engine_config import DEFAULT_KV_HANDOFF, KVHandoffConfig
+from rayinfer.workers.runner.kv_arena import KVArena
+from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
+from rayinfer.workers.runner.kv_cache import KVCache
+from rayinfer.workers.runner.kv_transfer import KVPayload, arena_chunks, fetch_payloads
+
+logger = logging.getLogger(__name__)
+
+# The hand-off's object can no longer be read (OwnerDiedError is an ObjectLostError); an export
+# whose worker died before it finished, or that failed, reads the same: decode recomputes.
+LOST_OBJECT_ERRORS = (
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.ObjectFetchTimedOutError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.RayActorError,
+    ray.exceptions.RayTaskError,
+)
+
+
+@dataclass
+class Landed:
+    """An import that landed: the sampling generator's state that came with it, and timings."""
+
+    generator_state: torch.Tensor | None
+    timings: dict
+
+
+class KVLost(Exception):
+    """A payload the import needs cannot be read as exported (its owner died, its object or
+    arena span is gone or was reused)."""
+
+
+class HandoffIO:
+    def __init__(
+        self,
+        is_cuda: bool,
+        config: KVHandoffConfig = DEFAULT_KV_HANDOFF,
+        import_timeout_s: float = 60.0,
+    ):
+        """is_cuda: the cache is on a GPU (the arena and the mappings are page-locked)."""
+        self.is_cuda = is_cuda
+        self.config = config
+        self.import_timeout_s = import_timeout_s
+        self.arena: KVArena | None = None
+        self._arena_failed = False  # the arena could not be made: every export goes by store
+        self.maps = ArenaMaps(pin=is_cuda)
+
+    # --- export ------------------------------------------------------------------------------
+    def export(
+        self,
+        cache: KVCache,
+        block_table: list[int],
+        num_tokens: int,
+        generator_state: torch.Tensor | None,
+    ) -> KVPayload:
+        """The request's first num_tokens tokens of KV, out of the cache before this returns:
+        in the arena (a header naming its span) or in the object store (chunk ObjectRefs)."""
+        start = time.perf_counter()
+        header = cache.export_header(num_tokens, generator_state)
+        arena = self._arena() if self.config.path == "auto" else None
+        span = arena.allocate(header.num_bytes) if arena is not None else None
+        if span is not None:
+            try:
+                header = cache.export_into(block_table, header, arena.view(span))
+            except BaseException:
+                arena.free(span)
+                raise
+            header.arena = span
+            header.timings.update(path="shm", put_s=0.0)
+        else:
+            header = self._export_to_store(cache, block_table, num_tokens, generator_state)
+        header.timings["export_s"] = time.perf_counter() - start
+        return header
+
+    def _export_to_store(self, cache, block_table, num_tokens, generator_state) -> KVPayload:
+        header, chunks = cache.export_chunks(block_table, num_tokens, generator_state)
+        refs, put_s = [], 0.0
+        for chunk in chunks:  # the next chunk copies while this one is put
+            begin = time.perf_counter()
+            refs.append(ray.put(chunk))
+            put_s += time.perf_counter() - begin
+        header.timings.update(path="object_store", put_s=put_s)
+        return header.with_chunks(refs)
+
+    def _arena(self) -> KVArena | None:
+        """This worker's arena, made at its first export (page-locked on CUDA); None when it
+        cannot be made (then the object store takes every export)."""
+        if self.arena is None and not self._arena_failed:
+            try:
+                owner = ray.get_runtime_context().current_actor if ray.is_initialized() else None
+            except RuntimeError:  # not inside an actor: no one to ask from another node
+                owner = None
+            config = self.config
+            try:
+                self.arena = KVArena(config.arena_bytes, config.lease_s, self.is_cuda, owner)
+            except (OSError, RuntimeError) as error:
+                logger.warning("no KV hand-off arena (%s); exports go through the object store",
+                               error)  # fmt: skip
+                self._arena_failed = True
+        return self.arena
+
+    def kv_from_arena(self, header: KVPayload) -> KVPayload | None:
+        """For an importer on another node: the header's chunks put into the object store from
+        this worker's arena (the span stays held until the importer releases it: other ranks
+        may ask too); None when the span is no longer held."""
+        span = header.arena
+        if self.arena is None or not self.arena.holds(span):
+            return None
+        begin = time.perf_counter()
+        refs = [ray.put(chunk.numpy()) for chunk in arena_chunks(self.arena.view(span), header)]
+        timings = dict(header.timings, put_s=time.perf_counter() - begin)
+        return KVPayload(refs, header.num_layers, header.shape, header.dtype,
+                         header.generator_state, header.kv_heads, timings)  # fmt: skip
+
+    # --- import ------------------------------------------------------------------------------
+    def import_(
+        self,
+        cache: KVCache,
+        block_table: list[int],
+        shards: list,
+        needs=lambda payload: True,
+        release: bool = True,
+    ) -> Landed:
+        """Write this rank's part of a hand-off (shards: per prefill worker an ObjectRef to, or
+        a, KVPayload; `needs(payload)`: whether this rank takes from it) into the cache. Raises
+        KVLost when a payload it needs is gone. release: free the arena spans read once the
+        copy has ended, landed or not (False where other ranks read them too: whoever knows
+        that all of them have ended calls `discard`)."""
+        start = time.perf_counter()
+        try:
+            payloads = fetch_payloads(shards, needs, self.import_timeout_s)
+        except LOST_OBJECT_ERRORS as error:
+            raise KVLost(type(error).__name__) from None
+        spans = [p.arena for p in payloads if p.arena is not None]
+        try:
+            payloads, path = self._resolve(payloads)
+            fetched = time.perf_counter()
+            state = cache.import_payloads(block_table, payloads)
+            mapped = [p.arena for p in payloads if p.arena is not None]  # read from the mapping
+            if not all(self.maps.still_holds(span) for span in mapped):
+                raise KVLost("an arena span was taken back during the copy")
+        except LOST_OBJECT_ERRORS as error:
+            raise KVLost(type(error).__name__) from None
+        finally:
+            if release:
+                self._release(spans)
+        timings = {
+            "path": path,
+            "get_s": fetched - start,
+            "copy_s": time.perf_counter() - fetched,
+            "export": dict(payloads[0].timings),
+        }
+        return Landed(state, timings)
+
+    def _resolve(self, payloads: list[KVPayload]) -> tuple[list, str]:
+        """The payloads with their chunks in this process (views of an arena mapped here, which
+        keep their `arena`, or object-store buffers), and the path they came by."""
+        resolved, path = [], "object_store"
+        here = this_node_id()
+        for payload in payloads:
+            span = payload.arena
+            if span is None:
+                resolved.append(payload)
+            elif span.node_id == here:
+                memory = self.maps.view(span)
+                if memory is None:
+                    raise KVLost(f"the arena {span.path} is gone or its span was reused")
+                resolved.append(payload.with_chunks(arena_chunks(memory, payload)))
+                path = "shm"
+            else:
+                resolved.append(self._pull_from_other_node(payload))
+                path = "arena_via_object_store"
+        return resolved, path
+
+    def _pull_from_other_node(self, payload: KVPayload) -> KVPayload:
+        """The payload's chunks put into the object store by their arena's owner, pulled here
+        (arena None: buffers of the object store)."""
+        if payload.arena.owner is None:
+            raise KVLost("an arena on another node, with no owner to ask")
+        timeout = self.import_timeout_s
+        put = ray.get(payload.arena.owner.kv_from_arena.remote(payload), timeout=timeout)
+        if put is None:
+            raise KVLost("the exporter no longer holds the arena span")
+        return put.with_chunks(ray.get(put.chunks, timeout=timeout))
+
+    def discard(self, shards: list) -> None:
+        """Release the arena spans of a hand-off that will not be imported (aborted, or ended
+        at its first token), or that every rank reading them has imported; a payload that is
+        gone needs nothing."""
+        try:
+            headers = fetch_payloads(shards, lambda p: p.arena is not None, self.import_timeout_s)
+        except LOST_OBJECT_ERRORS:
+            return
+        self._release([header.arena for header in headers])
+
+    def release_own_span(self, span) -> None:
+        """Free a span of this worker's arena (an importer on another node is done with it)."""
+        if self.arena is not None:
+            self.arena.free(span)
+
+    def _release(self, spans: list) -> None:
+        """Tell the spans' owners they may reuse them: through the arena's header on this node,
+        by a call to the owner from another (it no longer holds a span that is gone)."""
+        here = this_node_id()
+        for span in spans:
+            if span.node_id == here:
+                self.maps.release(span)
+            elif span.owner is not None:
+                span.owner.release_arena_span.remote(span)
+
+    def close(self) -> None:
+        """Unlink this worker's arena and drop its mappings of others' (at shutdown)."""
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self._arena_failed = True  # exports after this go through the object store
+        self.maps.close()

@@ -25,7 +25,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,13 +180,14 @@ class ServeCluster:
         self.wait_until_ready(timeout_s)
 
     def _start_nodes(self) -> None:
-        """`ray start --address=...` every joined node at once (each waits mostly for its
-        raylet to register), on ports all chosen beforehand so that none is taken twice."""
+        """`ray start --address=...` every joined node, one after another (on two busy cores
+        the GCS missed a raylet's registration deadline when three joined at once), on ports
+        all chosen beforehand so that none is taken twice."""
         num_ports = len(NODE_PORT_NAMES)
         ports = free_ports(num_ports * len(self.nodes))
         node_ports = [ports[i * num_ports : (i + 1) * num_ports] for i in range(len(self.nodes))]
-        with ThreadPoolExecutor(max(1, len(self.nodes))) as pool:
-            list(pool.map(self._start_node, range(len(self.nodes)), self.nodes, node_ports))
+        for index, (node, port_numbers) in enumerate(zip(self.nodes, node_ports)):
+            self._start_node(index, node, port_numbers)
         self.node_ids = [raylet_node_id(self.node_temp_dir(i)) for i in range(len(self.nodes))]
 
     def _start_node(self, index: int, node: NodeSpec, port_numbers: list[int]) -> None:

@@ -124,12 +124,14 @@ def write_cache_fp8(arch: int, dtype: str):
 
 
 def v4_index_scores(arch: int, dtype: str):
-    """The score kernel over V4-Flash's pooled index keys (one per 4 tokens)."""
+    """The score kernel over V4-Flash's pooled index keys (one per 4 tokens, spread over their
+    rows: 32 columns each)."""
     params = pick_tile_config("dsa_indexer", "default", "default", 1)
     if dtype == "fp32":
         params = {**params, **dsa_indexer.FLOAT32_TILES}
     constants = dsa_indexer.score_constants(params, DTYPES[dtype], V4_INDEX_HEADS, INDEX_DIM,
-                                            BLOCK_SIZE, entry_stride=V4_CSA_RATE)  # fmt: skip
+                                            BLOCK_SIZE, spread=(V4_CSA_RATE,
+                                                                INDEX_DIM // V4_CSA_RATE))  # fmt: skip
     pointer = _pointer(dtype)
     types = dict(q_ptr=pointer, weights_ptr="*fp32", cache_ptr=pointer, block_tables_ptr="*i32",
                  query_seq_ptr="*i32", positions_ptr="*i64", scores_ptr="*fp32")  # fmt: skip
@@ -137,19 +139,19 @@ def v4_index_scores(arch: int, dtype: str):
                        params["num_warps"], params["num_stages"])  # fmt: skip
 
 
-def _v4_attention(arch: int, dtype: str, entries: int, entry_stride: int):
+def _v4_attention(arch: int, dtype: str, entries: int, rate: int):
     constants = v4_attention.kernel_constants(DTYPES[dtype], V4_HEADS, V4_HEAD_DIM, BLOCK_SIZE,
-                                              entries, entry_stride)  # fmt: skip
+                                              entries, rate, -(-V4_HEAD_DIM // rate))  # fmt: skip
     pointer = _pointer(dtype)
-    types = dict(q_ptr=pointer, cache_ptr=pointer, tables_ptr="*i32", seq_ptr="*i64",
-                 pos_ptr="*i64", list_ptr="*i32", sinks_ptr="*fp32", out_ptr=pointer,
-                 scale="fp32")  # fmt: skip
+    types = dict(q_ptr=pointer, window_ptr=pointer, window_tables_ptr="*i32", cache_ptr=pointer,
+                 tables_ptr="*i32", seq_ptr="*i64", pos_ptr="*i64", list_ptr="*i32",
+                 sinks_ptr="*fp32", out_ptr=pointer, scale="fp32")  # fmt: skip
     return compile_for(v4_attention._v4_attention_kernel, types, constants, arch, 8, 1)
 
 
 def v4_attention_listed(arch: int, dtype: str):
     """A CSA layer's attention: the window, then the indexer's listed entries."""
-    return _v4_attention(arch, dtype, v4_attention.LISTED_ENTRIES, 0)
+    return _v4_attention(arch, dtype, v4_attention.LISTED_ENTRIES, V4_CSA_RATE)
 
 
 def v4_attention_every(arch: int, dtype: str):

@@ -220,9 +220,20 @@ class ModelConfig:
         if self.is_mla:
             latent = self.kv_lora_rank + self.qk_rope_head_dim
             return (latent + self.index_key_columns(dtype_bytes),)
-        if self.is_v4:
-            return (V4Config.from_hf(self.hf).row.width,)
+        if self.is_v4:  # the pooled entries' shares (config_v4.V4EntryRow)
+            return (V4Config.from_hf(self.hf).entry_row.width,)
         return (2, self.num_kv_heads, self.head_dim)
+
+    @property
+    def window_span(self) -> int:
+        """Tokens of window state a step reads before its first one (DeepSeek-V4's window
+        pool, config_v4.py); 0: the model keeps no window pool."""
+        return V4Config.from_hf(self.hf).window_span if self.is_v4 else 0
+
+    @property
+    def window_row_width(self) -> int:
+        """Columns of one token's row per layer in the window pool (0: none)."""
+        return V4Config.from_hf(self.hf).window_row.width if self.is_v4 else 0
 
     def kv_shape_per_token_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
         """One tensor-parallel rank's share: K/V heads split; MLA's latent and V4's one

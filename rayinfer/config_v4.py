@@ -1,24 +1,27 @@
-"""DeepSeek-V4's architecture values and the layout of its cache rows.
+"""DeepSeek-V4's architecture values and the layout of its hybrid cache.
 
 Every V4 layer attends over a sliding window of raw tokens; a compressed layer also over
 entries that each pool `compress_rate` tokens: a "compressed_sparse_attention" (CSA) layer
 attends to the `index_topk` entries its lightning indexer picks, a
-"heavily_compressed_attention" (HCA) layer to all of them. The cache keeps, for every token,
-one row per layer in the paged cache (block manager, prefix cache, preemption and hand-off then
-treat V4 like any other family), in columns of the cache's dtype:
+"heavily_compressed_attention" (HCA) layer to all of them. The cache is hybrid (vLLM's term),
+in columns of the cache's dtype:
 
-    kv       [D]      the token's key (= value): normed and roped; the window's raw tokens
-    pool_kv  [c * D]  the compressor's per-token projections (c = 2 for CSA, whose entries
-    pool_gate[c * D]  pool two overlapping windows, 1 for HCA), read when a window closes
-    entry    [D]      the pooled entry of the window this token closes (tokens at
-                      positions w * m + m - 1 only)
-    index_kv   [2 * Di], index_gate [2 * Di], index_entry [Di]: the same for the indexer's
-                      own compressor (CSA layers)
+- the window pool (`V4WindowRow`, engine/block_manager.py): per recent token and layer
+      kv       [D]      the token's key (= value): normed and roped; the window's raw tokens
+      pool_kv  [c * D]  the compressor's per-token projections (c = 2 for CSA, whose entries
+      pool_gate[c * D]  pool two overlapping windows, 1 for HCA), read when a window closes
+      index_kv [2 * Di], index_gate [2 * Di]: the same for the indexer's own compressor (CSA)
+  held only for the last `window_span` tokens of a sequence (and a step's new ones);
+- the paged cache proper (`V4EntryRow`): the pooled entries, each spread over the rows of the m
+  tokens it pools (`EntrySpread`): element c of entry j sits in the row of token
+  j * m + c // share, column col + c % share. Each token's row then holds 1/m of an entry
+  (`share` = ceil(D / m) columns, and ceil(Di / m) for the indexer's entry), so the entries cost
+  (D + Di) / m per token, and a row is still a function of its token's window and those before
+  it: the block manager, prefix cache, preemption and a hand-off into another block size treat
+  the entries as any family's rows. An entry is written when its window closes, into rows of
+  tokens already in the cache.
 
-A row is a pure function of its token and the tokens before it, which is what prefix caching
-and a hand-off into another block size need. One width serves every layer (the widest layer
-type present), so a sliding-window layer leaves most of its row unused; V4-Flash's bytes per
-token are in docs/models.md with what a leaner hybrid layout would save.
+V4-Flash's bytes per token are in docs/models.md.
 """
 
 from __future__ import annotations
@@ -123,26 +126,40 @@ class V4Config:
         return 0 if kind == SLIDING else self.compress_rates[kind]
 
     @property
-    def row(self) -> V4CacheRow:
-        return V4CacheRow.for_layers(self.layer_types, self.head_dim, self.index_head_dim)
+    def compressed_types(self) -> list[str]:
+        return [kind for kind in (CSA, HCA) if kind in self.layer_types]
+
+    @property
+    def window_row(self) -> V4WindowRow:
+        return V4WindowRow.for_layers(self.layer_types, self.head_dim, self.index_head_dim)
+
+    @property
+    def entry_row(self) -> V4EntryRow:
+        rates = {kind: self.compress_rates[kind] for kind in self.compressed_types}
+        return V4EntryRow.for_rates(rates, self.head_dim, self.index_head_dim)
+
+    @property
+    def window_span(self) -> int:
+        """Tokens before a step's first one whose window state the step reads: the window's,
+        and the pooled span of a compressor that closes at the step's first token."""
+        spans = [self.sliding_window]
+        for kind in self.compressed_types:
+            spans.append((2 if kind == CSA else 1) * self.compress_rates[kind])
+        return max(spans)
 
 
 @dataclass(frozen=True)
-class V4CacheRow:
-    """Column offsets of one token's row (see the module docstring); `width` columns."""
+class V4WindowRow:
+    """Column offsets of one token's row in the window pool; `width` columns."""
 
     head_dim: int
     pool_width: int  # c * D: 2 * D with a CSA layer, D with only HCA ones, 0 without either
     index_dim: int  # Di where a CSA layer exists, else 0
 
     @classmethod
-    def for_layers(cls, layer_types, head_dim: int, index_head_dim: int) -> V4CacheRow:
+    def for_layers(cls, layer_types, head_dim: int, index_head_dim: int) -> V4WindowRow:
         pools = 2 if CSA in layer_types else 1 if HCA in layer_types else 0
         return cls(head_dim, pools * head_dim, index_head_dim if CSA in layer_types else 0)
-
-    @property
-    def kv(self) -> slice:
-        return slice(0, self.head_dim)
 
     @property
     def pool_kv(self) -> int:  # first column
@@ -153,24 +170,61 @@ class V4CacheRow:
         return self.pool_kv + self.pool_width
 
     @property
-    def entry(self) -> int:
-        return self.pool_gate + self.pool_width
-
-    @property
     def index_kv(self) -> int:
-        return self.entry + (self.head_dim if self.pool_width else 0)
+        return self.pool_gate + self.pool_width
 
     @property
     def index_gate(self) -> int:
         return self.index_kv + 2 * self.index_dim
 
     @property
-    def index_entry(self) -> int:
+    def width(self) -> int:
         return self.index_gate + 2 * self.index_dim
+
+
+@dataclass(frozen=True)
+class EntrySpread:
+    """Where entries of `dim` values pooled from `rate` tokens lie in the tokens' rows: element
+    c of entry j in the row of token j * rate + c // share, column `column` + c % share."""
+
+    rate: int
+    dim: int
+    column: int
+
+    @property
+    def share(self) -> int:
+        return -(-self.dim // self.rate)
+
+
+@dataclass(frozen=True)
+class V4EntryRow:
+    """One token's row in the paged cache: its share of the entries of every compressed layer
+    type ([0, share) of the widest), then its share of the indexer's ([index_col, +share))."""
+
+    rates: dict  # compressed layer type -> tokens per entry
+    head_dim: int
+    index_dim: int
+
+    @classmethod
+    def for_rates(cls, rates: dict, head_dim: int, index_head_dim: int) -> V4EntryRow:
+        return cls(dict(rates), head_dim, index_head_dim if CSA in rates else 0)
+
+    def entries(self, kind: str) -> EntrySpread:
+        return EntrySpread(self.rates[kind], self.head_dim, 0)
+
+    @property
+    def index_col(self) -> int:
+        return max((self.entries(kind).share for kind in self.rates), default=0)
+
+    @property
+    def index_entries(self) -> EntrySpread:
+        return EntrySpread(self.rates[CSA], self.index_dim, self.index_col)
 
     @property
     def width(self) -> int:
-        return self.index_entry + self.index_dim
+        """At least one column: a model of sliding layers only keeps nothing here."""
+        index_share = self.index_entries.share if self.index_dim else 0
+        return max(self.index_col + index_share, 1)
 
 
 def _check_types(key: str, types, num_layers: int, allowed) -> None:

@@ -28,6 +28,7 @@ from rayinfer.engine_config import (
     SchedulerConfig,
     check_gpu_memory_utilization,
     default_num_kv_blocks,
+    window_blocks_needed,
 )
 from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import (
@@ -151,11 +152,18 @@ class EngineArgs:
             self.max_num_seqs, max(self.max_num_batched_tokens, 1), max_model_len
         )
 
-    def cache_config(self, max_model_len: int) -> CacheConfig:
+    def cache_config(self, max_model_len: int, window_span: int = 0) -> CacheConfig:
         """num_kv_blocks when given, else room for max(4 x max_model_len, 16384) tokens (what
-        the workers allocate off CUDA, or where no memory share is given)."""
+        the workers allocate off CUDA, or where no memory share is given); window_span: the
+        model's (ModelConfig.window_span), which sizes the window pool for the scheduler's
+        limits."""
         num_blocks = self.num_kv_blocks or default_num_kv_blocks(max_model_len, self.block_size)
-        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
+        scheduler = self.scheduler_config(max_model_len)
+        window_blocks = window_blocks_needed(
+            window_span, self.block_size, scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+        )  # fmt: skip
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, window_blocks)
 
     def kv_memory(self, max_model_len: int) -> KVMemoryConfig | None:
         """Size the cache from GPU memory: with gpu_memory_utilization, unless num_kv_blocks
@@ -198,7 +206,7 @@ class EngineArgs:
         graphs = self.graph_config(max_model_len, device == "cuda", model_config)
         return WorkerSpec(
             model_config,
-            self.cache_config(max_model_len),
+            self.cache_config(max_model_len, model_config.window_span),
             device=device,
             dtype=None if self.dtype == "auto" else self.dtype,
             num_threads=num_threads,

@@ -21,17 +21,22 @@ def default_num_kv_blocks(max_model_len: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
+    """The paged KV cache: `num_blocks` blocks of `block_size` tokens each, and for a model with
+    a window pool (DeepSeek-V4's hybrid cache; engine/block_manager.py) `num_window_blocks` more
+    blocks of window state (0: none)."""
 
     block_size: int = 16
     num_blocks: int = 512
     enable_prefix_caching: bool = True
+    num_window_blocks: int = 0
 
     def __post_init__(self):
         if self.block_size <= 0:
             raise ConfigError(f"block_size={self.block_size} must be positive")
         if self.num_blocks <= 0:
             raise ConfigError(f"num_blocks={self.num_blocks} must be positive")
+        if self.num_window_blocks < 0:
+            raise ConfigError(f"num_window_blocks={self.num_window_blocks} must be >= 0")
 
 
 def check_gpu_memory_utilization(
@@ -132,3 +137,15 @@ class KVHandoffConfig:
 
 
 DEFAULT_KV_HANDOFF = KVHandoffConfig()
+
+
+def window_blocks_needed(
+    window_span: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """Window-pool blocks that every running sequence's window state fits in at once: per
+    sequence the blocks of its last `window_span` tokens (one more where they straddle a block
+    boundary, one for the step's new block), plus a step's new tokens; 0 without a window."""
+    if window_span <= 0:
+        return 0
+    per_sequence = -(-window_span // block_size) + 2
+    return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)

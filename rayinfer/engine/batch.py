@@ -28,6 +28,9 @@ class ScheduledRequest:
     # Sent to a worker, block_table may hold only the blocks from this index on: the worker has
     # the earlier ones from an earlier step (workers/group.py sends tables incrementally).
     block_table_from: int = 0
+    # A model with a window pool: the window block of each block_table entry (-1: none held),
+    # sent from the same index on as block_table (engine/block_manager.py)
+    window_table: list[int] | None = None
 
     @property
     def seq_len(self) -> int:

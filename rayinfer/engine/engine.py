@@ -63,10 +63,13 @@ class LLMEngine:
         # One cache partition per data-parallel attention replica of the executor.
         self.block_managers = [
             BlockManager(
-                cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-            )
+                cache_config.num_blocks, cache_config.block_size,
+                cache_config.enable_prefix_caching, cache_config.num_window_blocks,
+                model_config.window_span,
+            )  # fmt: skip
             for _ in range(executor.num_kv_partitions)
         ]
+        self.windowed = model_config.window_span > 0
         self.scheduler = Scheduler(scheduler_config, self.block_managers)
         self.states: dict[str, RequestState] = {}
         self.handoffs_ready: dict[str, RequestState] = {}
@@ -328,6 +331,7 @@ class LLMEngine:
                     token_ids=seq.token_slice(start, start + item.num_new_tokens),
                     start_position=start,
                     block_table=seq.block_table,
+                    window_table=seq.window_table if self.windowed else None,
                     samples=item.samples,
                     params=seq.params,
                     kv_partition=seq.kv_partition,

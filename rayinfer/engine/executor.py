@@ -36,15 +36,26 @@ class Executor(ABC):
 
     @abstractmethod
     def export_kv(
-        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> Any:
         """Start copying out the KV of a request's first num_tokens tokens; returns the payload
         decode can import (a reference while the copy runs). The blocks may be reused once
-        `transfers_done` reports it done."""
+        `transfers_done` reports it done. window_table: the request's, where the model keeps a
+        window pool (engine/block_manager.py)."""
 
     @abstractmethod
     def import_kv(
-        self, request_id: str, block_table: list[int], payload: Any, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        payload: Any,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> Any:
         """Start writing a payload from `export_kv` (or a reference to it) into these blocks;
         returns a handle for `transfers_done` and then `finish_import` (None: already written).

@@ -63,8 +63,9 @@ class Handoffs:
     def start_export(self, seq: Sequence) -> Any:
         """Start copying out a finished prefill-only request's prompt KV; its payload."""
         payload = self.executor.export_kv(
-            seq.request_id, seq.block_table, seq.num_prompt_tokens, seq.kv_partition
-        )
+            seq.request_id, seq.block_table, seq.num_prompt_tokens, seq.kv_partition,
+            window_table=_window_table(seq),
+        )  # fmt: skip
         self.exports_in_flight.append(Export(seq, payload))
         if self.executor.transfers_done([payload]) == [True]:  # an in-process copy: done
             self.finish_transfers()
@@ -93,16 +94,17 @@ class Handoffs:
             seq.kv_partition = self.scheduler.roomiest_partition()
             manager = self.scheduler.manager_of(seq)
             seated = len(self.scheduler.running) + len(self.imports_in_flight)
-            fits = manager.can_allocate_slots(seq, seq.num_tokens)
+            fits = manager.can_allocate_slots(seq, seq.num_tokens, imported=True)
             if not fits or seated >= self.scheduler_config.max_num_seqs:
                 seq.kv_partition = None
                 still_pending.append(pending)
                 continue
-            manager.allocate_slots(seq, seq.num_prompt_tokens)
+            manager.allocate_slots(seq, seq.num_prompt_tokens, imported=True)
             try:
                 pending.transfer = self.executor.import_kv(
-                    seq.request_id, seq.block_table, pending.payload, seq.kv_partition
-                )
+                    seq.request_id, seq.block_table, pending.payload, seq.kv_partition,
+                    window_table=_window_table(seq),
+                )  # fmt: skip
             except KVLostError:
                 self._recompute_lost_handoff(seq)
                 continue
@@ -156,3 +158,8 @@ class Handoffs:
         self.scheduler.manager_of(seq).free(seq)
         self.num_kv_recomputes += 1
         self.scheduler.add(seq)
+
+
+def _window_table(seq: Sequence) -> list[int] | None:
+    """The sequence's window table where its cache keeps a window pool, else None."""
+    return seq.window_table or None

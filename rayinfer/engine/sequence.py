@@ -24,6 +24,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # the window pool's block per block_table entry, -1 where none is held (engine/block_manager.py)
+    window_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     finish_reason: str | None = None

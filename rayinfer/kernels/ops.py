@@ -264,33 +264,35 @@ def dsa_write_cache(kv_cache, slot_mapping, kv_c, k_pe, index_key, index_fp8=Fal
 
 
 def dsa_index_topk(q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions,
-                   topk, max_context, index_fp8=False, entry_stride=1):  # fmt: skip
+                   topk, max_context, index_fp8=False, spread=None):  # fmt: skip
     """The lightning indexer's selection: q_index [T, Hi, D] and weights [T, Hi] float32 over
     each query's visible context (positions <= its own) -> [T, topk] int32 cache slots, -1
-    padded (kernels/dsa/dsa_indexer.py; index_fp8: keys cached as FP8 + scale; entry_stride:
-    DeepSeek-V4's pooled entries of that many tokens, max_context then counting entries). On
-    CUDA the Triton scores, then torch.topk over chunks of queries whose scores stay within
-    1 GiB."""
+    padded (kernels/dsa/dsa_indexer.py; index_fp8: keys cached as FP8 + scale; spread:
+    DeepSeek-V4's pooled entries (rate, share), max_context then counting entries and the
+    selection entry numbers). On CUDA the Triton scores, then a top-k over chunks of queries
+    whose scores stay within 1 GiB."""
     if _on_cuda(q_index):
         return dsa_index_topk_triton(
             q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions, topk,
-            max_context, index_fp8, entry_stride=entry_stride,
+            max_context, index_fp8, spread=spread,
         )  # fmt: skip
     return dsa_index_topk_reference(
         q_index, weights, kv_cache, key_offset, block_tables, query_seq, positions, topk,
-        max_context, index_fp8, entry_stride,
+        max_context, index_fp8, spread,
     )  # fmt: skip
 
 
-def v4_attention(queries, kv_cache, block_tables, seq_ids, positions, window, entry_col,
-                 entry_slots, entry_stride, max_entries, sinks, scale, max_position):  # fmt: skip
+def v4_attention(queries, window_cache, window_tables, cache, block_tables, seq_ids, positions,
+                 window, spread, entry_list, max_entries, sinks, scale,
+                 max_position):  # fmt: skip
     """DeepSeek-V4 attention (kernels/dsa/v4_attention.py): queries [T, N, D] over each one's
-    window of raw keys, its pooled entries (entry_slots [T, K] int32 listed, or with
-    entry_stride > 0 every entry it has reached) and per-head sinks [N] -> [T, N, D]."""
+    window of raw keys (the window pool), its pooled entries spread over the paged cache's rows
+    (spread (rate, share, column); entry_list [T, K] int32 listed, or None: every entry it has
+    reached) and per-head sinks [N] -> [T, N, D]."""
     fn = v4_attention_triton if _on_cuda(queries) else v4_attention_reference
     return fn(
-        queries, kv_cache, block_tables, seq_ids, positions, window, entry_col, entry_slots,
-        entry_stride, max_entries, sinks, scale, max_position,
+        queries, window_cache, window_tables, cache, block_tables, seq_ids, positions, window,
+        spread, entry_list, max_entries, sinks, scale, max_position,
     )  # fmt: skip
 
 

@@ -25,6 +25,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # [B] new tokens per sequence, on the host for Python loops
     seq_lens_cpu: list[int]  # [B] context lengths, on the host
     block_size: int
+    # A model with a window pool (engine/block_manager.py): each token's slot there, and each
+    # sequence's window table (-1 where no window block is held); None for other models.
+    window_slot_mapping: torch.Tensor | None = None  # [T] int64
+    window_tables: torch.Tensor | None = None  # [B, max_blocks] int32
 
     @property
     def num_seqs(self) -> int:
@@ -40,7 +44,9 @@ class ForwardContext:
     """Passed explicitly through the model: metadata plus one cache tensor per layer.
 
     `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shape_per_token(bytes)]`
-    (`bytes`: its dtype's element size).
+    (`bytes`: its dtype's element size); a model with a window pool has its layers' window
+    caches after them, `kv_caches[num_layers + layer]` `[num_window_blocks, block_size,
+    ModelConfig.window_row_width]`.
     """
 
     attn: AttentionMetadata
@@ -101,6 +107,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     positions: np.ndarray | None = None,
+    window_tables: list[list[int]] | None = None,
 ) -> AttentionMetadata:
     """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new;
     positions: their `token_positions`, when the caller already has them. Built in numpy (a
@@ -112,6 +119,15 @@ def build_attention_metadata(
     padded = _padded_tables(block_tables)  # [B, max_blocks]
     starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=starts[1:])
+    window_slots = window_padded = None
+    if window_tables is not None:
+        window_slots = device_ints(
+            torch.from_numpy(_slots(positions, query_lens, window_tables, block_size)),
+            torch.int64, device,
+        )  # fmt: skip
+        window_padded = device_ints(
+            torch.from_numpy(_padded_tables(window_tables)), torch.int32, device
+        )
     return AttentionMetadata(
         slot_mapping=device_ints(torch.from_numpy(slots), torch.int64, device),
         query_start_loc=device_ints(torch.from_numpy(starts), torch.int32, device),
@@ -120,6 +136,8 @@ def build_attention_metadata(
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
         block_size=block_size,
+        window_slot_mapping=window_slots,
+        window_tables=window_padded,
     )
 
 
@@ -157,14 +175,18 @@ def _sub_metadata(attn, query_lens, seq_lens, rows, tokens: slice) -> AttentionM
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
+    rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    windowed = attn.window_tables is not None
     return AttentionMetadata(
         slot_mapping=attn.slot_mapping[tokens],
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=attn.block_tables[torch.tensor(rows, dtype=torch.int64, device=device)],
+        block_tables=attn.block_tables[rows],
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         block_size=attn.block_size,
+        window_slot_mapping=attn.window_slot_mapping[tokens] if windowed else None,
+        window_tables=attn.window_tables[rows] if windowed else None,
     )
 
 
@@ -179,8 +201,13 @@ def idle_forward_inputs(
     joins every collective of the forward pass. It reads block 0, writes no cache slot (-1) and
     its output is thrown away."""
     count = IDLE_FORWARD_TOKENS
-    metadata = build_attention_metadata([count], [1], [[0]], ctx.attn.block_size, device)
+    windows = [[0]] if ctx.attn.window_tables is not None else None
+    metadata = build_attention_metadata(
+        [count], [1], [[0]], ctx.attn.block_size, device, window_tables=windows
+    )
     metadata.slot_mapping.fill_(-1)
+    if windows is not None:
+        metadata.window_slot_mapping.fill_(-1)
     input_ids = torch.zeros(count, dtype=torch.int64, device=device)
     positions = torch.zeros(count, dtype=torch.int64, device=device)
     return input_ids, positions, ForwardContext(metadata, ctx.kv_caches)

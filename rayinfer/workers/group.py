@@ -238,7 +238,11 @@ class WorkerGroup(Executor):
             held = known[2] if known and known[0] == replica and known[1] is table else 0
             self._tables_sent[request.request_id] = (replica, table, len(table))
             if held:
-                request = replace(request, block_table=table[held:], block_table_from=held)
+                windows = request.window_table
+                request = replace(
+                    request, block_table=table[held:], block_table_from=held,
+                    window_table=None if windows is None else windows[held:],
+                )  # fmt: skip
             wire.append(request)
         return wire
 
@@ -251,14 +255,19 @@ class WorkerGroup(Executor):
         return ray.get(self.workers[0].graph_capture_seconds.remote())
 
     def export_kv(
-        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> KVRefs:
         """Starts the workers' exports (their KV transfer threads) and returns at once."""
         exporters = self._holders(partition)
         if self.kv_is_replicated:
             exporters = exporters[:1]
         shards = [
-            self.workers[rank].export_kv.remote(request_id, block_table, num_tokens)
+            self.workers[rank].export_kv.remote(request_id, block_table, num_tokens, window_table)
             for rank in exporters
         ]
         per_token = sum(self.descriptions[rank]["kv_bytes_per_token"] for rank in exporters)
@@ -266,7 +275,12 @@ class WorkerGroup(Executor):
         return KVRefs(shards=shards, num_bytes=per_token * num_tokens, owners=owners)
 
     def import_kv(
-        self, request_id: str, block_table: list[int], payload, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        payload,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> PendingImport:
         """`payload`: KVRefs from another group, or a KVPayload from an in-process engine.
         Starts the holders' imports (their KV transfer threads) and returns at once."""
@@ -277,7 +291,9 @@ class WorkerGroup(Executor):
         # which `finish_import` frees once every one has ended.
         alone = len(holders) == 1
         calls = [
-            self.workers[rank].import_kv.remote(request_id, block_table, payload.shards, alone)
+            self.workers[rank].import_kv.remote(
+                request_id, block_table, payload.shards, alone, window_table
+            )
             for rank in holders
         ]
         return PendingImport(request_id, calls, payload.owners, [] if alone else payload.shards)

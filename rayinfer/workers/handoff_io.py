@@ -82,11 +82,13 @@ class HandoffIO:
         block_table: list[int],
         num_tokens: int,
         generator_state: torch.Tensor | None,
+        window_table: list[int] | None = None,
     ) -> KVPayload:
         """The request's first num_tokens tokens of KV, out of the cache before this returns:
-        in the arena (a header naming its span) or in the object store (chunk ObjectRefs)."""
+        in the arena (a header naming its span) or in the object store (chunk ObjectRefs);
+        window state (a window pool's, window_table) travels whole in the header."""
         start = time.perf_counter()
-        header = cache.export_header(num_tokens, generator_state)
+        header = cache.export_header(num_tokens, generator_state, window_table)
         arena = self._arena() if self.config.path == "auto" else None
         span = arena.allocate(header.num_bytes) if arena is not None else None
         if span is not None:
@@ -98,12 +100,16 @@ class HandoffIO:
             header.arena = span
             header.timings.update(path="shm", put_s=0.0)
         else:
-            header = self._export_to_store(cache, block_table, num_tokens, generator_state)
+            header = self._export_to_store(
+                cache, block_table, num_tokens, generator_state, window_table
+            )
         header.timings["export_s"] = time.perf_counter() - start
         return header
 
-    def _export_to_store(self, cache, block_table, num_tokens, generator_state) -> KVPayload:
-        header, chunks = cache.export_chunks(block_table, num_tokens, generator_state)
+    def _export_to_store(
+        self, cache, block_table, num_tokens, generator_state, window_table=None
+    ) -> KVPayload:
+        header, chunks = cache.export_chunks(block_table, num_tokens, generator_state, window_table)
         refs, put_s = [], 0.0
         for chunk in chunks:  # the next chunk copies while this one is put
             begin = time.perf_counter()
@@ -150,6 +156,7 @@ class HandoffIO:
         shards: list,
         needs=lambda payload: True,
         release: bool = True,
+        window_table: list[int] | None = None,
     ) -> Landed:
         """Write this rank's part of a hand-off (shards: per prefill worker an ObjectRef to, or
         a, KVPayload; `needs(payload)`: whether this rank takes from it) into the cache. Raises
@@ -165,7 +172,7 @@ class HandoffIO:
         try:
             payloads, path = self._resolve(payloads)
             fetched = time.perf_counter()
-            state = cache.import_payloads(block_table, payloads)
+            state = cache.import_payloads(block_table, payloads, window_table)
             mapped = [p.arena for p in payloads if p.arena is not None]  # read from the mapping
             if not all(self.maps.still_holds(span) for span in mapped):
                 raise KVLost("an arena span was taken back during the copy")

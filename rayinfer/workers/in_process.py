@@ -46,23 +46,35 @@ class InProcessExecutor(Executor):
         return self.runner.graph_capture_seconds
 
     def export_kv(
-        self, request_id: str, block_table: list[int], num_tokens: int, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> KVPayload:
-        return self.runner.export_kv(request_id, block_table, num_tokens)
+        return self.runner.export_kv(request_id, block_table, num_tokens, window_table)
 
     def import_kv(
-        self, request_id: str, block_table: list[int], payload, partition: int = 0
+        self,
+        request_id: str,
+        block_table: list[int],
+        payload,
+        partition: int = 0,
+        window_table: list[int] | None = None,
     ) -> None:
         """`payload`: a KVPayload, or a WorkerGroup's KVRefs (mapped from the exporters' arenas
         or fetched from the object store); written before this returns."""
         if not hasattr(payload, "shards"):
-            self.runner.import_kv(request_id, block_table, payload)
+            self.runner.import_kv(request_id, block_table, payload, window_table)
             return
         from rayinfer.engine.executor import KVLostError
         from rayinfer.workers.handoff_io import KVLost
 
         try:
-            landed = self.handoff.import_(self.runner.kv_cache, block_table, payload.shards)
+            landed = self.handoff.import_(
+                self.runner.kv_cache, block_table, payload.shards, window_table=window_table
+            )
         except KVLost as lost:
             raise KVLostError(f"request {request_id!r}: its KV is gone ({lost})") from None
         if landed.generator_state is not None:

@@ -59,6 +59,7 @@ class Worker:
             self.numa = bind_to_gpu_node(enabled=spec.process.numa_bind)
         self.placement = WorkerPlacement(rank, spec.plan)
         self.block_tables: dict[str, list[int]] = {}  # request id -> its whole table, as sent
+        self.window_tables: dict[str, list[int]] = {}  # the same for window tables
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
         self.runner = ModelRunner(
             spec.model_config,
@@ -136,6 +137,8 @@ class Worker:
             start = request.block_table_from
             if start == 0:
                 self.block_tables[request.request_id] = request.block_table
+                if request.window_table is not None:
+                    self.window_tables[request.request_id] = request.window_table
                 continue
             table = self.block_tables.get(request.request_id)
             if table is None or len(table) != start:
@@ -145,6 +148,12 @@ class Worker:
                 )
             table.extend(request.block_table)
             request.block_table, request.block_table_from = table, 0
+            if request.window_table is not None:
+                # entries the engine released since are stale here: never read (a step reads
+                # window state only within ModelConfig.window_span of its tokens)
+                windows = self.window_tables[request.request_id]
+                windows.extend(request.window_table)
+                request.window_table = windows
 
     def drain_step_timelines(self) -> list[dict]:
         return self.runner.timelines.drain()
@@ -172,15 +181,28 @@ class Worker:
         return self.profiler.stop()
 
     @ray.method(concurrency_group=KV_IO, **HOT_PATH)
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        window_table: list[int] | None = None,
+    ) -> KVPayload:
         """The request's KV copied out before this returns: into this worker's arena (the
         payload names the span) or into the object store (it holds the chunks' ObjectRefs)."""
         state = self.runner.sampler.generator_state(request_id)
-        return self.handoff.export(self.runner.kv_cache, block_table, num_tokens, state)
+        return self.handoff.export(
+            self.runner.kv_cache, block_table, num_tokens, state, window_table
+        )
 
     @ray.method(concurrency_group=KV_IO, **HOT_PATH)
     def import_kv(
-        self, request_id: str, block_table: list[int], shards: list, release: bool = True
+        self,
+        request_id: str,
+        block_table: list[int],
+        shards: list,
+        release: bool = True,
+        window_table: list[int] | None = None,
     ) -> dict | None:
         """Write this rank's part of a hand-off (from any prefill plan) into the cache: shards
         are per prefill worker an ObjectRef to (or a) KVPayload. Returns the timings in seconds
@@ -189,7 +211,7 @@ class Worker:
         and the group discards them once all have ended)."""
         try:
             landed = self.handoff.import_(
-                self.runner.kv_cache, block_table, shards, self._wants, release
+                self.runner.kv_cache, block_table, shards, self._wants, release, window_table
             )
         except KVLost as lost:
             logger.warning("KV of %s cannot be read (%s)", request_id, lost)
@@ -229,6 +251,7 @@ class Worker:
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.block_tables.pop(request_id, None)
+            self.window_tables.pop(request_id, None)
         self.runner.free_requests(request_ids)
 
     def _wants(self, payload: KVPayload) -> bool:

@@ -74,21 +74,19 @@ def test_radix_topk_is_the_same_for_every_split_and_run():
 
 
 def test_radix_topk_writes_cache_slots_like_chosen_slots():
-    """to_slots: the write pass maps positions through the block table (V4's entries too)."""
+    """to_slots: the write pass maps positions through the block table."""
     generator = torch.Generator().manual_seed(2)
     tables, query_seq, positions, _ = paged_batch([70, 23, 41], [2, 1, 3], 4, generator)
-    for entry_stride in (1, 2):
-        num_cols = 80 // entry_stride
-        scores = torch.randn(len(positions), num_cols, generator=generator)
-        visible = torch.arange(num_cols) < torch.div(positions[:, None] + 1, entry_stride,
-                                                     rounding_mode="floor")  # fmt: skip
-        scores = scores.masked_fill(~visible, float("-inf"))
-        slots = torch.full((len(positions), 30), -7, dtype=torch.int32)
-        radix_topk(scores, 30, slots, MANY_SPLITS, (tables, query_seq, positions, 4, entry_stride))
-        columns = topk_columns(scores, 30, MANY_SPLITS)
-        expected = chosen_slots(columns.long(), tables, query_seq, positions, 4, entry_stride)
-        assert torch.equal(slots, expected)
-        assert ((slots == -1) == ~visible.gather(1, columns.long())).all()
+    num_cols = 80
+    scores = torch.randn(len(positions), num_cols, generator=generator)
+    visible = torch.arange(num_cols) < positions[:, None] + 1
+    scores = scores.masked_fill(~visible, float("-inf"))
+    slots = torch.full((len(positions), 30), -7, dtype=torch.int32)
+    radix_topk(scores, 30, slots, MANY_SPLITS, (tables, query_seq, positions, 4))
+    columns = topk_columns(scores, 30, MANY_SPLITS)
+    expected = chosen_slots(columns.long(), tables, query_seq, positions, 4)
+    assert torch.equal(slots, expected)
+    assert ((slots == -1) == ~visible.gather(1, columns.long())).all()
 
 
 def test_radix_topk_bad_arguments_name_what_is_wrong():

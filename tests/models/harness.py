@@ -123,8 +123,14 @@ def load_rayinfer(path: Path, dtype: torch.dtype = torch.float32, device: str = 
 def allocate_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu"
 ) -> list:
+    """Per layer its cache, then (DeepSeek-V4) per layer a window cache of as many blocks: the
+    window tables are then the block tables, and nothing is released."""
     shape = (num_blocks, block_size, *config.kv_shape_per_token(dtype.itemsize))
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    if config.window_span:
+        window = (num_blocks, block_size, config.window_row_width)
+        caches += [torch.zeros(window, dtype=dtype, device=device) for _ in caches]
+    return caches
 
 
 @torch.no_grad()
@@ -161,6 +167,7 @@ def run_greedy(
                 caches,
                 block_size,
                 chunk_size,
+                config.window_span > 0,
             )
         step += 1
     return GreedyResult(
@@ -169,8 +176,9 @@ def run_greedy(
     )
 
 
-def run_step(model, runs, tables, caches, block_size, chunk_size) -> None:
-    """One forward over the next chunk of every run; appends the greedy token where one is due."""
+def run_step(model, runs, tables, caches, block_size, chunk_size, windowed=False) -> None:
+    """One forward over the next chunk of every run; appends the greedy token where one is due.
+    windowed: the caches end with window caches (allocate_caches), read through `tables`."""
     query_lens = []
     for run in runs:
         remaining = len(run.tokens) - run.num_computed
@@ -183,7 +191,9 @@ def run_step(model, runs, tables, caches, block_size, chunk_size) -> None:
     )
     chunks = [r.tokens[r.num_computed : s] for r, s in zip(runs, seq_lens, strict=True)]
     input_ids = torch.tensor([token for chunk in chunks for token in chunk], device=device)
-    attn = build_attention_metadata(query_lens, seq_lens, tables, block_size, device)
+    attn = build_attention_metadata(
+        query_lens, seq_lens, tables, block_size, device, window_tables=tables if windowed else None
+    )
     hidden = model(input_ids, positions, ForwardContext(attn, caches))  # [T, H]
     logits = model.compute_logits(hidden)  # [T, V]
     for run, chunk_logits, seq_len in zip(runs, logits.split(query_lens), seq_lens, strict=True):

@@ -94,11 +94,17 @@ def test_layers_cache_rows_and_hash_routing(checkpoint):
     kinds = [layer.attn.kind for layer in model.layers]
     assert kinds == TINY_V4["layer_types"]
     assert [layer.ffn.tid2eid is not None for layer in model.layers] == [True, False, False, False]
-    # kv 32 | CSA pool kv and gate 2 x 64 | entry 32 | indexer pool 2 x 32 | its entry 16
-    row = V4Config.from_hf(config.hf).row
-    assert (row.pool_kv, row.pool_gate, row.entry, row.index_kv) == (32, 96, 160, 192)
-    assert config.kv_shape_per_token(4) == (row.width,) == (272,)
-    assert config.kv_shape_per_token_on_rank(2, 4) == (272,)  # one head: replicated
+    v4 = V4Config.from_hf(config.hf)
+    # window pool: kv 32 | CSA pool kv and gate 2 x 64 | indexer pool kv and gate 2 x 32
+    window = v4.window_row
+    assert (window.pool_kv, window.pool_gate, window.index_kv, window.width) == (32, 96, 160, 224)
+    assert config.window_row_width == 224 and config.window_span == 8  # window 8, 2 x CSA's 4
+    # paged cache: a token's share of its CSA entry (32 / 4), of the indexer's (16 / 4) after it
+    entries = v4.entry_row
+    assert (entries.entries("compressed_sparse_attention").share, entries.index_col) == (8, 8)
+    assert entries.entries("heavily_compressed_attention").share == 4  # 32 / 8
+    assert config.kv_shape_per_token(4) == (entries.width,) == (12,)
+    assert config.kv_shape_per_token_on_rank(2, 4) == (12,)  # one head: replicated
 
 
 def _config(**overrides) -> dict:

@@ -13,10 +13,11 @@ with a positive factor).
 - `dsa_write_cache`: store each new token's full row (latent, rope key, indexer key).
 - `dsa_index_topk`: the selection, as cache slots (block * block_size + offset), -1 padded.
 
-DeepSeek-V4's CSA layers index pooled entries instead of tokens (`entry_stride` m): entry j
-pools positions [j * m, (j + 1) * m) and lives in the row of its last one, j * m + m - 1, which
-a query at p sees once it has passed it (j < (p + 1) // m). Every "context position" below is
-then an entry number, and m = 1 is DSA's one entry per token.
+DeepSeek-V4's CSA layers index pooled entries instead of tokens (`spread` = (m, share)): entry
+j pools positions [j * m, (j + 1) * m), which a query at p sees once it has passed them
+(j < (p + 1) // m); its key's element c lies in the row of token j * m + c // share, column
+key_offset + c % share (config_v4.EntrySpread). Every "context position" below is then an
+entry number, and the selection is entry numbers (-1 padded) instead of cache slots.
 
 On a GPU, `dsa_index_topk` scores with a Triton kernel: one program per (query, chunk of
 KEYS_PER_PROGRAM context positions) holds the query's Hi x D heads and reads the chunk's keys
@@ -74,10 +75,8 @@ def context_slots(
     query_seq: torch.Tensor,  # [T] int: the sequence of each query
     block_size: int,
     max_context: int,
-    entry_stride: int = 1,
 ) -> torch.Tensor:  # [T, max_context] int64: slot of each of the query's context positions
-    positions = torch.arange(max_context, device=block_tables.device) * entry_stride
-    positions += entry_stride - 1  # [S]: the entries' rows
+    positions = torch.arange(max_context, device=block_tables.device)  # [S]
     tables = block_tables.long()[query_seq.long()]  # [T, max_blocks]
     block_index = (positions // block_size).clamp(max=tables.shape[1] - 1)  # [S]
     return tables[:, block_index] * block_size + positions % block_size  # [T, S]
@@ -107,13 +106,22 @@ def dsa_index_topk_reference(
     topk: int,
     max_context: int,  # >= every query's position + 1 (a host bound: no device sync)
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
-    entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
-) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
+    spread: tuple[int, int] | None = None,  # V4: (rate, share) of pooled entries (see above)
+) -> torch.Tensor:  # [T, topk] int32: cache slots (V4: entry numbers) chosen, -1 padded
     """Scores in float32 over every query's context, highest `topk` kept, in no set order."""
     num_queries, head_dim = q_index.shape[0], q_index.shape[-1]
     block_size = kv_cache.shape[1]
-    slots = context_slots(block_tables, query_seq, block_size, max_context, entry_stride)
-    keys = cached_keys(kv_cache, key_offset, head_dim, slots.clamp(min=0), index_fp8)  # [T, S, D]
+    entry_stride = spread[0] if spread is not None else 1
+    if spread is None:
+        slots = context_slots(block_tables, query_seq, block_size, max_context)
+        keys = cached_keys(kv_cache, key_offset, head_dim, slots.clamp(min=0), index_fp8)
+    else:  # [T, S, D] from the rows the entries spread over
+        from rayinfer.kernels.dsa.v4_attention import gather_entries
+
+        entries = torch.arange(max_context, device=q_index.device).expand(num_queries, -1)
+        keys = gather_entries(kv_cache, block_tables.long(), query_seq.long(), entries,
+                              (*spread, key_offset), head_dim).float()  # fmt: skip
+        slots = entries
     scores = torch.einsum("thd,tsd->ths", q_index.float(), keys).relu()  # [T, Hi, S]
     scores = torch.einsum("th,ths->ts", weights.float(), scores)  # [T, S]
     entries = torch.arange(max_context, device=q_index.device)
@@ -135,7 +143,7 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_row, stride_table, stride_scores,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KEY_FP8: tl.constexpr, ENTRY_STRIDE: tl.constexpr,
+    KEY_FP8: tl.constexpr, ENTRY_STRIDE: tl.constexpr, SHARE: tl.constexpr,
 ):  # fmt: skip
     """One (query, chunk of context positions): scores[t, s] = sum_h w[h] * relu(q[h] . k[s])
     for the visible positions s <= the query's, -inf for the rest of the chunk.
@@ -143,7 +151,10 @@ def _index_scores_kernel(
     KEY_FP8: cache_ptr is the cache's fp8 byte view (key_offset, stride_row in bytes), each key
     D fp8 bytes then its float32 scale. fp8 -> q's dtype is exact, and q . (k_fp8 * scale) is
     (q . k_fp8) * scale: the scale multiplies the [BLOCK_H, BLOCK_N] logits (relu commutes with
-    a scale >= 0) instead of the [BLOCK_N, D] keys."""
+    a scale >= 0) instead of the [BLOCK_N, D] keys.
+
+    SHARE > 0 (V4's spread entries): the key of entry j from the rows of tokens
+    j * ENTRY_STRIDE + c // SHARE, columns key_offset + c % SHARE."""
     query = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * KEYS_PER_PROGRAM
     chunk_end = tl.minimum(first + KEYS_PER_PROGRAM, max_context)
@@ -161,11 +172,16 @@ def _index_scores_kernel(
     for start in range(first, visible_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions (entries)
         is_visible = offs_n < visible_end
-        where = offs_n * ENTRY_STRIDE + ENTRY_STRIDE - 1  # their rows' positions
-        block_ids = tl.load(table_ptr + where // BLOCK_SIZE, mask=is_visible, other=0)
-        rows = block_ids.to(tl.int64) * BLOCK_SIZE + where % BLOCK_SIZE  # [BLOCK_N] slots
-        k_ptrs = key_base + rows[:, None] * stride_row + offs_d[None, :]
         k_mask = is_visible[:, None] & (offs_d[None, :] < HEAD_DIM)
+        if SHARE > 0:
+            where = offs_n[:, None].to(tl.int64) * ENTRY_STRIDE + offs_d[None, :] // SHARE
+            block_ids = tl.load(table_ptr + where // BLOCK_SIZE, mask=k_mask, other=0)
+            rows = tl.maximum(block_ids.to(tl.int64), 0) * BLOCK_SIZE + where % BLOCK_SIZE
+            k_ptrs = key_base + rows * stride_row + offs_d[None, :] % SHARE
+        else:
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=is_visible, other=0)
+            rows = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N] slots
+            k_ptrs = key_base + rows[:, None] * stride_row + offs_d[None, :]
         keys = tl.load(k_ptrs, mask=k_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         logits = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         if KEY_FP8:
@@ -185,14 +201,15 @@ def _index_scores_kernel(
 
 def score_constants(params: dict, dtype: torch.dtype, num_heads: int, head_dim: int,
                     block_size: int, key_fp8: bool = False,
-                    entry_stride: int = 1) -> dict:  # fmt: skip
+                    spread: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """The score kernel's meta-parameters (the launcher's, and the offline compile's in
     benchmarks/compile_dsa_kernels.py)."""
     return dict(
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=params["BLOCK_N"],
         KEYS_PER_PROGRAM=params["KEYS_PER_PROGRAM"], BLOCK_SIZE=block_size,
-        DOT_PRECISION=dot_precision(dtype), KEY_FP8=key_fp8, ENTRY_STRIDE=entry_stride,
+        DOT_PRECISION=dot_precision(dtype), KEY_FP8=key_fp8,
+        ENTRY_STRIDE=spread[0] if spread else 1, SHARE=spread[1] if spread else 0,
     )  # fmt: skip
 
 
@@ -207,7 +224,7 @@ def index_scores(
     scores: torch.Tensor,  # [T, max_context] float32, written
     params: dict,
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
-    entry_stride: int = 1,
+    spread: tuple[int, int] | None = None,
 ) -> None:
     """The Triton kernel's launch over every query and context chunk."""
     num_queries, num_heads, head_dim = q_index.shape
@@ -219,7 +236,7 @@ def index_scores(
         kv_cache = kv_cache.view(torch.float8_e4m3fn)  # [blocks, block_size, W x element]
     grid = (num_queries, triton.cdiv(max_context, params["KEYS_PER_PROGRAM"]))
     constants = score_constants(
-        params, q_index.dtype, num_heads, head_dim, block_size, index_fp8, entry_stride
+        params, q_index.dtype, num_heads, head_dim, block_size, index_fp8, spread
     )
     _index_scores_kernel[grid](
         q_index, weights, kv_cache, block_tables, query_seq, positions, scores,
@@ -249,10 +266,8 @@ def chosen_slots(
     query_seq: torch.Tensor,  # [T] int
     positions: torch.Tensor,  # [T] int64
     block_size: int,
-    entry_stride: int = 1,
 ) -> torch.Tensor:  # [T, k] int32: their cache slots, -1 where past the query's position
     """Positions to slots without a [T, max_blocks] copy of the tables (one gather of [T, k])."""
-    chosen = chosen * entry_stride + entry_stride - 1  # the entries' rows
     block_index = (chosen // block_size).clamp(max=block_tables.shape[1] - 1)  # [T, k]
     blocks = block_tables[query_seq.long()[:, None], block_index].long()  # [T, k]
     slots = blocks * block_size + chosen % block_size
@@ -272,9 +287,9 @@ def dsa_index_topk(
     index_fp8: bool = False,  # FP8 keys + scales from key_offset (kernels/dsa/dsa_index_fp8.py)
     score_bytes: int = SCORE_BUFFER_BYTES,  # bound of the score buffer (tests make it small)
     params: dict | None = None,  # tile override; else configs/dsa_indexer.json
-    entry_stride: int = 1,  # V4: entries of that many tokens (max_context counts entries)
+    spread: tuple[int, int] | None = None,  # V4: (rate, share) of pooled entries (see above)
     selection: str = "auto",  # SELECTIONS: radix (kernels/dsa/radix_topk.py), torch.topk
-) -> torch.Tensor:  # [T, topk] int32: cache slots of the selected tokens, -1 padded
+) -> torch.Tensor:  # [T, topk] int32: cache slots (V4: entry numbers) chosen, -1 padded
     """The reference's selection: Triton scores, then the top-k of bounded chunks of queries."""
     num_queries, num_heads, head_dim = q_index.shape
     if weights.shape != (num_queries, num_heads) or weights.dtype != torch.float32:
@@ -284,9 +299,10 @@ def dsa_index_topk(
         raise ValueError("kv_cache rows must be dense")
     if index_fp8:
         check_key_region(kv_cache, key_offset, head_dim)
-    elif kv_cache.shape[-1] < key_offset + head_dim:
-        raise ValueError(f"kv_cache rows {kv_cache.shape[-1]} must hold the index keys at "
-                         f"[{key_offset}, {key_offset + head_dim}) densely")  # fmt: skip
+    elif kv_cache.shape[-1] < key_offset + (spread[1] if spread else head_dim):
+        width = spread[1] if spread else head_dim
+        raise ValueError(f"kv_cache rows {kv_cache.shape[-1]} must hold the index keys (or "
+                         f"their shares) at [{key_offset}, {key_offset + width})")  # fmt: skip
     if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or q_index.stride(-1) != 1:
         raise ValueError("kv_cache blocks must be one after another; q_index's last dim dense")
     if selection not in SELECTIONS:
@@ -303,18 +319,25 @@ def dsa_index_topk(
         part = scores[: rows.stop - start]  # [n, S]
         index_scores(q_index[rows], weights[rows], kv_cache, key_offset, block_tables,
                      query_seq[rows], positions[rows], part, params, index_fp8,
-                     entry_stride)  # fmt: skip
+                     spread)  # fmt: skip
         use_radix = selection == "radix" or (
             selection == "auto" and part.numel() <= topk_params["max_elements"]
         )
-        if use_radix:  # the slots written by its last pass
-            slot_map = (block_tables, query_seq[rows], positions[rows], kv_cache.shape[1],
-                        entry_stride)  # fmt: skip
+        if use_radix:  # the slots written by its last pass (V4: the entry numbers)
+            slot_map = None
+            if spread is None:
+                slot_map = (block_tables, query_seq[rows], positions[rows], kv_cache.shape[1])
             radix_topk(part, k, out[rows], topk_params, slot_map)
-            continue
-        # unsorted: the order is not needed; 1.05-1.34x torch's sorted topk on an H200 at
-        # [1-256, 128k] (benchmarks/RESULTS.md, DeepSeek Sparse Attention)
-        chosen = part.topk(k, dim=-1, sorted=False).indices  # [n, k]
-        out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows], positions[rows],
-                                     kv_cache.shape[1], entry_stride)  # fmt: skip
+        else:
+            # unsorted: the order is not needed; 1.05-1.34x torch's sorted topk on an H200 at
+            # [1-256, 128k] (benchmarks/RESULTS.md, DeepSeek Sparse Attention)
+            chosen = part.topk(k, dim=-1, sorted=False).indices  # [n, k]
+            if spread is None:
+                out[rows, :k] = chosen_slots(chosen, block_tables, query_seq[rows],
+                                             positions[rows], kv_cache.shape[1])  # fmt: skip
+            else:
+                out[rows, :k] = chosen.to(torch.int32)
+    if spread is not None:  # entries past a query's position (fewer than k visible): none
+        visible = torch.div(positions + 1, spread[0], rounding_mode="floor")
+        out = out.masked_fill(out >= visible[:, None].to(out.dtype), -1)
     return out

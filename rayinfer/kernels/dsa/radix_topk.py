@@ -123,7 +123,7 @@ def _radix_count_kernel(
 def _radix_write_kernel(
     scores_ptr, hist_ptr, split_counts_ptr, out_ptr, block_tables_ptr, query_seq_ptr,
     positions_ptr, num_cols, stride_row, stride_out, stride_table, k, cols_per_split,
-    num_splits, block_size, entry_stride,
+    num_splits, block_size,
     BLOCK: tl.constexpr, BLOCK_SPLITS: tl.constexpr, TO_SLOTS: tl.constexpr,
 ):  # fmt: skip
     """One (row, split): the split's chosen columns into out[row, :k], after those of the
@@ -154,8 +154,8 @@ def _radix_write_kernel(
         is_tie_taken = is_tie & (tie_rank < ties_needed)
         at = tl.where(is_above, above_at, num_above_all + tie_rank)
         chosen = offs
-        if TO_SLOTS:  # dsa_indexer.chosen_slots: the entry's row, its slot; -1 past the query
-            where = offs.to(tl.int64) * entry_stride + entry_stride - 1
+        if TO_SLOTS:  # dsa_indexer.chosen_slots: the position's slot; -1 past the query
+            where = offs.to(tl.int64)
             block = tl.load(table_row + where // block_size, mask=is_above | is_tie_taken,
                             other=0).to(tl.int64)  # fmt: skip
             chosen = tl.where(where > position, -1, block * block_size + where % block_size)
@@ -179,8 +179,8 @@ def radix_topk(
     k: int,  # 1 <= k <= S
     out: torch.Tensor,  # [n, >= k] int32 or int64, columns [0, k) written
     params: dict,  # BLOCK, num_warps, target_programs, min_cols_per_split
-    slot_map: tuple | None = None,  # (block_tables, query_seq, positions, block_size,
-    #                                  entry_stride): write cache slots, not columns
+    slot_map: tuple | None = None,  # (block_tables, query_seq, positions, block_size): write
+    #                                  cache slots, not columns
 ) -> torch.Tensor:  # out
     """The k highest columns of every row (module docstring), in ascending column order within
     the above-threshold ones and within the ties taken."""
@@ -208,13 +208,13 @@ def radix_topk(
         BLOCK=block, num_warps=warps,
     )  # fmt: skip
     if slot_map is None:
-        tables, query_seq, positions, block_size, entry_stride = out, out, out, 1, 1
+        tables, query_seq, positions, block_size = out, out, out, 1
     else:
-        tables, query_seq, positions, block_size, entry_stride = slot_map
+        tables, query_seq, positions, block_size = slot_map
     _radix_write_kernel[grid](
         scores, hist, split_counts, out, tables, query_seq, positions,
         num_cols, scores.stride(0), out.stride(0), tables.stride(0), k, cols_per_split,
-        splits, block_size, entry_stride,
+        splits, block_size,
         BLOCK=block, BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
         TO_SLOTS=slot_map is not None, num_warps=warps,
     )  # fmt: skip

@@ -1,13 +1,15 @@
-"""DeepSeek-V4 attention over the paged cache: one shared key/value head, a sliding window of raw
-keys, pooled entries, and per-head sinks.
+"""DeepSeek-V4 attention over its hybrid cache (config_v4.py): one shared key/value head, a
+sliding window of raw keys, pooled entries, and per-head sinks.
 
-A layer's cache row holds the token's key (= value) at columns [0, D) and, in the row of the last
-token of each pooled window, the pooled entry at [entry_col, entry_col + D) (config_v4.py). A
-query at position p of sequence s attends, with all N heads sharing the keys, to
+The window's keys (= values) come from the window pool, columns [0, D) of each token's row,
+through the sequence's window table. Pooled entries come from the paged cache, each spread over
+the rows of the tokens it pools (`spread` = (rate m, share s, column c0): element c of entry j in
+the row of token j * m + c // s, column c0 + c % s). A query at position p of sequence s
+attends, with all N heads sharing the keys, to
 - the keys of positions max(0, p - window + 1) .. p;
-- entries: none (sliding layers); a list of slots per query (CSA: the indexer's picks, -1
-  padded); or every entry whose window ended at or before p (HCA, `entry_stride` m: entries
-  j < (p + 1) // m, in the rows of positions j * m + m - 1);
+- entries: none (sliding layers, `spread` None); a list of entry numbers per query (CSA: the
+  indexer's picks, -1 padded); or every entry whose window ended at or before p (HCA: entries
+  j < (p + 1) // m);
 - a sink logit per head, in the softmax's denominator only.
 
 `v4_write_rows` stores a step's values into its tokens' rows, skipping negative slots (the padding
@@ -39,38 +41,63 @@ def slots_of(block_tables, seq_ids, positions, block_size: int) -> torch.Tensor:
     return torch.where(positions >= 0, slots, -1)
 
 
+def entry_slots(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_ids: torch.Tensor,  # [T] int64
+    entries: torch.Tensor,  # [T, K] int64 entry numbers (< 0: none)
+    spread: tuple[int, int, int],  # (rate, share, column)
+    dim: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the entries' elements lie: [T, K, dim] slots (-1 for no entry) and [dim] columns."""
+    rate, share, column = spread
+    element = torch.arange(dim, device=entries.device)
+    where = entries[..., None] * rate + element // share  # [T, K, dim] token positions
+    where = torch.where(entries[..., None] >= 0, where, -1)
+    slots = slots_of(block_tables, seq_ids[:, None, None], where, block_size)
+    return slots, column + element % share
+
+
+def gather_entries(cache, block_tables, seq_ids, entries, spread, dim) -> torch.Tensor:
+    """[T, K, dim] the entries' values (zeros for no entry) from the paged cache."""
+    slots, columns = entry_slots(block_tables, seq_ids, entries, spread, dim, cache.shape[1])
+    rows = cache.view(-1, cache.shape[-1])
+    values = rows[slots.clamp(min=0), columns]
+    return values.masked_fill(slots < 0, 0)
+
+
 def v4_attention_reference(
     queries: torch.Tensor,  # [T, N, D]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, W]
+    window_cache: torch.Tensor,  # [num_window_blocks, block_size, Ww]: keys at [0, D)
+    window_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
+    cache: torch.Tensor,  # [num_blocks, block_size, Wm]: the spread entries
     block_tables: torch.Tensor,  # [B, max_blocks] int32, -1 padded
-    seq_ids: torch.Tensor,  # [T] int64: each query's sequence (row of block_tables)
+    seq_ids: torch.Tensor,  # [T] int64: each query's sequence (row of the tables)
     positions: torch.Tensor,  # [T] int64
     window: int,
-    entry_col: int,
-    entry_slots: torch.Tensor | None,  # [T, K] int32 (-1 padded): LISTED_ENTRIES
-    entry_stride: int,  # > 0: EVERY_ENTRY of that many tokens
-    max_entries: int,  # with entry_stride: >= every query's visible entries
+    spread: tuple[int, int, int] | None,  # the entries' (rate, share, column); None: no entries
+    entry_list: torch.Tensor | None,  # [T, K] int32 entry numbers (-1 padded); None: every
+    max_entries: int,  # without a list: >= every query's visible entries
     sinks: torch.Tensor,  # [N] float32
     scale: float,
     max_position: int,  # >= every query's position + 1 (a host bound)
 ) -> torch.Tensor:  # [T, N, D]
-    dim, block_size = queries.shape[-1], kv_cache.shape[1]
-    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    dim, block_size = queries.shape[-1], window_cache.shape[1]
+    rows = window_cache.view(-1, window_cache.shape[-1])
     width = min(window, max_position)
     where = positions[:, None] - torch.arange(width, device=positions.device)  # [T, w]
-    window_slots = slots_of(block_tables, seq_ids[:, None], where, block_size)
+    window_slots = slots_of(window_tables, seq_ids[:, None], where, block_size)
     keys, valid = rows[window_slots.clamp(min=0), :dim], window_slots >= 0
-    if entry_stride > 0:
-        entry = torch.arange(max_entries, device=positions.device)  # [E]
-        ends = entry * entry_stride + entry_stride - 1
-        entry_slots = slots_of(block_tables, seq_ids[:, None], ends[None], block_size)
-        visible = torch.div(positions + 1, entry_stride, rounding_mode="floor")
-        entry_slots = entry_slots.masked_fill(entry[None] >= visible[:, None], -1)
-    if entry_slots is not None:
-        entry_slots = entry_slots.long()
-        entries = rows[entry_slots.clamp(min=0), entry_col : entry_col + dim]
-        keys = torch.cat([keys, entries], dim=1)
-        valid = torch.cat([valid, entry_slots >= 0], dim=1)
+    if spread is not None:
+        if entry_list is None:  # every entry it has reached
+            entry = torch.arange(max_entries, device=positions.device)  # [E]
+            visible = torch.div(positions + 1, spread[0], rounding_mode="floor")
+            entries = torch.where(entry[None] < visible[:, None], entry[None], -1)  # [T, E]
+        else:
+            entries = entry_list.long()
+        values = gather_entries(cache, block_tables, seq_ids, entries, spread, dim)
+        keys = torch.cat([keys, values.to(keys.dtype)], dim=1)
+        valid = torch.cat([valid, entries >= 0], dim=1)
     logits = torch.einsum("tnd,tkd->tnk", queries.float(), keys.float()) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
@@ -126,12 +153,26 @@ def _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION: tl.constex
 
 
 @triton.jit
+def _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row, column,
+                 RATE: tl.constexpr, SHARE: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] the entries' values: element c of entry j in the row of token
+    j * RATE + c // SHARE at column + c % SHARE (zeros where not valid)."""
+    mask = valid[:, None] & dim_mask[None, :]
+    where = entry[:, None] * RATE + offs_d[None, :] // SHARE  # [BLOCK_N, BLOCK_D] tokens
+    blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE
+    ptrs = cache_ptr + rows * stride_row + column + offs_d[None, :] % SHARE
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _v4_attention_kernel(
-    q_ptr, cache_ptr, tables_ptr, seq_ptr, pos_ptr, list_ptr, sinks_ptr, out_ptr,
-    num_heads, scale, window, entry_col, list_len,
-    stride_qt, stride_qh, stride_row, stride_table, stride_list, stride_ot, stride_oh,
+    q_ptr, window_ptr, window_tables_ptr, cache_ptr, tables_ptr, seq_ptr, pos_ptr, list_ptr,
+    sinks_ptr, out_ptr, num_heads, scale, window, entry_col, list_len,
+    stride_qt, stride_qh, stride_window_row, stride_window_table, stride_row, stride_table,
+    stride_list, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, ENTRIES: tl.constexpr, ENTRY_STRIDE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ENTRIES: tl.constexpr, RATE: tl.constexpr, SHARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     query = tl.program_id(0).to(tl.int64)
@@ -141,38 +182,35 @@ def _v4_attention_kernel(
     q_ptrs = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     position = tl.load(pos_ptr + query).to(tl.int32)
-    table = tables_ptr + tl.load(seq_ptr + query).to(tl.int64) * stride_table
+    seq = tl.load(seq_ptr + query).to(tl.int64)
+    window_table = window_tables_ptr + seq * stride_window_table
+    table = tables_ptr + seq * stride_table
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start in range(tl.maximum(position - window + 1, 0), position + 1, BLOCK_N):
         where = start + tl.arange(0, BLOCK_N)
         valid = where <= position
-        blocks = tl.load(table + where // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        blocks = tl.load(window_table + where // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE  # -1: past the table
-        k_ptrs = cache_ptr + rows[:, None] * stride_row + offs_d[None, :]
+        k_ptrs = window_ptr + rows[:, None] * stride_window_row + offs_d[None, :]
         keys = tl.load(k_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0).to(q.dtype)
         m_i, l_i, acc = _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION)
-    if ENTRIES == 1:  # the listed slots
+    if ENTRIES == 1:  # the listed entries
         for start in range(0, list_len, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            slots = tl.load(list_ptr + query * stride_list + offs_n, mask=offs_n < list_len,
+            entry = tl.load(list_ptr + query * stride_list + offs_n, mask=offs_n < list_len,
                             other=-1).to(tl.int64)  # fmt: skip
-            valid = slots >= 0
-            k_ptrs = cache_ptr + slots[:, None] * stride_row + entry_col + offs_d[None, :]
-            keys = tl.load(k_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0)
-            keys = keys.to(q.dtype)
+            valid = entry >= 0
+            keys = _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row,
+                                entry_col, RATE, SHARE, BLOCK_SIZE).to(q.dtype)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION)
     if ENTRIES == 2:  # every entry whose window has ended
-        for start in range(0, (position + 1) // ENTRY_STRIDE, BLOCK_N):
-            entry = start + tl.arange(0, BLOCK_N)
-            valid = entry < (position + 1) // ENTRY_STRIDE
-            where = entry * ENTRY_STRIDE + ENTRY_STRIDE - 1
-            blocks = tl.load(table + where // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE
-            k_ptrs = cache_ptr + rows[:, None] * stride_row + entry_col + offs_d[None, :]
-            keys = tl.load(k_ptrs, mask=valid[:, None] & dim_mask[None, :], other=0.0)
-            keys = keys.to(q.dtype)
+        for start in range(0, (position + 1) // RATE, BLOCK_N):
+            entry = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            valid = entry < (position + 1) // RATE
+            keys = _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row,
+                                entry_col, RATE, SHARE, BLOCK_SIZE).to(q.dtype)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, keys, valid, m_i, l_i, acc, scale, DOT_PRECISION)
     sink = tl.load(sinks_ptr + offs_h, mask=head_mask, other=0.0)
     m_new = tl.maximum(m_i, sink)
@@ -184,38 +222,43 @@ def _v4_attention_kernel(
 
 
 def kernel_constants(dtype: torch.dtype, num_heads: int, head_dim: int, block_size: int,
-                     entries: int, entry_stride: int) -> dict:  # fmt: skip
+                     entries: int, rate: int = 1, share: int = 1) -> dict:  # fmt: skip
     """Meta-parameters of the kernel (the launcher's, and an offline compile's)."""
     return dict(
         HEAD_DIM=head_dim, BLOCK_H=16, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=16 if dtype == torch.float32 else 32, BLOCK_SIZE=block_size, ENTRIES=entries,
-        ENTRY_STRIDE=max(entry_stride, 1), DOT_PRECISION=dot_precision(dtype),
+        RATE=max(rate, 1), SHARE=max(share, 1), DOT_PRECISION=dot_precision(dtype),
     )  # fmt: skip
 
 
-def v4_attention(queries, kv_cache, block_tables, seq_ids, positions, window, entry_col,
-                 entry_slots, entry_stride, max_entries, sinks, scale, max_position,
+def _check_dense(*caches: torch.Tensor) -> None:
+    for cache in caches:
+        if cache.stride(-1) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError("caches must have dense rows and blocks one after another")
+
+
+def v4_attention(queries, window_cache, window_tables, cache, block_tables, seq_ids, positions,
+                 window, spread, entry_list, max_entries, sinks, scale, max_position,
                  num_warps: int = 8):  # fmt: skip
     """The reference's result (same arguments) from the Triton kernel."""
     num_queries, num_heads, head_dim = queries.shape
-    if queries.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("queries and kv_cache rows must be dense in their last dim")
-    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
-        raise ValueError("kv_cache blocks must be one after another")
-    kind = EVERY_ENTRY if entry_stride > 0 else NO_ENTRIES
-    listed = entry_slots if entry_slots is not None else block_tables  # any int tensor
-    if entry_slots is not None:
-        kind = LISTED_ENTRIES
+    if queries.stride(-1) != 1:
+        raise ValueError("queries must be dense in their last dim")
+    _check_dense(window_cache, cache)
+    kind = NO_ENTRIES if spread is None else EVERY_ENTRY if entry_list is None else LISTED_ENTRIES
+    rate, share, column = spread if spread is not None else (1, 1, 0)
+    listed = entry_list if entry_list is not None else block_tables  # any int tensor
     out = torch.empty_like(queries)
     constants = kernel_constants(
-        queries.dtype, num_heads, head_dim, kv_cache.shape[1], kind, entry_stride
+        queries.dtype, num_heads, head_dim, window_cache.shape[1], kind, rate, share
     )
     grid = (num_queries, triton.cdiv(num_heads, constants["BLOCK_H"]))
     _v4_attention_kernel[grid](
-        queries, kv_cache, block_tables, seq_ids, positions, listed, sinks, out,
-        num_heads, scale, window, entry_col, listed.shape[1] if entry_slots is not None else 0,
-        queries.stride(0), queries.stride(1), kv_cache.stride(1), block_tables.stride(0),
-        listed.stride(0), out.stride(0), out.stride(1),
+        queries, window_cache, window_tables, cache, block_tables, seq_ids, positions, listed,
+        sinks, out, num_heads, scale, window, column,
+        listed.shape[1] if entry_list is not None else 0,
+        queries.stride(0), queries.stride(1), window_cache.stride(1), window_tables.stride(0),
+        cache.stride(1), block_tables.stride(0), listed.stride(0), out.stride(0), out.stride(1),
         **constants, num_warps=num_warps,
     )  # fmt: skip
     return out

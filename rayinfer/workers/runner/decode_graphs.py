@@ -46,10 +46,11 @@ class DecodeGraphs(BucketGraphs):
         config: CudaGraphConfig,
         block_size: int,
         device: torch.device,
+        windowed: bool = False,  # the model keeps a window pool (StaticDecodeInputs)
     ):
         sizes = graph_batch_sizes(config.max_batch_size)
         width = config.table_width(block_size)
-        inputs = StaticDecodeInputs(sizes[-1], width, block_size, kv_caches, device)
+        inputs = StaticDecodeInputs(sizes[-1], width, block_size, kv_caches, device, windowed)
         super().__init__(forward, sizes, inputs, device)
 
     @property

@@ -46,7 +46,11 @@ class StaticDecodeInputs:
         block_size: int,
         kv_caches: list[torch.Tensor],
         device: torch.device,
+        windowed: bool = False,
     ):
+        """windowed: the model keeps a window pool; requests carry window tables, which get
+        their own static [B, W] table and a fourth token row (each token's window slot)."""
+        self.windowed = windowed
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
@@ -56,10 +60,15 @@ class StaticDecodeInputs:
         pin = device.type == "cuda"
         # int64 [3, B]: token ids, positions, slots. int32 [B + B * W]: context lengths, then the
         # block tables [B, W] (both contiguous for any first b rows).
-        self.host_tokens = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        token_rows = 4 if windowed else 3
+        self.host_tokens = torch.zeros(token_rows, rows, dtype=torch.int64, pin_memory=pin)
         self.host_lengths = torch.zeros(rows + rows * width, dtype=torch.int32, pin_memory=pin)
-        self.tokens = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(token_rows, rows, dtype=torch.int64, device=device)
         self.lengths = torch.zeros(rows + rows * width, dtype=torch.int32, device=device)
+        self.host_windows = self.windows = None  # [B, W] int32 window tables
+        if windowed:
+            self.host_windows = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+            self.windows = torch.zeros(rows, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # [B + 1]
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copy
 
@@ -103,6 +112,16 @@ class StaticDecodeInputs:
         for row, request in enumerate(requests):
             tables[row, : len(request.block_table)] = request.block_table
         tables[num_real:bucket, 0] = PAD_BLOCK
+        if self.windowed:
+            windows = self.host_windows.numpy()
+            windows[:bucket] = -1
+            tokens[3, :bucket] = [
+                r.window_table[p // block_size] * block_size + p % block_size
+                for r, p in zip(requests, positions)
+            ] + [PAD_SLOT] * pad
+            for row, request in enumerate(requests):
+                windows[row, : len(request.window_table)] = request.window_table
+            windows[num_real:bucket, 0] = PAD_BLOCK
         self._copy_to_device(bucket)
         return self.step(bucket, context_lens)
 
@@ -121,6 +140,8 @@ class StaticDecodeInputs:
             query_lens_cpu=[1] * bucket,
             seq_lens_cpu=context_lens,
             block_size=self.block_size,
+            window_slot_mapping=self.tokens[3, :bucket] if self.windowed else None,
+            window_tables=self.windows[:bucket] if self.windowed else None,
         )
         ctx = ForwardContext(metadata, self.kv_caches)
         return GraphStep(self.tokens[0, :bucket], self.tokens[1, :bucket], ctx)
@@ -130,6 +151,8 @@ class StaticDecodeInputs:
         is_cuda = self.device.type == "cuda"
         self.tokens.copy_(self.host_tokens, non_blocking=is_cuda)
         self.lengths[:used].copy_(self.host_lengths[:used], non_blocking=is_cuda)
+        if self.windowed:
+            self.windows[:bucket].copy_(self.host_windows[:bucket], non_blocking=is_cuda)
         if is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()

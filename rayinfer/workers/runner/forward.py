@@ -38,8 +38,11 @@ class StepForward:
         block_size: int,
         two_batch_overlap: bool,
         overlap: OverlapConfig,
+        windowed: bool = False,
     ):
+        """windowed: the model keeps a window pool (requests carry window tables)."""
         self.model = model
+        self.windowed = windowed
         self.parallel = parallel
         self.device = device
         self.block_size = block_size
@@ -66,6 +69,7 @@ class StepForward:
             self.block_size,
             self.device,
             positions,
+            [r.window_table for r in requests] if self.windowed else None,
         )
         ctx = ForwardContext(attn=metadata, kv_caches=kv_caches)
         tokens = chain.from_iterable(r.token_ids for r in requests)
@@ -83,7 +87,10 @@ class StepForward:
         whose experts exchange tokens), with one placeholder token that writes no cache."""
         if not self.parallel.has_collectives:
             return
-        empty = build_attention_metadata([], [], [], self.block_size, self.device)
+        windows = [] if self.windowed else None
+        empty = build_attention_metadata(
+            [], [], [], self.block_size, self.device, window_tables=windows
+        )
         input_ids, positions, ctx = idle_forward_inputs(
             ForwardContext(empty, kv_caches), self.device
         )

@@ -44,6 +44,9 @@ class KVPayload:
     timings: dict[str, Any] = field(default_factory=dict)  # seconds: how the export went
     arena: Any = None  # kv_arena.ArenaSpan holding the chunks (the same-node path); else None
     arena_chunk_tokens: int = 0  # tokens per chunk in the arena
+    # A cache with a window pool (engine/block_manager.py): the window state of the last
+    # tokens (num_tokens - window.num_tokens on), in memory, one chunk; None for others.
+    window: KVPayload | None = None
 
     @classmethod
     def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rayinfer.config import ModelConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.engine_config import CacheConfig, KVMemoryConfig
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
@@ -83,6 +83,14 @@ class ModelRunner:
         if model_config.index_keys_fp8:
             check_fp8_index_device(self.device)
         self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
+        self.windowed = model_config.window_span > 0  # a window pool (engine/block_manager.py)
+        if self.windowed and cache_config.num_window_blocks <= 0:
+            raise ConfigError(
+                f"num_window_blocks={cache_config.num_window_blocks}: this model keeps window "
+                "state (window_span "
+                f"{model_config.window_span} tokens); size it with "
+                "engine_config.window_blocks_needed"
+            )
         self.kv_heads = None  # (first, count) of the K/V heads cached here; None for MLA's latent
         if not model_config.kv_is_replicated:
             self.kv_heads = (parallel.tp_rank * self.kv_shape[1], self.kv_shape[1])
@@ -98,8 +106,9 @@ class ModelRunner:
             two_batch_overlap = self.device.type == "cuda" and parallel.experts_exchange_tokens
         two_batch_overlap = two_batch_overlap and supports_two_batch_overlap(self.model)
         self.forward = StepForward(
-            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap, overlap
-        )
+            self.model, parallel, self.device, cache_config.block_size, two_batch_overlap, overlap,
+            self.windowed,
+        )  # fmt: skip
         self.sampler = RequestSampler(
             model_config, self.device.type == "cuda", parallel.tp_group, self.device
         )
@@ -119,15 +128,22 @@ class ModelRunner:
         """Allocate the cache with num_blocks blocks, then capture the graphs over it."""
         if num_blocks != self.cache_config.num_blocks:
             self.cache_config = replace(self.cache_config, num_blocks=num_blocks)
-        layers = self._new_kv_caches(num_blocks)
-        self.kv_cache = KVCache(layers, self.cache_config.block_size, self.kv_heads)
+        layers = self._new_kv_caches(num_blocks, self.cache_config.num_window_blocks)
+        num_layers = self.model_config.num_layers
+        self.kv_cache = KVCache(
+            layers[:num_layers], self.cache_config.block_size, self.kv_heads,
+            window_layers=layers[num_layers:], window_span=self.model_config.window_span,
+        )  # fmt: skip
         self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """Per layer [num_blocks, block_size, *kv_shape]; [] before `allocate_kv`."""
-        return [] if self.kv_cache is None else self.kv_cache.layers
+        """Per layer [num_blocks, block_size, *kv_shape], then per layer its window cache where
+        the model keeps a window pool (ForwardContext); [] before `allocate_kv`."""
+        if self.kv_cache is None:
+            return []
+        return self.kv_cache.layers + self.kv_cache.window_layers
 
     @property
     def graph_capture_seconds(self) -> float | None:
@@ -162,7 +178,7 @@ class ModelRunner:
         peak = self._profile_activation_peak(kv_memory)
         share = kv_memory.gpu_share  # the profiling cache is freed by now
         total, in_use = worker_memory(self.device, share)
-        reserve = SAFETY_MARGIN_BYTES
+        reserve = SAFETY_MARGIN_BYTES + self.window_pool_bytes
         if self.captures_decode_graphs:
             reserve += CUDA_GRAPH_RESERVE_BYTES
             if self.cuda_graphs.max_prefill_tokens:  # their pool: at most a step's activations
@@ -182,10 +198,19 @@ class ModelRunner:
             gpu_share=share,
         )
 
+    @property
+    def window_pool_bytes(self) -> int:
+        """The window pool's allocation (0 without one)."""
+        per_block = self.cache_config.block_size * self.model_config.window_row_width
+        blocks = self.cache_config.num_window_blocks if self.windowed else 0
+        return self.model_config.num_layers * blocks * per_block * self.dtype.itemsize
+
     def _profile_activation_peak(self, kv_memory: KVMemoryConfig) -> int:
         """The profiling step's peak beyond the weights and its cache: the step reads one
         max_model_len sequence's context from a cache of just that size, freed on return."""
-        caches = self._new_kv_caches(-(-kv_memory.max_model_len // self.cache_config.block_size))
+        num_blocks = -(-kv_memory.max_model_len // self.cache_config.block_size)
+        window_table = self._profile_window_table(kv_memory)
+        caches = self._new_kv_caches(num_blocks, sum(b >= 0 for b in window_table))
         return activation_peak_bytes(lambda: self._profile_step(caches, kv_memory), self.device)
 
     @torch.inference_mode()
@@ -199,20 +224,32 @@ class ModelRunner:
         block_size = self.cache_config.block_size
         table = list(range(-(-context // block_size)))
         metadata = build_attention_metadata(
-            [num_tokens], [context], [table], block_size, self.device
-        )
+            [num_tokens], [context], [table], block_size, self.device,
+            window_tables=[self._profile_window_table(kv_memory)] if self.windowed else None,
+        )  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(context - num_tokens, context, device=self.device)
         hidden = self.forward(input_ids, positions, ForwardContext(metadata, caches))  # [T, H]
         rows = min(kv_memory.max_num_seqs, num_tokens)
         self.model.compute_logits(hidden[-rows:])  # [rows, V] float32
 
+    def _profile_window_table(self, kv_memory: KVMemoryConfig) -> list[int]:
+        """The profiling step's window table: blocks for its chunk and the window span before
+        it, none ([]) without a window pool."""
+        if not self.windowed:
+            return []
+        context, block_size = kv_memory.max_model_len, self.cache_config.block_size
+        num_tokens = min(kv_memory.max_num_batched_tokens, context)
+        first = max(context - num_tokens - self.model_config.window_span, 0) // block_size
+        return [-1] * first + list(range(-(-context // block_size) - first))
+
     def _capture_decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
         if config is None or not self.captures_decode_graphs:
             return None
         graphs = DecodeGraphs(
-            self.forward.in_graph, self.kv_caches, config, self.cache_config.block_size, self.device
-        )
+            self.forward.in_graph, self.kv_caches, config, self.cache_config.block_size,
+            self.device, self.windowed,
+        )  # fmt: skip
         graphs.capture()
         return graphs
 
@@ -230,10 +267,18 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+    def _new_kv_caches(self, num_blocks: int, num_window_blocks: int = 0) -> list[torch.Tensor]:
+        """Per layer its cache, then (a window pool) per layer its window cache."""
         num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
         shape = self.kv_shape
-        return new_kv_caches(num_layers, num_blocks, block_size, shape, self.dtype, self.device)
+        caches = new_kv_caches(num_layers, num_blocks, block_size, shape, self.dtype, self.device)
+        if self.windowed:
+            width = (self.model_config.window_row_width,)
+            caches += new_kv_caches(
+                num_layers, num_window_blocks, block_size, width, self.dtype, self.device,
+                key="num_window_blocks",
+            )  # fmt: skip
+        return caches
 
     @torch.inference_mode()
     def execute(self, batch: ModelBatch) -> SampledTokens:
@@ -318,25 +363,39 @@ class ModelRunner:
         return self.model_config.num_layers * math.prod(self.kv_shape) * self.dtype.itemsize
 
     def export_kv_chunks(
-        self, request_id: str, block_table: list[int], num_tokens: int
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        window_table: list[int] | None = None,
     ) -> tuple[KVPayload, Iterator[np.ndarray]]:
         """A request's first num_tokens tokens of KV: the payload without its chunks, and the
         chunks as they are copied out (each valid until the next is taken; kv_copy.py)."""
         state = self.sampler.generator_state(request_id)
-        return self.kv_cache.export_chunks(block_table, num_tokens, state)
+        return self.kv_cache.export_chunks(block_table, num_tokens, state, window_table)
 
-    def export_kv(self, request_id: str, block_table: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(
+        self,
+        request_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        window_table: list[int] | None = None,
+    ) -> KVPayload:
         """The KV as an in-memory payload (the chunks copied out of the reused buffers)."""
-        header, chunks = self.export_kv_chunks(request_id, block_table, num_tokens)
+        header, chunks = self.export_kv_chunks(request_id, block_table, num_tokens, window_table)
         return header.with_chunks([chunk.copy() for chunk in chunks])
 
     def import_kv(
-        self, request_id: str, block_table: list[int], payload: KVPayload | list[KVPayload]
+        self,
+        request_id: str,
+        block_table: list[int],
+        payload: KVPayload | list[KVPayload],
+        window_table: list[int] | None = None,
     ) -> None:
         """Write a hand-off into these blocks; a list holds the shards of every prefill rank,
         from which this rank takes its own K/V heads (any prefill plan to any decode plan)."""
         payloads = payload if isinstance(payload, list) else [payload]
-        state = self.kv_cache.import_payloads(block_table, payloads)
+        state = self.kv_cache.import_payloads(block_table, payloads, window_table)
         if state is not None:
             self.sampler.restore_generator(request_id, state)
 

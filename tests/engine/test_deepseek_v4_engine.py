@@ -1,8 +1,8 @@
 """DeepSeek-V4 in the offline engine: transformers' greedy tokens through continuous batching,
 chunked prefill, the prefix cache, preemption and the prefill -> decode hand-off into a cache of
-another block size, and the decode graphs' static inputs. Every path must carry a token's whole
-row: its key, its compressor projections and the pooled entries of the windows it closes
-(config_v4.py)."""
+another block size, and the decode graphs' static inputs. Every path must carry the hybrid cache
+(config_v4.py): the window pool's keys and compressor projections of a sequence's last tokens,
+and the pooled entries spread over the paged cache's rows."""
 
 import pytest
 
@@ -70,3 +70,27 @@ def test_decode_graphs_give_the_same_tokens_and_prefill_graphs_stay_off(
     graphs.run = lambda requests, bucket=None: replays.append(bucket) or run(requests, bucket)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert replays and llm.engine.executor.runner.prefill_graphs is None
+
+
+def test_a_window_pool_for_two_sequences_slides_and_reuses_its_blocks(checkpoint, prompts,
+                                                                      expected):  # fmt: skip
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4, max_num_seqs=2,
+                       max_num_batched_tokens=16)  # fmt: skip
+    manager = llm.engine.block_managers[0]
+    pool = manager.window_pool
+    # two sequences' last window_span (8) tokens in blocks of 4, plus a step's 16 new tokens
+    assert len(pool.blocks) == llm.cache_config.num_window_blocks == 2 * (2 + 2) + 4
+    outputs = llm.generate(prompts, GREEDY)  # 5 prompts of up to 40 + 16 tokens
+    assert [o.token_ids for o in outputs] == expected
+    assert pool.num_free == len(pool.blocks) and manager.num_free_blocks == len(manager.blocks)
+
+
+def test_the_paged_cache_holds_entries_only(checkpoint):
+    llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4)
+    config = llm.engine.model_config
+    # TINY_V4 (D 32, index 16, CSA every 4, HCA every 8): a token's shares of its entries
+    assert config.kv_bytes_per_token(4) == config.num_layers * (32 // 4 + 16 // 4) * 4
+    runner = llm.engine.executor.runner
+    entries, windows = runner.kv_cache.layers, runner.kv_cache.window_layers
+    assert entries[0].shape[1:] == (4, 12) and windows[0].shape[1:] == (4, 224)
+    assert len(windows) == len(entries) and windows[0].shape[0] == llm.cache_config.num_window_blocks

@@ -129,9 +129,9 @@ def v4_index_scores(arch: int, dtype: str):
     params = pick_tile_config("dsa_indexer", "default", "default", 1)
     if dtype == "fp32":
         params = {**params, **dsa_indexer.FLOAT32_TILES}
+    spread = (V4_CSA_RATE, INDEX_DIM // V4_CSA_RATE)
     constants = dsa_indexer.score_constants(params, DTYPES[dtype], V4_INDEX_HEADS, INDEX_DIM,
-                                            BLOCK_SIZE, spread=(V4_CSA_RATE,
-                                                                INDEX_DIM // V4_CSA_RATE))  # fmt: skip
+                                            BLOCK_SIZE, spread=spread)  # fmt: skip
     pointer = _pointer(dtype)
     types = dict(q_ptr=pointer, weights_ptr="*fp32", cache_ptr=pointer, block_tables_ptr="*i32",
                  query_seq_ptr="*i32", positions_ptr="*i64", scores_ptr="*fp32")  # fmt: skip

@@ -63,8 +63,10 @@ class LLMEngine:
         # One cache partition per data-parallel attention replica of the executor.
         self.block_managers = [
             BlockManager(
-                cache_config.num_blocks, cache_config.block_size,
-                cache_config.enable_prefix_caching, cache_config.num_window_blocks,
+                cache_config.num_blocks,
+                cache_config.block_size,
+                cache_config.enable_prefix_caching,
+                cache_config.num_window_blocks,
                 model_config.window_span,
             )  # fmt: skip
             for _ in range(executor.num_kv_partitions)

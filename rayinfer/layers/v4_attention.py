@@ -129,9 +129,20 @@ class V4Attention(nn.Module):
             else:  # every entry it has reached
                 most = context_bound(attn) // self.compressor.rate
         out = ops.v4_attention(
-            queries.contiguous(), window_cache, attn.window_tables, cache, attn.block_tables,
-            seq_ids, positions, self.window, spread, entry_list, most, self.attn_sink,
-            self.scale, context_bound(attn),
+            queries.contiguous(),
+            window_cache,
+            attn.window_tables,
+            cache,
+            attn.block_tables,
+            seq_ids,
+            positions,
+            self.window,
+            spread,
+            entry_list,
+            most,
+            self.attn_sink,
+            self.scale,
+            context_bound(attn),
         )  # fmt: skip  [T, N, D]
         out = self.rotary.rotate(out, cos_sin, inverse=True)
         grouped = out.reshape(out.shape[0], self.groups, -1)  # [T, G, N * D / G]

@@ -93,4 +93,5 @@ def test_the_paged_cache_holds_entries_only(checkpoint):
     runner = llm.engine.executor.runner
     entries, windows = runner.kv_cache.layers, runner.kv_cache.window_layers
     assert entries[0].shape[1:] == (4, 12) and windows[0].shape[1:] == (4, 224)
-    assert len(windows) == len(entries) and windows[0].shape[0] == llm.cache_config.num_window_blocks
+    assert len(windows) == len(entries)
+    assert windows[0].shape[0] == llm.cache_config.num_window_blocks

@@ -1,6 +1,7 @@
 """DeepSeek-V4's attention kernel and pooled-entry indexer on CUDA against their torch references
-at V4-Flash shapes (64 heads sharing one 512-wide key, window 128, CSA entries of 4 tokens with
-512 picks, HCA entries of 128 tokens, blocks of 64), bf16 and float32.
+at V4-Flash shapes over its hybrid cache (64 heads sharing one 512-wide key from the window pool,
+window 128; CSA entries of 4 tokens with 512 picks and HCA entries of 128 tokens spread over the
+paged cache's 160-column rows; blocks of 64), bf16 and float32.
 
     python -m pytest -q -s -m gpu tests/gpu/test_v4_kernels.py
 """
@@ -17,10 +18,11 @@ pytestmark = [
 ]
 
 HEADS, DIM, WINDOW, BLOCK = 64, 512, 128, 64
-WIDTH, ENTRY_COL = 3712, 2560  # V4-Flash's row and its entry columns (config_v4.V4CacheRow)
+WINDOW_WIDTH, WIDTH, INDEX_COL = 3072, 160, 128  # V4-Flash's rows (config_v4.py)
+SPREADS = {"csa": (4, 128, 0), "hca": (128, 4, 0)}  # (rate, share, column) of the entries
 
 
-def batch(seq_lens, query_lens, dtype, generator):
+def shuffled_tables(seq_lens, generator):
     counts = [-(-n // BLOCK) for n in seq_lens]
     pool = torch.randperm(sum(counts), generator=generator).int()
     tables = torch.full((len(seq_lens), max(counts)), -1, dtype=torch.int32)
@@ -28,10 +30,19 @@ def batch(seq_lens, query_lens, dtype, generator):
     for i, count in enumerate(counts):
         tables[i, :count] = pool[start : start + count]
         start += count
+    return tables, sum(counts)
+
+
+def batch(seq_lens, query_lens, dtype, generator):
+    """(window cache, window tables, cache, tables, seq ids, positions) on the GPU."""
+    tables, num_blocks = shuffled_tables(seq_lens, generator)
+    window_tables, _ = shuffled_tables(seq_lens, generator)
     seq_ids = torch.cat([torch.full((q,), i) for i, q in enumerate(query_lens)])
     positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, query_lens)])
-    cache = (torch.randn(sum(counts), BLOCK, WIDTH, generator=generator) * 0.5).to(dtype)
-    return cache.cuda(), tables.cuda(), seq_ids.cuda(), positions.cuda()
+    window = (torch.randn(num_blocks, BLOCK, WINDOW_WIDTH, generator=generator) * 0.5).to(dtype)
+    cache = (torch.randn(num_blocks, BLOCK, WIDTH, generator=generator) * 0.5).to(dtype)
+    return (window.cuda(), window_tables.cuda(), cache.cuda(), tables.cuda(), seq_ids.cuda(),
+            positions.cuda())  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -40,18 +51,23 @@ def batch(seq_lens, query_lens, dtype, generator):
 def test_attention_kernel_matches_the_reference(dtype, kind, shape):
     generator = torch.Generator().manual_seed(0)
     seq_lens, query_lens = shape
-    cache, tables, seq_ids, positions = batch(seq_lens, query_lens, dtype, generator)
+    window, window_tables, cache, tables, seq_ids, positions = batch(
+        seq_lens, query_lens, dtype, generator
+    )
     queries = (torch.randn(len(positions), HEADS, DIM, generator=generator) * 0.05).to(dtype)
     sinks = torch.randn(HEADS, generator=generator).cuda()
-    entry_slots, stride, most = None, 0, 0
+    entry_list, most = None, 0
     if kind == "csa":
-        slots = torch.randint(0, cache.shape[0] * BLOCK, (len(positions), 512), generator=generator)
-        slots[:, 400:] = -1
-        entry_slots = slots.int().cuda()
+        visible = ((positions.cpu() + 1) // 4).clamp(min=1)
+        picks = (
+            torch.randint(0, 1 << 30, (len(positions), 512), generator=generator) % visible[:, None]
+        )
+        picks[:, 400:] = -1
+        entry_list = picks.int().cuda()
     else:
-        stride, most = 128, max(seq_lens) // 128
-    args = (queries.cuda(), cache, tables, seq_ids, positions, WINDOW, ENTRY_COL, entry_slots,
-            stride, most, sinks, DIM**-0.5, max(seq_lens))  # fmt: skip
+        most = max(seq_lens) // 128
+    args = (queries.cuda(), window, window_tables, cache, tables, seq_ids, positions, WINDOW,
+            SPREADS[kind], entry_list, most, sinks, DIM**-0.5, max(seq_lens))  # fmt: skip
     expected = v4_attention_reference(*args).float()
     ours = v4_attention(*args).float()
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -62,13 +78,13 @@ def test_attention_kernel_matches_the_reference(dtype, kind, shape):
 def test_indexer_over_pooled_entries_matches_the_reference(dtype):
     generator = torch.Generator().manual_seed(1)
     seq_lens, query_lens = [8192, 3000], [16, 64]
-    cache, tables, seq_ids, positions = batch(seq_lens, query_lens, dtype, generator)
+    _, _, cache, tables, seq_ids, positions = batch(seq_lens, query_lens, dtype, generator)
     queries = torch.randn(len(positions), 64, 128, generator=generator).to(dtype).cuda()
     weights = torch.rand(len(positions), 64, generator=generator).cuda()
-    args = (queries, weights, cache, 3584, tables, seq_ids.int(), positions, 512, 8192 // 4)
-    ours = dsa_index_topk(*args, entry_stride=4)
-    expected = dsa_index_topk_reference(*args, False, 4)
-    # ties aside, the same entries: compare the sorted slot sets' overlap
+    args = (queries, weights, cache, INDEX_COL, tables, seq_ids.int(), positions, 512, 8192 // 4)
+    ours = dsa_index_topk(*args, spread=(4, 32))
+    expected = dsa_index_topk_reference(*args, False, (4, 32))
+    # ties aside, the same entries: compare the chosen sets' overlap
     same = [len(set(a.tolist()) & set(b.tolist())) / len(set(b.tolist()))
             for a, b in zip(ours.cpu(), expected.cpu())]  # fmt: skip
     assert min(same) > 0.98, min(same)

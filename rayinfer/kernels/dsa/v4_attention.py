@@ -158,10 +158,12 @@ def _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row, c
     """[BLOCK_N, BLOCK_D] the entries' values: element c of entry j in the row of token
     j * RATE + c // SHARE at column + c % SHARE (zeros where not valid)."""
     mask = valid[:, None] & dim_mask[None, :]
-    where = entry[:, None] * RATE + offs_d[None, :] // SHARE  # [BLOCK_N, BLOCK_D] tokens
-    blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    # int32 positions and slots ([BLOCK_N, BLOCK_D] of int64 spilled registers on sm_90,
+    # benchmarks/compile_dsa_kernels.py); only the byte offsets are int64
+    where = entry.to(tl.int32)[:, None] * RATE + offs_d[None, :] // SHARE  # tokens
+    blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0)
     rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE
-    ptrs = cache_ptr + rows * stride_row + column + offs_d[None, :] % SHARE
+    ptrs = cache_ptr + rows.to(tl.int64) * stride_row + column + offs_d[None, :] % SHARE
     return tl.load(ptrs, mask=mask, other=0.0)
 
 

@@ -83,7 +83,6 @@ class ModelRunner:
         if model_config.index_keys_fp8:
             check_fp8_index_device(self.device)
         self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
-        self.windowed = model_config.window_span > 0  # a window pool (engine/block_manager.py)
         if self.windowed and cache_config.num_window_blocks <= 0:
             raise ConfigError(
                 f"num_window_blocks={cache_config.num_window_blocks}: this model keeps window "
@@ -197,6 +196,11 @@ class ModelRunner:
             key=kv_memory.key,
             gpu_share=share,
         )
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the model keeps a window pool (engine/block_manager.py)."""
+        return self.model_config.window_span > 0
 
     @property
     def window_pool_bytes(self) -> int:

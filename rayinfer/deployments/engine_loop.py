@@ -128,7 +128,8 @@ class EngineLoop:
         self.commands.put(command)
         if self.fatal_error is not None:  # checked after registering: no request slips past
             self.streams.pop(request_id, None)
-            raise EngineStoppedError(type(self.fatal_error).__name__)
+            error = self.fatal_error
+            raise EngineStoppedError(f"{type(error).__name__}: {error}")
         finished = False
         next_send = None  # loop time before which no event but the last is sent
         try:

@@ -25,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compile_dsa_kernels import SHARED_MEMORY_LIMITS, compile_for  # noqa: E402
-from ttgir_probe import loop_report, registers_per_thread, spill_instructions  # noqa: E402
+from ttgir_probe import (  # noqa: E402
+    longest_loop_opcodes,
+    loop_report,
+    registers_per_thread,
+    spill_instructions,
+)
 
 from rayinfer.kernels.moe import fused_moe_mxfp4  # noqa: E402
 from rayinfer.kernels.moe.fused_moe import DEFAULT_CONFIG  # noqa: E402
@@ -34,6 +39,7 @@ from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (  # noqa: E402
     _moe_mxfp4_gemm_kernel,
     _moe_mxfp4_split_kernel,
 )
+from rayinfer.kernels.moe.fused_moe_mxfp4_quad import moe_mxfp4_quad_kernel  # noqa: E402
 from rayinfer.kernels.moe.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
 
 GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
@@ -54,15 +60,27 @@ def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
     return compile_for(_moe_mxfp4_gemm_kernel, types, constants, arch, warps, stages)
 
 
-def mxfp4_split_asm(arch: int, is_w13: bool):
-    """The split kernel with its inline-asm bf16 dequantization (GPU-only: the interpreter
+def mxfp4_split_asm(arch: int, is_w13: bool, dequant: str = "shift", fold: bool = False):
+    """The split kernel with an inline-asm bf16 dequantization (GPU-only: the interpreter
     runs no PTX), with the launcher's default tile."""
     tile = {k: v for k, v in fused_moe_mxfp4.DEFAULT_TILE.items() if k not in ("SPLIT", "ASM")}
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-                     USE_ASM=True, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, **tile)  # fmt: skip
+                     DEQUANT=dequant, FOLD=fold, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0,
+                     **tile)  # fmt: skip
     return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, warps, stages)
+
+
+def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False):
+    """The quad-lane kernel (16-bit words) with its inline-asm lookup, the default tile."""
+    tile = {k: v for k, v in fused_moe_mxfp4.DEFAULT_TILE.items() if k not in ("SPLIT", "ASM")}
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    types = dict(a_ptr="*bf16", w_ptr="*i16", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
+    constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
+                     USE_ASM=True, FOLD=fold, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0,
+                     **tile)  # fmt: skip
+    return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
 
 
 def bf16_gate_up_with_limit(arch: int):
@@ -85,11 +103,32 @@ def sqrtsoftplus_routing(arch: int):
     return compile_for(_moe_routing_kernel, types, constants, arch, 4, 1)
 
 
+def _sass_loop(kernel: str, cubin: bytes) -> dict:
+    """For the split GEMMs: the SASS instructions each thread issues per K step, and per
+    packed weight byte (two values) it dequantizes there; the dequantization's share."""
+    split = kernel.startswith(("mxfp4_split", "mxfp4_quad"))
+    opcodes = longest_loop_opcodes(cubin) if split else None
+    if not opcodes:
+        return {}
+    tile = fused_moe_mxfp4.DEFAULT_TILE
+    parts = 2 if kernel.endswith("gate_up") else 1  # gate and up rows
+    threads = 32 * tile["num_warps"]
+    bytes_per_thread = parts * tile["BLOCK_N"] * tile["BLOCK_K"] // 2 // threads
+    total = sum(opcodes.values())
+    return dict(loop_instructions=total,
+                instructions_per_byte=round(total / bytes_per_thread, 2),
+                loop_top=",".join(f"{op}:{n}" for op, n in opcodes.most_common(6)))  # fmt: skip
+
+
 KERNELS = {
     "mxfp4_gate_up": lambda arch: mxfp4_gemm(arch, True),
     "mxfp4_down": lambda arch: mxfp4_gemm(arch, False),
     "mxfp4_split_asm_gate_up": lambda arch: mxfp4_split_asm(arch, True),
     "mxfp4_split_asm_down": lambda arch: mxfp4_split_asm(arch, False),
+    "mxfp4_split_lut_fold_gate_up": lambda arch: mxfp4_split_asm(arch, True, "lut", True),
+    "mxfp4_quad_gate_up": lambda arch: mxfp4_quad(arch, True),
+    "mxfp4_quad_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True),
+    "mxfp4_quad_fold_down": lambda arch: mxfp4_quad(arch, False, True),
     "bf16_gate_up_limit": bf16_gate_up_with_limit,
     "routing_sqrtsoftplus": sqrtsoftplus_routing,
 }
@@ -106,7 +145,7 @@ def report(kernel: str, arch: int, dump: str | None = None) -> dict:
         shared_memory_limit=SHARED_MEMORY_LIMITS[arch], fits=shared <= SHARED_MEMORY_LIMITS[arch],
         registers=registers_per_thread(cubin), spill_instructions=spill_instructions(cubin),
         tensor_core_dots=loop["wgmma"] + loop["mma_sync_dots"], cp_async=loop["cp_async"],
-        sync_loads_in_loops=loop["sync_loads_in_loops"],
+        sync_loads_in_loops=loop["sync_loads_in_loops"], **_sass_loop(kernel, cubin),
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,18 +238,52 @@ def registers_per_thread(cubin: bytes) -> int | None:
     return None
 
 
-def spill_instructions(cubin: bytes) -> int | None:
-    """Local-memory loads and stores (STL/LDL) in the SASS, from the nvdisasm Triton ships."""
+def disassemble(cubin: bytes) -> str | None:
+    """The SASS text, from the nvdisasm Triton ships (None without it)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if not nvdisasm.exists():
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as file:
         file.write(cubin)
     try:
-        sass = subprocess.run([str(nvdisasm), "-c", file.name], capture_output=True, text=True)
+        run = subprocess.run([str(nvdisasm), "-c", file.name], capture_output=True, text=True)
+        return run.stdout
     finally:
         os.unlink(file.name)
-    return len(re.findall(r"\b(?:STL|LDL)\b", sass.stdout))
+
+
+def spill_instructions(cubin: bytes) -> int | None:
+    """Local-memory loads and stores (STL/LDL) in the SASS."""
+    sass = disassemble(cubin)
+    return None if sass is None else len(re.findall(r"\b(?:STL|LDL)\b", sass))
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+_LABEL = re.compile(r"^\.(L_x_\d+):")
+
+
+def longest_loop_opcodes(cubin: bytes) -> Counter | None:
+    """Opcodes (without modifiers) of the SASS's longest backward branch's body, once each: a
+    GEMM's main loop, what each thread issues per K step."""
+    sass = disassemble(cubin)
+    if sass is None:
+        return None
+    lines, labels, pending = [], {}, []
+    for text in sass.splitlines():
+        if label := _LABEL.match(text.strip()):
+            pending.append(label.group(1))
+        elif line := _SASS_LINE.search(text):
+            address = int(line.group(1), 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            lines.append((address, line.group(2), text))
+    best: list = []
+    for address, opcode, text in lines:
+        target = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)
+        if opcode == "BRA" and target and labels.get(target.group(1), address) < address:
+            body = [op for at, op, _ in lines if labels[target.group(1)] <= at <= address]
+            best = max(best, body, key=len)
+    return Counter(best)
 
 
 KERNELS = {"mla": mla_constants, "prefill": prefill_constants}

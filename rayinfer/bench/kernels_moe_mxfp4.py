@@ -74,27 +74,47 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def tile(bm, bn, bk, warps, stages, group_m=1, split=False) -> dict:
+def tile(bm, bn, bk, warps, stages, group_m=1, split=False, asm=True) -> dict:
+    """A tile; split: False (tl.dot_scaled), True (two lanes, bytes) or 4 (four lanes, words),
+    asm: the split kernels' inline PTX ("shift" or "lut"; four lanes: the lookup)."""
     found = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
              "num_warps": warps, "num_stages": stages}  # fmt: skip
-    return {**found, "SPLIT": True, "ASM": True} if split else found
+    return {**found, "SPLIT": split, "ASM": asm} if split else found
+
+
+# (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]) tried per row tile
+_SMALL_SCALED = [(64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6)]
+_SMALL_SPLIT = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
+                (64, 128, 4, 6), (32, 256, 4, 4), (128, 256, 8, 3)]  # fmt: skip
+_LARGE_SCALED = [(128, 128, 8, 3, 8), (128, 64, 4, 4, 8), (128, 64, 8, 3, 8)]
+_LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (256, 64, 8, 3, 8),
+                (128, 128, 4, 3, 8), (64, 128, 4, 4, 8)]  # fmt: skip
 
 
 def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
-    """(row tile, split) -> stage tiles to try: tl.dot_scaled, and the split kernel with its
-    asm dequantization (both stages of a call must agree on SPLIT: act's layout)."""
+    """(row tile, kernel) -> stage tiles to try: tl.dot_scaled; the two-lane split kernel with
+    the shift and the lookup dequantization; the four-lane kernel (both stages of a call must
+    agree on the lanes: act's layout)."""
     if num_tokens <= 256:
-        scaled = [(64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6)]
-        split = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
-                 (64, 128, 4, 6), (32, 256, 4, 4), (128, 256, 8, 3)]  # fmt: skip
-        return {(16, False): [tile(16, n, k, w, s) for n, k, w, s in scaled],
-                (16, True): [tile(16, n, k, w, s, split=True) for n, k, w, s in split]}  # fmt: skip
-    scaled = [(128, 128, 8, 3, 8), (128, 64, 4, 4, 8), (128, 64, 8, 3, 8)]
-    split = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (256, 64, 8, 3, 8),
-             (128, 128, 4, 3, 8), (64, 128, 4, 4, 8)]  # fmt: skip
-    return {(128, False): [tile(128, n, k, w, s, g) for n, k, w, s, g in scaled],
-            (128, True): [tile(128, n, k, w, s, g, True) for n, k, w, s, g in split],
-            (64, True): [tile(64, n, k, w, s, g, True) for n, k, w, s, g in split[:4]]}  # fmt: skip
+        return {
+            (16, "scaled"): [tile(16, *t) for t in _SMALL_SCALED],
+            (16, "shift"): [tile(16, *t, split=True, asm="shift") for t in _SMALL_SPLIT],
+            (16, "lut"): [tile(16, *t, split=True, asm="lut") for t in _SMALL_SPLIT],
+            (16, "quad"): [tile(16, *t, split=4, asm="lut") for t in _SMALL_SPLIT],
+        }
+    return {
+        (128, "scaled"): [tile(128, n, k, w, s, g) for n, k, w, s, g in _LARGE_SCALED],
+        (128, "shift"): [tile(128, *t, split=True, asm="shift") for t in _LARGE_SPLIT],
+        (128, "lut"): [tile(128, *t, split=True, asm="lut") for t in _LARGE_SPLIT],
+        (128, "quad"): [tile(128, *t, split=4, asm="lut") for t in _LARGE_SPLIT],
+        (64, "shift"): [tile(64, *t, split=True, asm="shift") for t in _LARGE_SPLIT[:4]],
+        (64, "quad"): [tile(64, *t, split=4, asm="lut") for t in _LARGE_SPLIT[:4]],
+    }
+
+
+def small_scales(experts: dict) -> bool:
+    """Whether every scale byte is at most 128 (the kernels' one-multiply lookup)."""
+    return all(int(experts[f"{name}_scale"].max()) <= 128 for name in ("w13", "w2"))
 
 
 def sweep(x, experts, weights, ids, ref) -> dict:
@@ -105,15 +125,17 @@ def sweep(x, experts, weights, ids, ref) -> dict:
     packed = (experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
               experts["w2_scale"])  # fmt: skip
     best = None
-    for (bm, split), tiles in candidates(num_tokens).items():
+    small = small_scales(experts)
+    for (bm, family), tiles in candidates(num_tokens).items():
         first = {"w13": tiles[0], "w2": tiles[0]}
         try:
-            error = relative_error(
-                mxfp4.fused_moe_mxfp4(x, *packed, first, swiglu_limit=SWIGLU_LIMIT), ref
+            out = mxfp4.fused_moe_mxfp4(
+                x, *packed, first, swiglu_limit=SWIGLU_LIMIT, small_scales=small
             )
+            error = relative_error(out, ref)
         except Exception as failure:  # noqa: BLE001 - a family that does not build here
             error = f"{type(failure).__name__}: {str(failure)[:200]}"
-        print(f"  family BM={bm} split={split}: rel. error {error}", flush=True)
+        print(f"  family BM={bm} {family}: rel. error {error}", flush=True)
         if not isinstance(error, float) or error > 1e-2:
             continue
         alignment = moe_align(ids, experts["w13"].shape[0], bm)
@@ -126,7 +148,7 @@ def sweep(x, experts, weights, ids, ref) -> dict:
         chosen = {}
         for stage, args in stage_args.items():
             is_w13 = stage == "w13"
-            launch = (top_k if is_w13 else 1, is_w13, SWIGLU_LIMIT if is_w13 else None)
+            launch = (top_k if is_w13 else 1, is_w13, SWIGLU_LIMIT if is_w13 else None, small)
             timed = []
             for t in tiles:
                 try:
@@ -138,7 +160,7 @@ def sweep(x, experts, weights, ids, ref) -> dict:
                 print(f"  sweep T={num_tokens} {stage} {t}: {ms:.3f} ms", flush=True)
             chosen[stage] = min(timed, key=lambda pair: pair[0])
         total = chosen["w13"][0] + chosen["w2"][0]
-        print(f"  family BM={bm} split={split}: best stages {total:.3f} ms", flush=True)
+        print(f"  family BM={bm} {family}: best stages {total:.3f} ms", flush=True)
         if best is None or total < best[0]:
             best = (total, {stage: pair[1] for stage, pair in chosen.items()})
     return best[1]
@@ -162,9 +184,10 @@ def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool) -> dic
     args = (x, experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
             experts["w2_scale"])  # fmt: skip
     limit = {"swiglu_limit": SWIGLU_LIMIT}
-    ours = mxfp4.fused_moe_mxfp4(*args, config, **limit)
+    small = {"small_scales": small_scales(experts)}
+    ours = mxfp4.fused_moe_mxfp4(*args, config, **limit, **small)
     base = fused_moe(x, bf16[0], bf16[1], weights, ids, **limit)
-    mxfp4_ms = bench_ms(lambda: mxfp4.fused_moe_mxfp4(*args, config, **limit))
+    mxfp4_ms = bench_ms(lambda: mxfp4.fused_moe_mxfp4(*args, config, **limit, **small))
     bf16_ms = bench_ms(lambda: fused_moe(x, bf16[0], bf16[1], weights, ids, **limit))
     flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
     read = expert_bytes(experts, ids)

@@ -87,20 +87,23 @@ def silu_and_mul(x, limit=None):
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, *,
-              swiglu_limit=None, backends: KernelBackends = DEFAULT_BACKENDS):  # fmt: skip
+              swiglu_limit=None, backends: KernelBackends = DEFAULT_BACKENDS,
+              mxfp4_small_scales=False):  # fmt: skip
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     MXFP4 experts (DeepSeek-V4), chosen by their dtypes: w13 [E, 2I, H/2] and w2 [E, H, I/2]
     packed e2m1 bytes with UE8M0 byte scales [E, 2I, H/32] and [E, H, I/32]
     (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
+    mxfp4_small_scales: every UE8M0 byte is at most 128 (the kernel multiplies once).
     On CUDA with backends.small_batch_moe, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     limit = {"swiglu_limit": swiglu_limit}
     if is_mxfp4(w13, w13_scale):
         # float32 activations (parity runs) and CPUs take the float32 dequantized reference
         if _on_cuda(x) and x.dtype != torch.float32:
-            return fused_moe_mxfp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **limit)
+            return fused_moe_mxfp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                   small_scales=mxfp4_small_scales, **limit)  # fmt: skip
         args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit)
         return fused_moe_mxfp4_reference(*args)
     if _on_cuda(x):

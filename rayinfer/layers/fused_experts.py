@@ -98,6 +98,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         self.num_local_experts = divide(num_experts, parallel.ep_size, "n_routed_experts")
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
         self.w13_scale = self.w2_scale = None
+        self._small_scales: bool | None = None  # MXFP4: every scale byte <= 128, once read
         if self.weight_format == "mxfp4":
             self._make_mxfp4_weights(hidden_size, intermediate_size)
             return
@@ -159,6 +160,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         target = stacked[local, rows]
         what = f"{part} scale" if is_scale else part
         if mxfp4:
+            self._small_scales = None  # read again at the next run
             what = f"MXFP4 {what}" + ("" if is_scale else " (packed, two values a byte)")
             loaded = _mxfp4_bytes(loaded, is_scale, f"expert {expert_id} {what}")
         if target.shape != loaded.shape:
@@ -179,7 +181,22 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         return ops.fused_moe(
             x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale,
             swiglu_limit=self.swiglu_limit, backends=self.kernels,
+            mxfp4_small_scales=self.mxfp4_small_scales(),
         )  # fmt: skip
+
+    def mxfp4_small_scales(self) -> bool:
+        """Whether every MXFP4 scale is at most 2 (byte <= 128), as trained weights' are: the
+        kernel then multiplies each dequantized pair once. Read from the device once after
+        loading, never while a CUDA graph is being captured (False then: the exact two-factor
+        form, as for any other scales)."""
+        if self.weight_format != "mxfp4":
+            return False
+        if self._small_scales is None:
+            if self.w13.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            largest = max(int(self.w13_scale.max()), int(self.w2_scale.max()))
+            self._small_scales = largest <= 128
+        return self._small_scales
 
     def forward(self, x, topk_weights, topk_ids):
         """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] global ids -> [T, H].

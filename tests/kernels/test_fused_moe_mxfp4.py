@@ -21,11 +21,16 @@ WIDE_K = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 128, "GROUP_M": 1}
 # in float32 bits here; the bf16 asm one runs on GPUs only: benchmarks/compile_moe_kernels.py)
 SPLIT = {**SMALL, "SPLIT": True}
 SPLIT_WIDE = {**WIDE_K, "SPLIT": True, "ASM": True}  # ASM ignored: fp16 activations
+# 4 lanes: 16-bit words, one dot per nibble position (fused_moe_mxfp4_quad.py)
+QUAD = {**SMALL, "SPLIT": 4}
+QUAD_WIDE = {**WIDE_K, "SPLIT": 4, "ASM": "lut"}
 TILES = {
     "small": {"w13": SMALL, "w2": SMALL},
     "wide_k": {"w13": WIDE_K, "w2": WIDE_K},
     "split": {"w13": SPLIT, "w2": SPLIT},
     "split_wide_k": {"w13": SPLIT_WIDE, "w2": SPLIT_WIDE},
+    "quad": {"w13": QUAD, "w2": QUAD},
+    "quad_wide_k": {"w13": QUAD_WIDE, "w2": QUAD_WIDE},
 }
 CASES = {
     "one_token": dict(T=1, H=64, I=32, E=4, K=2),
@@ -126,6 +131,27 @@ def test_fused_experts_load_and_run_mxfp4():
     args = (x.float(), w13, w2, weights, ids, w13_scale, w2_scale)
     expected = fused_moe_mxfp4_reference(*args, swiglu_limit=2.0)
     torch.testing.assert_close(experts(x.float(), weights, ids), expected)
+
+
+def test_fused_experts_read_whether_every_scale_is_at_most_two():
+    """The kernel's one-multiply lookup needs every scale byte <= 128; a load reads it again."""
+    experts = FusedExperts(2, 64, 32, weight_format="mxfp4")
+    experts.w13_scale.fill_(121)
+    experts.w2_scale.fill_(128)  # 2.0: still one factor
+    assert experts.mxfp4_small_scales()
+    experts.load_expert_weight(1, "down", torch.full((64, 1), 129, dtype=torch.uint8), True)
+    assert not experts.mxfp4_small_scales()
+    assert not FusedExperts(2, 64, 32).mxfp4_small_scales()  # bf16 experts: no scales
+
+
+@pytest.mark.parametrize(
+    "tile, key", [({"SPLIT": 3}, "SPLIT"), ({"SPLIT": True, "ASM": "x"}, "ASM")]
+)
+def test_a_tile_with_an_unknown_kernel_names_the_key(tile, key):
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["one_token"])
+    tiles = {"w13": {**SMALL, **tile}, "w2": {**SMALL, **tile}}
+    with pytest.raises(ValueError, match=f'tile "{key}"'):
+        fused_moe_mxfp4(x, w13, w2, weights, ids, w13_scale, w2_scale, config=tiles)
 
 
 def test_fused_experts_name_wrong_mxfp4_shapes():

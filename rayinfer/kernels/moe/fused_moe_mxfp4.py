@@ -11,11 +11,13 @@ taken as their bytes.) The steps are those of the bf16 fused MoE (fused_moe.py):
 and padded per expert tile (moe_align), a gate+up grouped GEMM with SiLU into act [T*K, I] in
 x's dtype, a down grouped GEMM weighted by the router into [T*K, H], the top-k sum. The GEMMs
 read the packed bytes and dequantize in registers (fused_moe_mxfp4_kernel.py): a quarter of the
-bf16 experts' bytes, plus one scale byte per 32 values. Two kernels, chosen by the tile's SPLIT
-key: tl.dot_scaled, and the split kernel (even and odd K as two dots over de-interleaved
-activations, its bf16 dequantization in inline PTX with "ASM"; the default). On an H200 at
-V4-Flash shapes the split kernel is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
-(benchmarks/RESULTS.md, kernels): the upcast, ~6 instructions per weight, bounds it.
+bf16 experts' bytes, plus one scale byte per 32 values. Three kernels, chosen by the tile's
+SPLIT key: tl.dot_scaled (False); the split kernel (True: even and odd K as two dots over
+de-interleaved activations, its bf16 dequantization in inline PTX with "ASM": "shift", the
+default, or "lut"); the four-lane word kernel (4: fused_moe_mxfp4_quad.py). On an H200 at
+V4-Flash shapes the default is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
+(benchmarks/RESULTS.md, kernels): the upcast bounds it. The other two issue 11-31% fewer
+instructions per weight byte (docs/kernels.md) and are not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import torch
 from rayinfer.kernels.moe.fused_moe import fused_moe_reference
 from rayinfer.kernels.moe.fused_moe_kernels import _sum_topk_kernel
 from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (
+    DEQUANT_MODES,
     MXFP4_GROUP,
     _moe_mxfp4_gemm_kernel,
     _moe_mxfp4_split_kernel,
 )
+from rayinfer.kernels.moe.fused_moe_mxfp4_quad import moe_mxfp4_quad_kernel
 from rayinfer.kernels.moe.moe_align import moe_align
 from rayinfer.kernels.tile_configs import pick_tile_config
 from rayinfer.kernels.triton_compat import triton
@@ -36,6 +40,7 @@ from rayinfer.kernels.triton_compat import triton
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)  # nibble 0..15 (bit 3: sign)
 _BYTE_DTYPES = (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
+BF16 = torch.bfloat16
 _SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 # The split kernel with the asm dequantization on 16-row tiles: the fastest at 128 tokens on an
 # H200 (`bench kernels moe_mxfp4 --sweep`); configs/fused_moe_mxfp4.json has the larger tiles.
@@ -86,19 +91,50 @@ def _pick_config(x, w13) -> dict:
     return pick_tile_config("fused_moe_mxfp4", device_name, shape_key, x.shape[0]) or DEFAULT_CONFIG
 
 
-def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu_limit):
-    """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router. A SPLIT
-    tile takes a (and gives act) de-interleaved: [even k | odd k] (see `deinterleave`)."""
-    n_out, k = c.shape[1], a.shape[1]
+def lanes(tile: dict) -> int:
+    """K lanes of a tile's kernel by its "SPLIT" key: 1 (absent or False: tl.dot_scaled), 2
+    (True: the split kernel, even and odd k) or 4 (the quad-lane kernel, 16-bit words)."""
+    split = tile.get("SPLIT") or 1
+    split = 2 if split is True else split
+    if split not in (1, 2, 4):
+        raise ValueError(f'tile "SPLIT": {tile["SPLIT"]!r}; use False, True (2) or 4')
+    return split
+
+
+def dequant_mode(tile: dict, dtype: torch.dtype) -> str:
+    """The split kernels' dequantization for a tile's "ASM" key: "lut" or "shift" (True) inline
+    PTX, which makes bf16 (fma.rn.bf16x2); otherwise, and for fp16, "exact" float32 bits. The
+    quad-lane kernel has the lookup only: any "ASM" there is "lut"."""
+    mode = tile.get("ASM") or "exact"
+    mode = "shift" if mode is True else mode
+    if mode not in DEQUANT_MODES:
+        raise ValueError(f'tile "ASM": {mode!r}; use one of True, False, {DEQUANT_MODES}')
+    return mode if dtype == torch.bfloat16 else "exact"
+
+
+def _kernel_and_params(tile: dict, dtype: torch.dtype, small_scales: bool):
     params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM")}
+    num_lanes = lanes(tile)
+    if num_lanes == 1:
+        return _moe_mxfp4_gemm_kernel, {**params, "FORMAT": "bf16" if dtype == BF16 else "fp16"}
+    mode = dequant_mode(tile, dtype)
+    if num_lanes == 4:
+        return moe_mxfp4_quad_kernel, {**params, "USE_ASM": mode != "exact", "FOLD": small_scales}
+    return _moe_mxfp4_split_kernel, {**params, "DEQUANT": mode, "FOLD": small_scales}
+
+
+def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu_limit,
+            small_scales=False):  # fmt: skip
+    """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router. A tile of
+    2 or 4 lanes takes a (and gives act) lane-major: [k = 0 mod L | 1 mod L | ..] (see
+    `deinterleave`); 4 lanes read w as 16-bit words. small_scales: every scale byte is at most
+    128, so the lookup multiplies each pair once."""
+    n_out, k = c.shape[1], a.shape[1]
+    kernel, params = _kernel_and_params(tile, a.dtype, bool(small_scales))
+    if lanes(tile) == 4:
+        w = w.view(torch.int16)  # [E, N, K/4] words; strides in words
     num_pid_n = triton.cdiv(n_out, params["BLOCK_N"])
     num_blocks_m = alignment.block_expert_ids.numel()
-    split = bool(tile.get("SPLIT"))
-    kernel = _moe_mxfp4_split_kernel if split else _moe_mxfp4_gemm_kernel
-    if split:  # the asm dequantization makes bf16 (fma.rn.bf16x2); else exact float32 bits
-        params["USE_ASM"] = bool(tile.get("ASM")) and a.dtype == torch.bfloat16
-    else:
-        params["FORMAT"] = "bf16" if a.dtype == torch.bfloat16 else "fp16"
     kernel[(num_blocks_m * num_pid_n,)](
         a, w, scale, c, topk_weights, *alignment,
         n_out, k, topk_weights.numel(), n_out, num_blocks_m,
@@ -121,6 +157,7 @@ def fused_moe_mxfp4(
     config: dict | None = None,  # {"w13": tile, "w2": tile} with the same BLOCK_M
     *,
     swiglu_limit: float | None = None,  # DeepSeek-V4: silu(min(gate, l)) * clamp(up, -l, l)
+    small_scales: bool = False,  # every scale byte <= 128 (scales <= 2, as trained weights have)
 ) -> torch.Tensor:  # [T, H] x.dtype
     check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale)
     if x.stride(1) != 1 or topk_ids.shape != topk_weights.shape:
@@ -132,16 +169,18 @@ def fused_moe_mxfp4(
         return out
     config = config or _pick_config(x, w13)
     w13_tile, w2_tile = config["w13"], config["w2"]
-    if w13_tile["BLOCK_M"] != w2_tile["BLOCK_M"] or w13_tile.get("SPLIT") != w2_tile.get("SPLIT"):
+    if w13_tile["BLOCK_M"] != w2_tile["BLOCK_M"] or lanes(w13_tile) != lanes(w2_tile):
         raise ValueError("w13 and w2 tiles need the same BLOCK_M (one alignment) and SPLIT")
     alignment = moe_align(topk_ids, num_experts, config["w13"]["BLOCK_M"])
     weights = topk_weights.float().contiguous()
     act = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)  # [T*K, I]
     slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     w13, w2, w13_scale, w2_scale = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
-    x_in = deinterleave(x) if w13_tile.get("SPLIT") else x
-    _launch(x_in, w13, w13_scale, act, weights, alignment, w13_tile, top_k, True, swiglu_limit)
-    _launch(act, w2, w2_scale, slot_out, weights, alignment, w2_tile, 1, False, None)
+    x_in = deinterleave(x, lanes(w13_tile))
+    _launch(x_in, w13, w13_scale, act, weights, alignment, w13_tile, top_k, True, swiglu_limit,
+            small_scales)  # fmt: skip
+    _launch(act, w2, w2_scale, slot_out, weights, alignment, w2_tile, 1, False, None,
+            small_scales)  # fmt: skip
     hidden = x.shape[1]
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](
         slot_out, topk_ids.contiguous(), out, hidden, num_experts, TOP_K=top_k, BLOCK_H=1024
@@ -149,9 +188,12 @@ def fused_moe_mxfp4(
     return out
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[T, K] -> [T, K]: each row's even-k values, then its odd-k ones (a copy)."""
-    return x.view(x.shape[0], -1, 2).transpose(1, 2).reshape(x.shape)
+def deinterleave(x: torch.Tensor, num_lanes: int = 2) -> torch.Tensor:
+    """[T, K] -> [T, K] lane-major: each row's k = 0 mod L values, then its 1 mod L ones, ..
+    (a copy; x itself for one lane)."""
+    if num_lanes == 1:
+        return x
+    return x.view(x.shape[0], -1, num_lanes).transpose(1, 2).reshape(x.shape)
 
 
 def dequantize_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""The MXFP4 fused MoE's GPU kernels in bf16 against float32 over the dequantized experts (the
+CPU interpreter runs only their exact fp16 form): tl.dot_scaled, the two-lane split kernel with
+the shift and the lookup dequantization, and the four-lane word kernel, each with scales that
+fold into one multiply (all <= 2) and with scales past 2 (two factors), at 1 to 600 tokens
+(row tiles of 16 and 128, K tails included). Each is held to the bf16 fused MoE's own error on
+the same bf16-exact experts, and the forms of one kernel family to each other.
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/gpu/test_mxfp4_moe.py
+"""
+
+import pytest
+import torch
+
+from rayinfer.bench.kernels_moe_mxfp4 import dequantized_bf16, float32_reference
+from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
+from rayinfer.kernels.moe.fused_moe import fused_moe
+from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPE = MoeShape(num_experts=32, hidden=1056, intermediate=544, top_k=6)  # K tails at BK 128
+LIMIT = 10.0
+KERNELS = {  # name -> tile (the same for both GEMMs)
+    "dot_scaled": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    "split_shift": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                    "SPLIT": True, "ASM": "shift"},
+    "split_lut": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                  "SPLIT": True, "ASM": "lut"},
+    "quad": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+             "SPLIT": 4, "ASM": "lut"},
+}  # fmt: skip
+
+
+def experts_with_scales(low: int, high: int) -> dict:
+    """Random e2m1 bytes with scale bytes in [low, high] (128 is 2.0)."""
+    gen = torch.Generator(device="cuda").manual_seed(low * 1000 + high)
+    e, h, i = SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate
+
+    def part(rows, cols):
+        packed = torch.randint(0, 256, (e, rows, cols // 2), generator=gen, device="cuda")
+        scale = torch.randint(low, high + 1, (e, rows, cols // 32), generator=gen, device="cuda")
+        return packed.to(torch.uint8), scale.to(torch.uint8)
+
+    (w13, w13_scale), (w2, w2_scale) = part(2 * i, h), part(h, i)
+    return dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+@pytest.mark.parametrize("scales", [(116, 120), (124, 131)], ids=["fold", "two_factors"])
+@pytest.mark.parametrize("num_tokens", [1, 128, 600])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_mxfp4_kernel_is_as_close_to_float32_as_bf16_experts(kernel, num_tokens, scales):
+    experts = experts_with_scales(*scales)
+    w13_bf16, w2_bf16 = dequantized_bf16(experts)  # exact: e2m1 times a power of two
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    magnitude = 2.0 ** -(scales[1] - 120)  # keeps act's values in bf16's comfortable range
+    x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", generator=gen) * magnitude
+    x = x.to(torch.bfloat16)
+    weights, ids = random_routing(num_tokens, SHAPE, "cuda", seed=num_tokens)
+    ref = float32_reference(x, w13_bf16, w2_bf16, weights, ids, LIMIT)
+    block_m = 16 if num_tokens <= 128 else 128
+    tile = {"BLOCK_M": block_m, "GROUP_M": 1 if block_m == 16 else 8, **KERNELS[kernel]}
+    out = fused_moe_mxfp4(
+        x, experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
+        experts["w2_scale"], {"w13": tile, "w2": tile}, swiglu_limit=LIMIT,
+        small_scales=scales[1] <= 128,
+    )  # fmt: skip
+    bf16 = fused_moe(x, w13_bf16, w2_bf16, weights, ids, swiglu_limit=LIMIT)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert relative_error(out, ref) <= 1.5 * relative_error(bf16, ref) + 1e-3

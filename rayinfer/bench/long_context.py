@@ -153,6 +153,20 @@ def build(folder: Path, args, lengths: list[int]) -> LLM:
     )
 
 
+def allocated_cache_bytes(llm: LLM) -> dict | None:
+    """The KV cache as allocated (in-process engines): bytes per token of the paged cache (every
+    layer's rows over all its slots) and the window pool's total bytes (DeepSeek-V4)."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    if runner is None or runner.kv_cache is None:
+        return None
+    cache = runner.kv_cache
+    slots = cache.layers[0].shape[0] * cache.block_size
+    return {
+        "paged_bytes_per_token": sum(t.nbytes for t in cache.layers) // slots,
+        "window_pool_bytes": sum(t.nbytes for t in cache.window_layers),
+    }
+
+
 def release(llm: LLM) -> None:
     llm.shutdown()
     del llm
@@ -168,7 +182,12 @@ def main(argv=None) -> int:
     llm = build(config_dir, args, args.lengths)
     name = llm.model_config.architecture
     print(f"{name} ({config_dir}) on {llm.device}", flush=True)
-    results["model"] = {"architecture": name, **measure(llm, args, args.lengths)}
+    cache = allocated_cache_bytes(llm)
+    if cache:
+        print(f"  KV cache as allocated: {cache['paged_bytes_per_token']} B/token paged, window "
+              f"pool {cache['window_pool_bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
+    results["model"] = {"architecture": name, "kv_cache": cache,
+                        **measure(llm, args, args.lengths)}  # fmt: skip
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
     release(llm)

@@ -95,3 +95,19 @@ def test_the_paged_cache_holds_entries_only(checkpoint):
     assert entries[0].shape[1:] == (4, 12) and windows[0].shape[1:] == (4, 224)
     assert len(windows) == len(entries)
     assert windows[0].shape[0] == llm.cache_config.num_window_blocks
+
+
+def test_long_context_bench_reports_the_cache_as_allocated(checkpoint, tmp_path):
+    """bench long_context reads the paged bytes per token and the window pool off the tensors."""
+    import json
+
+    from rayinfer.bench import long_context
+
+    out = tmp_path / "long_context.json"
+    argv = ["--config", checkpoint, "--lengths", "24", "--decode-batch", "0", "--chunk", "16"]
+    argv += ["--decode-after-longest", "0", "--block-size", "4", "--dtype", "float32"]
+    assert long_context.main([*argv, "--json", str(out)]) == 0
+    cache = json.loads(out.read_text())["model"]["kv_cache"]
+    config = rayinfer.LLM(checkpoint, device="cpu", block_size=4).engine.model_config
+    assert cache["paged_bytes_per_token"] == config.kv_bytes_per_token(4)
+    assert cache["window_pool_bytes"] > 0

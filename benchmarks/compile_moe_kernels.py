@@ -60,15 +60,14 @@ def mxfp4_gemm(arch: int, is_w13: bool, tile: dict | None = None):
     return compile_for(_moe_mxfp4_gemm_kernel, types, constants, arch, warps, stages)
 
 
-def mxfp4_split_asm(arch: int, is_w13: bool, dequant: str = "shift", fold: bool = False):
-    """The split kernel with an inline-asm bf16 dequantization (GPU-only: the interpreter
+def mxfp4_split_asm(arch: int, is_w13: bool):
+    """The split kernel with its inline-asm bf16 dequantization (GPU-only: the interpreter
     runs no PTX), with the launcher's default tile."""
     tile = {k: v for k, v in fused_moe_mxfp4.DEFAULT_TILE.items() if k not in ("SPLIT", "ASM")}
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     types = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-                     DEQUANT=dequant, FOLD=fold, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0,
-                     **tile)  # fmt: skip
+                     USE_ASM=True, EVEN_K=True, USE_LIMIT=is_w13, LIMIT=10.0, **tile)  # fmt: skip
     return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, warps, stages)
 
 
@@ -125,7 +124,6 @@ KERNELS = {
     "mxfp4_down": lambda arch: mxfp4_gemm(arch, False),
     "mxfp4_split_asm_gate_up": lambda arch: mxfp4_split_asm(arch, True),
     "mxfp4_split_asm_down": lambda arch: mxfp4_split_asm(arch, False),
-    "mxfp4_split_lut_fold_gate_up": lambda arch: mxfp4_split_asm(arch, True, "lut", True),
     "mxfp4_quad_gate_up": lambda arch: mxfp4_quad(arch, True),
     "mxfp4_quad_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True),
     "mxfp4_quad_fold_down": lambda arch: mxfp4_quad(arch, False, True),

@@ -74,12 +74,12 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def tile(bm, bn, bk, warps, stages, group_m=1, split=False, asm=True) -> dict:
+def tile(bm, bn, bk, warps, stages, group_m=1, split=False) -> dict:
     """A tile; split: False (tl.dot_scaled), True (two lanes, bytes) or 4 (four lanes, words),
-    asm: the split kernels' inline PTX ("shift" or "lut"; four lanes: the lookup)."""
+    each split kernel with its inline-PTX dequantization."""
     found = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
              "num_warps": warps, "num_stages": stages}  # fmt: skip
-    return {**found, "SPLIT": split, "ASM": asm} if split else found
+    return {**found, "SPLIT": split, "ASM": True} if split else found
 
 
 # (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]) tried per row tile
@@ -92,28 +92,25 @@ _LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (25
 
 
 def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
-    """(row tile, kernel) -> stage tiles to try: tl.dot_scaled; the two-lane split kernel with
-    the shift and the lookup dequantization; the four-lane kernel (both stages of a call must
-    agree on the lanes: act's layout)."""
+    """(row tile, kernel) -> stage tiles to try: tl.dot_scaled, the two-lane split kernel, the
+    four-lane word kernel (both stages of a call must agree on the lanes: act's layout)."""
     if num_tokens <= 256:
         return {
             (16, "scaled"): [tile(16, *t) for t in _SMALL_SCALED],
-            (16, "shift"): [tile(16, *t, split=True, asm="shift") for t in _SMALL_SPLIT],
-            (16, "lut"): [tile(16, *t, split=True, asm="lut") for t in _SMALL_SPLIT],
-            (16, "quad"): [tile(16, *t, split=4, asm="lut") for t in _SMALL_SPLIT],
+            (16, "split"): [tile(16, *t, split=True) for t in _SMALL_SPLIT],
+            (16, "quad"): [tile(16, *t, split=4) for t in _SMALL_SPLIT],
         }
     return {
         (128, "scaled"): [tile(128, n, k, w, s, g) for n, k, w, s, g in _LARGE_SCALED],
-        (128, "shift"): [tile(128, *t, split=True, asm="shift") for t in _LARGE_SPLIT],
-        (128, "lut"): [tile(128, *t, split=True, asm="lut") for t in _LARGE_SPLIT],
-        (128, "quad"): [tile(128, *t, split=4, asm="lut") for t in _LARGE_SPLIT],
-        (64, "shift"): [tile(64, *t, split=True, asm="shift") for t in _LARGE_SPLIT[:4]],
-        (64, "quad"): [tile(64, *t, split=4, asm="lut") for t in _LARGE_SPLIT[:4]],
+        (128, "split"): [tile(128, *t, split=True) for t in _LARGE_SPLIT],
+        (128, "quad"): [tile(128, *t, split=4) for t in _LARGE_SPLIT],
+        (64, "split"): [tile(64, *t, split=True) for t in _LARGE_SPLIT[:4]],
+        (64, "quad"): [tile(64, *t, split=4) for t in _LARGE_SPLIT[:4]],
     }
 
 
 def small_scales(experts: dict) -> bool:
-    """Whether every scale byte is at most 128 (the kernels' one-multiply lookup)."""
+    """Whether every scale byte is at most 128 (the four-lane lookup's one multiply)."""
     return all(int(experts[f"{name}_scale"].max()) <= 128 for name in ("w13", "w2"))
 
 

@@ -1,9 +1,8 @@
 """The MXFP4 fused MoE's GPU kernels in bf16 against float32 over the dequantized experts (the
-CPU interpreter runs only their exact fp16 form): tl.dot_scaled, the two-lane split kernel with
-the shift and the lookup dequantization, and the four-lane word kernel, each with scales that
-fold into one multiply (all <= 2) and with scales past 2 (two factors), at 1 to 600 tokens
-(row tiles of 16 and 128, K tails included). Each is held to the bf16 fused MoE's own error on
-the same bf16-exact experts, and the forms of one kernel family to each other.
+CPU interpreter runs only their exact fp16 form): tl.dot_scaled, the two-lane split kernel and
+the four-lane word kernel, with scales of at most 2 (the lookup's one multiply) and past 2 (its
+two), at 1 to 600 tokens (row tiles of 16 and 128, K tails included). Each is held to the bf16
+fused MoE's own error on the same bf16-exact experts.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/gpu/test_mxfp4_moe.py
 """
@@ -25,12 +24,10 @@ SHAPE = MoeShape(num_experts=32, hidden=1056, intermediate=544, top_k=6)  # K ta
 LIMIT = 10.0
 KERNELS = {  # name -> tile (the same for both GEMMs)
     "dot_scaled": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    "split_shift": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-                    "SPLIT": True, "ASM": "shift"},
-    "split_lut": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-                  "SPLIT": True, "ASM": "lut"},
+    "split": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+              "SPLIT": True, "ASM": True},
     "quad": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-             "SPLIT": 4, "ASM": "lut"},
+             "SPLIT": 4, "ASM": True},
 }  # fmt: skip
 
 

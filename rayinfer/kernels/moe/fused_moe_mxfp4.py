@@ -13,11 +13,11 @@ x's dtype, a down grouped GEMM weighted by the router into [T*K, H], the top-k s
 read the packed bytes and dequantize in registers (fused_moe_mxfp4_kernel.py): a quarter of the
 bf16 experts' bytes, plus one scale byte per 32 values. Three kernels, chosen by the tile's
 SPLIT key: tl.dot_scaled (False); the split kernel (True: even and odd K as two dots over
-de-interleaved activations, its bf16 dequantization in inline PTX with "ASM": "shift", the
-default, or "lut"); the four-lane word kernel (4: fused_moe_mxfp4_quad.py). On an H200 at
-V4-Flash shapes the default is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
-(benchmarks/RESULTS.md, kernels): the upcast bounds it. The other two issue 11-31% fewer
-instructions per weight byte (docs/kernels.md) and are not yet timed on a GPU.
+de-interleaved activations, its bf16 dequantization in inline PTX with "ASM"; the default); the
+four-lane word kernel (4: fused_moe_mxfp4_quad.py, a table lookup in PTX with "ASM"). On an H200
+at V4-Flash shapes the default is 1.29x the bf16 fused MoE at 128 tokens and 0.77x at 4,096
+(benchmarks/RESULTS.md, kernels): the upcast bounds it. The four-lane kernel issues 31% fewer
+instructions per weight byte (docs/kernels.md) and is not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from rayinfer.kernels.moe.fused_moe import fused_moe_reference
 from rayinfer.kernels.moe.fused_moe_kernels import _sum_topk_kernel
 from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (
-    DEQUANT_MODES,
     MXFP4_GROUP,
     _moe_mxfp4_gemm_kernel,
     _moe_mxfp4_split_kernel,
@@ -101,26 +100,17 @@ def lanes(tile: dict) -> int:
     return split
 
 
-def dequant_mode(tile: dict, dtype: torch.dtype) -> str:
-    """The split kernels' dequantization for a tile's "ASM" key: "lut" or "shift" (True) inline
-    PTX, which makes bf16 (fma.rn.bf16x2); otherwise, and for fp16, "exact" float32 bits. The
-    quad-lane kernel has the lookup only: any "ASM" there is "lut"."""
-    mode = tile.get("ASM") or "exact"
-    mode = "shift" if mode is True else mode
-    if mode not in DEQUANT_MODES:
-        raise ValueError(f'tile "ASM": {mode!r}; use one of True, False, {DEQUANT_MODES}')
-    return mode if dtype == torch.bfloat16 else "exact"
-
-
 def _kernel_and_params(tile: dict, dtype: torch.dtype, small_scales: bool):
+    """The tile's kernel and meta-parameters. "ASM" (bf16 only; fp16 takes the exact float32
+    bits) is the split kernel's shift PTX and the four-lane kernel's table lookup."""
     params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM")}
     num_lanes = lanes(tile)
     if num_lanes == 1:
         return _moe_mxfp4_gemm_kernel, {**params, "FORMAT": "bf16" if dtype == BF16 else "fp16"}
-    mode = dequant_mode(tile, dtype)
+    use_asm = bool(tile.get("ASM")) and dtype == BF16
     if num_lanes == 4:
-        return moe_mxfp4_quad_kernel, {**params, "USE_ASM": mode != "exact", "FOLD": small_scales}
-    return _moe_mxfp4_split_kernel, {**params, "DEQUANT": mode, "FOLD": small_scales}
+        return moe_mxfp4_quad_kernel, {**params, "USE_ASM": use_asm, "FOLD": small_scales}
+    return _moe_mxfp4_split_kernel, {**params, "USE_ASM": use_asm}
 
 
 def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu_limit,
@@ -128,7 +118,7 @@ def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu
     """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router. A tile of
     2 or 4 lanes takes a (and gives act) lane-major: [k = 0 mod L | 1 mod L | ..] (see
     `deinterleave`); 4 lanes read w as 16-bit words. small_scales: every scale byte is at most
-    128, so the lookup multiplies each pair once."""
+    128, so the four-lane lookup multiplies each pair once."""
     n_out, k = c.shape[1], a.shape[1]
     kernel, params = _kernel_and_params(tile, a.dtype, bool(small_scales))
     if lanes(tile) == 4:

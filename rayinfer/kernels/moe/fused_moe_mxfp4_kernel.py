@@ -105,9 +105,8 @@ def _moe_mxfp4_gemm_kernel(
 # 4 packed bytes and their 4 bf16 scales -> bf16x2 pairs of the low nibbles (bytes 0-1, 2-3)
 # and of the high nibbles. An e2m1 nibble seeeem-shifted into a bf16's low exponent bits and
 # top mantissa bit is its value times 2^-126 (0.5 a subnormal): one fma by 2^126, one by the
-# scale, both exact. fma.rn.bf16x2 (sm_80+) keeps subnormal inputs. About 6.5 instructions a
-# pair of values.
-_E2M1_SHIFT_ASM = tl.constexpr("""{
+# scale, both exact. fma.rn.bf16x2 (sm_80+) keeps subnormal inputs.
+_E2M1_TO_BF16_ASM = tl.constexpr("""{
 .reg .b32 t<2>, a, b, k126, nzero;
 mov.b32 k126, 0x7E807E80;
 mov.b32 nzero, 0x80008000;
@@ -127,48 +126,6 @@ lop3.b32 a, a, 0x01C001C0, b, 0xEA;
 fma.rn.bf16x2 a, a, k126, nzero; fma.rn.bf16x2 $3, a, $6, nzero;
 }""")
 
-# The same by table lookup, about 2.4 instructions a pair (`benchmarks/compile_moe_kernels.py`
-# counts the main loop's SASS). A bf16 holding nibble (s, e1, e0, m) times 2^-126 has the bytes
-# high = s e1 at bits 15 and 8, low = e0 m at bits 7 and 6: each byte is one of four, so one prmt
-# looks a pair of values up in an 8-byte table (entries 0-3 the low bytes by (e0, m), 4-7 the
-# high ones by (s, e1)) once each selector nibble holds its two bits (and 1 << 2 for a high
-# byte). A swap of each byte's bit pairs 2-3 and 4-5 puts (s, e1) of the low nibble beside its
-# (e0, m); the high nibble's selectors are the same two bits of the swapped bytes >> 2. $5/$6
-# scale elements 0-1/2-3: 2^(s - 1) when the scale bytes are at most 128 (FOLD: one fma a pair);
-# otherwise $5/$6 are 2^(min(s, 128) - 1) and $7/$8 2^(max(s, 128) - 128) (two, still exact).
-_E2M1_LUT_BODY = """
-.reg .b32 t, u, y, z, zh, q, lo_tab, hi_tab, nzero;
-mov.b32 lo_tab, 0xC0804000;
-mov.b32 hi_tab, 0x81800100;
-mov.b32 nzero, 0x80008000;
-shl.b32 t, $4, 2;
-shr.b32 u, $4, 2;
-lop3.b32 t, t, u, 0x30303030, 0xE4;
-lop3.b32 y, $4, t, 0xC3C3C3C3, 0xE4;
-lop3.b32 z, y, 0x33333333, 0x40404040, 0xEA;
-shr.b32 q, y, 2;
-lop3.b32 zh, q, 0x33333333, 0x40404040, 0xEA;
-prmt.b32 $0, lo_tab, hi_tab, z;
-prmt.b32 $2, lo_tab, hi_tab, zh;
-shr.b32 q, z, 16;
-prmt.b32 $1, lo_tab, hi_tab, q;
-shr.b32 q, zh, 16;
-prmt.b32 $3, lo_tab, hi_tab, q;
-fma.rn.bf16x2 $0, $0, $5, nzero;
-fma.rn.bf16x2 $2, $2, $5, nzero;
-fma.rn.bf16x2 $1, $1, $6, nzero;
-fma.rn.bf16x2 $3, $3, $6, nzero;
-"""
-_E2M1_SECOND_FACTOR = """
-fma.rn.bf16x2 $0, $0, $7, nzero;
-fma.rn.bf16x2 $2, $2, $7, nzero;
-fma.rn.bf16x2 $1, $1, $8, nzero;
-fma.rn.bf16x2 $3, $3, $8, nzero;
-"""
-_E2M1_LUT_FOLD_ASM = tl.constexpr("{" + _E2M1_LUT_BODY + "}")
-_E2M1_LUT_ASM = tl.constexpr("{" + _E2M1_LUT_BODY + _E2M1_SECOND_FACTOR + "}")
-DEQUANT_MODES = ("exact", "shift", "lut")  # a tile's "ASM": False, "shift" (or True), "lut"
-
 
 @triton.jit
 def _e2m1_exact(code, exponent, DTYPE: tl.constexpr):
@@ -182,44 +139,18 @@ def _e2m1_exact(code, exponent, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _spread(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BN, BK/32] -> [BN, BK/2]: each K group's value for its 16 bytes."""
-    return tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
-                      (BLOCK_N, BLOCK_K // 2))  # fmt: skip
-
-
-@triton.jit
-def _dequant_nibbles(w, s, DTYPE: tl.constexpr, DEQUANT: tl.constexpr, FOLD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """w [BN, BK/2] uint8 packed bytes, s [BN, BK/32] uint8 UE8M0 scales -> (low-nibble
-    values, high-nibble values), each [BN, BK/2] DTYPE. The scales are made bf16 on the
-    narrow tile, before they are spread over the bytes."""
-    if DEQUANT == "lut":
-        s16 = s.to(tl.int16)
-        first = ((tl.minimum(s16, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)
-        if FOLD:  # every scale byte is at most 128: 2^(s - 1) in one factor
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1_LUT_FOLD_ASM, "=r,=r,=r,=r,r,r,r", [w, _spread(first, BLOCK_N, BLOCK_K)],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            second = ((tl.maximum(s16, 128) - 1) << 7).to(tl.bfloat16, bitcast=True)
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1_LUT_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                [w, _spread(first, BLOCK_N, BLOCK_K), _spread(second, BLOCK_N, BLOCK_K)],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-            )  # fmt: skip
-    elif DEQUANT == "shift":
-        exponents = _spread(s, BLOCK_N, BLOCK_K)
+def _dequant_nibbles(w, exponents, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """w [BN, BP] uint8 packed bytes, exponents [BN, BP] uint8 (each byte's UE8M0 scale) ->
+    (low-nibble values, high-nibble values), each [BN, BP] DTYPE."""
+    if USE_ASM:
         scales = (exponents.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s - 127)
         lo, hi = tl.inline_asm_elementwise(
-            _E2M1_SHIFT_ASM, "=r,=r,=r,=r,r,r,r", [w, scales],
+            _E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [w, scales],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )  # fmt: skip
     else:
-        codes, exponents = w.to(tl.int32), _spread(s, BLOCK_N, BLOCK_K).to(tl.int32)
-        lo = _e2m1_exact(codes & 15, exponents, DTYPE)
-        hi = _e2m1_exact(codes >> 4, exponents, DTYPE)
+        codes, s = w.to(tl.int32), exponents.to(tl.int32)
+        lo, hi = _e2m1_exact(codes & 15, s, DTYPE), _e2m1_exact(codes >> 4, s, DTYPE)
     return lo, hi
 
 
@@ -233,17 +164,58 @@ def _load_scales(s_ptrs, byte_step, half_k, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _split_dot(acc, w_ptrs, s, a_even, a_odd, byte_step, k_in,
-               DTYPE: tl.constexpr, DEQUANT: tl.constexpr, FOLD: tl.constexpr,
-               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               DTYPE: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc [BN, BM] += lo [BN, BK/2] @ a_even [BK/2, BM] + hi @ a_odd; s [BN, BK/32] the
     step's scales."""
     if EVEN_K:
         w = tl.load(w_ptrs + byte_step)  # [BN, BK/2] uint8
     else:  # masked bytes are zeros; the activations there are zeros too
         w = tl.load(w_ptrs + byte_step, mask=k_in[None, :], other=0)
-    lo, hi = _dequant_nibbles(w, s, DTYPE, DEQUANT, FOLD, BLOCK_N, BLOCK_K)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
+                   (BLOCK_N, BLOCK_K // 2))  # fmt: skip
+    lo, hi = _dequant_nibbles(w, s, DTYPE, USE_ASM)
     acc = tl.dot(lo, a_even, acc)
     return tl.dot(hi, a_odd, acc)
+
+
+@triton.jit
+def expert_slot_tile(pid_m, sorted_slot_ids_ptr, block_expert_ids_ptr, num_slots,
+                     SLOTS_PER_A_ROW: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Row tile pid_m's sorted slots [BM], which are real, their rows of a (int64) and the
+    expert (int64) every slot of the tile goes to."""
+    slots = tl.load(sorted_slot_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    is_real = slots < num_slots
+    a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    return slots, is_real, a_rows, expert
+
+
+@triton.jit
+def lane_major_rows(positions, N, LANES: tl.constexpr, FUSE_SILU: tl.constexpr):
+    """[BN] weight rows of output positions. With FUSE_SILU (gate+up) position p holds column
+    LANES (p mod N/LANES) + p div N/LANES, so act comes out lane-major for the down GEMM."""
+    rows = positions
+    if FUSE_SILU:
+        lane_n = N // LANES
+        rows = LANES * (positions % lane_n) + positions // lane_n
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def store_slot_tile(acc, acc_up, c_ptr, stride_cm, topk_weights_ptr, slots, is_real, pid_n, N,
+                    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, USE_LIMIT: tl.constexpr,
+                    LIMIT: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """c[slot, position] from acc [BN, BM] (and acc_up: silu(gate) * up with FUSE_SILU; the
+    router weight with MUL_WEIGHT)."""
+    if FUSE_SILU:
+        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[None, :]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + slots[None, :].to(tl.int64) * stride_cm + cols[:, None]  # [BN, BM]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[None, :] & (cols[:, None] < N))
 
 
 @triton.jit
@@ -253,26 +225,19 @@ def _moe_mxfp4_split_kernel(
     N, K, num_slots, up_offset, num_blocks_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    DEQUANT: tl.constexpr, FOLD: tl.constexpr, EVEN_K: tl.constexpr, USE_LIMIT: tl.constexpr,
-    LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, USE_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Like _moe_mxfp4_gemm_kernel over de-interleaved activations a (row: K/2 even-k values,
-    then K/2 odd-k ones). With FUSE_SILU (gate+up) output position p is column 2p (p < N/2) or
-    2(p - N/2) + 1: act comes out de-interleaved for the down GEMM."""
+    then K/2 odd-k ones); act comes out the same way (lane_major_rows)."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    slots = tl.load(sorted_slot_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    is_real = slots < num_slots
-    a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)
-    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    slots, is_real, a_rows, expert = expert_slot_tile(
+        pid_m, sorted_slot_ids_ptr, block_expert_ids_ptr, num_slots, SLOTS_PER_A_ROW, BLOCK_M
+    )
     positions = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # [BN] wrapped: no row masks
-    rows = positions
-    if FUSE_SILU:
-        half_n = N // 2
-        rows = tl.where(positions < half_n, 2 * positions, 2 * (positions - half_n) + 1)
-    rows = rows.to(tl.int64)
+    rows = lane_major_rows(positions, N, 2, FUSE_SILU)
     offs_byte = tl.arange(0, BLOCK_K // 2)
     half_k = K // 2
     a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_byte[:, None]  # [BK/2, BM] evens
@@ -301,17 +266,11 @@ def _moe_mxfp4_split_kernel(
             mask = is_real[None, :] & k_in[:, None]
             a_even = tl.load(a_ptrs + byte_step, mask=mask, other=0.0)
             a_odd = tl.load(a_ptrs + half_k + byte_step, mask=mask, other=0.0)
-        acc = _split_dot(acc, w_ptrs, s, a_even, a_odd, byte_step, k_in, dtype, DEQUANT, FOLD,
+        acc = _split_dot(acc, w_ptrs, s, a_even, a_odd, byte_step, k_in, dtype, USE_ASM,
                          EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         if FUSE_SILU:
             acc_up = _split_dot(acc_up, w_ptrs + up_offset * stride_wn, up_s, a_even, a_odd,
-                                byte_step, k_in, dtype, DEQUANT, FOLD, EVEN_K, BLOCK_N,
+                                byte_step, k_in, dtype, USE_ASM, EVEN_K, BLOCK_N,
                                 BLOCK_K)  # fmt: skip
-    if FUSE_SILU:
-        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[None, :]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + slots[None, :].to(tl.int64) * stride_cm + cols[:, None]  # [BN, BM]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[None, :] & (cols[:, None] < N))
+    store_slot_tile(acc, acc_up, c_ptr, stride_cm, topk_weights_ptr, slots, is_real, pid_n, N,
+                    FUSE_SILU, MUL_WEIGHT, USE_LIMIT, LIMIT, BLOCK_N)  # fmt: skip

@@ -17,8 +17,12 @@ and the activations come lane-major ([k = 4i | 4i + 1 | 4i + 2 | 4i + 3] along K
 
 from __future__ import annotations
 
-from rayinfer.kernels.elementwise.activation import clamp_gate_up
-from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import _e2m1_exact
+from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (
+    _e2m1_exact,
+    expert_slot_tile,
+    lane_major_rows,
+    store_slot_tile,
+)
 from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import tl, triton
 
@@ -168,23 +172,17 @@ def moe_mxfp4_quad_kernel(
     a [rows, K] lane-major activations (a row of a is slot // SLOTS_PER_A_ROW); w [E, N_total,
     K/4] int16 words and s [E, N_total, K/32] uint8 (UE8M0) the expert weights (strides in
     words and bytes). With FUSE_SILU, weight rows n and up_offset + n make silu(gate) * up
-    (USE_LIMIT: gate clamped above and up both ways at LIMIT first) and position p holds column
-    4 (p mod N/4) + p div N/4, so act comes out lane-major; with MUL_WEIGHT the slot's router
-    weight scales its row.
+    (USE_LIMIT: gate clamped above and up both ways at LIMIT first) and act comes out lane-major
+    (lane_major_rows); with MUL_WEIGHT the slot's router weight scales its row.
     """
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    slots = tl.load(sorted_slot_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    is_real = slots < num_slots
-    a_rows = (slots // SLOTS_PER_A_ROW).to(tl.int64)
-    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    slots, is_real, a_rows, expert = expert_slot_tile(
+        pid_m, sorted_slot_ids_ptr, block_expert_ids_ptr, num_slots, SLOTS_PER_A_ROW, BLOCK_M
+    )
     positions = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # [BN] wrapped: no row masks
-    rows = positions
-    if FUSE_SILU:
-        lane_n = N // LANES
-        rows = LANES * (positions % lane_n) + positions // lane_n
-    rows = rows.to(tl.int64)
+    rows = lane_major_rows(positions, N, LANES, FUSE_SILU)
     offs_word = tl.arange(0, BLOCK_K // 4)
     quarter_k = K // LANES
     a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_word[:, None]  # [BK/4, BM] lane 0
@@ -215,11 +213,5 @@ def moe_mxfp4_quad_kernel(
             acc_up = _quad_dot(acc_up, w_ptrs + up_offset * stride_wn, up_s, a0, a1, a2, a3,
                                word_step, words_in, dtype, USE_ASM, FOLD, EVEN_K, BLOCK_N,
                                BLOCK_K)  # fmt: skip
-    if FUSE_SILU:
-        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[None, :]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + slots[None, :].to(tl.int64) * stride_cm + cols[:, None]  # [BN, BM]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[None, :] & (cols[:, None] < N))
+    store_slot_tile(acc, acc_up, c_ptr, stride_cm, topk_weights_ptr, slots, is_real, pid_n, N,
+                    FUSE_SILU, MUL_WEIGHT, USE_LIMIT, LIMIT, BLOCK_N)  # fmt: skip

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # DeepSeek-V4's GPU figures in one device call (nvidia-h200, no Ray; results under $OUT):
 #   1. correctness: every MXFP4 kernel and dequantization form against float32
-#      (tests/gpu/test_mxfp4_moe.py), the V4 kernels over the hybrid cache, V4 parity;
+#      (tests/gpu/test_mxfp4_moe.py), the V4 kernels over the hybrid cache, V4 parity, the
+#      hand-off's copies of layers of different widths (tests/gpu/test_kv_copy.py);
 #   2. `bench kernels moe_mxfp4 --sweep` at 128 and 4,096 tokens: each kernel family's best tiles
 #      (tl.dot_scaled, split shift, split lookup, four lanes) against the bf16 fused MoE of the
 #      same run; the winner's tiles go into rayinfer/kernels/configs/fused_moe_mxfp4.json;
@@ -23,8 +24,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-runs checks && timeout 200 python -m pytest -q -m gpu tests/gpu/test_mxfp4_moe.py \
-  tests/gpu/test_v4_kernels.py tests/gpu/test_v4_parity.py 2>&1 | tail -15
+runs checks && timeout 240 python -m pytest -q -m gpu tests/gpu/test_mxfp4_moe.py \
+  tests/gpu/test_v4_kernels.py tests/gpu/test_v4_parity.py tests/gpu/test_kv_copy.py 2>&1 | tail -15
 runs mxfp4 && timeout 360 python -m rayinfer.bench kernels moe_mxfp4 --tokens 128 4096 --sweep \
   --out "$OUT/moe_mxfp4.json" 2>&1 | grep -e "family" -e '"tokens"'
 runs long && timeout 560 python -m rayinfer.bench long_context --config benchmarks/configs/deepseek-v4-flash-4layer \

@@ -211,11 +211,11 @@ class ModelConfig:
         return (row_bytes - latent_bytes) // dtype_bytes
 
     def kv_shape_per_token(self, dtype_bytes: int) -> tuple[int, ...]:
-        """Shape of one token's cache entry in one layer, in a cache of `dtype_bytes` elements.
+        """Shape of one token's cache entry in the widest layer, in a cache of `dtype_bytes`
+        elements: the row a hand-off carries for every layer (`kv_shapes_per_layer`).
 
         MLA caches the compressed latent and the shared rope key, DSA its indexer key after them
-        (every layer, so that one shape serves all; "shared" indexer layers leave it unused;
-        `index_key_columns`); other families cache K and V.
+        (`index_key_columns`); DeepSeek-V4 its pooled entries' shares; other families K and V.
         """
         if self.is_mla:
             latent = self.kv_lora_rank + self.qk_rope_head_dim
@@ -235,6 +235,20 @@ class ModelConfig:
         """Columns of one token's row per layer in the window pool (0: none)."""
         return V4Config.from_hf(self.hf).window_row.width if self.is_v4 else 0
 
+    def kv_shapes_per_layer(self, dtype_bytes: int) -> tuple[tuple[int, ...], ...]:
+        """Per layer the shape of one token's cache entry: `kv_shape_per_token`'s, cut where a
+        layer keeps less. DSA's "shared" indexer layers keep no indexer key (the latent and rope
+        key only); DeepSeek-V4's layers keep their own type's entries (`V4Config.entry_width`:
+        160 columns for CSA, 4 for HCA and 1 for a sliding layer in V4-Flash)."""
+        widest = self.kv_shape_per_token(dtype_bytes)
+        if self.is_v4:
+            v4 = V4Config.from_hf(self.hf)
+            return tuple((v4.entry_width(i),) for i in range(self.num_layers))
+        if self.is_dsa and self.indexer_types:
+            latent = (self.kv_lora_rank + self.qk_rope_head_dim,)
+            return tuple(widest if kind == "full" else latent for kind in self.indexer_types)
+        return (widest,) * self.num_layers
+
     def kv_shape_per_token_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
         """One tensor-parallel rank's share: K/V heads split; MLA's latent and V4's one
         key/value head are replicated."""
@@ -242,8 +256,15 @@ class ModelConfig:
             return self.kv_shape_per_token(dtype_bytes)
         return (2, self.num_kv_heads // tp_size, self.head_dim)
 
+    def kv_shapes_on_rank(self, tp_size: int, dtype_bytes: int) -> tuple[tuple[int, ...], ...]:
+        """`kv_shapes_per_layer` on one tensor-parallel rank (K/V heads split)."""
+        if self.kv_is_replicated or tp_size == 1:
+            return self.kv_shapes_per_layer(dtype_bytes)
+        return (self.kv_shape_per_token_on_rank(tp_size, dtype_bytes),) * self.num_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.num_layers * math.prod(self.kv_shape_per_token(dtype_bytes)) * dtype_bytes
+        shapes = self.kv_shapes_per_layer(dtype_bytes)
+        return sum(math.prod(shape) for shape in shapes) * dtype_bytes
 
 
 def _rope_theta(hf: dict) -> float:

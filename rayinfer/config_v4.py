@@ -138,6 +138,17 @@ class V4Config:
         rates = {kind: self.compress_rates[kind] for kind in self.compressed_types}
         return V4EntryRow.for_rates(rates, self.head_dim, self.index_head_dim)
 
+    def entry_width(self, layer_idx: int) -> int:
+        """Columns of the layer's rows in the paged cache: its type's share of the entries (and
+        the indexer's, for CSA; `V4EntryRow`'s columns, cut after the last one the layer uses),
+        one for a sliding layer, which keeps nothing there."""
+        kind, row = self.layer_types[layer_idx], self.entry_row
+        if kind == SLIDING:
+            return 1
+        if kind == CSA:
+            return row.width
+        return row.entries(kind).share
+
     @property
     def window_span(self) -> int:
         """Tokens before a step's first one whose window state the step reads: the window's,

@@ -43,8 +43,8 @@ class AttentionMetadata:
 class ForwardContext:
     """Passed explicitly through the model: metadata plus one cache tensor per layer.
 
-    `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shape_per_token(bytes)]`
-    (`bytes`: its dtype's element size); a model with a window pool has its layers' window
+    `kv_caches[layer]` is `[num_blocks, block_size, *ModelConfig.kv_shapes_per_layer(bytes)
+    [layer]]` (`bytes`: its dtype's element size); a model with a window pool has its layers' window
     caches after them, `kv_caches[num_layers + layer]` `[num_window_blocks, block_size,
     ModelConfig.window_row_width]`.
     """

@@ -88,13 +88,18 @@ def test_a_window_pool_for_two_sequences_slides_and_reuses_its_blocks(checkpoint
 def test_the_paged_cache_holds_entries_only(checkpoint):
     llm = rayinfer.LLM(checkpoint, device="cpu", block_size=4)
     config = llm.engine.model_config
-    # TINY_V4 (D 32, index 16, CSA every 4, HCA every 8): a token's shares of its entries
-    assert config.kv_bytes_per_token(4) == config.num_layers * (32 // 4 + 16 // 4) * 4
+    # TINY_V4 (D 32, index 16, CSA every 4, HCA every 8; layers sliding, CSA, HCA, CSA): each
+    # layer a token's shares of its own type's entries, one column for the sliding layer
+    widths = [1, 32 // 4 + 16 // 4, 32 // 8, 32 // 4 + 16 // 4]
+    assert [shape for shape in config.kv_shapes_per_layer(4)] == [(w,) for w in widths]
+    assert config.kv_bytes_per_token(4) == sum(widths) * 4
     runner = llm.engine.executor.runner
     entries, windows = runner.kv_cache.layers, runner.kv_cache.window_layers
-    assert entries[0].shape[1:] == (4, 12) and windows[0].shape[1:] == (4, 224)
+    assert [cache.shape[1:] for cache in entries] == [(4, w) for w in widths]
+    assert windows[0].shape[1:] == (4, 224)
     assert len(windows) == len(entries)
     assert windows[0].shape[0] == llm.cache_config.num_window_blocks
+    assert runner.kv_bytes_per_token == sum(widths) * 4
 
 
 def test_long_context_bench_reports_the_cache_as_allocated(checkpoint, tmp_path):

@@ -100,10 +100,13 @@ def test_hand_off_moves_fp8_rows_unchanged(checkpoint, prompts):
 
 
 def test_cache_bytes_follow_the_fp8_row(checkpoint):
+    """Layers that run the indexer keep the FP8 row; "shared" ones (GLM-5) the latent alone."""
     config = ModelConfig.from_pretrained(checkpoint).with_index_cache_dtype("fp8_e4m3")
     assert config.kv_shape_per_token(4) == (FP8_ROW,)
     assert config.kv_shape_per_token(2) == (24 + 16,)  # bf16: 48 + 20 bytes, padded to 80
-    assert kv_bytes_per_block(config, 1, 4, 16) == 3 * FP8_ROW * 4 * 16
+    widths = [FP8_ROW if kind == "full" else 24 for kind in config.indexer_types]
+    assert config.kv_shapes_per_layer(4) == tuple((w,) for w in widths)
+    assert kv_bytes_per_block(config, 1, 4, 16) == sum(widths) * 4 * 16
 
 
 @pytest.mark.parametrize(

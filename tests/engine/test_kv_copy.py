@@ -65,6 +65,35 @@ def test_export_then_import_is_bit_exact(dtype, shape, chunk_tokens):
     assert not target[0].view(-1, *shape)[untouched].any()  # nothing written elsewhere
 
 
+def layers_of_widths(widths, num_blocks, block_size, dtype, seed=0):
+    """One cache per width ([num_blocks, block_size, width]): DeepSeek-V4's layer types."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_blocks, block_size, w, generator=generator).to(dtype) for w in widths]
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 64])
+def test_layers_of_different_widths_travel_padded_to_the_widest(chunk_tokens):
+    """Each layer's rows, then zeros up to the widest row, and back into each layer's own."""
+    widths, dtype = [160, 4, 1, 160, 4], torch.bfloat16
+    source = layers_of_widths(widths, 8, 4, dtype)
+    slots = token_slots([5, 2, 7], num_tokens=11, block_size=4)
+    copier = KVCopier(source, chunk_bytes=len(widths) * 160 * 2 * chunk_tokens)
+    assert copier.row_bytes == 160 * 2
+    chunks = [chunk.copy() for chunk in copier.export(slots)]
+    whole = torch.from_numpy(np.concatenate(chunks, axis=1))  # [layers, 11, 320]
+    for layer, expected in enumerate(pack_kv(source, slots)):
+        row_bytes = widths[layer] * 2
+        assert torch.equal(whole[layer, :, :row_bytes], expected.view(torch.uint8))
+        assert not whole[layer, :, row_bytes:].any()
+    target = [torch.zeros(16, 3, w, dtype=dtype) for w in widths]
+    target_slots = token_slots([9, 0, 4, 11], num_tokens=11, block_size=3)
+    KVCopier(target, chunk_bytes=len(widths) * 320 * 2).import_(target_slots, chunks)
+    for got, expected in zip(pack_kv(target, target_slots), pack_kv(source, slots)):
+        assert torch.equal(got, expected)
+    payload = KVPayload.from_tensors(pack_kv(source, slots), generator_state=None)
+    assert payload.shape == (11, 160) and payload.num_bytes == len(widths) * 11 * 320
+
+
 def test_payload_views_and_sizes_agree():
     source = random_caches(2, 4, 4, (2, 3, 5), torch.bfloat16)
     slots = token_slots([3, 1], num_tokens=7, block_size=4)
@@ -83,12 +112,16 @@ def rows_at(cache: KVCache, block_table: list[int], num_tokens: int) -> list[tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(80,), (2, 4, 8)], ids=["mla", "gqa"])
+@pytest.mark.parametrize("shape", [(80,), (2, 4, 8), "v4"], ids=["mla", "gqa", "v4-widths"])
 def test_export_header_import_through_the_arena_is_bit_exact(dtype, shape):
-    layers = random_caches(3, 8, 4, shape, dtype)
+    if shape == "v4":  # per-layer widths: each layer's own rows land, the widest travels
+        layers = layers_of_widths([80, 4, 80], 8, 4, dtype)
+        empty = [torch.zeros(16, 3, w, dtype=dtype) for w in (80, 4, 80)]
+    else:
+        layers = random_caches(3, 8, 4, shape, dtype)
+        empty = [torch.zeros(16, 3, *shape, dtype=dtype) for _ in range(3)]
     source = KVCache(layers, 4, None, chunk_bytes=tokens_per_chunk_bytes(layers, 3))
-    target = KVCache([torch.zeros(16, 3, *shape, dtype=dtype) for _ in range(3)], 3, None,
-                     chunk_bytes=tokens_per_chunk_bytes(layers, 2))  # fmt: skip
+    target = KVCache(empty, 3, None, chunk_bytes=tokens_per_chunk_bytes(layers, 2))
     exporter, importer = HandoffIO(is_cuda=False), HandoffIO(is_cuda=False)
     try:
         header = exporter.export(source, [5, 2, 7], 11, generator_state=None)

@@ -236,7 +236,7 @@ def test_bytes_per_block_is_what_the_runner_allocates(hf, tp_rank):
     runner.model_config = config
     runner.cache_config = CacheConfig(block_size=8, num_blocks=5)
     runner.device, runner.dtype = torch.device("cpu"), torch.bfloat16
-    runner.kv_shape = config.kv_shape_per_token_on_rank(2, 2)
+    runner.kv_shapes = config.kv_shapes_on_rank(2, 2)
     allocated = sum(c.numel() * c.element_size() for c in runner._new_kv_caches(5))
     assert allocated == 5 * kv_bytes_per_block(config, 2, 2, 8)
 

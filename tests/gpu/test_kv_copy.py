@@ -92,3 +92,29 @@ def test_gpu_arena_export_import_exact(row, num_tokens):
     finally:
         exporter.close()
         importer.close()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_gpu_layers_of_different_widths_round_trip(num_tokens):
+    """DeepSeek-V4-Flash's layer widths (160 for CSA, 4 for HCA): each layer's rows then zeros
+    up to the widest on the way, each layer's own rows back in the cache."""
+    widths, block_size = [160, 4, 160, 4, 4], 64
+    blocks = -(-num_tokens // block_size)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    source = [
+        torch.randn(blocks + 2, block_size, w, generator=generator, device="cuda").bfloat16()
+        for w in widths
+    ]
+    slots = token_slots(list(range(1, 1 + blocks)), num_tokens, block_size)
+    chunks = [c.copy() for c in KVCopier(source, chunk_bytes=5 * 320 * 97).export(slots)]
+    whole = torch.from_numpy(np.concatenate(chunks, axis=1))
+    expected = pack_kv(source, slots)
+    for layer, rows in enumerate(expected):
+        row_bytes = widths[layer] * 2
+        assert torch.equal(whole[layer, :, :row_bytes], rows.view(torch.uint8))
+        assert not whole[layer, :, row_bytes:].any()
+    target = [torch.zeros(blocks * 4 + 4, 16, w, device="cuda").bfloat16() for w in widths]
+    target_slots = token_slots(list(range(2, 2 + -(-num_tokens // 16))), num_tokens, 16)
+    KVCopier(target, chunk_bytes=5 * 320 * 50).import_(target_slots, chunks)
+    for got, rows in zip(pack_kv(target, target_slots), expected):
+        assert torch.equal(got, rows)

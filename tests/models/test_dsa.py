@@ -76,15 +76,19 @@ def test_indexer_layers_and_cache_rows(checkpoint):
     assert [layer.self_attn.indexer is not None for layer in model.model.layers] == [
         kind == "full" for kind in kinds
     ]
-    # every layer's row: latent, rope key, indexer key
+    # a row of a layer that runs the indexer: latent, rope key, indexer key; a "shared"
+    # layer's: latent and rope key (a hand-off carries the widest for every layer)
     assert config.kv_shape_per_token(4) == (16 + 8 + 16,)
-    assert config.kv_bytes_per_token(2) == 3 * 40 * 2
+    widths = [40 if kind == "full" else 24 for kind in kinds]
+    assert config.kv_shapes_per_layer(4) == tuple((w,) for w in widths)
+    assert config.kv_bytes_per_token(2) == sum(widths) * 2
     assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
 
 
 def test_glm5_dims_build_and_count_their_cache_bytes():
     # GLM-5's attention dims (qk_nope 192, v 256, q_lora 2048, kv_lora 512, rope 64, 32
-    # indexer heads of 128) on a 2-layer model: 512 + 64 + 128 values per token and layer
+    # indexer heads of 128) on a 2-layer model: 512 + 64 + 128 values per token in the full
+    # indexer layer, 512 + 64 in the shared one
     hf = dict(
         architectures=["GlmMoeDsaForCausalLM"], vocab_size=64, hidden_size=64,
         intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -95,7 +99,7 @@ def test_glm5_dims_build_and_count_their_cache_bytes():
     )  # fmt: skip
     config = ModelConfig.from_hf_dict(hf)
     assert config.kv_shape_per_token(2) == (704,)
-    assert config.kv_bytes_per_token(2) == 2 * 704 * 2
+    assert config.kv_bytes_per_token(2) == (704 + 576) * 2
     assert [config.is_moe_layer(i) for i in range(2)] == [False, True]
 
 

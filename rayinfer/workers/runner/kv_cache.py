@@ -20,27 +20,27 @@ from rayinfer.workers.runner.kv_transfer import (
     payload_for_heads,
     token_slots,
     unpack_kv,
+    widest_row,
 )
 
 
 def new_kv_caches(
-    num_layers: int,
+    kv_shapes: tuple[tuple[int, ...], ...],
     num_blocks: int,
     block_size: int,
-    kv_shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
     key: str = "num_kv_blocks",
 ) -> list[torch.Tensor]:
-    """Per layer a zeroed [num_blocks, block_size, *kv_shape] tensor; a ConfigError naming what
-    to lower (`key`, the count's) when they do not fit on the device."""
-    shape = (num_blocks, block_size, *kv_shape)
+    """Per layer a zeroed [num_blocks, block_size, *kv_shapes[layer]] tensor; a ConfigError
+    naming what to lower (`key`, the count's) when they do not fit on the device."""
+    shapes = [(num_blocks, block_size, *kv_shape) for kv_shape in kv_shapes]
     try:
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not isinstance(error, torch.OutOfMemoryError) and "alloc" not in str(error):
             raise
-        size = torch.Size(shape).numel() * dtype.itemsize * num_layers
+        size = sum(torch.Size(shape).numel() for shape in shapes) * dtype.itemsize
         raise ConfigError(
             f"the KV cache ({key}={num_blocks} x block_size={block_size} tokens, "
             f"{size / 2**30:.1f} GiB) does not fit on {device}; lower {key} or "
@@ -90,7 +90,7 @@ class KVCache:
             window=self._export_window(window_table, num_tokens),
             chunks=[],
             num_layers=len(self.layers),
-            shape=(num_tokens, *self.layers[0].shape[2:]),
+            shape=(num_tokens, *widest_row(self.layers)),
             dtype=self.layers[0].dtype,
             generator_state=generator_state,
             kv_heads=self.kv_heads,

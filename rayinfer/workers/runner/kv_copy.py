@@ -18,6 +18,10 @@ Same-node hand-offs skip the object store and both host copies (workers/runner/k
 
 On the CPU the cache already is host memory: rows are gathered and scattered directly.
 The copier is used from one thread at a time (the worker's KV transfer thread).
+
+Layers may keep rows of different widths (ModelConfig.kv_shapes_per_layer: DeepSeek-V4's layer
+types, DSA's layers without an indexer key): a chunk carries every layer's row padded with
+zeros to the widest, so one layout serves every cache of the model.
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ class KVCopier:
         """kv_caches: per layer [num_blocks, block_size, *kv_shape] contiguous tensors."""
         self.num_layers = len(kv_caches)
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
-        # Per layer [num_slots, row_bytes] byte views of the cache.
+        # Per layer [num_slots, its row bytes] byte views of the cache; chunks carry the widest.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
-        self.row_bytes = self.rows[0].shape[1]
+        self.row_bytes = max(rows.shape[1] for rows in self.rows)
         self.device = kv_caches[0].device
         self.chunk_tokens = max(1, chunk_bytes // (self.num_layers * self.row_bytes))
         self.is_cuda = self.device.type == "cuda"
@@ -73,9 +77,11 @@ class KVCopier:
         if not self.is_cuda:
             for start, end in bounds:
                 begin = time.perf_counter()
-                chunk = torch.stack([rows[slots[start:end]] for rows in self.rows]).numpy()
+                chunk = torch.empty(self.num_layers, end - start, self.row_bytes, dtype=torch.uint8)
+                for layer, rows in enumerate(self.rows):
+                    self._gather(rows, slots[start:end], chunk[layer])
                 waited += time.perf_counter() - begin
-                yield chunk
+                yield chunk.numpy()
             if timings is not None:
                 timings["copy_s"] = waited
             return
@@ -103,7 +109,7 @@ class KVCopier:
         if not self.is_cuda:
             for (start, end), chunk in zip(bounds, chunks):
                 for layer, rows in enumerate(self.rows):
-                    torch.index_select(rows, 0, slots[start:end], out=chunk[layer])
+                    self._gather(rows, slots[start:end], chunk[layer])
         else:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 device_slots = slots.to(self.device, non_blocking=True)
@@ -111,7 +117,7 @@ class KVCopier:
                     # One staging buffer: in stream order each gather waits for the copy before.
                     staging = self._device_view(end - start)
                     for layer, rows in enumerate(self.rows):
-                        torch.index_select(rows, 0, device_slots[start:end], out=staging[layer])
+                        self._gather(rows, device_slots[start:end], staging[layer])
                     chunk.copy_(staging, non_blocking=True)
                 self._stream.synchronize()
         if timings is not None:
@@ -122,7 +128,7 @@ class KVCopier:
         staging = self._device_view(end - start)
         chunk_slots = device_slots[start:end]
         for layer, rows in enumerate(self.rows):
-            torch.index_select(rows, 0, chunk_slots, out=staging[layer])
+            self._gather(rows, chunk_slots, staging[layer])
         self._host_view(index % 2, end - start).copy_(staging, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -142,7 +148,7 @@ class KVCopier:
                 host = _as_tensor(chunk)
                 end = start + host.shape[1]
                 for layer, rows in enumerate(self.rows):
-                    rows[slots[start:end]] = host[layer]
+                    rows[slots[start:end]] = host[layer, :, : rows.shape[1]]
                 start = end
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -164,9 +170,19 @@ class KVCopier:
                     freed[buffer].record(self._stream)
                 chunk_slots = device_slots[start : start + num_tokens]
                 for layer, rows in enumerate(self.rows):
-                    rows.index_copy_(0, chunk_slots, staging[layer])
+                    rows.index_copy_(0, chunk_slots, staging[layer, :, : rows.shape[1]])
                 start += num_tokens
             self._stream.synchronize()
+
+    @staticmethod
+    def _gather(rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """out [tokens, widest row bytes] <- rows [slots]: a narrower layer's rows first, then
+        zeros (the same bytes for the same KV, whatever the buffer held)."""
+        if rows.shape[1] == out.shape[1]:
+            torch.index_select(rows, 0, slots, out=out)
+            return
+        out[:, : rows.shape[1]] = rows.index_select(0, slots)
+        out[:, rows.shape[1] :].zero_()
 
     def _pieces(self, chunks: Iterable[np.ndarray]) -> Iterator[torch.Tensor]:
         """The chunks as [num_layers, tokens, row_bytes] views of at most chunk_tokens tokens

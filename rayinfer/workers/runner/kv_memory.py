@@ -48,8 +48,8 @@ def kv_bytes_per_block(
 ) -> int:
     """One block of every layer's cache on one tensor-parallel rank (K/V heads split, MLA's
     latent replicated): what `ModelRunner` allocates per block."""
-    per_token = math.prod(model_config.kv_shape_per_token_on_rank(tp_size, dtype_bytes))
-    return model_config.num_layers * per_token * dtype_bytes * block_size
+    shapes = model_config.kv_shapes_on_rank(tp_size, dtype_bytes)
+    return sum(math.prod(shape) for shape in shapes) * dtype_bytes * block_size
 
 
 def num_kv_blocks_for_memory(

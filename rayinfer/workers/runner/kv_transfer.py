@@ -2,10 +2,11 @@
 hand-off that names it to the other engine: engine/kv_handoff.py).
 
 The packed form is layout-free: per token, every layer's cache row
-(`ModelConfig.kv_shape_per_token(...)` elements), so a cache with a different block size (or a
-different parallel plan) can take it. It travels in chunks of tokens, each one
-`[num_layers, chunk_tokens, row_bytes]` uint8 array, so a long prompt's KV streams through small
-staging buffers (workers/runner/kv_copy.py) instead of being held whole in pinned memory.
+(`ModelConfig.kv_shape_per_token(...)` elements: the widest layer's, narrower layers padded with
+zeros), so a cache with a different block size (or a different parallel plan) can take it. It
+travels in chunks of tokens, each one `[num_layers, chunk_tokens, row_bytes]` uint8 array, so a
+long prompt's KV streams through small staging buffers (workers/runner/kv_copy.py) instead of
+being held whole in pinned memory.
 On one node the chunks may instead lie in the exporter's shared-memory arena
 (workers/runner/kv_arena.py): the payload then names its span (`arena`) and carries no chunks
 until the importer maps them (`arena_chunks`).
@@ -50,11 +51,15 @@ class KVPayload:
 
     @classmethod
     def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:
-        """kv: per layer [num_tokens, *shape] CPU tensors of one dtype (one chunk)."""
+        """kv: per layer [num_tokens, *shape] CPU tensors of one dtype (one chunk); layers of
+        narrower rows than the widest are padded with zeros."""
         num_tokens = kv[0].shape[0]
         rows = [t.contiguous().view(torch.uint8).reshape(num_tokens, -1) for t in kv]
+        row_bytes = max(r.shape[1] for r in rows)
+        rows = [torch.nn.functional.pad(r, (0, row_bytes - r.shape[1])) for r in rows]
         chunk = torch.stack(rows).numpy()  # [num_layers, num_tokens, row_bytes]
-        return cls([chunk], len(kv), tuple(kv[0].shape), kv[0].dtype, **fields)
+        shape = max((tuple(t.shape) for t in kv), key=math.prod)
+        return cls([chunk], len(kv), shape, kv[0].dtype, **fields)
 
     @property
     def num_tokens(self) -> int:
@@ -120,11 +125,16 @@ def pack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Te
     return packed
 
 
+def widest_row(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
+    """The per-token shape a hand-off carries for every layer of these caches: the widest."""
+    return max((tuple(cache.shape[2:]) for cache in kv_caches), key=math.prod)
+
+
 def check_layout(kv_caches: list[torch.Tensor], num_layers: int, token_shape: tuple) -> None:
     """ValueError unless a payload of num_layers layers of `token_shape` rows fits this cache."""
     if num_layers != len(kv_caches):
         raise ValueError(f"KV hand-off has {num_layers} layers, this cache has {len(kv_caches)}")
-    cache_shape = tuple(kv_caches[0].shape[2:])
+    cache_shape = widest_row(kv_caches)
     if tuple(token_shape) != cache_shape:
         raise ValueError(
             f"KV hand-off token shape {tuple(token_shape)} does not match this cache's "
@@ -133,11 +143,13 @@ def check_layout(kv_caches: list[torch.Tensor], num_layers: int, token_shape: tu
 
 
 def unpack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor, kv: list[torch.Tensor]) -> None:
-    """Scatter packed tokens into each layer cache at `slots`."""
+    """Scatter packed tokens (each layer's rows as wide as the widest) into each layer cache at
+    `slots`, a narrower layer taking its first columns."""
     check_layout(kv_caches, len(kv), tuple(kv[0].shape[1:]) if kv else ())
     for cache, layer_kv in zip(kv_caches, kv):
         flat = cache.view(-1, *cache.shape[2:])
-        flat[slots.to(cache.device)] = layer_kv.to(device=cache.device, dtype=cache.dtype)
+        rows = layer_kv[..., : cache.shape[-1]]
+        flat[slots.to(cache.device)] = rows.to(device=cache.device, dtype=cache.dtype)
 
 
 def select_kv_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) -> list[torch.Tensor]:

@@ -82,7 +82,9 @@ class ModelRunner:
         self.parallel = parallel
         if model_config.index_keys_fp8:
             check_fp8_index_device(self.device)
+        # the widest layer's row (what a hand-off carries per layer), and each layer's own
         self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
+        self.kv_shapes = model_config.kv_shapes_on_rank(parallel.tp_size, dtype.itemsize)
         if self.windowed and cache_config.num_window_blocks <= 0:
             raise ConfigError(
                 f"num_window_blocks={cache_config.num_window_blocks}: this model keeps window "
@@ -274,12 +276,11 @@ class ModelRunner:
     def _new_kv_caches(self, num_blocks: int, num_window_blocks: int = 0) -> list[torch.Tensor]:
         """Per layer its cache, then (a window pool) per layer its window cache."""
         num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
-        shape = self.kv_shape
-        caches = new_kv_caches(num_layers, num_blocks, block_size, shape, self.dtype, self.device)
+        caches = new_kv_caches(self.kv_shapes, num_blocks, block_size, self.dtype, self.device)
         if self.windowed:
-            width = (self.model_config.window_row_width,)
+            widths = ((self.model_config.window_row_width,),) * num_layers
             caches += new_kv_caches(
-                num_layers, num_window_blocks, block_size, width, self.dtype, self.device,
+                widths, num_window_blocks, block_size, self.dtype, self.device,
                 key="num_window_blocks",
             )  # fmt: skip
         return caches
@@ -364,7 +365,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Every layer's cache row of one token on this rank."""
-        return self.model_config.num_layers * math.prod(self.kv_shape) * self.dtype.itemsize
+        return sum(math.prod(shape) for shape in self.kv_shapes) * self.dtype.itemsize
 
     def export_kv_chunks(
         self,

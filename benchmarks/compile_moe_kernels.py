@@ -18,6 +18,7 @@ top-6). Integer arguments are compiled as multiples of 16, as Triton specializes
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -26,12 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compile_dsa_kernels import SHARED_MEMORY_LIMITS, compile_for  # noqa: E402
 from ttgir_probe import (  # noqa: E402
+    disassemble,
     longest_loop_opcodes,
     loop_report,
     registers_per_thread,
     spill_instructions,
 )
 
+from rayinfer.kernels.fp8.fp8_gemm import DEFAULT_CONFIG as FP8_GEMM_CONFIG  # noqa: E402
+from rayinfer.kernels.fp8.fp8_gemm_kernels import _fp8_block_gemm_kernel  # noqa: E402
 from rayinfer.kernels.moe import fused_moe_mxfp4  # noqa: E402
 from rayinfer.kernels.moe.fused_moe import DEFAULT_CONFIG  # noqa: E402
 from rayinfer.kernels.moe.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
@@ -82,6 +86,28 @@ def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False):
     return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
 
 
+def fp8_gate_up(arch: int):
+    """The fused MoE's gate+up GEMM over FP8 block-scaled experts and activations (W8A8)."""
+    tile = dict(DEFAULT_CONFIG["w13"])
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", a_scale_ptr="*fp32",
+                 b_scale_ptr="*fp32", **GEMM_POINTERS)  # fmt: skip
+    constants = dict(SLOTS_PER_A_ROW=8, FUSE_SILU=True, MUL_WEIGHT=False, USE_FP8=True,
+                     SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False, DOT_PRECISION="tf32",
+                     USE_LIMIT=False, LIMIT=0.0, **tile)  # fmt: skip
+    return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
+
+
+def fp8_block_gemm(arch: int):
+    """The dense layers' Triton FP8 GEMM with 128-block scales (ops.fp8_gemm's own kernel)."""
+    tile = dict(FP8_GEMM_CONFIG)
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", a_scale_ptr="*fp32",
+                 b_scale_ptr="*fp32")  # fmt: skip
+    constants = dict(SCALE_BLOCK=128, EVEN_K=True, K_UNROLL=1, **tile)
+    return compile_for(_fp8_block_gemm_kernel, types, constants, arch, warps, stages)
+
+
 def bf16_gate_up_with_limit(arch: int):
     tile = dict(DEFAULT_CONFIG["w13"])
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
@@ -100,6 +126,13 @@ def sqrtsoftplus_routing(arch: int):
                      NUM_GROUPS=1, TOPK_GROUPS=1, GROUP_SIZE=256, BLOCK_E=256, BLOCK_G=1,
                      BLOCK_K=8)  # fmt: skip
     return compile_for(_moe_routing_kernel, types, constants, arch, 4, 1)
+
+
+def _tensor_core_opcodes(cubin: bytes) -> str:
+    """The kernel's tensor-core instructions in SASS (HMMA: bf16/fp16 mma; QMMA: Ada's FP8 mma;
+    HGMMA / QGMMA: Hopper's wgmma), comma-joined; "" without nvdisasm."""
+    sass = disassemble(cubin) or ""
+    return ",".join(sorted(set(re.findall(r"\b([HQ]G?MMA)\.", sass))))
 
 
 def _sass_loop(kernel: str, cubin: bytes) -> dict:
@@ -127,19 +160,27 @@ KERNELS = {
     "mxfp4_quad_gate_up": lambda arch: mxfp4_quad(arch, True),
     "mxfp4_quad_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True),
     "mxfp4_quad_fold_down": lambda arch: mxfp4_quad(arch, False, True),
+    "fp8_gate_up": fp8_gate_up,
+    "fp8_block_gemm": fp8_block_gemm,
     "bf16_gate_up_limit": bf16_gate_up_with_limit,
     "routing_sqrtsoftplus": sqrtsoftplus_routing,
 }
 
 
 def report(kernel: str, arch: int, dump: str | None = None) -> dict:
-    compiled = KERNELS[kernel](arch)
+    try:
+        compiled = KERNELS[kernel](arch)
+    except Exception as refused:  # noqa: BLE001 - FP8 e4m3 below sm_89: Triton refuses it
+        if "not supported in this architecture" not in str(refused):
+            raise
+        return dict(kernel=kernel, arch=arch, builds=False, reason=type(refused).__name__)
     if dump:
         Path(dump).write_text(compiled.asm["ttgir"])
     cubin, shared = compiled.asm["cubin"], compiled.metadata.shared
     loop = loop_report(compiled.asm["ttgir"])
     return dict(
-        kernel=kernel, arch=arch, shared_memory_bytes=shared,
+        kernel=kernel, arch=arch, builds=True, mma=_tensor_core_opcodes(cubin),
+        shared_memory_bytes=shared,
         shared_memory_limit=SHARED_MEMORY_LIMITS[arch], fits=shared <= SHARED_MEMORY_LIMITS[arch],
         registers=registers_per_thread(cubin), spill_instructions=spill_instructions(cubin),
         tensor_core_dots=loop["wgmma"] + loop["mma_sync_dots"], cp_async=loop["cp_async"],

@@ -16,23 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.config_error import ConfigError
+from rayinfer.kernels.fp8.fp8_support import require_fp8_device
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4
-FP8_CAPABILITY = (8, 9)  # Triton's fp8e4nv compiles for sm_89 (Ada) and later, not sm_80
 
 
 def check_fp8_index_device(device: torch.device) -> None:
     """FP8 index keys run where the Triton kernels can (CPU: the torch references)."""
-    if device.type != "cuda":
-        return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_CAPABILITY:
-        raise ConfigError(
-            f"index_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or later (Ada, "
-            f"Hopper) for Triton's fp8e4nv; {device} is {capability[0]}.{capability[1]}; use 'auto'"
-        )
+    require_fp8_device(device, "index_cache_dtype='fp8_e4m3'", "use 'auto'")
 
 
 def quantize_index_keys(

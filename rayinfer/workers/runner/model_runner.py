@@ -27,6 +27,7 @@ from rayinfer.engine_config import CacheConfig, KVMemoryConfig
 from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
 from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
+from rayinfer.kernels.fp8.fp8_support import require_fp8_device
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
 from rayinfer.layers.layer_options import configure_layers
 from rayinfer.layers.parallel import SINGLE, ParallelContext
@@ -82,6 +83,11 @@ class ModelRunner:
         self.parallel = parallel
         if model_config.index_keys_fp8:
             check_fp8_index_device(self.device)
+        if fp8_weights:
+            require_fp8_device(
+                self.device, "fp8_weights=true",
+                "use fp8_weights=false (the checkpoint's FP8 weights are dequantized at load)",
+            )  # fmt: skip
         # the widest layer's row (what a hand-off carries per layer), and each layer's own
         self.kv_shape = model_config.kv_shape_per_token_on_rank(parallel.tp_size, dtype.itemsize)
         self.kv_shapes = model_config.kv_shapes_on_rank(parallel.tp_size, dtype.itemsize)

@@ -86,15 +86,18 @@ def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False):
     return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
 
 
-def fp8_gate_up(arch: int):
-    """The fused MoE's gate+up GEMM over FP8 block-scaled experts and activations (W8A8)."""
+def moe_gate_up(arch: int, fp8: bool):
+    """The fused MoE's gate+up GEMM: over FP8 block-scaled experts and activations (W8A8,
+    DeepSeek-V3's top-8), or bf16 with DeepSeek-V4's swiglu_limit (top-6)."""
     tile = dict(DEFAULT_CONFIG["w13"])
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
-    types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", a_scale_ptr="*fp32",
-                 b_scale_ptr="*fp32", **GEMM_POINTERS)  # fmt: skip
-    constants = dict(SLOTS_PER_A_ROW=8, FUSE_SILU=True, MUL_WEIGHT=False, USE_FP8=True,
-                     SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False, DOT_PRECISION="tf32",
-                     USE_LIMIT=False, LIMIT=0.0, **tile)  # fmt: skip
+    data, scale = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
+    types = dict(a_ptr=data, b_ptr=data, c_ptr="*bf16", a_scale_ptr=scale, b_scale_ptr=scale,
+                 **GEMM_POINTERS)  # fmt: skip
+    constants = dict(SLOTS_PER_A_ROW=8 if fp8 else 6, FUSE_SILU=True, MUL_WEIGHT=False,
+                     USE_FP8=fp8, SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False,
+                     DOT_PRECISION="tf32", USE_LIMIT=not fp8, LIMIT=0.0 if fp8 else 10.0,
+                     **tile)  # fmt: skip
     return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
 
 
@@ -106,17 +109,6 @@ def fp8_block_gemm(arch: int):
                  b_scale_ptr="*fp32")  # fmt: skip
     constants = dict(SCALE_BLOCK=128, EVEN_K=True, K_UNROLL=1, **tile)
     return compile_for(_fp8_block_gemm_kernel, types, constants, arch, warps, stages)
-
-
-def bf16_gate_up_with_limit(arch: int):
-    tile = dict(DEFAULT_CONFIG["w13"])
-    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
-    types = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", a_scale_ptr="*bf16",
-                 b_scale_ptr="*bf16", **GEMM_POINTERS)  # fmt: skip
-    constants = dict(SLOTS_PER_A_ROW=6, FUSE_SILU=True, MUL_WEIGHT=False, USE_FP8=False,
-                     SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False, DOT_PRECISION="tf32",
-                     USE_LIMIT=True, LIMIT=10.0, **tile)  # fmt: skip
-    return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
 
 
 def sqrtsoftplus_routing(arch: int):
@@ -160,9 +152,9 @@ KERNELS = {
     "mxfp4_quad_gate_up": lambda arch: mxfp4_quad(arch, True),
     "mxfp4_quad_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True),
     "mxfp4_quad_fold_down": lambda arch: mxfp4_quad(arch, False, True),
-    "fp8_gate_up": fp8_gate_up,
+    "fp8_gate_up": lambda arch: moe_gate_up(arch, fp8=True),
     "fp8_block_gemm": fp8_block_gemm,
-    "bf16_gate_up_limit": bf16_gate_up_with_limit,
+    "bf16_gate_up_limit": lambda arch: moe_gate_up(arch, fp8=False),
     "routing_sqrtsoftplus": sqrtsoftplus_routing,
 }
 

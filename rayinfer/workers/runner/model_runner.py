@@ -373,6 +373,12 @@ class ModelRunner:
         """Every layer's cache row of one token on this rank."""
         return sum(math.prod(shape) for shape in self.kv_shapes) * self.dtype.itemsize
 
+    @property
+    def kv_handoff_bytes_per_token(self) -> int:
+        """What a hand-off carries per token from this rank: every layer's row as wide as the
+        widest (kv_copy.py), more than `kv_bytes_per_token` where layers differ."""
+        return len(self.kv_shapes) * math.prod(self.kv_shape) * self.dtype.itemsize
+
     def export_kv_chunks(
         self,
         request_id: str,

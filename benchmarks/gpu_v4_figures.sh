@@ -9,9 +9,8 @@
 #   3. `bench long_context` on the 4-layer V4-Flash shapes over the hybrid cache: prefill at 8k /
 #      128k / 1M, decode at 1M and 16 x 8k, the cache's bytes per token as allocated.
 # V4 bf16 parity needs a transformers that runs V4 in bf16 (5.17, the machine's, cannot): put
-# its wheels in .whl (ignored by git; see the device tool's README for `pip download` flags):
-#   transformers huggingface-hub tokenizers safetensors regex kernels hf-xet
-# and name .whl in carry; without them that test skips. STEPS picks what runs (a device command
+# its wheels in .whl first (benchmarks/device_wheels.sh says which) and name .whl in carry;
+# without them that test skips. STEPS picks what runs (a device command
 # has 10 minutes: run "checks mxfp4" in one call and "long" in the next):
 #   STEPS="checks mxfp4" bash benchmarks/gpu_v4_figures.sh
 set -uo pipefail

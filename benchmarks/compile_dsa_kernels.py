@@ -208,7 +208,7 @@ KERNELS = {
 V4_KERNELS = ("v4_index_scores", "v4_attention_listed", "v4_attention_every")
 # The radix top-k reads float32 scores whatever the model's dtype: compiled once ("bf16").
 TOPK_KERNELS = ("dsa_topk_histogram", "dsa_topk_count", "dsa_topk_write")
-# Triton's fp8e4nv builds for sm_89 and later only (kernels/dsa/dsa_index_fp8.FP8_CAPABILITY). FP8
+# Triton's fp8e4nv builds for sm_89 and later only (kernels/fp8/fp8_support.FP8_CAPABILITY). FP8
 # keys serve bf16/fp16 models: beside float32 queries the score kernel spills (sm_89: 42 spill
 # instructions), left to float32 parity runs, which keep "auto" keys.
 FP8_KERNELS, FP8_MIN_ARCH, FP8_DTYPES = (

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache
-from rayinfer.kernels.dsa.dsa_index_fp8 import FP8_CAPABILITY, gather_index_keys
+from rayinfer.kernels.dsa.dsa_index_fp8 import gather_index_keys
 from rayinfer.kernels.dsa.dsa_indexer import (
     context_slots,
     dsa_index_topk,
     dsa_index_topk_reference,
     dsa_write_cache_reference,
 )
+from rayinfer.kernels.fp8.fp8_support import FP8_CAPABILITY
 
 pytestmark = [
     pytest.mark.gpu,

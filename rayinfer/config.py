@@ -240,10 +240,10 @@ class ModelConfig:
         layer keeps less. DSA's "shared" indexer layers keep no indexer key (the latent and rope
         key only); DeepSeek-V4's layers keep their own type's entries (`V4Config.entry_width`:
         160 columns for CSA, 4 for HCA and 1 for a sliding layer in V4-Flash)."""
-        widest = self.kv_shape_per_token(dtype_bytes)
         if self.is_v4:
             v4 = V4Config.from_hf(self.hf)
             return tuple((v4.entry_width(i),) for i in range(self.num_layers))
+        widest = self.kv_shape_per_token(dtype_bytes)
         if self.is_dsa and self.indexer_types:
             latent = (self.kv_lora_rank + self.qk_rope_head_dim,)
             return tuple(widest if kind == "full" else latent for kind in self.indexer_types)

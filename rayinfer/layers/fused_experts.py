@@ -26,6 +26,7 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
+from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import FP8_BLOCK
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
@@ -160,7 +161,8 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         target = stacked[local, rows]
         what = f"{part} scale" if is_scale else part
         if mxfp4:
-            self._small_scales = None  # read again at the next run
+            if is_scale:
+                self._small_scales = None  # read again at the next run
             what = f"MXFP4 {what}" + ("" if is_scale else " (packed, two values a byte)")
             loaded = _mxfp4_bytes(loaded, is_scale, f"expert {expert_id} {what}")
         if target.shape != loaded.shape:
@@ -194,8 +196,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         if self._small_scales is None:
             if self.w13.is_cuda and torch.cuda.is_current_stream_capturing():
                 return False
-            largest = max(int(self.w13_scale.max()), int(self.w2_scale.max()))
-            self._small_scales = largest <= 128
+            self._small_scales = scales_fold(self.w13_scale, self.w2_scale)
         return self._small_scales
 
     def forward(self, x, topk_weights, topk_ids):

@@ -48,6 +48,13 @@ DEFAULT_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num
 DEFAULT_CONFIG = {"w13": DEFAULT_TILE, "w2": DEFAULT_TILE}
 
 
+def scales_fold(*scales: torch.Tensor) -> bool:
+    """Whether every UE8M0 byte of these scale tensors is at most 128 (scales up to 2, as trained
+    weights have): the four-lane kernel's lookup then multiplies each pair once (`small_scales`).
+    Reads the tensors' maxima (a device sync on a GPU): call it once per set of weights."""
+    return all(int(as_bytes(scale).max()) <= 128 for scale in scales)
+
+
 def is_mxfp4(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
     """Whether these experts are packed MXFP4: byte weights with byte (UE8M0) scales."""
     return w13.dtype in _BYTE_DTYPES and w13_scale is not None and w13_scale.dtype in _SCALE_DTYPES

@@ -23,8 +23,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-runs checks && timeout 240 python -m pytest -q -m gpu tests/gpu/test_mxfp4_moe.py \
-  tests/gpu/test_v4_kernels.py tests/gpu/test_v4_parity.py tests/gpu/test_kv_copy.py 2>&1 | tail -15
+# The hand-off copies' test imports Ray: carry .device (the Ray bundle) for it, else it is left out.
+[ -f .device/ray/use-ray-bundle.sh ] && source .device/ray/use-ray-bundle.sh
+CHECKS=(tests/gpu/test_mxfp4_moe.py tests/gpu/test_v4_kernels.py tests/gpu/test_v4_parity.py)
+python -c "import ray" 2>/dev/null && CHECKS+=(tests/gpu/test_kv_copy.py)
+runs checks && timeout 240 python -m pytest -q -m gpu "${CHECKS[@]}" 2>&1 | tail -15
 runs mxfp4 && timeout 360 python -m rayinfer.bench kernels moe_mxfp4 --tokens 128 4096 --sweep \
   --out "$OUT/moe_mxfp4.json" 2>&1 | grep -e "family" -e '"tokens"'
 runs long && timeout 560 python -m rayinfer.bench long_context --config benchmarks/configs/deepseek-v4-flash-4layer \

@@ -41,11 +41,13 @@ E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)  # nibble 0
 _BYTE_DTYPES = (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", torch.uint8))
 BF16 = torch.bfloat16
 _SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
-# The split kernel with the asm dequantization on 16-row tiles: the fastest at 128 tokens on an
-# H200 (`bench kernels moe_mxfp4 --sweep`); configs/fused_moe_mxfp4.json has the larger tiles.
+# The four-lane kernel's table lookup on 16-row tiles: the fastest at 128 tokens on an H200
+# (`bench kernels moe_mxfp4 --sweep`, 1.44x the split kernel there) and the fewest dequantizing
+# instructions per byte on sm_80, sm_89 and sm_90 (benchmarks/compile_moe_kernels.py), so the
+# default of GPUs without tiles of their own; configs/fused_moe_mxfp4.json has the larger tiles.
 DEFAULT_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
-                "num_stages": 3, "SPLIT": True, "ASM": True}  # fmt: skip
-DEFAULT_CONFIG = {"w13": DEFAULT_TILE, "w2": DEFAULT_TILE}
+                "num_stages": 3, "SPLIT": 4, "ASM": True}  # fmt: skip
+DEFAULT_CONFIG = {"w13": {**DEFAULT_TILE, "BLOCK_K": 128, "num_stages": 4}, "w2": DEFAULT_TILE}
 
 
 def scales_fold(*scales: torch.Tensor) -> bool:

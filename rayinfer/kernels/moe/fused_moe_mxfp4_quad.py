@@ -78,12 +78,13 @@ def _bf16_factors(s, FOLD: tl.constexpr):
     2^(min(s, 128) - 1) and 2^(max(s, 128) - 128); with FOLD (s at most 128) the first alone
     (returned twice). Made on the narrow tile: spread over the words first, each word would
     convert again."""
+    # int16 again before the bitcast: Triton 3.6 widens int16 arithmetic with a literal to int32
     s16 = s.to(tl.int16)
     if FOLD:
-        folded = ((s16 + 126) << 7).to(tl.bfloat16, bitcast=True)
+        folded = ((s16 + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return folded, folded
-    first = ((tl.minimum(s16, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)
-    return first, ((tl.maximum(s16, 128) - 1) << 7).to(tl.bfloat16, bitcast=True)
+    first = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return first, ((tl.maximum(s16, 128) - 1) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

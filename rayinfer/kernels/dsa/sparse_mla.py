@@ -141,6 +141,8 @@ def _sparse_mla_split_kernel(
     mid_ptrs += heads[:, None] * stride_mid_h + offs_l[None, :]
     mid_mask = head_mask[:, None] & (offs_l[None, :] < LATENT_RANK)
     tl.store(mid_ptrs, (acc / l_safe[:, None]).to(mid_out_ptr.dtype.element_ty), mask=mid_mask)
+    # Both halves' programs hold the same softmax (their score sums differ only in fp32 order):
+    # the first writes the lse.
     if not IS_ONLY_SPLIT and part == 0:  # else mid_out is the output and no combine follows
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # [BLOCK_H] log2
         num_splits = tl.num_programs(1)

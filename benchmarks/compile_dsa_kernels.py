@@ -9,6 +9,9 @@ the target's per-block limit, the registers per thread and the spilled ones.
     python benchmarks/compile_dsa_kernels.py            # every kernel, every target (the FP8
                                                         # key kernels: sm_89 and sm_90)
     python benchmarks/compile_dsa_kernels.py --arch 89 --kernel sparse_mla
+    python benchmarks/compile_dsa_kernels.py --kernel sparse_mla --arch 90 \
+        --params '{"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 4, "latent_parts": 2}'
+                                                        # a sweep candidate's tiles instead
 
 The integer arguments are compiled as multiples of 16, as Triton specializes them at launch when
 they are (every stride and size at these shapes is).
@@ -17,6 +20,7 @@ they are (every stride and size at these shapes is).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ttgir_probe import registers_per_thread, spill_instructions  # noqa: E402
+from ttgir_probe import loop_report, registers_per_thread, spill_instructions  # noqa: E402
 
 from rayinfer.kernels.dsa import (  # noqa: E402
     dsa_cache,
@@ -43,6 +47,8 @@ HEADS, LATENT_RANK, ROPE_DIM = 64, 512, 64
 INDEX_HEADS, INDEX_DIM, BLOCK_SIZE = 32, 128, 64
 V4_HEADS, V4_HEAD_DIM, V4_INDEX_HEADS, V4_CSA_RATE, V4_HCA_RATE = 64, 512, 64, 4, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --params: tiles overriding the configs' "default" ones for sparse_mla (a sweep candidate).
+SPARSE_MLA_OVERRIDE: dict = {}
 
 
 def compile_for(kernel, types: dict, constants: dict, arch: int, warps: int, stages: int):
@@ -66,14 +72,16 @@ def _pointer(dtype: str) -> str:
 
 
 def sparse_mla_split(arch: int, dtype: str):
-    params = pick_tile_config("sparse_mla", "default", "default", HEADS)
+    params = {**pick_tile_config("sparse_mla", "default", "default", HEADS), **SPARSE_MLA_OVERRIDE}
     if dtype == "fp32":
         params = {**params, **sparse_mla.FLOAT32_TILES}
     constants = sparse_mla.split_constants(params, DTYPES[dtype], HEADS, LATENT_RANK, ROPE_DIM,
                                            is_only_split=False)  # fmt: skip
     pointer = _pointer(dtype)
+    partials = sparse_mla.partial_dtype(params, DTYPES[dtype])  # float32, or the query's
+    mid_out = "*fp32" if partials == torch.float32 else pointer
     types = dict(q_latent_ptr=pointer, q_pe_ptr=pointer, cache_ptr=pointer, slots_ptr="*i32",
-                 mid_out_ptr="*fp32", mid_lse_ptr="*fp32", scale="fp32")  # fmt: skip
+                 mid_out_ptr=mid_out, mid_lse_ptr="*fp32", scale="fp32")  # fmt: skip
     return compile_for(sparse_mla._sparse_mla_split_kernel, types, constants, arch,
                        params["num_warps"], params["num_stages"])  # fmt: skip
 
@@ -228,7 +236,14 @@ def report(kernel: str, arch: int, dtype: str) -> dict:
         shared_memory_limit=SHARED_MEMORY_LIMITS[arch],
         fits=shared <= SHARED_MEMORY_LIMITS[arch], registers=registers_per_thread(cubin),
         spill_instructions=spill_instructions(cubin),
+        **_mma_kinds(compiled.asm["ttgir"]),
     )  # fmt: skip
+
+
+def _mma_kinds(ttgir: str) -> dict:
+    """How many dots became wgmma and how many mma.sync (ttgir_probe's loop report)."""
+    counts = loop_report(ttgir)
+    return dict(wgmma=counts["wgmma"], mma_sync=counts["mma_sync_dots"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -236,7 +251,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kernel", choices=list(KERNELS), action="append")
     parser.add_argument("--arch", type=int, choices=list(SHARED_MEMORY_LIMITS), action="append")
     parser.add_argument("--dtype", choices=list(DTYPES), action="append")
+    parser.add_argument("--params", type=json.loads, default={},
+                        help="sparse_mla tiles (JSON) over the configs' default ones")  # fmt: skip
     args = parser.parse_args(argv)
+    SPARSE_MLA_OVERRIDE.clear()
+    SPARSE_MLA_OVERRIDE.update(args.params)
     rows = []
     for kernel in args.kernel or list(KERNELS):
         for arch in args.arch or [80, 89, 90]:

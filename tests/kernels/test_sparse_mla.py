@@ -92,3 +92,54 @@ def test_rejects_a_cache_narrower_than_latent_and_rope():
     q_latent, q_pe, kv_cache, slots = random_case(1, 4, 32, 16, 40, 8, 4)
     with pytest.raises(ValueError, match="W >= L \\+ R = 48"):
         sparse_mla_attention(q_latent, q_pe, kv_cache, slots, 0.1)
+
+
+# The kernel variants a config may pick (sparse_mla.VARIANT_DEFAULTS; bench/dsa_sweep.py).
+VARIANTS = {
+    "prefetch": dict(prefetch_slots=True, num_stages=3),
+    "halves": dict(latent_parts=2),  # each program its half of the output columns
+    "halves_prefetch_query_partials": dict(
+        latent_parts=2, prefetch_slots=True, partial_dtype="query"
+    ),  # fmt: skip
+    "query_partials": dict(partial_dtype="query"),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize(
+    "num_queries,num_heads,latent_rank,rope_dim,row_width,num_slots,listed,block_h",
+    [
+        (3, 20, 48, 8, 80, 70, 50, 16),  # heads past one tile, a non-power-of-two latent
+        (2, 5, 64, 16, 80, 90, 37, 64),  # 5 heads in a 64-head tile (16 used), odd list
+        (1, 16, 32, 16, 48, 8, 1, 16),  # a single listed row
+        (4, 3, 16, 8, 40, 40, 33, 16),  # a list one entry past two 16-slot tiles
+    ],
+)
+def test_variants_match_reference(num_queries, num_heads, latent_rank, rope_dim, row_width,
+                                  num_slots, listed, block_h, split, variant, dtype):  # fmt: skip
+    case = random_case(num_queries, num_heads, latent_rank, rope_dim, row_width, num_slots, listed)
+    params = {**SPLITS[split], **VARIANTS[variant], "BLOCK_H": block_h}
+    assert_matches_reference(*case, dtype, params)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_with_top_k_past_the_tokens(variant):
+    """Top-k 64 over a cache of 12 tokens: each list names them all, then -1 to its end (whole
+    splits and prefetched tiles of -1 only weigh nothing)."""
+    q_latent, q_pe, kv_cache, _ = random_case(2, 7, 32, 16, 48, 12, 12, seed=3)
+    slots = torch.full((2, 64), -1, dtype=torch.int32)
+    slots[0, :12] = torch.randperm(12, generator=torch.Generator().manual_seed(4))
+    slots[1, :12] = torch.arange(12)
+    slots[1, 3] = -1  # a hole inside the listed part too
+    params = {**SPLITS["many_splits"], **VARIANTS[variant]}
+    for dtype in TOLERANCES:
+        assert_matches_reference(q_latent, q_pe, kv_cache, slots, dtype, params)
+
+
+def test_rejects_an_unknown_partial_dtype():
+    q_latent, q_pe, kv_cache, slots = random_case(1, 4, 32, 16, 48, 8, 4)
+    with pytest.raises(ValueError, match="partial_dtype"):
+        sparse_mla_attention(q_latent, q_pe, kv_cache, slots, 0.1,
+                             params={**SPLITS["many_splits"], "partial_dtype": "bf16"})  # fmt: skip

@@ -74,11 +74,14 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def tile(bm, bn, bk, warps, stages, group_m=1, split=False) -> dict:
+def tile(bm, bn, bk, warps, stages, group_m=1, split=False, lut_reg=False) -> dict:
     """A tile; split: False (tl.dot_scaled), True (two lanes, bytes) or 4 (four lanes, words),
-    each split kernel with its inline-PTX dequantization."""
+    each split kernel with its inline-PTX dequantization; lut_reg: the four-lane lookup with its
+    table in a register ("LUT_REG")."""
     found = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
              "num_warps": warps, "num_stages": stages}  # fmt: skip
+    if lut_reg:
+        found["LUT_REG"] = True
     return {**found, "SPLIT": split, "ASM": True} if split else found
 
 
@@ -86,6 +89,9 @@ def tile(bm, bn, bk, warps, stages, group_m=1, split=False) -> dict:
 _SMALL_SCALED = [(64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6)]
 _SMALL_SPLIT = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
                 (64, 128, 4, 6), (32, 256, 4, 4), (128, 256, 8, 3)]  # fmt: skip
+# The four-lane kernel with LUT_REG: today's small tiles, then two-warp ones, which Triton
+# builds with mma.sync on Hopper too (no wgmma waits; 6.7-6.9 instructions a byte on sm_90)
+_SMALL_QUAD_REG = [*_SMALL_SPLIT, (64, 128, 2, 4), (32, 256, 2, 3), (64, 128, 2, 3)]
 _LARGE_SCALED = [(128, 128, 8, 3, 8), (128, 64, 4, 4, 8), (128, 64, 8, 3, 8)]
 _LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (256, 64, 8, 3, 8),
                 (128, 128, 4, 3, 8), (64, 128, 4, 4, 8)]  # fmt: skip
@@ -93,12 +99,14 @@ _LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (25
 
 def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
     """(row tile, kernel) -> stage tiles to try: tl.dot_scaled, the two-lane split kernel, the
-    four-lane word kernel (both stages of a call must agree on the lanes: act's layout)."""
+    four-lane word kernel, at <= 256 tokens also with its table in a register (both stages of a
+    call must agree on the lanes: act's layout)."""
     if num_tokens <= 256:
         return {
             (16, "scaled"): [tile(16, *t) for t in _SMALL_SCALED],
             (16, "split"): [tile(16, *t, split=True) for t in _SMALL_SPLIT],
             (16, "quad"): [tile(16, *t, split=4) for t in _SMALL_SPLIT],
+            (16, "quad_reg"): [tile(16, *t, split=4, lut_reg=True) for t in _SMALL_QUAD_REG],
         }
     return {
         (128, "scaled"): [tile(128, n, k, w, s, g) for n, k, w, s, g in _LARGE_SCALED],

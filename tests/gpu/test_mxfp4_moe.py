@@ -28,6 +28,10 @@ KERNELS = {  # name -> tile (the same for both GEMMs)
               "SPLIT": True, "ASM": True},
     "quad": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
              "SPLIT": 4, "ASM": True},
+    "quad_reg": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                 "SPLIT": 4, "ASM": True, "LUT_REG": True},
+    "quad_reg_mma_sync": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2, "num_stages": 3,
+                          "SPLIT": 4, "ASM": True, "LUT_REG": True},  # mma.sync on Hopper
 }  # fmt: skip
 
 

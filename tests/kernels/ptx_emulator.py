@@ -4,7 +4,8 @@ block's arithmetic is tested on the CPU (Triton's interpreter runs no PTX).
 Registers are 32-bit unsigned ints. Supported: mov.b32, shl.b32, shr.b32 (logical), and.b32,
 or.b32, lop3.b32 (immLut from F(0xF0, 0xCC, 0xAA)), prmt.b32 (default mode: selector nibble i
 picks byte i of the result from {b, a}; bit 3 of a nibble replicates the picked byte's sign),
-fma.rn.bf16x2 (per half: a * b + c rounded to nearest even, subnormals kept, as sm_80+ does).
+fma.rn.bf16x2 (per half: a * b + c rounded to nearest even, subnormals kept, as sm_80+ does);
+the special registers %lanemask_lt and %lanemask_gt of the lane run_ptx is given.
 """
 
 from __future__ import annotations
@@ -75,10 +76,16 @@ _OPS = {
 }
 
 
-def run_ptx(asm: str, operands: list[int]) -> list[int]:
+def lane_masks(lane: int) -> dict[str, int]:
+    """A lane's %lanemask_lt (the lanes below it) and %lanemask_gt (those above it)."""
+    return {"%lanemask_lt": (1 << lane) - 1, "%lanemask_gt": MASK32 & ~((2 << lane) - 1)}
+
+
+def run_ptx(asm: str, operands: list[int], lane: int = 0) -> list[int]:
     """Runs an inline-asm block on `operands` ($0, $1, .. in order: outputs first, whose
-    incoming values are ignored) and returns every operand's final value."""
+    incoming values are ignored) as lane `lane` and returns every operand's final value."""
     registers = {f"${i}": value & MASK32 for i, value in enumerate(operands)}
+    registers.update(lane_masks(lane))
     body = asm.strip()
     body = body[1:-1] if body.startswith("{") else body
     for statement in body.split(";"):

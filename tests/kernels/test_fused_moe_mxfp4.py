@@ -24,6 +24,8 @@ SPLIT_WIDE = {**WIDE_K, "SPLIT": True, "ASM": True}  # ASM ignored: fp16 activat
 # 4 lanes: 16-bit words, one dot per nibble position (fused_moe_mxfp4_quad.py)
 QUAD = {**SMALL, "SPLIT": 4}
 QUAD_WIDE = {**WIDE_K, "SPLIT": 4, "ASM": True}
+# LUT_REG: the lookup's table in a register (asm only: here the launcher's plumbing of the key)
+QUAD_REG = {**WIDE_K, "SPLIT": 4, "ASM": True, "LUT_REG": True}
 TILES = {
     "small": {"w13": SMALL, "w2": SMALL},
     "wide_k": {"w13": WIDE_K, "w2": WIDE_K},
@@ -31,6 +33,7 @@ TILES = {
     "split_wide_k": {"w13": SPLIT_WIDE, "w2": SPLIT_WIDE},
     "quad": {"w13": QUAD, "w2": QUAD},
     "quad_wide_k": {"w13": QUAD_WIDE, "w2": QUAD_WIDE},
+    "quad_reg": {"w13": QUAD_REG, "w2": QUAD_REG},
 }
 CASES = {
     "one_token": dict(T=1, H=64, I=32, E=4, K=2),
@@ -167,3 +170,15 @@ def test_kernel_names_mismatched_shapes():
         fused_moe_mxfp4(
             x, w13, w2, weights, ids, w13_scale, torch.zeros(4, 64, 2, dtype=torch.uint8)
         )
+
+
+def test_lut_reg_reaches_the_four_lane_kernel_only():
+    """ "LUT_REG" picks the four-lane lookup's register-table form; other kernels never see it."""
+    from rayinfer.kernels.moe import fused_moe_mxfp4 as mxfp4
+
+    kernel, params = mxfp4._kernel_and_params(QUAD_REG, torch.bfloat16, True)
+    assert kernel is mxfp4.moe_mxfp4_quad_kernel
+    assert params["LUT_REG"] and params["USE_ASM"] and params["FOLD"]
+    assert not mxfp4._kernel_and_params(QUAD_WIDE, torch.bfloat16, False)[1]["LUT_REG"]
+    for tile in ({**SPLIT_WIDE, "LUT_REG": True}, {**WIDE_K, "LUT_REG": True}):
+        assert "LUT_REG" not in mxfp4._kernel_and_params(tile, torch.bfloat16, False)[1]

@@ -1,10 +1,11 @@
 """benchmarks/compile_moe_kernels.py builds the MoE kernels (the MXFP4 fused MoE's two GEMMs:
 tl.dot_scaled, the split kernel with its shift dequantization, the four-lane word kernel with its
-table lookup; the FP8 fused MoE's gate+up and the FP8 block GEMM, on sm_89 and sm_90 only; the
-bf16 gate+up GEMM with swiglu_limit; sqrtsoftplus routing) for sm_80, sm_89 and sm_90 on this
-CPU machine, within each target's shared memory and without spilled
-registers; the MXFP4 GEMMs' weight loads are asynchronous copies feeding tensor-core dots. (In a
-subprocess: the kernel tests run Triton's interpreter, which cannot compile.)"""
+table lookup, also with that table in a register (LUT_REG); the FP8 fused MoE's gate+up and the
+FP8 block GEMM, on sm_89 and sm_90 only; the bf16 gate+up GEMM with swiglu_limit; sqrtsoftplus
+routing) for sm_80, sm_89 and sm_90 on this CPU machine, within each target's shared memory and
+without spilled registers; the MXFP4 GEMMs' weight loads are asynchronous copies feeding
+tensor-core dots. (In a subprocess: the kernel tests run Triton's interpreter, which cannot
+compile.)"""
 
 import ast
 import os
@@ -37,7 +38,9 @@ def test_moe_kernels_compile_for_sm80_sm89_sm90():
     fp8_kernels = ("fp8_gate_up", "fp8_block_gemm")
     kernels = ("mxfp4_gate_up", "mxfp4_down", "mxfp4_split_asm_gate_up", "mxfp4_split_asm_down",
                "mxfp4_quad_gate_up", "mxfp4_quad_fold_gate_up", "mxfp4_quad_fold_down",
-               *fp8_kernels, "bf16_gate_up_limit", "routing_sqrtsoftplus")  # fmt: skip
+               "mxfp4_quad_reg_gate_up", "mxfp4_quad_reg_fold_gate_up",
+               "mxfp4_quad_reg_fold_down", *fp8_kernels, "bf16_gate_up_limit",
+               "routing_sqrtsoftplus")  # fmt: skip
     by_target = {(r["kernel"], r["arch"]): r for r in rows}
     assert set(by_target) == {(k, a) for k in kernels for a in (80, 89, 90)}
     # FP8 e4m3 (W8A8 experts and dense layers) runs on Ada's FP8 mma and Hopper's wgmma; Triton
@@ -62,3 +65,9 @@ def test_moe_kernels_compile_for_sm80_sm89_sm90():
         if per_byte[("mxfp4_split_asm_gate_up", arch)] is not None:
             quad = per_byte[("mxfp4_quad_gate_up", arch)]
             assert quad < per_byte[("mxfp4_split_asm_gate_up", arch)], (arch, per_byte)
+    # Its table in a register (LUT_REG) saves the copy ptxas makes before each prmt
+    for arch in (80, 89, 90):
+        for kernel in ("gate_up", "fold_gate_up", "fold_down"):
+            if per_byte[(f"mxfp4_quad_{kernel}", arch)] is not None:
+                reg = per_byte[(f"mxfp4_quad_reg_{kernel}", arch)]
+                assert reg < per_byte[(f"mxfp4_quad_{kernel}", arch)], (arch, kernel, per_byte)

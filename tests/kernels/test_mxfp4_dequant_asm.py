@@ -75,19 +75,27 @@ def test_split_kernel_block_gives_each_bytes_nibbles():
             assert out == expected, (b, s01, s23, [hex(v) for v in out])
 
 
-QUAD_FORMS = {"fold": quad_kernel.WORD_LOOKUP_FOLD_ASM, "two_factors": quad_kernel.WORD_LOOKUP_ASM}
+# (scale form, table in a register: the lanemask form, LUT_REG) -> the block
+QUAD_FORMS = {
+    ("fold", False): quad_kernel.WORD_LOOKUP_FOLD_ASM,
+    ("two_factors", False): quad_kernel.WORD_LOOKUP_ASM,
+    ("fold", True): quad_kernel.WORD_LOOKUP_FOLD_REG_ASM,
+    ("two_factors", True): quad_kernel.WORD_LOOKUP_REG_ASM,
+}
 
 
-@pytest.mark.parametrize("form", list(QUAD_FORMS))
-def test_quad_kernel_block_gives_each_lane_of_two_words(form):
+@pytest.mark.parametrize("form, lut_reg", list(QUAD_FORMS))
+def test_quad_kernel_block_gives_each_lane_of_two_words(form, lut_reg):
     """Words i (bytes b0 b1) and i + 1 (b2 b3), each with its scale -> $0 lane 0 (lo b0, lo b2),
-    $1 lane 2 (lo b1, lo b3), $2 lane 1 (hi b0, hi b2), $3 lane 3 (hi b1, hi b3)."""
-    asm = QUAD_FORMS[form].value
+    $1 lane 2 (lo b1, lo b3), $2 lane 1 (hi b0, hi b2), $3 lane 3 (hi b1, hi b3); in every warp
+    lane (the lanemask form's table must not depend on it)."""
+    asm = QUAD_FORMS[(form, lut_reg)].value
     for s_i, s_next, byte_sets in cases(form, random.Random(1)):
         scale_operands = [pair(a, b) for a, b in zip(factors(form, s_i), factors(form, s_next))]
-        for b in byte_sets:
+        for index, b in enumerate(byte_sets):
             packed = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-            out = run_ptx(asm, [0, 0, 0, 0, packed, *scale_operands])[:4]
+            operands = [0, 0, 0, 0, packed, *scale_operands]
+            out = run_ptx(asm, operands, lane=index % 32)[:4]
             first, second = (b[0], b[2]), (b[1], b[3])  # each word's first and second byte
             scales = (s_i, s_next)
             lane = {
@@ -106,3 +114,17 @@ def test_the_emulator_reads_prmt_and_lop3_as_ptx_defines_them():
     assert run_ptx("prmt.b32 $0, $1, $2, 0x7654;", [0, 0x44332211, 0x88776655])[0] == 0x88776655
     assert run_ptx("prmt.b32 $0, $1, 0, 0x8880;", [0, 0x000000F0])[0] == 0xFFFFFFF0
     assert run_ptx("lop3.b32 $0, $1, $2, $3, 0xE4;", [0, 0xAAAA, 0x5555, 0xFF00])[0] == 0xAA55
+
+
+@pytest.mark.parametrize("lane", [0, 1, 17, 30, 31])
+def test_the_lanemask_table_is_the_immediate_in_every_lane(lane):
+    """%lanemask_lt & %lanemask_gt is 0 (lanes below and above a lane), so LUT_REG's table is
+    0xC0804000 whatever the lane; the masks as PTX defines them for lane 5."""
+    table = (
+        "mov.b32 $1, %lanemask_lt; mov.b32 $2, %lanemask_gt; lop3.b32 $0, $1, $2, 0xC0804000, 0xEA;"
+    )
+    assert run_ptx(table, [0, 0, 0], lane=lane)[0] == 0xC0804000
+    assert run_ptx("mov.b32 $0, %lanemask_lt; mov.b32 $1, %lanemask_gt;", [0, 0], lane=5) == [
+        0x1F,
+        0xFFFFFFC0,
+    ]

@@ -111,14 +111,17 @@ def lanes(tile: dict) -> int:
 
 def _kernel_and_params(tile: dict, dtype: torch.dtype, small_scales: bool):
     """The tile's kernel and meta-parameters. "ASM" (bf16 only; fp16 takes the exact float32
-    bits) is the split kernel's shift PTX and the four-lane kernel's table lookup."""
-    params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM")}
+    bits) is the split kernel's shift PTX and the four-lane kernel's table lookup; "LUT_REG"
+    (four lanes only) that lookup with its table in a register."""
+    params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM", "LUT_REG")}
     num_lanes = lanes(tile)
     if num_lanes == 1:
         return _moe_mxfp4_gemm_kernel, {**params, "FORMAT": "bf16" if dtype == BF16 else "fp16"}
     use_asm = bool(tile.get("ASM")) and dtype == BF16
-    if num_lanes == 4:
-        return moe_mxfp4_quad_kernel, {**params, "USE_ASM": use_asm, "FOLD": small_scales}
+    if num_lanes == 4:  # "LUT_REG": the lookup's table kept in a register (fewer instructions)
+        lut_reg = bool(tile.get("LUT_REG"))
+        return moe_mxfp4_quad_kernel, {**params, "USE_ASM": use_asm, "FOLD": small_scales,
+                                       "LUT_REG": lut_reg}  # fmt: skip
     return _moe_mxfp4_split_kernel, {**params, "USE_ASM": use_asm}
 
 

@@ -38,9 +38,17 @@ WORDS_PER_GROUP = tl.constexpr(8)  # 32 values share a UE8M0 scale
 # side); swapping each byte's bit pairs 2-3 and 4-5 puts the low nibble's (s, e1) above its
 # (e0, m), the high nibble's sitting two bits up. $5 scales 2^(s - 1) with FOLD (scale bytes at
 # most 128: one fma a pair), else 2^(min(s, 128) - 1) and $6 2^(max(s, 128) - 128): exact.
+_LOOKUP_REGS = ".reg .b32 v, t, u, y, z, zh, q, lo_tab, hi_tab, nzero;"
+_LUT_IMMEDIATE = "mov.b32 lo_tab, 0xC0804000;"
+# The same table, from a value ptxas cannot fold: %lanemask_lt & %lanemask_gt is 0 in every
+# lane (bits below a lane and bits above it). With the immediate, ptxas keeps the table in a
+# uniform register and copies it into a regular one before each prmt (IMAD.U32 R, RZ, RZ, UR:
+# one instruction per prmt, 12% of the sm_90 loop); a per-thread value stays in a register.
+_LUT_IN_REGISTER = """.reg .b32 lt, gt;
+mov.b32 lt, %lanemask_lt;
+mov.b32 gt, %lanemask_gt;
+lop3.b32 lo_tab, lt, gt, 0xC0804000, 0xEA;"""
 _LOOKUP = """
-.reg .b32 v, t, u, y, z, zh, q, lo_tab, hi_tab, nzero;
-mov.b32 lo_tab, 0xC0804000;
 mov.b32 hi_tab, 0x81800100;
 mov.b32 nzero, 0x80008000;
 prmt.b32 v, $4, 0, 0x3120;
@@ -68,8 +76,19 @@ fma.rn.bf16x2 $1, $1, $6, nzero;
 fma.rn.bf16x2 $2, $2, $6, nzero;
 fma.rn.bf16x2 $3, $3, $6, nzero;
 """
-WORD_LOOKUP_FOLD_ASM = tl.constexpr("{" + _LOOKUP + "}")
-WORD_LOOKUP_ASM = tl.constexpr("{" + _LOOKUP + _SECOND_FACTOR + "}")
+
+
+def lookup_asm(fold: bool, lut_in_register: bool) -> str:
+    """The lookup block: one scale factor with fold, else two; the low table by the lanemask
+    identity with lut_in_register (fewer instructions, same bits), else an immediate."""
+    table = _LUT_IN_REGISTER if lut_in_register else _LUT_IMMEDIATE
+    return "{\n" + _LOOKUP_REGS + "\n" + table + _LOOKUP + ("" if fold else _SECOND_FACTOR) + "}"
+
+
+WORD_LOOKUP_FOLD_ASM = tl.constexpr(lookup_asm(True, False))
+WORD_LOOKUP_ASM = tl.constexpr(lookup_asm(False, False))
+WORD_LOOKUP_FOLD_REG_ASM = tl.constexpr(lookup_asm(True, True))
+WORD_LOOKUP_REG_ASM = tl.constexpr(lookup_asm(False, True))
 
 
 @triton.jit
@@ -96,19 +115,22 @@ def _spread(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _dequant_words(w, s, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   LUT_REG: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
     """w [BN, BK/4] int16 words, s [BN, BK/32] uint8 UE8M0 scales -> the four lanes' values,
-    each [BN, BK/4] DTYPE (bf16 by the lookup with USE_ASM; exact float32 bits else)."""
+    each [BN, BK/4] DTYPE (bf16 by the lookup with USE_ASM, its table in a register with
+    LUT_REG; exact float32 bits else)."""
     if USE_ASM:
         first, second = _bf16_factors(s, FOLD)
         if FOLD:
             lane0, lane2, lane1, lane3 = tl.inline_asm_elementwise(
-                WORD_LOOKUP_FOLD_ASM, "=r,=r,=r,=r,r,r", [w, _spread(first, BLOCK_N, BLOCK_K)],
+                WORD_LOOKUP_FOLD_REG_ASM if LUT_REG else WORD_LOOKUP_FOLD_ASM, "=r,=r,=r,=r,r,r",
+                [w, _spread(first, BLOCK_N, BLOCK_K)],
                 dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2,
             )  # fmt: skip
         else:
             lane0, lane2, lane1, lane3 = tl.inline_asm_elementwise(
-                WORD_LOOKUP_ASM, "=r,=r,=r,=r,r,r,r",
+                WORD_LOOKUP_REG_ASM if LUT_REG else WORD_LOOKUP_ASM, "=r,=r,=r,=r,r,r,r",
                 [w, _spread(first, BLOCK_N, BLOCK_K), _spread(second, BLOCK_N, BLOCK_K)],
                 dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2,
             )  # fmt: skip
@@ -133,14 +155,16 @@ def _load_word_scales(s_ptrs, word_step, quarter_k, BLOCK_K: tl.constexpr):
 @triton.jit
 def _quad_dot(acc, w_ptrs, s, a0, a1, a2, a3, word_step, words_in,
               DTYPE: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+              LUT_REG: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
     """acc [BN, BM] += sum over lanes r of lane_r [BN, BK/4] @ a_r [BK/4, BM]; s [BN, BK/32] the
     step's scales."""
     if EVEN_K:
         w = tl.load(w_ptrs + word_step)  # [BN, BK/4] int16
     else:  # masked words are zeros; the activations there are zeros too
         w = tl.load(w_ptrs + word_step, mask=words_in[None, :], other=0)
-    lane0, lane1, lane2, lane3 = _dequant_words(w, s, DTYPE, USE_ASM, FOLD, BLOCK_N, BLOCK_K)
+    lane0, lane1, lane2, lane3 = _dequant_words(w, s, DTYPE, USE_ASM, FOLD, LUT_REG, BLOCK_N,
+                                                BLOCK_K)  # fmt: skip
     acc = tl.dot(lane0, a0, acc)
     acc = tl.dot(lane1, a1, acc)
     acc = tl.dot(lane2, a2, acc)
@@ -164,7 +188,8 @@ def moe_mxfp4_quad_kernel(
     N, K, num_slots, up_offset, num_blocks_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    USE_ASM: tl.constexpr, FOLD: tl.constexpr, EVEN_K: tl.constexpr, USE_LIMIT: tl.constexpr,
+    USE_ASM: tl.constexpr, FOLD: tl.constexpr, LUT_REG: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_LIMIT: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -209,10 +234,10 @@ def moe_mxfp4_quad_kernel(
             mask = mask & words_in[:, None]
         a0, a1, a2, a3 = _load_lanes(a_ptrs, word_step, quarter_k, mask)
         acc = _quad_dot(acc, w_ptrs, s, a0, a1, a2, a3, word_step, words_in, dtype, USE_ASM,
-                        FOLD, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+                        FOLD, LUT_REG, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         if FUSE_SILU:
             acc_up = _quad_dot(acc_up, w_ptrs + up_offset * stride_wn, up_s, a0, a1, a2, a3,
-                               word_step, words_in, dtype, USE_ASM, FOLD, EVEN_K, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
+                               word_step, words_in, dtype, USE_ASM, FOLD, LUT_REG, EVEN_K,
+                               BLOCK_N, BLOCK_K)  # fmt: skip
     store_slot_tile(acc, acc_up, c_ptr, stride_cm, topk_weights_ptr, slots, is_real, pid_n, N,
                     FUSE_SILU, MUL_WEIGHT, USE_LIMIT, LIMIT, BLOCK_N)  # fmt: skip

@@ -201,15 +201,21 @@ def config_snippet(results: dict, device_name: str) -> dict:
     sparse_mla bucketed by heads per rank (64), the indexer's single bucket "1"."""
     buckets = {"sparse_mla": str(glm5.HEADS), "dsa_indexer": "1"}
     return {op: {device_name: {"default": {buckets[op]: results[op]["best"]}}}
-            for op in buckets if results[op]["best"]}  # fmt: skip
+            for op in buckets if op in results and results[op]["best"]}  # fmt: skip
 
 
-def run(config_out: str | None) -> dict:
-    """Both sweeps; the snippet printed and, given config_out, written there."""
-    results = {
-        "sparse_mla": sweep_kernel("sparse_mla", SPARSE_MLA_SWEEP, SparseMlaCase, CHECK_TOLERANCE),
-        "dsa_indexer": sweep_kernel("dsa_indexer", INDEXER_SWEEP, IndexerCase, SCORE_TOLERANCE),
-    }
+SWEPT_KERNELS = ("sparse_mla", "dsa_indexer")
+
+
+def run(config_out: str | None, kernels: tuple[str, ...] = SWEPT_KERNELS) -> dict:
+    """The sweeps of `kernels`; the snippet printed and, given config_out, written there."""
+    sweeps = {
+        "sparse_mla": lambda: sweep_kernel("sparse_mla", SPARSE_MLA_SWEEP, SparseMlaCase,
+                                           CHECK_TOLERANCE),
+        "dsa_indexer": lambda: sweep_kernel("dsa_indexer", INDEXER_SWEEP, IndexerCase,
+                                            SCORE_TOLERANCE),
+    }  # fmt: skip
+    results = {kernel: sweeps[kernel]() for kernel in kernels}
     snippet = config_snippet(results, torch.cuda.get_device_name())
     print(json.dumps(snippet, indent=1), flush=True)
     if config_out:

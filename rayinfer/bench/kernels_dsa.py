@@ -224,6 +224,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sweep", action="store_true", help="also sweep both kernels' tiles at 1/16/64 x 128k"
     )
+    parser.add_argument("--sweep-kernels", nargs="+", choices=dsa_sweep.SWEPT_KERNELS,
+                        default=list(dsa_sweep.SWEPT_KERNELS),
+                        help="with --sweep: which kernels' tiles (default: both)")  # fmt: skip
     parser.add_argument("--config-out", help="with --sweep: write the best tiles here, in "
                         "configs/sparse_mla.json's and dsa_indexer.json's layout")  # fmt: skip
     args = parser.parse_args(argv)
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(device=torch.cuda.get_device_name(), copy_tb_per_s=copy_rate / 1e12,
                   timing=args.timing, rows=rows)  # fmt: skip
     if args.sweep:
-        result["sweep"] = dsa_sweep.run(args.config_out)
+        result["sweep"] = dsa_sweep.run(args.config_out, tuple(args.sweep_kernels))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -99,8 +99,8 @@ _LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (25
 
 def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
     """(row tile, kernel) -> stage tiles to try: tl.dot_scaled, the two-lane split kernel, the
-    four-lane word kernel, at <= 256 tokens also with its table in a register (both stages of a
-    call must agree on the lanes: act's layout)."""
+    four-lane word kernel, also with its table in a register (both stages of a call must agree
+    on the lanes: act's layout)."""
     if num_tokens <= 256:
         return {
             (16, "scaled"): [tile(16, *t) for t in _SMALL_SCALED],
@@ -112,12 +112,13 @@ def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
         (128, "scaled"): [tile(128, n, k, w, s, g) for n, k, w, s, g in _LARGE_SCALED],
         (128, "split"): [tile(128, *t, split=True) for t in _LARGE_SPLIT],
         (128, "quad"): [tile(128, *t, split=4) for t in _LARGE_SPLIT],
+        (128, "quad_reg"): [tile(128, *t, split=4, lut_reg=True) for t in _LARGE_SPLIT],
         (64, "split"): [tile(64, *t, split=True) for t in _LARGE_SPLIT[:4]],
         (64, "quad"): [tile(64, *t, split=4) for t in _LARGE_SPLIT[:4]],
     }
 
 
-def sweep(x, experts, weights, ids, ref) -> dict:
+def sweep(x, experts, weights, ids, ref, families: list[str] | None = None) -> dict:
     """The fastest tile per stage for each (row tile, split); the best pair overall. A family
     whose first pair misses the float32 reference (rel. error > 1e-2) is skipped."""
     num_tokens, top_k = ids.shape
@@ -127,6 +128,8 @@ def sweep(x, experts, weights, ids, ref) -> dict:
     best = None
     small = mxfp4.scales_fold(experts["w13_scale"], experts["w2_scale"])
     for (bm, family), tiles in candidates(num_tokens).items():
+        if families and family not in families:
+            continue
         first = {"w13": tiles[0], "w2": tiles[0]}
         try:
             out = mxfp4.fused_moe_mxfp4(
@@ -173,14 +176,15 @@ def expert_bytes(experts: dict, ids: torch.Tensor) -> int:
     return num_used * per_expert
 
 
-def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool) -> dict:
+def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool,
+             families: list[str] | None = None) -> dict:  # fmt: skip
     shape = V4_FLASH
     device = experts["w13"].device
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, shape.hidden, device=device, dtype=BF16, generator=gen)
     weights, ids = random_routing(num_tokens, shape, device, seed=num_tokens)
     ref = float32_reference(x, bf16[0], bf16[1], weights, ids, SWIGLU_LIMIT)
-    config = sweep(x, experts, weights, ids, ref) if do_sweep else None
+    config = sweep(x, experts, weights, ids, ref, families) if do_sweep else None
     args = (x, experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
             experts["w2_scale"])  # fmt: skip
     limit = {"swiglu_limit": SWIGLU_LIMIT}
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--sweep", action="store_true", help="try tile configs first")
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
+    parser.add_argument("--families", nargs="+", default=None,
+                        help="with --sweep: only these kernel families (scaled, split, quad, "
+                        "quad_reg); default: all")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels moe_mxfp4: needs a CUDA GPU")
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = dequantized_bf16(experts)
     results = dict(device=torch.cuda.get_device_name(), shape=V4_FLASH.__dict__, cases=[])
     for num_tokens in args.tokens:
-        results["cases"].append(run_case(num_tokens, experts, bf16, args.sweep))
+        results["cases"].append(run_case(num_tokens, experts, bf16, args.sweep, args.families))
         print(json.dumps(results["cases"][-1]), flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -56,11 +56,7 @@ class KVCopier:
         self.device = kv_caches[0].device
         self.chunk_tokens = max(1, chunk_bytes // (self.num_layers * self.row_bytes))
         self.is_cuda = self.device.type == "cuda"
-        # The hand-off's gathers and scatters are few, short and on a request's way to its first
-        # token: on a high-priority stream their blocks are scheduled before those of the model
-        # steps queued beside them (in serve, at 16 streams, an import took 13.4 ms for a copy
-        # that alone takes 3.1: `bench serve`'s hand-off report, issue 28).
-        self._stream = torch.cuda.Stream(self.device, priority=-1) if self.is_cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._staging: torch.Tensor | None = None  # device, one chunk
         self._pinned: list[torch.Tensor] = []  # two host chunks
         self._threads: ThreadPoolExecutor | None = None

@@ -44,6 +44,7 @@ def hybrid_batch(seq_lens, query_lens, block_size, window, generator, dtype=torc
         ([50, 21], [7, 21], 3, 16, "every", (8, 2, 4)),  # an entry over 8 rows, blocks of 3
         ([29, 9], [29, 2], 8, 4, "listed", (4, 4, 6)),  # listed entries, -1 padded
         ([64], [1], 16, 128, "listed", (4, 4, 0)),  # window past the context; a decode
+        ([30, 11], [30, 3], 3, 8, "listed", (4, 4, 1)),  # listed entries across blocks of 3
     ],
 )
 @pytest.mark.parametrize("num_heads", [3, 16, 20])
@@ -98,9 +99,12 @@ def test_sinks_take_probability_mass():
 
 
 @pytest.mark.parametrize("topk", [1, 3, 50])  # 50: more than any query's entries
-def test_indexer_over_spread_entries_matches_the_reference(topk):
+# blocks of 4 and 8: each entry's rows in one block (one table load per entry); of 3: entries
+# across blocks (a table load per element)
+@pytest.mark.parametrize("block_size", [4, 3, 8])
+def test_indexer_over_spread_entries_matches_the_reference(topk, block_size):
     generator = torch.Generator().manual_seed(topk)
-    seq_lens, query_lens, block_size, rate, share, column = [45, 6, 17], [3, 6, 1], 4, 4, 2, 3
+    seq_lens, query_lens, rate, share, column = [45, 6, 17], [3, 6, 1], 4, 2, 3
     _, _, cache, tables, seq_ids, positions = hybrid_batch(seq_lens, query_lens, block_size, 8,
                                                            generator)  # fmt: skip
     queries = torch.randn(positions.shape[0], 5, 8, generator=generator)

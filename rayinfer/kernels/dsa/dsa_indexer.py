@@ -173,7 +173,16 @@ def _index_scores_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions (entries)
         is_visible = offs_n < visible_end
         k_mask = is_visible[:, None] & (offs_d[None, :] < HEAD_DIM)
-        if SHARE > 0:
+        if SHARE > 0 and BLOCK_SIZE % ENTRY_STRIDE == 0:
+            # An entry's rows lie in one block: one table load per entry, and each row's SHARE
+            # columns contiguous, so the keys load as vectors (per element, the table loads and
+            # scalar key loads made this kernel most of V4's prefill: profile_long_prefill.py).
+            first_row = offs_n * ENTRY_STRIDE  # [BLOCK_N] the entry's first token
+            block_ids = tl.load(table_ptr + first_row // BLOCK_SIZE, mask=is_visible, other=0)
+            rows = tl.maximum(block_ids.to(tl.int64), 0) * BLOCK_SIZE + first_row % BLOCK_SIZE
+            columns = (offs_d // SHARE) * stride_row + offs_d % SHARE  # [BLOCK_D]
+            k_ptrs = key_base + (rows * stride_row)[:, None] + columns[None, :]
+        elif SHARE > 0:  # an entry across blocks: each element's row through the table
             where = offs_n[:, None].to(tl.int64) * ENTRY_STRIDE + offs_d[None, :] // SHARE
             block_ids = tl.load(table_ptr + where // BLOCK_SIZE, mask=k_mask, other=0)
             rows = tl.maximum(block_ids.to(tl.int64), 0) * BLOCK_SIZE + where % BLOCK_SIZE

@@ -158,7 +158,18 @@ def _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row, c
     """[BLOCK_N, BLOCK_D] the entries' values: element c of entry j in the row of token
     j * RATE + c // SHARE at column + c % SHARE (zeros where not valid)."""
     mask = valid[:, None] & dim_mask[None, :]
-    # int32 positions and slots ([BLOCK_N, BLOCK_D] of int64 spilled registers on sm_90,
+    if BLOCK_SIZE % RATE == 0:
+        # An entry's rows lie in one block (CSA): one table load per entry, and each row's
+        # SHARE columns contiguous, so the values load as vectors (per element, the table and
+        # scalar loads made this kernel a third of V4's prefill: profile_long_prefill.py).
+        first_row = entry.to(tl.int32) * RATE  # [BLOCK_N] the entry's first token
+        blocks = tl.load(table + first_row // BLOCK_SIZE, mask=valid, other=0)
+        rows = tl.maximum(blocks, 0) * BLOCK_SIZE + first_row % BLOCK_SIZE  # [BLOCK_N] slots
+        columns = (offs_d // SHARE) * stride_row + offs_d % SHARE  # [BLOCK_D]
+        ptrs = cache_ptr + column + (rows.to(tl.int64) * stride_row)[:, None] + columns[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0)
+    # An entry across blocks (HCA): each element's row through the table. int32 positions and
+    # slots ([BLOCK_N, BLOCK_D] of int64 spilled registers on sm_90,
     # benchmarks/compile_dsa_kernels.py); only the byte offsets are int64
     where = entry.to(tl.int32)[:, None] * RATE + offs_d[None, :] // SHARE  # tokens
     blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0)

@@ -11,7 +11,7 @@
 #   bash benchmarks/serve_peer_and_handoff.sh
 set -uo pipefail
 source .device/ray/use-ray-bundle.sh
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NO_BUNDLE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NO_BUNDLE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
 export OUT=${OUT:-/tmp}
 STEPS=${STEPS:-copies handoff peer}
 runs() { [[ " $STEPS " == *" $1 "* ]]; }

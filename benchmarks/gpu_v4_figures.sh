@@ -9,8 +9,11 @@
 #   3. `bench long_context` on the 4-layer V4-Flash shapes over the hybrid cache: prefill at 8k /
 #      128k / 1M, decode at 1M and 16 x 8k, the cache's bytes per token as allocated.
 # V4 bf16 parity needs a transformers that runs V4 in bf16 (5.17, the machine's, cannot): put
-# its wheels in .whl first (benchmarks/device_wheels.sh says which) and name .whl in carry;
-# without them that test skips. STEPS picks what runs (a device command
+# its wheels in .whl first (benchmarks/device_wheels.sh says which, plus httpx2 for
+# huggingface-hub 2.x) and name .whl in carry; without them that test skips. The engine imports
+# Ray too, and the Ray bundle and the wheels together pass the carry limit (64 MiB): carry
+# [".device"] in one call and [".whl"] in the next while the machine is still warm (its ignored
+# paths stay between calls), then run "checks". STEPS picks what runs (a device command
 # has 10 minutes: run "checks mxfp4" in one call and "long" in the next):
 #   STEPS="checks mxfp4" bash benchmarks/gpu_v4_figures.sh
 set -uo pipefail

@@ -10,7 +10,7 @@ the target's per-block limit, the registers per thread and the spilled ones.
                                                         # key kernels: sm_89 and sm_90)
     python benchmarks/compile_dsa_kernels.py --arch 89 --kernel sparse_mla
     python benchmarks/compile_dsa_kernels.py --kernel sparse_mla --arch 90 \
-        --params '{"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 4, "latent_parts": 2}'
+        --params '{"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 8}'
                                                         # a sweep candidate's tiles instead
 
 The integer arguments are compiled as multiples of 16, as Triton specializes them at launch when
@@ -78,10 +78,8 @@ def sparse_mla_split(arch: int, dtype: str):
     constants = sparse_mla.split_constants(params, DTYPES[dtype], HEADS, LATENT_RANK, ROPE_DIM,
                                            is_only_split=False)  # fmt: skip
     pointer = _pointer(dtype)
-    partials = sparse_mla.partial_dtype(params, DTYPES[dtype])  # float32, or the query's
-    mid_out = "*fp32" if partials == torch.float32 else pointer
     types = dict(q_latent_ptr=pointer, q_pe_ptr=pointer, cache_ptr=pointer, slots_ptr="*i32",
-                 mid_out_ptr=mid_out, mid_lse_ptr="*fp32", scale="fp32")  # fmt: skip
+                 mid_out_ptr="*fp32", mid_lse_ptr="*fp32", scale="fp32")  # fmt: skip
     return compile_for(sparse_mla._sparse_mla_split_kernel, types, constants, arch,
                        params["num_warps"], params["num_stages"])  # fmt: skip
 

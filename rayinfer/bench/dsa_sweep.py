@@ -20,58 +20,40 @@ import torch
 from rayinfer.bench import dsa_shapes as glm5
 from rayinfer.bench.graph_timing import graph_median_ms
 from rayinfer.kernels.dsa.dsa_indexer import context_slots, index_scores
-from rayinfer.kernels.dsa.sparse_mla import (
-    VARIANT_DEFAULTS,
-    sparse_mla_attention,
-    sparse_mla_attention_reference,
-)
+from rayinfer.kernels.dsa.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
 
 SWEEP_BATCHES, SWEEP_CONTEXT = (1, 16, 64), 131072
 CHECK_TOLERANCE = 2e-2  # bf16 sparse attention (tests/gpu/test_dsa_kernels.py)
 SCORE_TOLERANCE = 1e-3  # bf16 indexer scores, of the largest score
 SPARSE_MLA_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "target_programs",
                    "min_tokens_per_split", "max_splits")  # fmt: skip
-# The kernel variants (sparse_mla.VARIANT_DEFAULTS: today's kernel) that a candidate may pick:
-# every candidate carries all of them, so the winner goes into the configs file as it ran.
-PREFETCH = dict(prefetch_slots=True)  # next tiles' gathers in flight during the dots
-HALVES = dict(latent_parts=2, prefetch_slots=True)  # 64 heads in one warpgroup, each its half
-BF16_PARTS = dict(partial_dtype="query")  # bf16 partials: half the bytes of the combine
-
-
-def _candidate(values: tuple, **variant) -> dict:
-    return {**dict(zip(SPARSE_MLA_KEYS, values)), **VARIANT_DEFAULTS, **variant}
-
-
-SPARSE_MLA_SWEEP = [_candidate(values) for values in (
+SPARSE_MLA_SWEEP = [dict(zip(SPARSE_MLA_KEYS, values)) for values in (
     (32, 32, 8, 2, 528, 128, 32),  # configs' "default" entry for 64 heads
-    (16, 32, 4, 2, 528, 128, 32),  # the H200's entry
+    (16, 32, 4, 2, 528, 128, 32),
     (16, 64, 4, 2, 528, 128, 32),
     (32, 64, 8, 2, 528, 128, 32),
+    (32, 16, 4, 3, 528, 128, 32),
+    (32, 32, 4, 2, 528, 128, 32),
+    (32, 32, 8, 3, 528, 128, 32),
+    (32, 32, 8, 1, 528, 128, 32),
     (64, 32, 8, 2, 528, 128, 32),
     (64, 16, 8, 2, 528, 128, 32),
+    (64, 64, 8, 1, 528, 128, 32),
+    (32, 32, 8, 2, 1056, 64, 64),
+    (32, 32, 8, 2, 264, 128, 32),
+    (32, 32, 8, 2, 528, 64, 64),
+    (32, 32, 8, 2, 528, 256, 16),
     (16, 32, 4, 2, 1056, 64, 64),
+    (64, 32, 8, 2, 1056, 64, 64),
+    (32, 64, 8, 2, 1056, 64, 64),
     (16, 16, 4, 3, 1056, 32, 64),
-    (16, 32, 4, 2, 2112, 64, 64),  # more splits: a few decodes' programs fill the GPU
+    (32, 16, 4, 2, 1056, 32, 64),
+    # more splits: a few decodes' programs fill the GPU
+    (16, 32, 4, 2, 2112, 64, 64),
+    (32, 32, 8, 2, 2112, 32, 64),
+    (64, 32, 8, 2, 2112, 32, 64),
     (16, 64, 4, 3, 1056, 64, 64),
-)] + [
-    # The prefetched slots (sm_90, Triton 3.6: 16/16/4w/3st 54.5 KB, 128 registers; 16/32
-    # 91 KB, 189; neither spills, both build for sm_80 and sm_89).
-    _candidate((16, 16, 4, 3, 528, 128, 32), **PREFETCH),
-    _candidate((16, 32, 4, 3, 528, 128, 32), **PREFETCH),
-    _candidate((16, 16, 4, 4, 528, 128, 32), **PREFETCH),
-    _candidate((16, 16, 4, 3, 1056, 64, 64), **PREFETCH),
-    _candidate((16, 32, 4, 3, 528, 128, 32), **PREFETCH, **BF16_PARTS),
-    # 64 heads a program, every row gathered once (8 warps: 128 KB, 208 registers, wgmma)
-    _candidate((64, 16, 8, 3, 528, 128, 32), **PREFETCH),
-    _candidate((64, 16, 8, 3, 264, 128, 32), **PREFETCH, **BF16_PARTS),
-    # halves of the latent: 64 heads, one warpgroup (sm_90 only: 108-144 KB; wgmma)
-    _candidate((64, 16, 4, 2, 528, 128, 32), **HALVES),  # 108 KB: two programs an SM
-    _candidate((64, 16, 4, 3, 528, 128, 32), **HALVES),
-    _candidate((64, 16, 4, 4, 528, 128, 32), **HALVES),
-    _candidate((64, 16, 8, 3, 528, 128, 32), **HALVES),
-    _candidate((64, 16, 4, 3, 264, 128, 32), **HALVES, **BF16_PARTS),
-    _candidate((64, 16, 4, 3, 1056, 64, 64), **HALVES, **BF16_PARTS),
-]  # fmt: skip
+)]  # fmt: skip
 INDEXER_KEYS = ("BLOCK_N", "KEYS_PER_PROGRAM", "num_warps", "num_stages")
 INDEXER_SWEEP = [dict(zip(INDEXER_KEYS, values)) for values in (
     (64, 1024, 4, 3),  # configs' "default" entry

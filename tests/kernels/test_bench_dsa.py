@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from rayinfer.bench import dsa_sweep, kernels, kernels_dsa
-from rayinfer.kernels.dsa.sparse_mla import VARIANT_DEFAULTS
 from rayinfer.kernels.tile_configs import pick_tile_config
 
 
@@ -52,8 +51,7 @@ def test_speedup_is_dense_over_selection_plus_sparse_attention():
 
 
 def test_swept_configs_carry_the_keys_their_kernels_read():
-    # Every candidate names the kernel variant it runs (today's kernel: VARIANT_DEFAULTS).
-    sparse_keys = {**pick_tile_config("sparse_mla", "default", "default", 64), **VARIANT_DEFAULTS}
+    sparse_keys = pick_tile_config("sparse_mla", "default", "default", 64)
     assert dsa_sweep.SPARSE_MLA_SWEEP[0] == sparse_keys  # the current entry is a candidate
     assert all(set(c) == set(sparse_keys) for c in dsa_sweep.SPARSE_MLA_SWEEP)
     index_keys = pick_tile_config("dsa_indexer", "default", "default", 1)

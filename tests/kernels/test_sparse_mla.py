@@ -94,19 +94,7 @@ def test_rejects_a_cache_narrower_than_latent_and_rope():
         sparse_mla_attention(q_latent, q_pe, kv_cache, slots, 0.1)
 
 
-# The kernel variants a config may pick (sparse_mla.VARIANT_DEFAULTS; bench/dsa_sweep.py).
-VARIANTS = {
-    "prefetch": dict(prefetch_slots=True, num_stages=3),
-    "halves": dict(latent_parts=2),  # each program its half of the output columns
-    "halves_prefetch_query_partials": dict(
-        latent_parts=2, prefetch_slots=True, partial_dtype="query"
-    ),  # fmt: skip
-    "query_partials": dict(partial_dtype="query"),
-}
-
-
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize(
     "num_queries,num_heads,latent_rank,rope_dim,row_width,num_slots,listed,block_h",
@@ -117,29 +105,20 @@ VARIANTS = {
         (4, 3, 16, 8, 40, 40, 33, 16),  # a list one entry past two 16-slot tiles
     ],
 )
-def test_variants_match_reference(num_queries, num_heads, latent_rank, rope_dim, row_width,
-                                  num_slots, listed, block_h, split, variant, dtype):  # fmt: skip
+def test_odd_head_counts_and_lists_match_reference(num_queries, num_heads, latent_rank, rope_dim,
+                                                   row_width, num_slots, listed, block_h, split,
+                                                   dtype):  # fmt: skip
     case = random_case(num_queries, num_heads, latent_rank, rope_dim, row_width, num_slots, listed)
-    params = {**SPLITS[split], **VARIANTS[variant], "BLOCK_H": block_h}
-    assert_matches_reference(*case, dtype, params)
+    assert_matches_reference(*case, dtype, {**SPLITS[split], "BLOCK_H": block_h})
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_variants_with_top_k_past_the_tokens(variant):
+def test_top_k_past_the_tokens_lists_them_all_then_nothing():
     """Top-k 64 over a cache of 12 tokens: each list names them all, then -1 to its end (whole
-    splits and prefetched tiles of -1 only weigh nothing)."""
+    splits of -1 only weigh nothing)."""
     q_latent, q_pe, kv_cache, _ = random_case(2, 7, 32, 16, 48, 12, 12, seed=3)
     slots = torch.full((2, 64), -1, dtype=torch.int32)
     slots[0, :12] = torch.randperm(12, generator=torch.Generator().manual_seed(4))
     slots[1, :12] = torch.arange(12)
     slots[1, 3] = -1  # a hole inside the listed part too
-    params = {**SPLITS["many_splits"], **VARIANTS[variant]}
     for dtype in TOLERANCES:
-        assert_matches_reference(q_latent, q_pe, kv_cache, slots, dtype, params)
-
-
-def test_rejects_an_unknown_partial_dtype():
-    q_latent, q_pe, kv_cache, slots = random_case(1, 4, 32, 16, 48, 8, 4)
-    with pytest.raises(ValueError, match="partial_dtype"):
-        sparse_mla_attention(q_latent, q_pe, kv_cache, slots, 0.1,
-                             params={**SPLITS["many_splits"], "partial_dtype": "bf16"})  # fmt: skip
+        assert_matches_reference(q_latent, q_pe, kv_cache, slots, dtype, SPLITS["many_splits"])

@@ -24,14 +24,6 @@ from rayinfer.kernels.triton_compat import tl, triton
 # float32 on a GPU (parity checks, not a speed path): tiles that fit shared memory at four bytes
 # an element on every target (sm_80, sm_89, sm_90).
 FLOAT32_TILES = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2)
-# Kernel variants a config may pick (bench/dsa_sweep.py compares them), and today's kernel when
-# a config leaves them out: latent_parts 2 splits the L output columns between two programs
-# (half the accumulator); prefetch_slots loads the next tile's slot indices one iteration ahead
-# (with num_stages >= 3 Triton's pipeliner then keeps the next tiles' gathers in flight during
-# this tile's dots: async_wait leaves them outstanding, where without it it waits for all);
-# partial_dtype "query" keeps the splits' partial outputs in the query's dtype (bf16 served: half
-# the bytes of float32).
-VARIANT_DEFAULTS = dict(latent_parts=1, prefetch_slots=False, partial_dtype="float32")
 
 
 def sparse_mla_attention_reference(
@@ -60,73 +52,46 @@ def _sparse_mla_split_kernel(
     stride_mid_t, stride_mid_h, stride_mid_s,
     LATENT_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, IS_ONLY_SPLIT: tl.constexpr, LATENT_PARTS: tl.constexpr,
-    PREFETCH_SLOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_ONLY_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """One (latent part, head group, query, split): partial softmax . c_kv over the split's
-    listed slots.
+    """One (head group, query, split): partial softmax . c_kv over the split's listed slots.
 
     Each gathered [BLOCK_N, L + R] tile feeds both dots: the scores (q_latent . c_kv + q_pe .
     k_pe) and the output (p @ c_kv, c_kv being the value too). -1 slots load nothing and weigh 0.
-
-    LATENT_PARTS = 2: the program writes only its half of the L output columns (the accumulator
-    [BLOCK_H, BLOCK_L / 2] takes half the registers, so 64 heads fit one warpgroup and each row
-    is gathered twice, not once per 16 heads), at the cost of computing the scores twice, once
-    in each half's program. PREFETCH_SLOTS: the next tile's slot indices are loaded one
-    iteration ahead, so the gather's addresses do not wait on a dependent load.
     """
-    # Latent parts, then head groups vary fastest (they share the gathered rows in L2); the
-    # queries are on grid axis 0 too, which has no 65,535 limit.
+    # Head groups vary fastest (they share the gathered rows in L2); the queries are on grid
+    # axis 0 too, which has no 65,535 limit.
     num_groups = tl.cdiv(num_heads, BLOCK_H)
-    part = tl.program_id(0) % LATENT_PARTS
-    head_start = ((tl.program_id(0) // LATENT_PARTS) % num_groups) * BLOCK_H
-    query = (tl.program_id(0) // (LATENT_PARTS * num_groups)).to(tl.int64)  # T x N x L > 2**31
+    head_start = (tl.program_id(0) % num_groups) * BLOCK_H
+    query = (tl.program_id(0) // num_groups).to(tl.int64)  # T x N x L may exceed 2**31
     split = tl.program_id(1)
     split_start = split * slots_per_split
     split_end = tl.minimum(split_start + slots_per_split, num_listed)
     heads = head_start + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     head_mask = heads < num_heads
-    # This program's output columns (all of L, or its half) and, with two parts, the other half
-    # that only the scores read: [PART_L] each, PART_L = BLOCK_L / LATENT_PARTS.
-    PART_L: tl.constexpr = BLOCK_L // LATENT_PARTS
-    offs_l = part * PART_L + tl.arange(0, PART_L)
-    offs_o = (1 - part) * PART_L + tl.arange(0, PART_L)  # unused when LATENT_PARTS == 1
+    offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
-    q_latent = _load_query(q_latent_ptr, query, heads, offs_l, stride_qlt, stride_qlh,
-                           num_heads, LATENT_RANK)  # fmt: skip  # [BLOCK_H, PART_L]
-    q_other = q_latent
-    if LATENT_PARTS == 2:
-        q_other = _load_query(q_latent_ptr, query, heads, offs_o, stride_qlt, stride_qlh,
-                              num_heads, LATENT_RANK)  # fmt: skip
-    q_pe = _load_query(q_pe_ptr, query, heads, offs_r, stride_qpt, stride_qph, num_heads,
-                       ROPE_DIM)  # fmt: skip  # [BLOCK_H, BLOCK_R]
+    ql_ptrs = q_latent_ptr + query * stride_qlt + heads[:, None] * stride_qlh + offs_l[None, :]
+    ql_mask = head_mask[:, None] & (offs_l[None, :] < LATENT_RANK)
+    q_latent = tl.load(ql_ptrs, mask=ql_mask, other=0.0)  # [BLOCK_H, BLOCK_L]
+    qp_ptrs = q_pe_ptr + query * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :]
+    q_pe = tl.load(qp_ptrs, mask=head_mask[:, None] & (offs_r[None, :] < ROPE_DIM), other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, PART_L], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     slot_row = slots_ptr + query * stride_slots
-    offs_n = split_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] entries of the slot list
-    next_slot = tl.load(slot_row + offs_n, mask=offs_n < split_end, other=-1)
     for start in range(split_start, split_end, BLOCK_N):
-        if PREFETCH_SLOTS:  # this tile's slots came with the last iteration; fetch the next's
-            slot = next_slot
-            offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
-            next_slot = tl.load(slot_row + offs_n, mask=offs_n < split_end, other=-1)
-        else:
-            offs_n = start + tl.arange(0, BLOCK_N)
-            slot = tl.load(slot_row + offs_n, mask=offs_n < split_end, other=-1)
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] entries of the slot list
+        slot = tl.load(slot_row + offs_n, mask=offs_n < split_end, other=-1)
         is_listed = slot >= 0
         row_ptrs = cache_ptr + slot.to(tl.int64)[:, None] * stride_row  # multi-GB caches
         l_mask = is_listed[:, None] & (offs_l[None, :] < LATENT_RANK)
-        kv_c = tl.load(row_ptrs + offs_l[None, :], mask=l_mask, other=0.0)  # [BLOCK_N, PART_L]
+        kv_c = tl.load(row_ptrs + offs_l[None, :], mask=l_mask, other=0.0)  # [BLOCK_N, BLOCK_L]
         r_mask = is_listed[:, None] & (offs_r[None, :] < ROPE_DIM)
         k_pe = tl.load(row_ptrs + LATENT_RANK + offs_r[None, :], mask=r_mask, other=0.0)
         kv_c, k_pe = kv_c.to(q_latent.dtype), k_pe.to(q_latent.dtype)
         scores = tl.dot(q_latent, tl.trans(kv_c), input_precision=DOT_PRECISION)
-        if LATENT_PARTS == 2:  # the other half's c_kv: read for the scores only
-            o_mask = is_listed[:, None] & (offs_o[None, :] < LATENT_RANK)
-            kv_o = tl.load(row_ptrs + offs_o[None, :], mask=o_mask, other=0.0).to(q_latent.dtype)
-            scores = tl.dot(q_other, tl.trans(kv_o), scores, input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
         scores = tl.where(is_listed[None, :], scores * qk_scale, float("-inf"))  # [H, N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -141,21 +106,11 @@ def _sparse_mla_split_kernel(
     mid_ptrs += heads[:, None] * stride_mid_h + offs_l[None, :]
     mid_mask = head_mask[:, None] & (offs_l[None, :] < LATENT_RANK)
     tl.store(mid_ptrs, (acc / l_safe[:, None]).to(mid_out_ptr.dtype.element_ty), mask=mid_mask)
-    # Both halves' programs hold the same softmax (their score sums differ only in fp32 order):
-    # the first writes the lse.
-    if not IS_ONLY_SPLIT and part == 0:  # else mid_out is the output and no combine follows
+    if not IS_ONLY_SPLIT:  # else mid_out is the output and no combine follows
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # [BLOCK_H] log2
         num_splits = tl.num_programs(1)
         tl.store(mid_lse_ptr + (query * num_heads + heads) * num_splits + split, lse,
                  mask=head_mask)  # fmt: skip
-
-
-@triton.jit
-def _load_query(ptr, query, heads, offs, stride_t, stride_h, num_heads, width):
-    """[BLOCK_H, len(offs)] of a query's heads (zeros past num_heads and width)."""
-    mask = (heads[:, None] < num_heads) & (offs[None, :] < width)
-    return tl.load(ptr + query * stride_t + heads[:, None] * stride_h + offs[None, :], mask=mask,
-                   other=0.0)  # fmt: skip
 
 
 def sparse_mla_params(q_latent: torch.Tensor) -> dict:
@@ -180,24 +135,7 @@ def split_constants(params: dict, dtype: torch.dtype, num_heads: int, latent_ran
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=heads_per_program(params, num_heads), BLOCK_N=params["BLOCK_N"],
         DOT_PRECISION=dot_precision(dtype), IS_ONLY_SPLIT=is_only_split,
-        LATENT_PARTS=variant(params, "latent_parts"),
-        PREFETCH_SLOTS=bool(variant(params, "prefetch_slots")),
     )  # fmt: skip
-
-
-def partial_dtype(params: dict, dtype: torch.dtype) -> torch.dtype:
-    """The splits' partial outputs: float32, or the query's `dtype` ("partial_dtype": "query")
-    to halve the bytes the split kernel writes and the combine reads back at bf16 (the lse stay
-    float32; each partial is normalized, so it rounds like the output does)."""
-    kind = variant(params, "partial_dtype")
-    if kind not in ("float32", "query"):
-        raise ValueError(f'partial_dtype {kind!r}: "float32" or "query"')
-    return torch.float32 if kind == "float32" else dtype
-
-
-def variant(params: dict, key: str):
-    """A variant key of the config, else today's kernel's (VARIANT_DEFAULTS)."""
-    return params.get(key, VARIANT_DEFAULTS[key])
 
 
 def sparse_mla_attention(
@@ -224,14 +162,12 @@ def sparse_mla_attention(
     slots = slots.contiguous()
     params = {**sparse_mla_params(q_latent), **(params or {})}
     num_groups = triton.cdiv(num_heads, heads_per_program(params, num_heads))
-    num_groups *= variant(params, "latent_parts")  # programs per (query, split)
     num_listed = slots.shape[1]
     split = choose_split(num_queries, num_groups, num_listed, params)
     out = q_latent.new_empty(num_queries, num_heads, latent_rank)
     is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
     mid_shape = (num_queries, num_heads, split.num_splits, latent_rank)
-    mid_dtype = partial_dtype(params, q_latent.dtype)
-    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=mid_dtype)
+    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
     mid_lse = out.new_empty(num_queries, num_heads, split.num_splits, dtype=torch.float32)
     constants = split_constants(params, q_latent.dtype, num_heads, latent_rank, rope_dim,
                                 is_only_split)  # fmt: skip

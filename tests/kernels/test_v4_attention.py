@@ -45,6 +45,9 @@ def hybrid_batch(seq_lens, query_lens, block_size, window, generator, dtype=torc
         ([29, 9], [29, 2], 8, 4, "listed", (4, 4, 6)),  # listed entries, -1 padded
         ([64], [1], 16, 128, "listed", (4, 4, 0)),  # window past the context; a decode
         ([30, 11], [30, 3], 3, 8, "listed", (4, 4, 1)),  # listed entries across blocks of 3
+        ([41, 17], [9, 17], 4, 8, "every", (8, 2, 0)),  # entries over two whole blocks
+        ([70], [5], 2, 16, "every", (16, 2, 2)),  # over eight whole blocks of 2
+        ([70], [5], 2, 16, "every", (32, 2, 0)),  # over sixteen: a table load per element
     ],
 )
 @pytest.mark.parametrize("num_heads", [3, 16, 20])

@@ -30,6 +30,9 @@ from rayinfer.kernels.attention.paged_attention import dot_precision
 from rayinfer.kernels.triton_compat import tl, triton
 
 NO_ENTRIES, LISTED_ENTRIES, EVERY_ENTRY = 0, 1, 2
+# An entry over at most this many whole blocks has them loaded once per entry and picked per
+# element (V4-Flash's HCA entries: 2 blocks of 64 tokens); past it, a table load per element.
+MAX_ENTRY_BLOCKS = tl.constexpr(8)
 
 
 def slots_of(block_tables, seq_ids, positions, block_size: int) -> torch.Tensor:
@@ -168,11 +171,20 @@ def _spread_keys(cache_ptr, table, entry, valid, offs_d, dim_mask, stride_row, c
         columns = (offs_d // SHARE) * stride_row + offs_d % SHARE  # [BLOCK_D]
         ptrs = cache_ptr + column + (rows.to(tl.int64) * stride_row)[:, None] + columns[None, :]
         return tl.load(ptrs, mask=mask, other=0.0)
-    # An entry across blocks (HCA): each element's row through the table. int32 positions and
-    # slots ([BLOCK_N, BLOCK_D] of int64 spilled registers on sm_90,
+    # int32 positions and slots ([BLOCK_N, BLOCK_D] of int64 spilled registers on sm_90,
     # benchmarks/compile_dsa_kernels.py); only the byte offsets are int64
     where = entry.to(tl.int32)[:, None] * RATE + offs_d[None, :] // SHARE  # tokens
-    blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0)
+    if RATE % BLOCK_SIZE == 0 and RATE // BLOCK_SIZE <= MAX_ENTRY_BLOCKS:
+        # An entry over whole blocks (HCA: 128 tokens, blocks of 64): its few blocks loaded once
+        # each ([BLOCK_N] loads) and picked per element, instead of a table load per element.
+        parts = offs_d[None, :] // (SHARE * BLOCK_SIZE)  # [1, BLOCK_D] which of its blocks
+        first_block = entry.to(tl.int32) * (RATE // BLOCK_SIZE)  # [BLOCK_N] table index
+        blocks = tl.load(table + first_block, mask=valid, other=0)[:, None]
+        for part in tl.static_range(1, RATE // BLOCK_SIZE):
+            block = tl.load(table + first_block + part, mask=valid, other=0)
+            blocks = tl.where(parts == part, block[:, None], blocks)
+    else:  # an entry across blocks at any offset: each element's row through the table
+        blocks = tl.load(table + where // BLOCK_SIZE, mask=mask, other=0)
     rows = tl.maximum(blocks, 0) * BLOCK_SIZE + where % BLOCK_SIZE
     ptrs = cache_ptr + rows.to(tl.int64) * stride_row + column + offs_d[None, :] % SHARE
     return tl.load(ptrs, mask=mask, other=0.0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -145,8 +145,8 @@ class HandoffIO:
         begin = time.perf_counter()
         refs = [ray.put(chunk.numpy()) for chunk in arena_chunks(self.arena.view(span), header)]
         timings = dict(header.timings, put_s=time.perf_counter() - begin)
-        return KVPayload(refs, header.num_layers, header.shape, header.dtype,
-                         header.generator_state, header.kv_heads, timings)  # fmt: skip
+        # the header as it is (its window state and layer shapes too), its chunks in the store
+        return replace(header, chunks=refs, timings=timings, arena=None, arena_chunk_tokens=0)
 
     # --- import ------------------------------------------------------------------------------
     def import_(

@@ -23,7 +23,7 @@ from rayinfer.workers.runner.kv_arena import KVArena, unlink_dead_arenas
 from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_copy import KVCopier
-from rayinfer.workers.runner.kv_transfer import KVPayload, pack_kv, token_slots
+from rayinfer.workers.runner.kv_transfer import KVPayload, layer_rows, pack_kv, token_slots
 
 
 def random_caches(num_layers, num_blocks, block_size, shape, dtype, seed=0):
@@ -35,8 +35,13 @@ def random_caches(num_layers, num_blocks, block_size, shape, dtype, seed=0):
 
 
 def tokens_per_chunk_bytes(caches, tokens: int) -> int:
-    row_bytes = caches[0][0, 0].numel() * caches[0].element_size()
-    return len(caches) * row_bytes * tokens
+    return sum(cache[0, 0].numel() * cache.element_size() for cache in caches) * tokens
+
+
+def chunk_layers(chunks, copier: KVCopier) -> list[torch.Tensor]:
+    """Per layer [tokens of every chunk, row bytes]: the chunks' layers (layer_rows) joined."""
+    parts = [layer_rows(torch.from_numpy(chunk), copier.layer_bytes) for chunk in chunks]
+    return [torch.cat(layer) for layer in zip(*parts)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
@@ -47,12 +52,15 @@ def test_export_then_import_is_bit_exact(dtype, shape, chunk_tokens):
     slots = token_slots([5, 2, 7], num_tokens=11, block_size=4)
     copier = KVCopier(source, chunk_bytes=tokens_per_chunk_bytes(source, chunk_tokens))
     chunks = [chunk.copy() for chunk in copier.export(slots)]  # buffers are reused
-    assert [c.shape[1] for c in chunks] == [e - s for s, e in copier.chunk_bounds(11)]
-    assert sum(c.shape[1] for c in chunks) == 11 and max(c.shape[1] for c in chunks) <= chunk_tokens
+    sizes = [c.size // copier.token_bytes for c in chunks]
+    assert sizes == [e - s for s, e in copier.chunk_bounds(11)]
+    assert sum(sizes) == 11 and max(sizes) <= chunk_tokens
     reference = pack_kv(source, slots)
-    whole = torch.from_numpy(np.concatenate(chunks, axis=1))  # [layers, 11, row_bytes]
+    # one width for all: the bytes of [layers, tokens, row bytes] arrays, chunk by chunk
+    whole = np.concatenate([c.reshape(3, -1, copier.token_bytes // 3) for c in chunks], axis=1)
     for layer, expected in enumerate(reference):
-        assert torch.equal(whole[layer], expected.contiguous().view(torch.uint8).reshape(11, -1))
+        rows = torch.from_numpy(whole[layer])
+        assert torch.equal(rows, expected.contiguous().view(torch.uint8).reshape(11, -1))
 
     target = [torch.zeros(16, 3, *shape, dtype=dtype) for _ in range(3)]  # block size 3
     target_slots = token_slots([9, 0, 4, 11], num_tokens=11, block_size=3)
@@ -72,26 +80,27 @@ def layers_of_widths(widths, num_blocks, block_size, dtype, seed=0):
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 64])
-def test_layers_of_different_widths_travel_padded_to_the_widest(chunk_tokens):
-    """Each layer's rows, then zeros up to the widest row, and back into each layer's own."""
+def test_layers_of_different_widths_travel_unpadded(chunk_tokens):
+    """Each layer's own rows, back to back (no padding to the widest), and back into each
+    layer's own, through an importer of another chunk size."""
     widths, dtype = [160, 4, 1, 160, 4], torch.bfloat16
     source = layers_of_widths(widths, 8, 4, dtype)
     slots = token_slots([5, 2, 7], num_tokens=11, block_size=4)
-    copier = KVCopier(source, chunk_bytes=len(widths) * 160 * 2 * chunk_tokens)
-    assert copier.row_bytes == 160 * 2
+    copier = KVCopier(source, chunk_bytes=sum(widths) * 2 * chunk_tokens)
+    assert copier.token_bytes == sum(widths) * 2 and copier.chunk_tokens == chunk_tokens
     chunks = [chunk.copy() for chunk in copier.export(slots)]
-    whole = torch.from_numpy(np.concatenate(chunks, axis=1))  # [layers, 11, 320]
-    for layer, expected in enumerate(pack_kv(source, slots)):
-        row_bytes = widths[layer] * 2
-        assert torch.equal(whole[layer, :, :row_bytes], expected.view(torch.uint8))
-        assert not whole[layer, :, row_bytes:].any()
+    assert sum(c.size for c in chunks) == 11 * sum(widths) * 2
+    for rows, expected in zip(chunk_layers(chunks, copier), pack_kv(source, slots)):
+        assert torch.equal(rows, expected.view(torch.uint8))
     target = [torch.zeros(16, 3, w, dtype=dtype) for w in widths]
     target_slots = token_slots([9, 0, 4, 11], num_tokens=11, block_size=3)
-    KVCopier(target, chunk_bytes=len(widths) * 320 * 2).import_(target_slots, chunks)
+    KVCopier(target, chunk_bytes=sum(widths) * 2 * 3).import_(target_slots, chunks)
     for got, expected in zip(pack_kv(target, target_slots), pack_kv(source, slots)):
         assert torch.equal(got, expected)
     payload = KVPayload.from_tensors(pack_kv(source, slots), generator_state=None)
-    assert payload.shape == (11, 160) and payload.num_bytes == len(widths) * 11 * 320
+    assert payload.shape == (11, 160) and payload.num_bytes == sum(widths) * 11 * 2
+    assert payload.kv_shapes == tuple((w,) for w in widths)
+    assert all(torch.equal(a, b) for a, b in zip(payload.kv, pack_kv(source, slots)))
 
 
 def test_payload_views_and_sizes_agree():
@@ -100,6 +109,7 @@ def test_payload_views_and_sizes_agree():
     kv = pack_kv(source, slots)
     payload = KVPayload.from_tensors(kv, generator_state=None)
     assert payload.num_bytes == 2 * 7 * 30 * 2 == sum(chunk.nbytes for chunk in payload.chunks)
+    assert payload.layer_shapes is None and payload.kv_shapes == ((2, 3, 5), (2, 3, 5))
     assert all(torch.equal(a, b) for a, b in zip(payload.kv, kv))
     copier = KVCopier(source, chunk_bytes=tokens_per_chunk_bytes(source, 2))
     split = payload.with_chunks([chunk.copy() for chunk in copier.export(slots)])
@@ -114,7 +124,7 @@ def rows_at(cache: KVCache, block_table: list[int], num_tokens: int) -> list[tor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(80,), (2, 4, 8), "v4"], ids=["mla", "gqa", "v4-widths"])
 def test_export_header_import_through_the_arena_is_bit_exact(dtype, shape):
-    if shape == "v4":  # per-layer widths: each layer's own rows land, the widest travels
+    if shape == "v4":  # per-layer widths: each layer's own rows travel and land
         layers = layers_of_widths([80, 4, 80], 8, 4, dtype)
         empty = [torch.zeros(16, 3, w, dtype=dtype) for w in (80, 4, 80)]
     else:

@@ -7,19 +7,24 @@ import from another mapping of it, page-locked too: workers/handoff_io.py):
     python -m pytest -q -m gpu tests/gpu/test_kv_copy.py
 """
 
-import numpy as np
 import pytest
 import torch
 
 from rayinfer.workers.handoff_io import HandoffIO
 from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_copy import KVCopier
-from rayinfer.workers.runner.kv_transfer import pack_kv, token_slots
+from rayinfer.workers.runner.kv_transfer import layer_rows, pack_kv, token_slots
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+def chunk_layers(chunks, copier: KVCopier) -> list[torch.Tensor]:
+    """Per layer [tokens of every chunk, row bytes]: the chunks' layers (layer_rows) joined."""
+    parts = [layer_rows(torch.from_numpy(chunk), copier.layer_bytes) for chunk in chunks]
+    return [torch.cat(layer) for layer in zip(*parts)]
 
 
 def random_caches(num_layers, num_blocks, block_size, row, dtype, seed):
@@ -43,9 +48,8 @@ def test_gpu_export_import_exact(row, dtype, num_tokens):
     exporter = KVCopier(source, chunk_bytes=layers * row_bytes * 257)  # 257-token chunks
     chunks = [chunk.copy() for chunk in exporter.export(slots)]
     expected = pack_kv(source, slots)
-    whole = torch.from_numpy(np.concatenate(chunks, axis=1))
-    for layer, rows in enumerate(expected):
-        assert torch.equal(whole[layer], rows.view(torch.uint8).reshape(num_tokens, -1))
+    for got, rows in zip(chunk_layers(chunks, exporter), expected):
+        assert torch.equal(got, rows.view(torch.uint8).reshape(num_tokens, -1))
 
     target = random_caches(layers, blocks * 4 + 4, 16, row, dtype, seed=2)  # block size 16
     target_table = list(range(3, 3 + -(-num_tokens // 16)))
@@ -96,8 +100,8 @@ def test_gpu_arena_export_import_exact(row, num_tokens):
 
 @pytest.mark.parametrize("num_tokens", [1, 300])
 def test_gpu_layers_of_different_widths_round_trip(num_tokens):
-    """DeepSeek-V4-Flash's layer widths (160 for CSA, 4 for HCA): each layer's rows then zeros
-    up to the widest on the way, each layer's own rows back in the cache."""
+    """DeepSeek-V4-Flash's layer widths (160 for CSA, 4 for HCA): each layer's own rows on the
+    way (no padding), and back in the cache through an importer of shorter chunks."""
     widths, block_size = [160, 4, 160, 4, 4], 64
     blocks = -(-num_tokens // block_size)
     generator = torch.Generator(device="cuda").manual_seed(3)
@@ -106,15 +110,14 @@ def test_gpu_layers_of_different_widths_round_trip(num_tokens):
         for w in widths
     ]
     slots = token_slots(list(range(1, 1 + blocks)), num_tokens, block_size)
-    chunks = [c.copy() for c in KVCopier(source, chunk_bytes=5 * 320 * 97).export(slots)]
-    whole = torch.from_numpy(np.concatenate(chunks, axis=1))
+    exporter = KVCopier(source, chunk_bytes=sum(widths) * 2 * 97)  # 97-token chunks
+    chunks = [c.copy() for c in exporter.export(slots)]
+    assert sum(c.size for c in chunks) == num_tokens * sum(widths) * 2
     expected = pack_kv(source, slots)
-    for layer, rows in enumerate(expected):
-        row_bytes = widths[layer] * 2
-        assert torch.equal(whole[layer, :, :row_bytes], rows.view(torch.uint8))
-        assert not whole[layer, :, row_bytes:].any()
+    for got, rows in zip(chunk_layers(chunks, exporter), expected):
+        assert torch.equal(got, rows.view(torch.uint8))
     target = [torch.zeros(blocks * 4 + 4, 16, w, device="cuda").bfloat16() for w in widths]
     target_slots = token_slots(list(range(2, 2 + -(-num_tokens // 16))), num_tokens, 16)
-    KVCopier(target, chunk_bytes=5 * 320 * 50).import_(target_slots, chunks)
+    KVCopier(target, chunk_bytes=sum(widths) * 2 * 50).import_(target_slots, chunks)
     for got, rows in zip(pack_kv(target, target_slots), expected):
         assert torch.equal(got, rows)

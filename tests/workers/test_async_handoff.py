@@ -79,15 +79,18 @@ def prefilled(engine, request_id: str) -> KVHandoff:
 
 
 def payload_bytes(ray, payload) -> np.ndarray:
-    """[num_layers, num_tokens, row_bytes] uint8: a copy of the payload's KV, wherever it is."""
+    """[num_layers, num_tokens, row_bytes] uint8 (every layer of one width here): a copy of the
+    payload's KV, wherever it is."""
     if payload.arena is None:
-        return np.concatenate(ray.get(payload.chunks), axis=1)
-    maps = ArenaMaps(pin=False)
-    try:
-        chunks = arena_chunks(maps.view(payload.arena), payload)
-        return np.concatenate([chunk.numpy() for chunk in chunks], axis=1)  # copies
-    finally:
-        maps.close()
+        chunks = ray.get(payload.chunks)
+    else:
+        maps = ArenaMaps(pin=False)
+        try:
+            chunks = [c.numpy().copy() for c in arena_chunks(maps.view(payload.arena), payload)]
+        finally:
+            maps.close()
+    row_bytes = payload.token_bytes // payload.num_layers
+    return np.concatenate([c.reshape(payload.num_layers, -1, row_bytes) for c in chunks], axis=1)
 
 
 def step_until(engine, done, timeout_s: float = 120) -> list:

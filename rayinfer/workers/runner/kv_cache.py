@@ -16,6 +16,7 @@ from rayinfer.workers.runner.kv_transfer import (
     KVPayload,
     arena_chunks,
     check_layout,
+    layer_shapes_of,
     pack_kv,
     payload_for_heads,
     token_slots,
@@ -94,6 +95,7 @@ class KVCache:
             dtype=self.layers[0].dtype,
             generator_state=generator_state,
             kv_heads=self.kv_heads,
+            layer_shapes=layer_shapes_of(self.layers),
         )
 
     def export_chunks(
@@ -131,7 +133,7 @@ class KVCache:
         mine = payload_for_heads(payloads, self.kv_heads)
         self._import_window(window_table, mine)
         slots = token_slots(block_table, mine.num_tokens, self.block_size)
-        check_layout(self.layers, mine.num_layers, mine.shape[1:])
+        check_layout(self.layers, mine.kv_shapes)
         if mine.dtype == self.layers[0].dtype:
             # chunks viewing an arena are page-locked on CUDA (kv_arena_maps.py)
             self.copier.import_(slots, mine.chunks, pinned=mine.arena is not None)

@@ -20,8 +20,8 @@ On the CPU the cache already is host memory: rows are gathered and scattered dir
 The copier is used from one thread at a time (the worker's KV transfer thread).
 
 Layers may keep rows of different widths (ModelConfig.kv_shapes_per_layer: DeepSeek-V4's layer
-types, DSA's layers without an indexer key): a chunk carries every layer's row padded with
-zeros to the widest, so one layout serves every cache of the model.
+types, DSA's layers without an indexer key): a chunk holds the layers back to back, each
+[tokens, its row bytes] (kv_transfer.layer_rows), so it carries no padding.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from rayinfer.workers.runner.kv_transfer import layer_rows
 
 # Tokens per chunk are chosen so a chunk holds about this many bytes of all layers' rows: a long
 # prompt streams through buffers of this size, while the copies of consecutive chunks overlap.
@@ -50,11 +52,12 @@ class KVCopier:
         """kv_caches: per layer [num_blocks, block_size, *kv_shape] contiguous tensors."""
         self.num_layers = len(kv_caches)
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
-        # Per layer [num_slots, its row bytes] byte views of the cache; chunks carry the widest.
+        # Per layer [num_slots, its row bytes] byte views of the cache.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
-        self.row_bytes = max(rows.shape[1] for rows in self.rows)
+        self.layer_bytes = tuple(rows.shape[1] for rows in self.rows)
+        self.token_bytes = sum(self.layer_bytes)  # one token of every layer: a chunk's row
         self.device = kv_caches[0].device
-        self.chunk_tokens = max(1, chunk_bytes // (self.num_layers * self.row_bytes))
+        self.chunk_tokens = max(1, chunk_bytes // self.token_bytes)
         self.is_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._staging: torch.Tensor | None = None  # device, one chunk
@@ -68,8 +71,8 @@ class KVCopier:
 
     # --- export ------------------------------------------------------------------------------
     def export(self, slots: torch.Tensor, timings: dict | None = None) -> Iterator[np.ndarray]:
-        """Yield the rows at `slots` chunk by chunk, each a [num_layers, tokens, row_bytes] uint8
-        array that stays valid until the next one is asked for (its buffer is then reused).
+        """Yield the rows at `slots` chunk by chunk, each a [tokens x token_bytes] uint8 array
+        (layer_rows) that stays valid until the next one is asked for (its buffer is then reused).
         timings, when given, gets "copy_s": the time spent gathering (waiting for the device
         copies on GPUs)."""
         bounds = self.chunk_bounds(len(slots))
@@ -77,9 +80,8 @@ class KVCopier:
         if not self.is_cuda:
             for start, end in bounds:
                 begin = time.perf_counter()
-                chunk = torch.empty(self.num_layers, end - start, self.row_bytes, dtype=torch.uint8)
-                for layer, rows in enumerate(self.rows):
-                    self._gather(rows, slots[start:end], chunk[layer])
+                chunk = torch.empty((end - start) * self.token_bytes, dtype=torch.uint8)
+                self._gather(slots[start:end], chunk)
                 waited += time.perf_counter() - begin
                 yield chunk.numpy()
             if timings is not None:
@@ -102,22 +104,20 @@ class KVCopier:
         self, slots: torch.Tensor, chunks: list[torch.Tensor], timings: dict | None = None
     ) -> None:
         """Copy the rows at `slots` into host `chunks` (as `chunk_bounds` splits them, each a
-        contiguous [num_layers, tokens, row_bytes] uint8 tensor: page-locked on CUDA, so the
-        copy is DMA); returns once they are there. timings gets "copy_s" as `export` does."""
+        contiguous [tokens x token_bytes] uint8 tensor: page-locked on CUDA, so the copy is
+        DMA); returns once they are there. timings gets "copy_s" as `export` does."""
         begin = time.perf_counter()
         bounds = self.chunk_bounds(len(slots))
         if not self.is_cuda:
             for (start, end), chunk in zip(bounds, chunks):
-                for layer, rows in enumerate(self.rows):
-                    self._gather(rows, slots[start:end], chunk[layer])
+                self._gather(slots[start:end], chunk)
         else:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 device_slots = slots.to(self.device, non_blocking=True)
                 for (start, end), chunk in zip(bounds, chunks):
                     # One staging buffer: in stream order each gather waits for the copy before.
                     staging = self._device_view(end - start)
-                    for layer, rows in enumerate(self.rows):
-                        self._gather(rows, device_slots[start:end], staging[layer])
+                    self._gather(device_slots[start:end], staging)
                     chunk.copy_(staging, non_blocking=True)
                 self._stream.synchronize()
         if timings is not None:
@@ -126,9 +126,7 @@ class KVCopier:
     def _gather_to_host(self, device_slots, bounds: tuple[int, int], index: int):
         start, end = bounds
         staging = self._device_view(end - start)
-        chunk_slots = device_slots[start:end]
-        for layer, rows in enumerate(self.rows):
-            self._gather(rows, chunk_slots, staging[layer])
+        self._gather(device_slots[start:end], staging)
         self._host_view(index % 2, end - start).copy_(staging, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -144,63 +142,62 @@ class KVCopier:
         device as they are, without the memcpy into the copier's pinned buffers."""
         start = 0
         if not self.is_cuda:
-            for chunk in chunks:
-                host = _as_tensor(chunk)
-                end = start + host.shape[1]
-                for layer, rows in enumerate(self.rows):
-                    rows[slots[start:end]] = host[layer, :, : rows.shape[1]]
-                start = end
+            for num_tokens, layers, _ in self._pieces(chunks):
+                for rows, host in zip(self.rows, layers):
+                    rows[slots[start : start + num_tokens]] = host
+                start += num_tokens
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             device_slots = slots.to(self.device, non_blocking=True)
             freed = [None, None]  # per pinned buffer, the event after which it may be refilled
-            for index, piece in enumerate(self._pieces(chunks)):
-                num_tokens = piece.shape[1]
+            for index, (num_tokens, layers, whole) in enumerate(self._pieces(chunks)):
                 staging = self._device_view(num_tokens)
                 if pinned:  # in stream order each copy waits for the scatter before
-                    _copy_layers_async(staging, piece)
+                    _copy_async(staging, layers, whole)
                 else:
                     buffer = index % 2
                     if freed[buffer] is not None:
                         freed[buffer].synchronize()
                     host = self._host_view(buffer, num_tokens)
-                    self._parallel_copy(host, piece)
+                    self._parallel_copy(layer_rows(host, self.layer_bytes), layers)
                     staging.copy_(host, non_blocking=True)
                     freed[buffer] = torch.cuda.Event()
                     freed[buffer].record(self._stream)
                 chunk_slots = device_slots[start : start + num_tokens]
-                for layer, rows in enumerate(self.rows):
-                    rows.index_copy_(0, chunk_slots, staging[layer, :, : rows.shape[1]])
+                for rows, staged in zip(self.rows, layer_rows(staging, self.layer_bytes)):
+                    rows.index_copy_(0, chunk_slots, staged)
                 start += num_tokens
             self._stream.synchronize()
 
-    @staticmethod
-    def _gather(rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """out [tokens, widest row bytes] <- rows [slots]: a narrower layer's rows first, then
-        zeros (the same bytes for the same KV, whatever the buffer held)."""
-        if rows.shape[1] == out.shape[1]:
-            torch.index_select(rows, 0, slots, out=out)
-            return
-        out[:, : rows.shape[1]] = rows.index_select(0, slots)
-        out[:, rows.shape[1] :].zero_()
+    def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """out [len(slots) x token_bytes] <- every layer's rows at `slots` (layer_rows)."""
+        for rows, view in zip(self.rows, layer_rows(out, self.layer_bytes)):
+            torch.index_select(rows, 0, slots, out=view)
 
-    def _pieces(self, chunks: Iterable[np.ndarray]) -> Iterator[torch.Tensor]:
-        """The chunks as [num_layers, tokens, row_bytes] views of at most chunk_tokens tokens
-        (a chunk from another copier, or a merged payload, may be longer)."""
+    def _pieces(self, chunks: Iterable[np.ndarray]) -> Iterator[tuple]:
+        """The chunks in pieces of at most chunk_tokens tokens (a chunk from another copier, or
+        a merged payload, may be longer): (tokens, per layer [tokens, row bytes] host views,
+        the piece as one contiguous tensor or None where it is not)."""
         for chunk in chunks:
-            host = _as_tensor(chunk)
-            for begin in range(0, host.shape[1], self.chunk_tokens):
-                yield host[:, begin : begin + self.chunk_tokens]
+            host = _as_tensor(chunk).reshape(-1)
+            layers = layer_rows(host, self.layer_bytes)
+            num_tokens = layers[0].shape[0]
+            if num_tokens <= self.chunk_tokens:
+                yield num_tokens, layers, host
+                continue
+            for begin in range(0, num_tokens, self.chunk_tokens):
+                end = min(begin + self.chunk_tokens, num_tokens)
+                yield end - begin, [layer[begin:end] for layer in layers], None
 
-    def _parallel_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst.copy_(src) for [num_layers, tokens, row_bytes] host tensors (each layer's rows
-        contiguous), the layers spread over HOST_COPY_THREADS threads."""
-        if dst.numel() < 4 * 2**20:
-            dst.copy_(src)
+    def _parallel_copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """dst[layer].copy_(src[layer]) for per-layer host views, the layers spread over
+        HOST_COPY_THREADS threads."""
+        if sum(d.numel() for d in dst) < 4 * 2**20:
+            _copy_layers(dst, src, range(len(dst)))
             return
         if self._threads is None:
             self._threads = ThreadPoolExecutor(HOST_COPY_THREADS, thread_name_prefix="kv-copy")
-        layers = range(dst.shape[0])
+        layers = range(len(dst))
         groups = [layers[i::HOST_COPY_THREADS] for i in range(HOST_COPY_THREADS)]
         parts = [self._threads.submit(_copy_layers, dst, src, group) for group in groups if group]
         for part in parts:
@@ -208,15 +205,14 @@ class KVCopier:
 
     # --- buffers -----------------------------------------------------------------------------
     def _chunk_capacity_bytes(self) -> int:
-        return self.num_layers * self.chunk_tokens * self.row_bytes
+        return self.chunk_tokens * self.token_bytes
 
     def _device_view(self, num_tokens: int) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty(
                 self._chunk_capacity_bytes(), dtype=torch.uint8, device=self.device
             )
-        size = self.num_layers * num_tokens * self.row_bytes
-        return self._staging[:size].view(self.num_layers, num_tokens, self.row_bytes)
+        return self._staging[: num_tokens * self.token_bytes]
 
     def _host_view(self, buffer: int, num_tokens: int) -> torch.Tensor:
         if not self._pinned:
@@ -224,22 +220,21 @@ class KVCopier:
             self._pinned = [
                 torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
-        size = self.num_layers * num_tokens * self.row_bytes
-        return self._pinned[buffer][:size].view(self.num_layers, num_tokens, self.row_bytes)
+        return self._pinned[buffer][: num_tokens * self.token_bytes]
 
 
-def _copy_layers_async(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst <- src for a device dst and a page-locked host src, [num_layers, tokens, row_bytes]:
-    one copy when src is contiguous (a whole chunk), else one per layer (each layer's rows of a
-    piece are contiguous), never a host copy to make src contiguous."""
-    if src.is_contiguous():
-        dst.copy_(src, non_blocking=True)
+def _copy_async(dst: torch.Tensor, layers: list[torch.Tensor], whole: torch.Tensor | None) -> None:
+    """dst (a device chunk) <- a page-locked host piece: one copy where the piece is contiguous
+    (a whole chunk), else one per layer (each layer's rows of a piece are contiguous), never a
+    host copy to make it contiguous."""
+    if whole is not None:
+        dst.copy_(whole, non_blocking=True)
         return
-    for layer in range(src.shape[0]):
-        dst[layer].copy_(src[layer], non_blocking=True)
+    for staged, host in zip(layer_rows(dst, tuple(h.shape[1] for h in layers)), layers):
+        staged.copy_(host, non_blocking=True)
 
 
-def _copy_layers(dst: torch.Tensor, src: torch.Tensor, layers: range) -> None:
+def _copy_layers(dst: list[torch.Tensor], src: list[torch.Tensor], layers: range) -> None:
     for layer in layers:
         dst[layer].copy_(src[layer])
 

@@ -2,11 +2,14 @@
 hand-off that names it to the other engine: engine/kv_handoff.py).
 
 The packed form is layout-free: per token, every layer's cache row
-(`ModelConfig.kv_shape_per_token(...)` elements: the widest layer's, narrower layers padded with
-zeros), so a cache with a different block size (or a different parallel plan) can take it. It
-travels in chunks of tokens, each one `[num_layers, chunk_tokens, row_bytes]` uint8 array, so a
-long prompt's KV streams through small staging buffers (workers/runner/kv_copy.py) instead of
-being held whole in pinned memory.
+(ModelConfig.kv_shapes_per_layer: layers may differ, as DeepSeek-V4's layer types and DSA's
+layers without an indexer key do), so a cache with a different block size (or a different
+parallel plan) can take it. It travels in chunks of tokens, each one flat uint8 array holding
+the layers back to back, layer l as [chunk_tokens, its row bytes] (`layer_rows`; with one width
+for all, the bytes of a [num_layers, chunk_tokens, row_bytes] array), so a long prompt's KV
+streams through small staging buffers (workers/runner/kv_copy.py) instead of being held whole in
+pinned memory, and carries no padding: DeepSeek-V4-Flash's 6,584 bytes per token in bf16, not 43
+rows as wide as the widest (13,760).
 On one node the chunks may instead lie in the exporter's shared-memory arena
 (workers/runner/kv_arena.py): the payload then names its span (`arena`) and carries no chunks
 until the importer maps them (`arena_chunks`).
@@ -36,9 +39,9 @@ class KVPayload:
     torch views.
     """
 
-    chunks: list[Any]  # per chunk of tokens: [num_layers, chunk_tokens, row_bytes] uint8
+    chunks: list[Any]  # per chunk of tokens: [chunk_tokens x token_bytes] uint8 (layer_rows)
     num_layers: int
-    shape: tuple[int, ...]  # [num_tokens, *kv_shape_on_this_rank], the same for every layer
+    shape: tuple[int, ...]  # [num_tokens, *kv_shape_on_this_rank] of the widest layer
     dtype: torch.dtype
     generator_state: torch.Tensor | None  # uint8 state of the request's sampling generator
     kv_heads: tuple[int, int] | None = None  # (first, count) of the K/V heads held; None: all
@@ -48,53 +51,74 @@ class KVPayload:
     # A cache with a window pool (engine/block_manager.py): the window state of the last
     # tokens (num_tokens - window.num_tokens on), in memory, one chunk; None for others.
     window: KVPayload | None = None
+    # Per layer its kv_shape where layers differ; None: every layer's is shape[1:].
+    layer_shapes: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def from_tensors(cls, kv: list[torch.Tensor], **fields) -> KVPayload:
-        """kv: per layer [num_tokens, *shape] CPU tensors of one dtype (one chunk); layers of
-        narrower rows than the widest are padded with zeros."""
-        num_tokens = kv[0].shape[0]
-        rows = [t.contiguous().view(torch.uint8).reshape(num_tokens, -1) for t in kv]
-        row_bytes = max(r.shape[1] for r in rows)
-        rows = [torch.nn.functional.pad(r, (0, row_bytes - r.shape[1])) for r in rows]
-        chunk = torch.stack(rows).numpy()  # [num_layers, num_tokens, row_bytes]
+        """kv: per layer [num_tokens, *its shape] CPU tensors of one dtype (one chunk)."""
+        chunk = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in kv]).numpy()
         shape = max((tuple(t.shape) for t in kv), key=math.prod)
-        return cls([chunk], len(kv), shape, kv[0].dtype, **fields)
+        layer_shapes = tuple(tuple(t.shape[1:]) for t in kv)
+        if len(set(layer_shapes)) == 1:
+            layer_shapes = None
+        return cls([chunk], len(kv), shape, kv[0].dtype, layer_shapes=layer_shapes, **fields)
 
     @property
     def num_tokens(self) -> int:
         return self.shape[0]
 
     @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.dtype.itemsize
+    def kv_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer the shape of one token's row."""
+        return self.layer_shapes or (tuple(self.shape[1:]),) * self.num_layers
+
+    @property
+    def layer_row_bytes(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) * self.dtype.itemsize for shape in self.kv_shapes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over every layer: what the hand-off carries per token."""
+        return sum(self.layer_row_bytes)
 
     @property
     def num_bytes(self) -> int:
-        return self.num_layers * self.num_tokens * self.row_bytes
+        return self.num_tokens * self.token_bytes
 
     def with_chunks(self, chunks: list[Any]) -> KVPayload:
         return replace(self, chunks=chunks)
 
     @property
     def kv(self) -> list[torch.Tensor]:
-        """Per layer [num_tokens, *shape] tensors (views of a single chunk; read-only)."""
-        parts = [_as_tensor(chunk) for chunk in self.chunks]
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return [whole[layer].view(self.dtype).reshape(self.shape) for layer in range(len(whole))]
+        """Per layer [num_tokens, *its shape] tensors (views of a single chunk; read-only)."""
+        chunks = [layer_rows(_as_tensor(chunk), self.layer_row_bytes) for chunk in self.chunks]
+        layers = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks)]
+        return [rows.view(self.dtype).reshape(self.num_tokens, *shape)
+                for rows, shape in zip(layers, self.kv_shapes)]  # fmt: skip
+
+
+def layer_rows(chunk: torch.Tensor, row_bytes: tuple[int, ...]) -> list[torch.Tensor]:
+    """A chunk's layers: [tokens x sum(row_bytes)] uint8 (any shape, contiguous) -> per layer a
+    [tokens, row_bytes[layer]] view, the layers back to back."""
+    flat = chunk.reshape(-1)
+    num_tokens = flat.numel() // sum(row_bytes)
+    views, begin = [], 0
+    for width in row_bytes:
+        views.append(flat[begin : begin + num_tokens * width].view(num_tokens, width))
+        begin += num_tokens * width
+    return views
 
 
 def arena_chunks(memory: torch.Tensor, payload: KVPayload) -> list[torch.Tensor]:
     """The payload's chunks in its arena span: [span bytes] uint8 -> per chunk a contiguous
-    [num_layers, tokens, row_bytes] view, back to back (what the exporter writes and the
-    importer reads)."""
+    [tokens x token_bytes] view, back to back (what the exporter writes and the importer
+    reads)."""
     chunks, begin = [], 0
     step = payload.arena_chunk_tokens
     for start in range(0, payload.num_tokens, step):
-        num_tokens = min(step, payload.num_tokens - start)
-        size = payload.num_layers * num_tokens * payload.row_bytes
-        chunk = memory[begin : begin + size]
-        chunks.append(chunk.view(payload.num_layers, num_tokens, payload.row_bytes))
+        size = min(step, payload.num_tokens - start) * payload.token_bytes
+        chunks.append(memory[begin : begin + size])
         begin += size
     return chunks
 
@@ -126,30 +150,38 @@ def pack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Te
 
 
 def widest_row(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
-    """The per-token shape a hand-off carries for every layer of these caches: the widest."""
+    """The widest per-token shape of these caches' layers."""
     return max((tuple(cache.shape[2:]) for cache in kv_caches), key=math.prod)
 
 
-def check_layout(kv_caches: list[torch.Tensor], num_layers: int, token_shape: tuple) -> None:
-    """ValueError unless a payload of num_layers layers of `token_shape` rows fits this cache."""
-    if num_layers != len(kv_caches):
-        raise ValueError(f"KV hand-off has {num_layers} layers, this cache has {len(kv_caches)}")
-    cache_shape = widest_row(kv_caches)
-    if tuple(token_shape) != cache_shape:
+def layer_shapes_of(kv_caches: list[torch.Tensor]) -> tuple[tuple[int, ...], ...] | None:
+    """Per layer the shape of one token's row, where layers differ; None where they do not
+    (KVPayload.layer_shapes)."""
+    shapes = tuple(tuple(cache.shape[2:]) for cache in kv_caches)
+    return shapes if len(set(shapes)) > 1 else None
+
+
+def check_layout(kv_caches: list[torch.Tensor], kv_shapes: tuple[tuple[int, ...], ...]) -> None:
+    """ValueError unless a payload of these per-layer token shapes fits this cache."""
+    if len(kv_shapes) != len(kv_caches):
         raise ValueError(
-            f"KV hand-off token shape {tuple(token_shape)} does not match this cache's "
-            f"{cache_shape}"
+            f"KV hand-off has {len(kv_shapes)} layers, this cache has {len(kv_caches)}"
         )
+    for layer, (shape, cache) in enumerate(zip(kv_shapes, kv_caches)):
+        if tuple(shape) != tuple(cache.shape[2:]):
+            raise ValueError(
+                f"KV hand-off token shape {tuple(shape)} of layer {layer} does not match this "
+                f"cache's {tuple(cache.shape[2:])}"
+            )
 
 
 def unpack_kv(kv_caches: list[torch.Tensor], slots: torch.Tensor, kv: list[torch.Tensor]) -> None:
-    """Scatter packed tokens (each layer's rows as wide as the widest) into each layer cache at
-    `slots`, a narrower layer taking its first columns."""
-    check_layout(kv_caches, len(kv), tuple(kv[0].shape[1:]) if kv else ())
+    """Scatter packed tokens (per layer [num_tokens, *its shape]) into each layer cache at
+    `slots`."""
+    check_layout(kv_caches, tuple(tuple(layer_kv.shape[1:]) for layer_kv in kv))
     for cache, layer_kv in zip(kv_caches, kv):
         flat = cache.view(-1, *cache.shape[2:])
-        rows = layer_kv[..., : cache.shape[-1]]
-        flat[slots.to(cache.device)] = rows.to(device=cache.device, dtype=cache.dtype)
+        flat[slots.to(cache.device)] = layer_kv.to(device=cache.device, dtype=cache.dtype)
 
 
 def select_kv_heads(payloads: list[KVPayload], heads: tuple[int, int] | None) -> list[torch.Tensor]:

@@ -375,9 +375,9 @@ class ModelRunner:
 
     @property
     def kv_handoff_bytes_per_token(self) -> int:
-        """What a hand-off carries per token from this rank: every layer's row as wide as the
-        widest (kv_copy.py), more than `kv_bytes_per_token` where layers differ."""
-        return len(self.kv_shapes) * math.prod(self.kv_shape) * self.dtype.itemsize
+        """What a hand-off carries per token from this rank: every layer's row, unpadded
+        (kv_transfer.py), so `kv_bytes_per_token`."""
+        return self.kv_bytes_per_token
 
     def export_kv_chunks(
         self,

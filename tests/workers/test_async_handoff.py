@@ -213,3 +213,47 @@ def test_bytes_survive_export_then_import(ray_cluster, prefill, decode_of, path)
     finally:
         if own_prefill is not None:
             own_prefill.shutdown()
+
+
+def test_an_arena_export_put_for_another_node_keeps_its_window_and_layer_widths(ray_cluster):
+    """kv_from_arena (what an importer on another node asks the exporter for): the header as
+    exported, its window state and per-layer shapes too, its chunks now in the object store;
+    the bytes land exact in a cache of another block size (DeepSeek-V4's layers of different
+    widths, with a window pool)."""
+    import torch
+
+    from rayinfer.workers.handoff_io import HandoffIO
+    from rayinfer.workers.runner.kv_cache import KVCache
+    from rayinfer.workers.runner.kv_transfer import pack_kv, token_slots
+
+    generator = torch.Generator().manual_seed(5)
+    widths, window_width, num_tokens = (80, 4, 1, 80), 24, 11
+
+    def cache(block_size, num_blocks, fill):
+        make = torch.randn if fill else torch.zeros
+        layers = [make(num_blocks, block_size, w, generator=generator) if fill else
+                  make(num_blocks, block_size, w) for w in widths]  # fmt: skip
+        window = [make(num_blocks, block_size, window_width, generator=generator) if fill else
+                  make(num_blocks, block_size, window_width) for _ in widths]  # fmt: skip
+        return KVCache(layers, block_size, None, chunk_bytes=sum(widths) * 4 * 3,
+                       window_layers=window, window_span=5)  # fmt: skip
+
+    source, target = cache(4, 8, fill=True), cache(3, 16, fill=False)
+    exporter, importer = HandoffIO(is_cuda=False), HandoffIO(is_cuda=False)
+    try:
+        header = exporter.export(source, [5, 2, 7], num_tokens, None, window_table=[5, 2, 7])
+        assert header.arena is not None and header.layer_shapes == tuple((w,) for w in widths)
+        stored = exporter.kv_from_arena(header)
+        assert stored.arena is None and stored.window is not None
+        assert stored.layer_shapes == header.layer_shapes and len(stored.chunks) == 4
+        importer.import_(target, [9, 0, 4, 11], [stored], window_table=[9, 0, 4, 11])
+        slots, into = token_slots([5, 2, 7], num_tokens, 4), token_slots([9, 0, 4, 11], 11, 3)
+        for got, sent in zip(pack_kv(target.layers, into), pack_kv(source.layers, slots)):
+            assert torch.equal(got, sent)
+        last = slice(num_tokens - 5, num_tokens)
+        for got, sent in zip(pack_kv(target.window_layers, into[last]),
+                             pack_kv(source.window_layers, slots[last])):  # fmt: skip
+            assert torch.equal(got, sent)
+    finally:
+        exporter.close()
+        importer.close()

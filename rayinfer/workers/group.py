@@ -270,7 +270,8 @@ class WorkerGroup(Executor):
             self.workers[rank].export_kv.remote(request_id, block_table, num_tokens, window_table)
             for rank in exporters
         ]
-        per_token = sum(self.descriptions[rank]["kv_handoff_bytes_per_token"] for rank in exporters)
+        # a hand-off carries every layer's rows unpadded: the cache's bytes per token
+        per_token = sum(self.descriptions[rank]["kv_bytes_per_token"] for rank in exporters)
         owners = [self.worker_names[rank] for rank in exporters]
         return KVRefs(shards=shards, num_bytes=per_token * num_tokens, owners=owners)
 

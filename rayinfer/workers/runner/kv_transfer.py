@@ -59,9 +59,7 @@ class KVPayload:
         """kv: per layer [num_tokens, *its shape] CPU tensors of one dtype (one chunk)."""
         chunk = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in kv]).numpy()
         shape = max((tuple(t.shape) for t in kv), key=math.prod)
-        layer_shapes = tuple(tuple(t.shape[1:]) for t in kv)
-        if len(set(layer_shapes)) == 1:
-            layer_shapes = None
+        layer_shapes = layer_shapes_of([tuple(t.shape[1:]) for t in kv])
         return cls([chunk], len(kv), shape, kv[0].dtype, layer_shapes=layer_shapes, **fields)
 
     @property
@@ -154,10 +152,10 @@ def widest_row(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
     return max((tuple(cache.shape[2:]) for cache in kv_caches), key=math.prod)
 
 
-def layer_shapes_of(kv_caches: list[torch.Tensor]) -> tuple[tuple[int, ...], ...] | None:
+def layer_shapes_of(shapes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:
     """Per layer the shape of one token's row, where layers differ; None where they do not
     (KVPayload.layer_shapes)."""
-    shapes = tuple(tuple(cache.shape[2:]) for cache in kv_caches)
+    shapes = tuple(tuple(shape) for shape in shapes)
     return shapes if len(set(shapes)) > 1 else None
 
 

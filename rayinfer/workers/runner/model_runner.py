@@ -373,12 +373,6 @@ class ModelRunner:
         """Every layer's cache row of one token on this rank."""
         return sum(math.prod(shape) for shape in self.kv_shapes) * self.dtype.itemsize
 
-    @property
-    def kv_handoff_bytes_per_token(self) -> int:
-        """What a hand-off carries per token from this rank: every layer's row, unpadded
-        (kv_transfer.py), so `kv_bytes_per_token`."""
-        return self.kv_bytes_per_token
-
     def export_kv_chunks(
         self,
         request_id: str,

@@ -78,3 +78,25 @@ def test_buckets_pick_the_smallest_at_least_m_then_the_largest():
     assert huge == pick_tile_config("fp8_gemm", "NVIDIA H200", "N=7168,K=2048", 4096)
     assert pick_tile_config("fp8_gemm", "NVIDIA H200", "N=1,K=1", 1) is not None  # "default"
     assert pick_tile_config("fp8_gemm", "a GPU nobody tuned", "N=7168,K=2048", 1) is None
+
+
+def test_a_gpu_without_tiles_takes_those_tuned_for_its_architecture(monkeypatch):
+    """An H100 (sm_90, no entry of its own) gets the H200's MXFP4 tiles, not the defaults; an
+    A100 (sm_80, no GPU tuned for it) gets none; off the GPU, the interpreter's entries."""
+    import torch
+
+    from rayinfer.kernels import tile_configs
+
+    gpus = {0: ("NVIDIA H100 80GB HBM3", (9, 0)), 1: ("NVIDIA A100-PCIE-40GB", (8, 0)),
+            2: ("NVIDIA H200", (9, 0))}  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpus[index][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: gpus[index][1])
+    names = {index: tile_configs._cuda_entry_names.__wrapped__(index) for index in gpus}
+    assert names == {0: ("NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+                     1: ("NVIDIA A100-PCIE-40GB",), 2: ("NVIDIA H200",)}  # fmt: skip
+    shape = "E=256,I=2048,H=4096"
+    h100 = pick_tile_config("fused_moe_mxfp4", names[0], shape, 4096)
+    assert h100 == pick_tile_config("fused_moe_mxfp4", "NVIDIA H200", shape, 4096)
+    assert h100["w13"]["BLOCK_M"] == 128
+    assert pick_tile_config("fused_moe_mxfp4", names[1], shape, 4096) is None
+    assert tile_configs.tile_entry_names(torch.device("cpu")) == ("cpu",)

@@ -14,13 +14,12 @@ in `prefill_attention.py` (`paged_mixed_attention` routes a scheduler batch betw
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import tl, triton
 
 
@@ -82,21 +81,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@functools.cache
-def _gpu_name(index: int | None) -> str:
-    """Cached: small decodes are host-bound (1 x 4k took 0.107 ms on H200), no query per launch."""
-    return torch.cuda.get_device_name(index)
-
-
 def launch_params(op: str, device: torch.device, bucket: int = 1) -> dict:
-    """Tile sizes of an attention kernel from `configs/<op>.json`: the entry of this GPU (by
-    `torch.cuda.get_device_name`), else the "default" entry; "cpu" for the interpreter. `bucket`
-    picks among size buckets (MLA decode: the number of heads)."""
-    name = _gpu_name(device.index) if device.type == "cuda" else "cpu"
-    params = pick_tile_config(op, name, "default", bucket)
+    """Tile sizes of an attention kernel from `configs/<op>.json`: the entry of this GPU (or of
+    the GPU tuned for its architecture, tile_configs.tile_entry_names), else the "default"
+    entry; "cpu" for the interpreter. `bucket` picks among size buckets (MLA decode: the number
+    of heads). Small decodes are host-bound (1 x 4k took 0.107 ms on H200): the names are
+    cached, no driver query per launch."""
+    names = tile_entry_names(device)
+    params = pick_tile_config(op, names, "default", bucket)
     params = params or pick_tile_config(op, "default", "default", bucket)
     if params is None:
-        raise FileNotFoundError(f"rayinfer/kernels/configs/{op}.json has no entry for {name!r}")
+        raise FileNotFoundError(f"rayinfer/kernels/configs/{op}.json has no entry for {names[0]!r}")
     return params
 
 

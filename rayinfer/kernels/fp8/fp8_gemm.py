@@ -24,7 +24,7 @@ from rayinfer.kernels.fp8.fp8_gemm_kernels import (
     _fp8_block_gemm_persistent_kernel,
     _fp8_block_gemm_tma_kernel,
 )
-from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import TensorDescriptor, triton
 
 SCALE_BLOCK = 128
@@ -85,7 +85,7 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    device_name = torch.cuda.get_device_name(a.device) if a.is_cuda else "cpu"
+    device_name = tile_entry_names(a.device)
     config = config or pick_tile_config("fp8_gemm", device_name, f"N={n},K={k}", m)
     config = config or DEFAULT_CONFIG
     if SCALE_BLOCK % config["BLOCK_K"]:

@@ -34,7 +34,7 @@ from rayinfer.kernels.moe.fused_moe_kernels import (
     _sum_topk_kernel,
 )
 from rayinfer.kernels.moe.moe_align import moe_align
-from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import TensorDescriptor, triton
 
 SCALE_BLOCK = 128
@@ -79,7 +79,7 @@ def _pick_config(x, w13, num_slots):
         # Tuned tiles are for 2-byte inputs; in float32 they need up to 288 KiB of shared memory
         # (H200 has 227 KiB). The default tiles fit: float32 is for parity checks, not speed.
         return DEFAULT_CONFIG
-    device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    device_name = tile_entry_names(x.device)
     kind = "fp8" if w13.dtype == torch.float8_e4m3fn else "bf16"
     shape_key = f"{kind},E={w13.shape[0]},I={w13.shape[1] // 2},H={w13.shape[2]}"
     config = pick_tile_config("fused_moe", device_name, shape_key, x.shape[0])

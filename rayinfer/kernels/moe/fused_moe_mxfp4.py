@@ -33,7 +33,7 @@ from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (
 )
 from rayinfer.kernels.moe.fused_moe_mxfp4_quad import moe_mxfp4_quad_kernel
 from rayinfer.kernels.moe.moe_align import moe_align
-from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import triton
 
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -92,7 +92,7 @@ def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale) -> None:
 
 
 def _pick_config(x, w13) -> dict:
-    device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    device_name = tile_entry_names(x.device)
     num_experts, two_i, packed_h = w13.shape
     shape_key = f"E={num_experts},I={two_i // 2},H={2 * packed_h}"
     # configs/fused_moe_mxfp4.json: this shape's entry, else the GPU's "default", else ours

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from rayinfer.kernels.elementwise.activation import clamp_gate_up
-from rayinfer.kernels.tile_configs import pick_tile_config
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import tl, triton
 
 SMALL_BATCH_MAX_SLOTS = 16  # T x K up to this: e.g. batch 1-2 at top-8
@@ -169,6 +169,6 @@ _DEFAULT_TILES = {
 def small_batch_tiles(device: torch.device, hidden: int, inter: int) -> dict:
     """{"gate_up": tiles, "down": tiles} for this GPU and expert shape, from
     configs/fused_moe_small.json ("H=..,I=.." keys, else "default"), else the defaults."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = tile_entry_names(device)
     found = pick_tile_config("fused_moe_small", name, f"H={hidden},I={inter}", 1)
     return found or _DEFAULT_TILES

@@ -37,7 +37,7 @@ from rayinfer.kernels.backends import FP8_GEMM_BACKENDS  # noqa: E402
 from rayinfer.kernels.fp8 import fp8_gemm as fp8_gemm_module  # noqa: E402
 from rayinfer.kernels.fp8.fp8_gemm import fp8_gemm, fp8_gemm_reference  # noqa: E402
 from rayinfer.kernels.fp8.fp8_quant import fp8_quant  # noqa: E402
-from rayinfer.kernels.tile_configs import pick_tile_config  # noqa: E402
+from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names  # noqa: E402
 from rayinfer.models.fp8 import quantize_block_fp8  # noqa: E402
 
 GEMM_SHAPES = ((7168, 2048), (4096, 7168), (24576, 1536))  # DeepSeek-V3 (N, K)
@@ -59,13 +59,21 @@ def triton_variants(smoke: bool, device_name: str, n: int, k: int, m: int) -> di
         return {"shipped": small, "ws": {**small, "WARP_SPECIALIZE": True},
                 "persistent": {**small, "PERSISTENT": 1},
                 "persistent_flat": {**small, "PERSISTENT": 1, "FLATTEN": True}}  # fmt: skip
-    shipped = pick_tile_config("fp8_gemm", device_name, f"N={n},K={k}", m)
+    entries = ("cpu",) if smoke else tile_entry_names(torch.device("cuda"))  # as fp8_gemm looks up
+    shipped = pick_tile_config("fp8_gemm", entries, f"N={n},K={k}", m)
     variants = {"shipped": shipped or dict(fp8_gemm_module.DEFAULT_CONFIG)}
     tma = {"USE_TMA": True}
     if m <= 256:  # few tiles: small ones, deep pipelines; persistence does not apply
         variants["32x64_w4_s5"] = tile(32, 64, 4, 5, **tma)
         variants["64x64_w4_s5"] = tile(64, 64, 4, 5, **tma)
         variants["64x64_w4_s4_ws"] = tile(64, 64, 4, 4, WARP_SPECIALIZE=True, **tma)
+        # K split over programs (pointer kernel, float32 partials summed by a second launch)
+        variants["64x64_w4_s4_split2"] = tile(64, 64, 4, 4, SPLIT_K=2)
+        variants["64x64_w4_s4_split4"] = tile(64, 64, 4, 4, SPLIT_K=4)
+        variants["64x128_w4_s4_split2"] = tile(64, 128, 4, 4, SPLIT_K=2)
+        variants["64x128_w4_s4_split4"] = tile(64, 128, 4, 4, SPLIT_K=4)
+        variants["128x64_w4_s4_split4"] = tile(128, 64, 4, 4, SPLIT_K=4)
+        variants["64x64_w4_s4_pair_split4"] = tile(64, 64, 4, 4, SPLIT_K=4, K_UNROLL=2)
         return variants
     # Most promising first (the budget may cut the tail). Persistent: programs per SM loop over
     # the tiles in grouped order (no tail wave). WS: the K loop warp-specialized (TMA loads in

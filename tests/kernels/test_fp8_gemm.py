@@ -19,6 +19,8 @@ TMA_TILES = {**SMALL_TILES, "USE_TMA": True}
 PAIRED_TILES = {**SMALL_TILES, "K_UNROLL": 2}  # two K blocks per loop iteration
 PAIRED_TMA_TILES = {**TMA_TILES, "K_UNROLL": 2}
 WIDE_TILES = {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 2, "K_UNROLL": 2}
+SPLIT_TILES = {**SMALL_TILES, "SPLIT_K": 3}  # K over three programs per tile, partials summed
+PAIRED_SPLIT_TILES = {**PAIRED_TILES, "SPLIT_K": 2}
 
 
 def _operands(m, n, k, seed):
@@ -43,6 +45,10 @@ def _operands(m, n, k, seed):
         (6, 42, 123, PAIRED_TILES),  # odd sizes, paired
         (40, 200, 320, PAIRED_TMA_TILES),  # TMA reads zeros past K for the odd block
         (9, 300, 384, WIDE_TILES),  # a tile spans several 128-column weight blocks
+        (40, 200, 320, SPLIT_TILES),  # 5 K blocks over 3 splits: 2, 2, 1
+        (6, 42, 123, SPLIT_TILES),  # 2 K blocks: the split count shrinks to 2
+        (1, 128, 64, SPLIT_TILES),  # one K block: one split
+        (40, 200, 320, PAIRED_SPLIT_TILES),  # pairs per split; the last pair's second block past K
     ],
 )
 def test_fp8_gemm_matches_reference(m, n, k, config, out_dtype, tol):

@@ -23,13 +23,14 @@ from rayinfer.kernels.fp8.fp8_gemm_kernels import (
     _fp8_block_gemm_kernel,
     _fp8_block_gemm_persistent_kernel,
     _fp8_block_gemm_tma_kernel,
+    _sum_splits_kernel,
 )
 from rayinfer.kernels.tile_configs import pick_tile_config, tile_entry_names
 from rayinfer.kernels.triton_compat import TensorDescriptor, triton
 
 SCALE_BLOCK = 128
 TRITON, CUBLAS = "triton", "cublas-blockwise"
-LAUNCH_KEYS = ("USE_TMA", "K_UNROLL", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN")
+LAUNCH_KEYS = ("USE_TMA", "K_UNROLL", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN", "SPLIT_K")
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
@@ -78,7 +79,9 @@ def fp8_gemm(
     """The Triton kernels. Launch options of `config` besides the tiles (absent: off):
     USE_TMA (TMA descriptors where the operands allow), K_UNROLL (2: two K blocks per iteration),
     WARP_SPECIALIZE (TMA: the K loop as `tl.range(..., warp_specialize=True)`), PERSISTENT (TMA:
-    that many programs per SM loop over the tiles), FLATTEN (persistent: one flattened loop nest).
+    that many programs per SM loop over the tiles), FLATTEN (persistent: one flattened loop nest),
+    SPLIT_K (pointer kernel: K split over that many programs per tile, float32 partials summed
+    by a second launch; for decode's few rows, where the tiles alone leave SMs idle).
     """
     _check_operands(a, a_scale, b, b_scale)
     (m, k), n = a.shape, b.shape[0]
@@ -94,6 +97,10 @@ def fp8_gemm(
     unroll = config.get("K_UNROLL", 1)  # 2: two K blocks per iteration (see the kernel)
     num_tiles = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
     b_scale = b_scale.contiguous()
+    split_k = int(config.get("SPLIT_K", 1))
+    if split_k > 1:
+        _split_k_gemm(a, a_scale, b, b_scale, out, tiles, unroll, split_k)
+        return out
     if config.get("USE_TMA") and _is_tma_compatible(a, b, out):
         descriptors = (
             TensorDescriptor.from_tensor(a, [tiles["BLOCK_M"], tiles["BLOCK_K"]]),
@@ -118,6 +125,26 @@ def fp8_gemm(
         **tiles,
     )  # fmt: skip
     return out
+
+
+def _split_k_gemm(a, a_scale, b, b_scale, out, tiles: dict, unroll: int, split_k: int) -> None:
+    """out = the product, K split over split_k programs per tile (pointer kernel), their float32
+    partials [split_k, M, N] summed into out by _sum_splits_kernel."""
+    (m, k), n = a.shape, b.shape[0]
+    k_steps = triton.cdiv(k, tiles["BLOCK_K"])
+    per_split = triton.cdiv(triton.cdiv(k_steps, split_k), unroll) * unroll  # whole unrolled pairs
+    split_k = triton.cdiv(k_steps, per_split)  # no split without K blocks
+    partials = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device)
+    num_tiles = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
+    _fp8_block_gemm_kernel[(num_tiles, split_k)](
+        a, b, partials, a_scale, b_scale, m, n, k,
+        a.stride(0), b.stride(0), n, *a_scale.stride(), b_scale.stride(0),
+        SCALE_BLOCK=SCALE_BLOCK, EVEN_K=k % (tiles["BLOCK_K"] * unroll) == 0, K_UNROLL=unroll,
+        SPLIT_K=split_k, STEPS_PER_SPLIT=per_split, **tiles,
+    )  # fmt: skip
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, m * n, SPLIT_K=split_k,
+                                                      BLOCK=block)  # fmt: skip
 
 
 def fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):

@@ -1,6 +1,7 @@
 """The Triton kernels of fp8_gemm: c = (a * a_scale) @ (b * b_scale).T with 128x128 block scales.
 
-- `_fp8_block_gemm_kernel`: pointer loads (any K; K_UNROLL 2 overlaps a product with a rescale);
+- `_fp8_block_gemm_kernel`: pointer loads (any K; K_UNROLL 2 overlaps a product with a rescale;
+  SPLIT_K splits K over programs for few rows, `_sum_splits_kernel` adding their partials);
 - `_fp8_block_gemm_tma_kernel`: the same product through TMA descriptors, one program per tile;
 - `_fp8_block_gemm_persistent_kernel`: the TMA product with a few programs per SM looping over
   the tiles.
@@ -61,9 +62,15 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn,
     SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, K_UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1, STEPS_PER_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     """c = a @ b.T with block scales. With K_UNROLL 2, an iteration issues the dots of two K
-    blocks before scaling either, so one tensor-core product runs while the other is rescaled."""
+    blocks before scaling either, so one tensor-core product runs while the other is rescaled.
+
+    SPLIT_K > 1 (grid axis 1): program split s sums K blocks [s * STEPS_PER_SPLIT, ..) (a
+    multiple of K_UNROLL) into c_ptr's float32 partials [SPLIT_K, M, N] (stride_cm: N), which
+    `_sum_splits_kernel` adds up: with few rows, more programs than tiles keep the SMs busy.
+    """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped rows: loads need no mask
@@ -76,7 +83,12 @@ def _fp8_block_gemm_kernel(
     b_tile_scale_ptr = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn
     num_scale_cols = tl.cdiv(K, SCALE_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first_step in range(0, tl.cdiv(K, BLOCK_K), K_UNROLL):
+    first, last = 0, tl.cdiv(K, BLOCK_K)
+    if SPLIT_K > 1:
+        first = tl.program_id(1) * STEPS_PER_SPLIT
+        last = tl.minimum(first + STEPS_PER_SPLIT, last)
+        c_ptr += tl.program_id(1).to(tl.int64) * M * N  # this split's partials
+    for first_step in range(first, last, K_UNROLL):
         a, b = _load_k_block(a_ptrs, b_ptrs, first_step, K, EVEN_K, BLOCK_K)
         a_s, b_s = _k_block_scales(
             a_scale_ptrs, b_tile_scale_ptr, b_scale_ptrs, first_step, num_scale_cols, stride_ask,
@@ -98,6 +110,17 @@ def _fp8_block_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_splits_kernel(partials_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """c (flat, its dtype) = the sum over splits of partials [SPLIT_K, numel] float32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        total += tl.load(partials_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -29,6 +29,8 @@ class MoeShape:
 MOE_SHAPES = {
     "deepseek-v3": MoeShape(),
     "deepseek-v2-lite": MoeShape(num_experts=64, hidden=2048, intermediate=1408, top_k=6),
+    "deepseek-v4-flash": MoeShape(num_experts=256, hidden=4096, intermediate=2048, top_k=6),
+    "glm-5": MoeShape(num_experts=256, hidden=6144, intermediate=2048, top_k=8),
 }
 
 

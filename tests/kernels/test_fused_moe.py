@@ -25,6 +25,8 @@ CHUNK_TMA_TILES = {"w13": {**CHUNK, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA":
 ONE_DOT = {**CHUNK, "GATE_UP_ONE_DOT": True}
 ONE_DOT_TILES = {"w13": ONE_DOT, "w2": CHUNK}
 ONE_DOT_TMA_TILES = {"w13": {**ONE_DOT, "USE_TMA": True}, "w2": {**CHUNK, "USE_TMA": True}}
+WIDE_N = {**SMALL, "BLOCK_N": 256, "BLOCK_K": 128}
+WIDE_N_FP8_TILES = {"w13": WIDE_N, "w2": WIDE_N}
 # 32 main rows + 8 tail rows: chunks of up to 5 tiles of 8 rows.
 FIVE_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "TAIL_M": 8}
 FIVE_TILE_CHUNKS = {
@@ -161,15 +163,22 @@ def _quantize_experts(w):
 
 @pytest.mark.parametrize(
     "case",
-    [dict(T=8, H=256, I=128, E=4, K=2), dict(T=5, H=200, I=72, E=3, K=3, foreign=True)],
-    ids=["aligned", "partial_blocks"],
+    [
+        dict(T=8, H=256, I=128, E=4, K=2),
+        dict(T=5, H=200, I=72, E=3, K=3, foreign=True),
+        dict(T=7, H=384, I=256, E=3, K=2),
+    ],
+    ids=["aligned", "partial_blocks", "two_scale_blocks"],
 )
 def test_fused_moe_fp8_block_scales(case):
     x, w13, w2, weights, ids = _problem(case, torch.float32, seed=case["T"])
     w13_q, w13_scale = _quantize_experts(w13)
     w2_q, w2_scale = _quantize_experts(w2)
     expected = fused_moe_fp8_reference(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale)
-    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES):
+    # SMALL/TMA: one weight scale per tile and K step where I is a multiple of 128 (the up rows
+    # start on a block), a scale per column else; WIDE_N: 256 columns, two scale blocks a tile
+    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES,
+                  WIDE_N_FP8_TILES):  # fmt: skip
         out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=tiles)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # FP8 activations and weights stay within a few percent of the unquantized experts.

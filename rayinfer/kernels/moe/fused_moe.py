@@ -138,9 +138,13 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
             )  # fmt: skip
         return
     num_blocks_m = alignment.block_expert_ids.numel()
+    # one weight scale per tile and K step: BN divides the scale block, and the up rows (from
+    # up_offset = n_out) start on a block boundary
+    one_b_scale = use_fp8 and SCALE_BLOCK % tile["BLOCK_N"] == 0
+    one_b_scale = one_b_scale and (not is_w13 or n_out % SCALE_BLOCK == 0)
     _moe_gemm_kernel[(num_blocks_m * num_pid_n,)](
         *operands, *alignment, n_out, k, topk_weights.numel(), n_out, num_blocks_m, *strides,
-        **common,
+        ONE_B_SCALE=one_b_scale, **common,
     )  # fmt: skip
 
 

@@ -61,8 +61,13 @@ def moe_candidates(fp8: bool, num_tokens: int) -> dict[int, list[dict]]:
             return {16: with_tma([tile(16, 32, 128, 4, 6, 1), tile(16, 64, 128, 4, 4, 1),
                                   tile(16, 128, 128, 4, 3, 1)])}  # fmt: skip
         return {16: with_tma([tile(16, 64, 128, 4, 5, 1), tile(16, 32, 128, 4, 5, 1)])}
-    if fp8:
-        return {64: with_tma([tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 4, 16)])}
+    if fp8:  # 64 rows; 128 rows over two warpgroups (an expert's ~100 rows at 4k tokens once)
+        return {
+            64: with_tma([tile(64, 64, 128, 4, 4, 16), tile(64, 128, 128, 4, 4, 16),
+                          tile(64, 64, 128, 4, 3, 8), tile(64, 128, 128, 8, 3, 16)]),
+            128: with_tma([tile(128, 64, 128, 8, 3, 16), tile(128, 64, 128, 4, 3, 16),
+                           tile(128, 128, 128, 8, 3, 16)]),
+        }  # fmt: skip
     rows_128 = [tile(128, n, 64, 8, stages, group) for n, stages, group in (
         (128, 3, 16), (256, 3, 16), (128, 4, 16), (256, 4, 16), (128, 3, 8), (256, 3, 8),
         (128, 3, 32), (256, 3, 32))] + [tile(128, 128, 128, 8, 3, 16)]  # fmt: skip
@@ -262,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayinfer.bench kernels moe")
     parser.add_argument("--out", default=None, help="write all results to this JSON file")
     parser.add_argument("--sweep", action="store_true", help="try tile configs first")
+    parser.add_argument("--sweep-dtypes", nargs="+", choices=["bf16", "fp8"],
+                        default=["bf16", "fp8"], help="with --sweep: the experts swept (the "
+                        "others run their shipped tiles)")  # fmt: skip
     parser.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
     parser.add_argument("--shape", choices=sorted(moe_cases.MOE_SHAPES), default="deepseek-v3")
     parser.add_argument(
@@ -309,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     for experts, is_fp8 in ((bf16, False), (fp8, True)):
         for num_tokens in args.tokens if experts is not None else ():
             run = functools.partial(time_moe, shape, experts, num_tokens, is_fp8)
-            record(results, "moe", functools.partial(run, args.sweep, not args.no_loop), args.out)
+            sweep = args.sweep and ("fp8" if is_fp8 else "bf16") in args.sweep_dtypes
+            record(results, "moe", functools.partial(run, sweep, not args.no_loop), args.out)
     del bf16, fp8
     for n, k in GEMM_SHAPES if not args.bf16_only else ():
         for m in (128, 4096):

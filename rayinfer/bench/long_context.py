@@ -51,6 +51,9 @@ def parse_args(argv):
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--fp8-weights", action="store_true",
+                        help="dense projections and experts in FP8 with 128x128 block scales "
+                        "(random weights quantized at load)")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the results to this file")
     return parser.parse_args(argv)
 
@@ -150,6 +153,7 @@ def build(folder: Path, args, lengths: list[int]) -> LLM:
         block_size=args.block_size,
         num_kv_blocks=-(-tokens // args.block_size) + args.decode_batch + 2,
         enable_prefix_caching=False,
+        fp8_weights=args.fp8_weights,
     )
 
 

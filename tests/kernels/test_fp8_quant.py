@@ -14,8 +14,9 @@ from rayinfer.kernels.fp8.fp8_quant import (
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "rows,cols,group_size", [(4, 256, 128), (6, 123, 128), (1, 128, 128), (5, 300, 64), (3, 17, 16)]
-)
+    "rows,cols,group_size",
+    [(4, 256, 128), (6, 123, 128), (1, 128, 128), (5, 300, 64), (3, 17, 16), (37, 256, 128)],
+)  # 37 rows: programs of 16 rows, the last one partial, and values on e4m3's subnormal steps
 def test_fp8_quant_matches_reference(rows, cols, group_size, dtype):
     generator = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=generator) * 3).to(dtype)
@@ -54,3 +55,16 @@ def test_fp8_quant_column_major_scales_hold_the_same_values():
     assert scale.stride() == (1, 5)
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+
+
+def test_fp8_quant_rounds_onto_the_subnormal_steps_as_torch_casts():
+    """Below 2^-6 e4m3 steps by 2^-9: values a third, a half (ties to even) and two thirds of a
+    step past a multiple land where torch's own cast puts them, as do values past 2^-6."""
+    step = 2.0**-9
+    offsets = torch.tensor([1 / 3, 0.5, 2 / 3])
+    tiny = torch.cat([(k + offsets) * step for k in range(8)])  # [24], up to 2^-6
+    normal = torch.tensor([2.0**-6 * 1.0626, 2.0**-6 * 1.0625, 0.3, 100.3])  # a tie, and others
+    x = torch.cat([torch.tensor([FP8_MAX]), tiny, -tiny, normal]).reshape(1, -1)  # scale 1
+    q, scale = fp8_quant(x, group_size=64)
+    assert scale.item() == 1.0
+    torch.testing.assert_close(q.float(), x.to(torch.float8_e4m3fn).float(), rtol=0, atol=0)

@@ -16,33 +16,43 @@ MIN_SCALE = 1e-10  # an all-zero group gets this scale instead of dividing by ze
 
 @triton.jit
 def _round_to_e4m3_grid(x):
-    """Round float32 to 3 mantissa bits, to nearest even, so the fp8 cast below is exact.
+    """Round float32 onto e4m3's grid, to nearest even, so the fp8 cast below is exact.
 
     The Triton interpreter's fp8 cast drops the carry into the exponent (124.3 -> 64, not 128);
-    rounding here first makes CPU and GPU agree with torch. A few integer ops per element.
+    rounding here first makes CPU and GPU agree with torch. Normal values keep 3 mantissa bits
+    (a few integer ops); below 2^-6 e4m3 is subnormal, a fixed step of 2^-9, which adding and
+    taking away 1.5 * 2^14 rounds to (float32's step there is 2^-9).
     """
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
-    return bits.to(tl.float32, bitcast=True)
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
 @triton.jit
 def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr,
-    num_cols, num_groups,
+    num_rows, num_cols,
     stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """One program per (row, group of GROUP_SIZE channels)."""
-    row = tl.program_id(0).to(tl.int64)
+    """One program per BLOCK_ROWS rows x one group of GROUP_SIZE channels: [R, G] in, each row's
+    scale out."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
-    mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
-    q = _round_to_e4m3_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale)
+    in_rows = rows < num_rows
+    mask = in_rows[:, None] & (cols[None, :] < num_cols)
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX, MIN_SCALE)  # [R]
+    q = _round_to_e4m3_grid(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    tl.store(scale_ptr + rows * stride_sm + group * stride_sg, scale, mask=in_rows)
 
 
 def fp8_quant(
@@ -65,10 +75,14 @@ def fp8_quant(
     scale = scale.t() if column_major_scales else scale  # [M, G]
     if num_rows == 0:
         return q, scale
-    _fp8_quant_kernel[(num_rows, num_groups)](
-        x, q, scale, num_cols, num_groups, x.stride(0), q.stride(0), *scale.stride(),
-        GROUP_SIZE=group_size, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=1 if group_size <= 128 else 4,
+    # Rows per program: one 128-channel group of one row per program (a single warp) left the
+    # GPU scheduling programs, not moving bytes: 393k of them for a 24,576 x 2,048 MoE act
+    # (benchmarks/RESULTS.md, kernels). 16 rows keep every program's loads 4 KiB of bf16.
+    block_rows = min(16, triton.next_power_of_2(num_rows))
+    _fp8_quant_kernel[(triton.cdiv(num_rows, block_rows), num_groups)](
+        x, q, scale, num_rows, num_cols, x.stride(0), q.stride(0), *scale.stride(),
+        GROUP_SIZE=group_size, BLOCK_ROWS=block_rows, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=4,
     )  # fmt: skip
     return q, scale
 

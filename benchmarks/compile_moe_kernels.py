@@ -36,6 +36,7 @@ from ttgir_probe import (  # noqa: E402
 
 from rayinfer.kernels.fp8.fp8_gemm import DEFAULT_CONFIG as FP8_GEMM_CONFIG  # noqa: E402
 from rayinfer.kernels.fp8.fp8_gemm_kernels import _fp8_block_gemm_kernel  # noqa: E402
+from rayinfer.kernels.fp8.fp8_quant import _fp8_quant_kernel  # noqa: E402
 from rayinfer.kernels.moe import fused_moe_mxfp4  # noqa: E402
 from rayinfer.kernels.moe.fused_moe import DEFAULT_CONFIG  # noqa: E402
 from rayinfer.kernels.moe.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
@@ -98,7 +99,7 @@ def moe_gate_up(arch: int, fp8: bool):
     constants = dict(SLOTS_PER_A_ROW=8 if fp8 else 6, FUSE_SILU=True, MUL_WEIGHT=False,
                      USE_FP8=fp8, SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False,
                      DOT_PRECISION="tf32", USE_LIMIT=not fp8, LIMIT=0.0 if fp8 else 10.0,
-                     **tile)  # fmt: skip
+                     ONE_B_SCALE=fp8, **tile)  # fmt: skip
     return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
 
 
@@ -110,6 +111,14 @@ def fp8_block_gemm(arch: int):
                  b_scale_ptr="*fp32")  # fmt: skip
     constants = dict(SCALE_BLOCK=128, EVEN_K=True, K_UNROLL=1, **tile)
     return compile_for(_fp8_block_gemm_kernel, types, constants, arch, warps, stages)
+
+
+def fp8_activation_quant(arch: int):
+    """fp8_quant's kernel (16 rows x 128 channels a program, IEEE divisions): every FP8 GEMM's
+    activations."""
+    types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32")
+    constants = dict(GROUP_SIZE=128, BLOCK_ROWS=16, FP8_MAX=448.0, MIN_SCALE=1e-10)
+    return compile_for(_fp8_quant_kernel, types, constants, arch, 4, 1)
 
 
 def sqrtsoftplus_routing(arch: int):
@@ -158,6 +167,7 @@ KERNELS = {
     "mxfp4_quad_reg_fold_down": lambda arch: mxfp4_quad(arch, False, True, True),
     "fp8_gate_up": lambda arch: moe_gate_up(arch, fp8=True),
     "fp8_block_gemm": fp8_block_gemm,
+    "fp8_activation_quant": fp8_activation_quant,
     "bf16_gate_up_limit": lambda arch: moe_gate_up(arch, fp8=False),
     "routing_sqrtsoftplus": sqrtsoftplus_routing,
 }

@@ -1,11 +1,11 @@
 """benchmarks/compile_moe_kernels.py builds the MoE kernels (the MXFP4 fused MoE's two GEMMs:
 tl.dot_scaled, the split kernel with its shift dequantization, the four-lane word kernel with its
-table lookup, also with that table in a register (LUT_REG); the FP8 fused MoE's gate+up and the
-FP8 block GEMM, on sm_89 and sm_90 only; the bf16 gate+up GEMM with swiglu_limit; sqrtsoftplus
-routing) for sm_80, sm_89 and sm_90 on this CPU machine, within each target's shared memory and
-without spilled registers; the MXFP4 GEMMs' weight loads are asynchronous copies feeding
-tensor-core dots. (In a subprocess: the kernel tests run Triton's interpreter, which cannot
-compile.)"""
+table lookup, also with that table in a register (LUT_REG); the FP8 fused MoE's gate+up, the FP8
+block GEMM and the activations' FP8 quantization, on sm_89 and sm_90 only; the bf16 gate+up GEMM
+with swiglu_limit; sqrtsoftplus routing) for sm_80, sm_89 and sm_90 on this CPU machine, within
+each target's shared memory and without spilled registers; the MXFP4 GEMMs' weight loads are
+asynchronous copies feeding tensor-core dots. (In a subprocess: the kernel tests run Triton's
+interpreter, which cannot compile.)"""
 
 import ast
 import os
@@ -39,15 +39,15 @@ def test_moe_kernels_compile_for_sm80_sm89_sm90():
     kernels = ("mxfp4_gate_up", "mxfp4_down", "mxfp4_split_asm_gate_up", "mxfp4_split_asm_down",
                "mxfp4_quad_gate_up", "mxfp4_quad_fold_gate_up", "mxfp4_quad_fold_down",
                "mxfp4_quad_reg_gate_up", "mxfp4_quad_reg_fold_gate_up",
-               "mxfp4_quad_reg_fold_down", *fp8_kernels, "bf16_gate_up_limit",
-               "routing_sqrtsoftplus")  # fmt: skip
+               "mxfp4_quad_reg_fold_down", *fp8_kernels, "fp8_activation_quant",
+               "bf16_gate_up_limit", "routing_sqrtsoftplus")  # fmt: skip
     by_target = {(r["kernel"], r["arch"]): r for r in rows}
     assert set(by_target) == {(k, a) for k in kernels for a in (80, 89, 90)}
     # FP8 e4m3 (W8A8 experts and dense layers) runs on Ada's FP8 mma and Hopper's wgmma; Triton
     # refuses sm_80, which has no FP8 tensor cores (kernels/fp8/fp8_support.py refuses
     # fp8_weights=true there at start). Everything else builds for every target.
     assert [(r["kernel"], r["arch"]) for r in rows if not r["builds"]] == [
-        (kernel, 80) for kernel in fp8_kernels
+        (kernel, 80) for kernel in (*fp8_kernels, "fp8_activation_quant")
     ]
     for kernel in fp8_kernels:  # "": no nvdisasm to read the SASS with
         assert by_target[(kernel, 89)]["mma"] in ("QMMA", ""), by_target[(kernel, 89)]

@@ -29,9 +29,11 @@ def _load_weight_tile(
 def _add_rescaled(acc, product, a_scale, b_scale_ptrs, ONE_B_SCALE: tl.constexpr):
     """acc [BM, BN] + product * a_scale [BM, 1] * b_scale: with ONE_B_SCALE b_scale_ptrs is
     one scale (folded into the row factor: one FMA per element), else [BN] of them."""
-    if ONE_B_SCALE:
-        return acc + product * (a_scale * tl.load(b_scale_ptrs))
-    return acc + product * a_scale * tl.load(b_scale_ptrs)[None, :]
+    if ONE_B_SCALE:  # one branch compiled (Triton 3.9 compiles code past an early return)
+        acc = acc + product * (a_scale * tl.load(b_scale_ptrs))
+    else:
+        acc = acc + product * a_scale * tl.load(b_scale_ptrs)[None, :]
+    return acc
 
 
 @triton.jit

@@ -114,7 +114,7 @@ def fp8_block_gemm(arch: int):
 
 
 def fp8_activation_quant(arch: int):
-    """fp8_quant's kernel (16 rows x 128 channels a program, IEEE divisions): every FP8 GEMM's
+    """fp8_quant's kernel (16 rows x 128 channels a program): every FP8 GEMM's
     activations."""
     types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32")
     constants = dict(GROUP_SIZE=128, BLOCK_ROWS=16, FP8_MAX=448.0, MIN_SCALE=1e-10)

@@ -40,12 +40,13 @@ def main() -> None:
     for m, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q, scale = fp8_quant(x)
-        q_ref, scale_ref = fp8_quant_reference(x)
-        exact = bool(torch.equal(scale, scale_ref)) and bool(
-            torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)))  # fmt: skip
+        q_ref, scale_ref = fp8_quant_reference(x)  # torch on this GPU
+        same_scales = bool(torch.equal(scale, scale_ref))
+        off = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())  # values a step away
         ms = bench_ms(lambda x=x: fp8_quant(x))
         moved = m * k * 3 + m * (k // 128) * 4
-        rows.append(dict(op="fp8_quant", m=m, k=k, ms=ms, gb_per_s=moved / ms / 1e6, exact=exact))
+        rows.append(dict(op="fp8_quant", m=m, k=k, ms=ms, gb_per_s=moved / ms / 1e6,
+                         same_scales=same_scales, values_off=off))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     experts = moe_cases.random_experts(V4_FLASH, fp8=True, device="cuda")
     for tokens in (128, 4096):

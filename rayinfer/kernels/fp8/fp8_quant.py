@@ -48,10 +48,8 @@ def _fp8_quant_kernel(
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    # IEEE divisions (div_rn), as torch divides: Triton's `/` is the GPU's approximate one, which
-    # put some values a step away from the reference (benchmarks/fp8_quant_ab.py, H100)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_MAX), MIN_SCALE)  # [R]
-    q = _round_to_e4m3_grid(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX))
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX, MIN_SCALE)  # [R]
+    q = _round_to_e4m3_grid(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
     tl.store(scale_ptr + rows * stride_sm + group * stride_sg, scale, mask=in_rows)

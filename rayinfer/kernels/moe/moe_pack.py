@@ -103,8 +103,8 @@ def _pack_fp8_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + token * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX), FP8_MAX)  # as torch's /
-    values = _round_to_e4m3_grid(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+    scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX) / FP8_MAX
+    values = _round_to_e4m3_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
     values = values.to(payload_ptr.dtype.element_ty)
     slots = tl.arange(0, BLOCK_K)
     ids = tl.load(ids_ptr + token * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int32)

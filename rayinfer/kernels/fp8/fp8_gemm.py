@@ -88,8 +88,8 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    device_name = tile_entry_names(a.device)
-    config = config or pick_tile_config("fp8_gemm", device_name, f"N={n},K={k}", m)
+    entries = tile_entry_names(a.device)
+    config = config or pick_tile_config("fp8_gemm", entries, f"N={n},K={k}", m)
     config = config or DEFAULT_CONFIG
     if SCALE_BLOCK % config["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the scale block {SCALE_BLOCK}")

@@ -79,12 +79,12 @@ def _pick_config(x, w13, num_slots):
         # Tuned tiles are for 2-byte inputs; in float32 they need up to 288 KiB of shared memory
         # (H200 has 227 KiB). The default tiles fit: float32 is for parity checks, not speed.
         return DEFAULT_CONFIG
-    device_name = tile_entry_names(x.device)
+    entries = tile_entry_names(x.device)
     kind = "fp8" if w13.dtype == torch.float8_e4m3fn else "bf16"
     shape_key = f"{kind},E={w13.shape[0]},I={w13.shape[1] // 2},H={w13.shape[2]}"
-    config = pick_tile_config("fused_moe", device_name, shape_key, x.shape[0])
+    config = pick_tile_config("fused_moe", entries, shape_key, x.shape[0])
     if config is None:
-        config = pick_tile_config("fused_moe", device_name, kind, x.shape[0])
+        config = pick_tile_config("fused_moe", entries, kind, x.shape[0])
     return config or DEFAULT_CONFIG
 
 

@@ -92,11 +92,11 @@ def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale) -> None:
 
 
 def _pick_config(x, w13) -> dict:
-    device_name = tile_entry_names(x.device)
+    entries = tile_entry_names(x.device)
     num_experts, two_i, packed_h = w13.shape
     shape_key = f"E={num_experts},I={two_i // 2},H={2 * packed_h}"
     # configs/fused_moe_mxfp4.json: this shape's entry, else the GPU's "default", else ours
-    return pick_tile_config("fused_moe_mxfp4", device_name, shape_key, x.shape[0]) or DEFAULT_CONFIG
+    return pick_tile_config("fused_moe_mxfp4", entries, shape_key, x.shape[0]) or DEFAULT_CONFIG
 
 
 def lanes(tile: dict) -> int:

@@ -169,6 +169,6 @@ _DEFAULT_TILES = {
 def small_batch_tiles(device: torch.device, hidden: int, inter: int) -> dict:
     """{"gate_up": tiles, "down": tiles} for this GPU and expert shape, from
     configs/fused_moe_small.json ("H=..,I=.." keys, else "default"), else the defaults."""
-    name = tile_entry_names(device)
-    found = pick_tile_config("fused_moe_small", name, f"H={hidden},I={inter}", 1)
+    entries = tile_entry_names(device)
+    found = pick_tile_config("fused_moe_small", entries, f"H={hidden},I={inter}", 1)
     return found or _DEFAULT_TILES

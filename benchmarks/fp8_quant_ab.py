@@ -19,11 +19,11 @@ import torch
 import triton.testing
 
 from rayinfer.bench import moe_cases
+from rayinfer.bench.kernels_moe_mxfp4 import SWIGLU_LIMIT, V4_FLASH
 from rayinfer.kernels.fp8.fp8_quant import fp8_quant, fp8_quant_reference
 from rayinfer.kernels.moe.fused_moe import fused_moe
 
 SHAPES = ((24576, 2048), (4096, 4096), (16384, 7168), (64, 7168))
-V4_FLASH = moe_cases.MoeShape(num_experts=256, hidden=4096, intermediate=2048, top_k=6)
 
 
 def bench_ms(fn) -> float:
@@ -54,7 +54,7 @@ def main() -> None:
         weights, ids = moe_cases.random_routing(tokens, V4_FLASH, "cuda", seed=tokens)
         ms = bench_ms(lambda x=x, w=weights, i=ids: fused_moe(
             x, experts.w13, experts.w2, w, i, experts.w13_scale, experts.w2_scale,
-            swiglu_limit=10.0))  # fmt: skip
+            swiglu_limit=SWIGLU_LIMIT))  # fmt: skip
         rows.append(dict(op="fused_moe fp8 v4-flash", tokens=tokens, ms=ms))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:

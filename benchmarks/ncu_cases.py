@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rayinfer.bench import dsa_shapes, moe_cases  # noqa: E402
+from rayinfer.bench import kernels_dsa, moe_cases  # noqa: E402
 from rayinfer.bench.kernels_moe_mxfp4 import (  # noqa: E402
     SWIGLU_LIMIT,
     V4_FLASH,
@@ -50,23 +50,8 @@ def moe_call(num_tokens: int, fp8: bool):
                              experts.w2_scale, swiglu_limit=SWIGLU_LIMIT)  # fmt: skip
 
 
-def sparse_mla_inputs(batch: int, context: int = 131072):
-    """(q_latent, q_pe, kv_cache, slots, scale) of `bench kernels dsa`'s decode rows: GLM-5's
-    heads and ranks, each query's top-k of random scores over a shared cache."""
-    generator = torch.Generator(device="cuda").manual_seed(batch)
-    kv_cache = dsa_shapes.random_bf16(context // dsa_shapes.BLOCK_SIZE, dsa_shapes.BLOCK_SIZE,
-                                      dsa_shapes.ROW_WIDTH, generator=generator)  # fmt: skip
-    scores = torch.rand(batch, context, device="cuda", generator=generator)
-    slots = scores.topk(dsa_shapes.TOPK, dim=-1).indices.to(torch.int32)
-    q_latent = dsa_shapes.random_bf16(batch, dsa_shapes.HEADS, dsa_shapes.LATENT_RANK,
-                                      generator=generator)  # fmt: skip
-    q_pe = dsa_shapes.random_bf16(batch, dsa_shapes.HEADS, dsa_shapes.ROPE_DIM,
-                                  generator=generator)  # fmt: skip
-    return q_latent, q_pe, kv_cache, slots, dsa_shapes.SCALE
-
-
 def sparse_mla_call(batch: int):
-    inputs = sparse_mla_inputs(batch)
+    inputs = kernels_dsa.sparse_attention_inputs(batch, context=131072)
     return lambda: sparse_mla_attention(*inputs)
 
 

@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.ncu_cases import sparse_mla_inputs  # noqa: E402
-from rayinfer.bench import moe_cases  # noqa: E402
+from rayinfer.bench import kernels_dsa, moe_cases  # noqa: E402
 from rayinfer.bench.kernels_moe_mxfp4 import (  # noqa: E402
     SWIGLU_LIMIT,
     V4_FLASH,
@@ -93,7 +92,7 @@ def mxfp4_rows() -> list[dict]:
 
 
 def sparse_mla_rows(batch: int = 64) -> list[dict]:
-    q_latent, q_pe, kv_cache, slots, scale = sparse_mla_inputs(batch)
+    q_latent, q_pe, kv_cache, slots, scale = kernels_dsa.sparse_attention_inputs(batch, 131072)
     heads = q_latent.shape[1]
     own = pick_tile_config("sparse_mla", tile_entry_names(q_latent.device)[:1], "default", heads)
     untuned = own or pick_tile_config("sparse_mla", "default", "default", heads)

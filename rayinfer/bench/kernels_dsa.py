@@ -103,16 +103,23 @@ def copy_bytes_per_s() -> float:
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 
-def time_sparse_attention(batch: int, context: int, copy_rate: float) -> dict:
-    """One decode step of `batch` queries over a shared cache of `context` tokens (a step reads
-    its slot lists, wherever in the cache they point)."""
+def sparse_attention_inputs(batch: int, context: int) -> tuple:
+    """(q_latent, q_pe, kv_cache, slots, scale) of one decode step of `batch` queries over a
+    shared cache of `context` tokens, each query's slots the top-k of random scores."""
     generator = torch.Generator(device="cuda").manual_seed(batch)
     kv_cache = random_bf16(context // BLOCK_SIZE, BLOCK_SIZE, ROW_WIDTH, generator=generator)
     scores = torch.rand(batch, context, device="cuda", generator=generator)
     slots = scores.topk(TOPK, dim=-1).indices.to(torch.int32)  # [B, 2048] distinct
     q_latent = random_bf16(batch, HEADS, LATENT_RANK, generator=generator)
     q_pe = random_bf16(batch, HEADS, ROPE_DIM, generator=generator)
-    ms = median_ms(lambda: sparse_mla_attention(q_latent, q_pe, kv_cache, slots, SCALE))
+    return q_latent, q_pe, kv_cache, slots, SCALE
+
+
+def time_sparse_attention(batch: int, context: int, copy_rate: float) -> dict:
+    """One decode step of `batch` queries over a shared cache of `context` tokens (a step reads
+    its slot lists, wherever in the cache they point)."""
+    inputs = sparse_attention_inputs(batch, context)
+    ms = median_ms(lambda: sparse_mla_attention(*inputs))
     rate = attention_bytes(batch) / (ms * 1e-3)
     return dict(kernel="sparse_mla_decode", batch=batch, context=context, ms=ms,
                 bytes=attention_bytes(batch), tb_per_s=rate / 1e12,

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
+from rayinfer.bench.moe_cases import MOE_SHAPES, MoeShape, random_routing, relative_error
 from rayinfer.kernels.moe import fused_moe_mxfp4 as mxfp4
 from rayinfer.kernels.moe.fused_moe import fused_moe
 from rayinfer.kernels.moe.moe_align import moe_align
 
-V4_FLASH = MoeShape(num_experts=256, hidden=4096, intermediate=2048, top_k=6)
+V4_FLASH = MOE_SHAPES["deepseek-v4-flash"]
 SWIGLU_LIMIT = 10.0
 BF16 = torch.bfloat16
 

@@ -6,9 +6,9 @@ The bucket picked is the smallest one >= M (the largest if M exceeds them all).
 
 A GPU without an entry of its own takes the entry of the GPU tuned for its architecture
 (`TUNED_FOR_ARCHITECTURE`): the same SM (registers, shared memory, instructions) with fewer or
-slower SMs keeps the tiles that fit and feed it. Without that, every Hopper card but the H200
-(H100 SXM and PCIe, H800, H20, GH200) ran the untuned defaults: on an H100 the MXFP4 MoE took
-BLOCK_M 16 tiles at 4,096 tokens (benchmarks/RESULTS.md, kernels: the H200's tiles there).
+slower SMs keeps the tiles that fit and feed it: every Hopper card (H100 SXM and PCIe, H800,
+H20, GH200) takes the H200's, 1.3-2.1x the untuned defaults on an H100 for the fused MoE and
+sparse MLA decode (benchmarks/RESULTS.md, kernels, `benchmarks/tiles_by_architecture.py`).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def fp8_gemm(
     b_scale = b_scale.contiguous()
     split_k = int(config.get("SPLIT_K", 1))
     if split_k > 1:
-        _split_k_gemm(a, a_scale, b, b_scale, out, tiles, unroll, split_k)
+        _split_k_gemm(a, a_scale, b, b_scale, out, tiles, unroll, split_k, num_tiles)
         return out
     if config.get("USE_TMA") and _is_tma_compatible(a, b, out):
         descriptors = (
@@ -127,7 +127,8 @@ def fp8_gemm(
     return out
 
 
-def _split_k_gemm(a, a_scale, b, b_scale, out, tiles: dict, unroll: int, split_k: int) -> None:
+def _split_k_gemm(a, a_scale, b, b_scale, out, tiles: dict, unroll: int, split_k: int,
+                  num_tiles: int) -> None:  # fmt: skip
     """out = the product, K split over split_k programs per tile (pointer kernel), their float32
     partials [split_k, M, N] summed into out by _sum_splits_kernel."""
     (m, k), n = a.shape, b.shape[0]
@@ -135,7 +136,6 @@ def _split_k_gemm(a, a_scale, b, b_scale, out, tiles: dict, unroll: int, split_k
     per_split = triton.cdiv(triton.cdiv(k_steps, split_k), unroll) * unroll  # whole unrolled pairs
     split_k = triton.cdiv(k_steps, per_split)  # no split without K blocks
     partials = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device)
-    num_tiles = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
     _fp8_block_gemm_kernel[(num_tiles, split_k)](
         a, b, partials, a_scale, b_scale, m, n, k,
         a.stride(0), b.stride(0), n, *a_scale.stride(), b_scale.stride(0),

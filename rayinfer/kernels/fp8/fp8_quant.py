@@ -75,9 +75,9 @@ def fp8_quant(
     scale = scale.t() if column_major_scales else scale  # [M, G]
     if num_rows == 0:
         return q, scale
-    # Rows per program: one 128-channel group of one row per program (a single warp) left the
-    # GPU scheduling programs, not moving bytes: 393k of them for a 24,576 x 2,048 MoE act
-    # (benchmarks/RESULTS.md, kernels). 16 rows keep every program's loads 4 KiB of bf16.
+    # 16 rows a program (4 KiB of bf16 loads each): a program per row and group spends the GPU
+    # on scheduling programs, not moving bytes (393k single-warp programs for a 24,576 x 2,048
+    # MoE act, 4x slower: benchmarks/RESULTS.md, kernels, `fp8_quant`).
     block_rows = min(16, triton.next_power_of_2(num_rows))
     _fp8_quant_kernel[(triton.cdiv(num_rows, block_rows), num_groups)](
         x, q, scale, num_rows, num_cols, x.stride(0), q.stride(0), *scale.stride(),

@@ -32,6 +32,7 @@ from rayinfer.engine_config import (
 )
 from rayinfer.exchange_config import AllToAllConfig
 from rayinfer.graph_config import (
+    DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS,
     DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
     CudaGraphConfig,
     cuda_graph_config,
@@ -93,6 +94,7 @@ class EngineArgs:
     cuda_graphs: bool | None = None
     max_graph_batch_size: int = 256
     max_graph_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS
+    max_graph_piecewise_tokens: int = DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS
     all_to_all: AllToAllConfig = field(default_factory=AllToAllConfig)
     overlap: OverlapConfig = DEFAULT_OVERLAP
     kernels: KernelBackends = DEFAULT_BACKENDS
@@ -195,6 +197,7 @@ class EngineArgs:
             key=f"{self.key_prefix}cuda_graphs",
             max_prefill_tokens=min(self.max_graph_prefill_tokens, max_tokens),
             model=model_config,
+            max_piecewise_tokens=min(self.max_graph_piecewise_tokens, max_tokens),
         )
 
     def worker_spec(self, device: str, num_threads: int = 0) -> WorkerSpec:

@@ -18,17 +18,24 @@ from rayinfer.exchange_config import AllToAllConfig
 # against 74.3k), so longer prompts run eagerly (benchmarks/RESULTS.md, prefill thresholds).
 DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 8192
 
+# Largest mixed step (decodes beside prompt chunks) replayed from piecewise graphs by default:
+# eagerly such a step's host work (~65 ms for DeepSeek-V2-Lite shapes) outlasts its GPU time up
+# to about 3k tokens; past 4k the eager step keeps pace, and a bucket would only hold memory.
+DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Pure-decode steps replayed from CUDA graphs captured at start, one per batch-size bucket
     up to `max_batch_size`; block tables are padded to `max_model_len` (runner/decode_graphs).
     New prompts of up to `max_prefill_tokens` tokens (0: none) prefill from graphs too, one per
-    token-count bucket (runner/prefill_graphs)."""
+    token-count bucket (runner/prefill_graphs); other steps of up to `max_piecewise_tokens`
+    (0: none) from graphs cut at each attention, which runs eagerly (runner/piecewise_graphs)."""
 
     max_batch_size: int = 64
     max_model_len: int = 4096
     max_prefill_tokens: int = 0
+    max_piecewise_tokens: int = 0
 
     def table_width(self, block_size: int) -> int:
         """Blocks in the static block tables: enough for max_model_len tokens."""
@@ -38,8 +45,9 @@ class CudaGraphConfig:
         for key in ("max_batch_size", "max_model_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be positive")
-        if self.max_prefill_tokens < 0:
-            raise ConfigError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 0")
+        for key in ("max_prefill_tokens", "max_piecewise_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
 
 
 def graph_blocker(
@@ -83,12 +91,14 @@ def cuda_graph_config(
     key: str = "cuda_graphs",
     max_prefill_tokens: int = 0,
     model: ModelConfig | None = None,
+    max_piecewise_tokens: int = 0,
 ) -> CudaGraphConfig | None:
     """None (graphs off) or what to capture. `requested` None: on for CUDA runs whose forward
     can be captured (see `graph_blocker`); True where it cannot fails, naming the key. True on
     the CPU runs the same padded static-buffer path eagerly (no capture), which tests use.
     max_prefill_tokens: the largest new prompt prefilled from a graph (capped by max_model_len;
     the caller caps it by the step's token budget); 0 captures decode graphs only.
+    max_piecewise_tokens: the largest other step replayed in pieces (likewise capped; 0: none).
     model: the model served; new prompts of a DSA model prefill eagerly (its dense-or-sparse
     choice and sparse rows come from the host's prompt lengths, layers/dsa.py; its pure-decode
     steps replay)."""
@@ -100,6 +110,11 @@ def cuda_graph_config(
         raise ConfigError(
             f"max_graph_prefill_tokens={max_prefill_tokens} must be >= 0 (0: no prefill graphs)"
         )
+    if max_piecewise_tokens < 0:
+        raise ConfigError(
+            f"max_graph_piecewise_tokens={max_piecewise_tokens} must be >= 0 (0: no piecewise "
+            "graphs)"
+        )
     blocker = graph_blocker(plan, all_to_all, prefix=key.removesuffix("cuda_graphs"))
     if requested and blocker:
         raise ConfigError(f"{key}=true cannot capture this forward: {blocker}; or set {key}=false")
@@ -107,9 +122,10 @@ def cuda_graph_config(
     if not enabled:
         return None
     if model is not None and (model.is_dsa or model.is_v4):  # prefills pick rows on the host
-        max_prefill_tokens = 0
+        max_prefill_tokens = max_piecewise_tokens = 0
     return CudaGraphConfig(
         min(max_num_seqs, max_graph_batch_size),
         max_model_len,
         min(max_prefill_tokens, max_model_len),
+        max_piecewise_tokens,
     )

@@ -15,7 +15,10 @@ from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine_args import EngineArgs, as_config, local_executor
 from rayinfer.engine_config import KVHandoffConfig
 from rayinfer.exchange_config import AllToAllConfig
-from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
+from rayinfer.graph_config import (
+    DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS,
+    DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
+)
 from rayinfer.kernels.backends import KernelBackends
 from rayinfer.overlap_config import OverlapConfig
 from rayinfer.process_config import ProcessConfig
@@ -49,6 +52,10 @@ class LLM:
     `LLM.graph_capture_seconds`). With them, a step whose every replica prefills one new prompt
     of up to min(max_graph_prefill_tokens, max_num_batched_tokens) tokens runs from a graph too,
     padded to a token bucket (0 turns prefill graphs off; see workers/runner/prefill_graphs.py).
+    On one GPU per replica, any other step of up to min(max_graph_piecewise_tokens,
+    max_num_batched_tokens) tokens (decodes beside prompt chunks, several prompts) replays from
+    graphs cut at each layer's attention, which runs eagerly between them (0: off; DSA and V4
+    models: off; see workers/runner/piecewise_graphs.py).
     num_kv_blocks: KV cache blocks of block_size tokens (per data-parallel replica); None sizes
     the cache for max(4 x max_model_len, 16384) tokens, or, with gpu_memory_utilization (a
     fraction in (0, 1], CUDA only), fills that share of each GPU's memory left after the weights,
@@ -84,6 +91,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         max_graph_batch_size: int = 256,
         max_graph_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
+        max_graph_piecewise_tokens: int = DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS,
         fp8_weights: bool = False,
         index_cache_dtype: str = "auto",
         overlap: OverlapConfig | dict | None = None,
@@ -110,6 +118,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             max_graph_batch_size=max_graph_batch_size,
             max_graph_prefill_tokens=max_graph_prefill_tokens,
+            max_graph_piecewise_tokens=max_graph_piecewise_tokens,
             all_to_all=as_config(AllToAllConfig, all_to_all, "all_to_all"),
             overlap=as_config(OverlapConfig, overlap, "overlap"),
             kernels=as_config(KernelBackends, kernels, "kernels"),

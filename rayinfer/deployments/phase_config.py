@@ -102,6 +102,14 @@ class PhaseConfig(Strict):
         "by max_num_batched_tokens; 0: none; default: 8192 for the prefill and engine phases, 0 "
         "for decode",
     )
+    max_graph_piecewise_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="largest other step (decodes beside prompt chunks, several prompts; tokens "
+        "per replica) replayed from CUDA graphs cut at each attention, capped by "
+        "max_num_batched_tokens, one GPU per replica; 0: none; default: 4096 for the prefill and "
+        "engine phases, 0 for decode",
+    )
     fp8_weights: bool | None = Field(
         None, description="this phase's fp8_weights (default: the top-level fp8_weights)"
     )

@@ -16,7 +16,11 @@ from rayinfer.engine.model_source import DTYPES, resolve_dtype, resolve_model_pa
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
 from rayinfer.engine_args import MAX_DEFAULT_MODEL_LEN, EngineArgs
 from rayinfer.engine_config import KVMemoryConfig
-from rayinfer.graph_config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, CudaGraphConfig
+from rayinfer.graph_config import (
+    DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS,
+    DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
+    CudaGraphConfig,
+)
 from rayinfer.workers.group import WorkerGroup
 from rayinfer.workers.spec import WorkerSpec
 
@@ -103,6 +107,9 @@ def phase_fields(phase_config: PhaseConfig, phase: str, use_gpus: bool) -> dict[
     prefill_tokens = phase_config.max_graph_prefill_tokens
     if prefill_tokens is None:  # a colocated engine prefills too
         prefill_tokens = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if phase != "decode" else 0
+    piecewise_tokens = phase_config.max_graph_piecewise_tokens
+    if piecewise_tokens is None:  # the decode phase runs pure decodes (and imports)
+        piecewise_tokens = DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS if phase != "decode" else 0
     return dict(
         num_kv_blocks=phase_config.num_kv_blocks,
         gpu_memory_utilization=memory,
@@ -114,6 +121,7 @@ def phase_fields(phase_config: PhaseConfig, phase: str, use_gpus: bool) -> dict[
         cuda_graphs=None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs,
         max_graph_batch_size=1 if phase == "prefill" else phase_config.max_graph_batch_size,
         max_graph_prefill_tokens=prefill_tokens,
+        max_graph_piecewise_tokens=piecewise_tokens,
         all_to_all=phase_config.all_to_all,
         overlap=phase_config.overlap,
         kernels=phase_config.kernels,

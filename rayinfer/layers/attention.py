@@ -12,11 +12,14 @@ from torch import nn
 
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import ForwardContext
+from rayinfer.layers.graph_pieces import attend_outside_graphs
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(UsesKernelBackends, nn.Module):
+    attends_outside_graphs = True  # a mixed step's forward may be captured in pieces
+
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, layer_idx: int):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -55,11 +58,24 @@ class PagedAttention(UsesKernelBackends, nn.Module):
                 positions, q, k, rotary.inv_freq, kv_cache, attn.slot_mapping, v,
                 False, rotary.attention_factor,
             )  # fmt: skip
+        if ctx.pieces is None:
+            return self._attention(ctx, q, k, v)
+        operands = attend_outside_graphs(ctx, self._attend, q, k, v, q.new_zeros(q.shape))
+        return operands[-1]
+
+    def _attend(self, ctx: ForwardContext, q, k, v, out) -> None:
+        """_attention into out [T, Hq, D] (a forward in pieces)."""
+        out.copy_(self._attention(ctx, q, k, v))
+
+    def _attention(self, ctx: ForwardContext, q, k, v) -> torch.Tensor:
+        """Every query over its context: q [T, Hq, D] (rotated), k, v [T, Hkv, D] (cached) ->
+        [T, Hq, D]."""
+        attn = ctx.attn
         # The step's own (rotated) K/V go along: chunks without a cached prefix attend to them
         # directly rather than through the block tables.
         return ops.paged_attention(
             q,
-            kv_cache,
+            ctx.kv_caches[self.layer_idx],
             attn.block_tables,
             attn.seq_lens,
             attn.query_start_loc,

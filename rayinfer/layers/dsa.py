@@ -83,6 +83,8 @@ class LightningIndexer(nn.Module):
 class DSAAttention(MLAAttention):
     """MLA with DSA: see the module docstring."""
 
+    attends_outside_graphs = False  # the indexer's selection runs inside the layer
+
     def __init__(
         self,
         config: ModelConfig,

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rayinfer.kernels.host_lists import device_ints
+
+if TYPE_CHECKING:
+    from rayinfer.layers.graph_pieces import Pieces
 
 
 @dataclass
@@ -57,6 +61,9 @@ class ForwardContext:
     # DSA: the last "full" indexer layer's selection ([S, index_topk] int32 cache slots of its
     # sparse rows), which the "shared" layers after it reuse (layers/dsa.py)
     dsa_selection: torch.Tensor | None = None
+    # A forward captured in pieces: what each layer's attention does at its cut (see
+    # layers/graph_pieces.py); None runs attention inline.
+    pieces: Pieces | None = None
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
@@ -68,7 +75,7 @@ def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:
     )
 
 
-def _slots(positions: np.ndarray, query_lens, block_tables, block_size: int) -> np.ndarray:
+def cache_slots(positions: np.ndarray, query_lens, block_tables, block_size: int) -> np.ndarray:
     """[T] int64: cache slot (block id * block_size + offset) of every new token."""
     slots = np.empty(positions.shape[0], dtype=np.int64)
     start = 0
@@ -115,14 +122,14 @@ def build_attention_metadata(
     without waiting for it (host_lists.device_ints)."""
     if positions is None:
         positions = token_positions(query_lens, seq_lens)
-    slots = _slots(positions, query_lens, block_tables, block_size)
+    slots = cache_slots(positions, query_lens, block_tables, block_size)
     padded = _padded_tables(block_tables)  # [B, max_blocks]
     starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=starts[1:])
     window_slots = window_padded = None
     if window_tables is not None:
         window_slots = device_ints(
-            torch.from_numpy(_slots(positions, query_lens, window_tables, block_size)),
+            torch.from_numpy(cache_slots(positions, query_lens, window_tables, block_size)),
             torch.int64, device,
         )  # fmt: skip
         window_padded = device_ints(

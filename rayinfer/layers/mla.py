@@ -24,6 +24,7 @@ from torch import nn
 from rayinfer.config import ModelConfig
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
+from rayinfer.layers.graph_pieces import attend_outside_graphs
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from rayinfer.layers.mla_context import (
@@ -40,6 +41,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, no
 
 class MLAAttention(UsesKernelBackends, nn.Module):
     use_absorbed_decode = True
+    attends_outside_graphs = True  # a mixed step's forward may be captured in pieces
     # A chunk over a cached prefix whose expanded K_nope and V would pass this many elements
     # attends to the context in blocks of at most this many (layers/mla_context.py).
     context_block_elements: int = CONTEXT_BLOCK_ELEMENTS
@@ -114,11 +116,21 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         q_pe, k_pe = self.rotary_emb.forward_and_cache(
             positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping
         )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
-        out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
-        decode_seqs, prefill_seqs = self._split_batch(ctx.attn)
-        if decode_seqs:
-            self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.attn, decode_seqs, out)
+        shape = (hidden.shape[0], self.num_local_heads, self.v_head_dim)
+        # within pieces the padding rows' output stays zero (attention writes the real rows)
+        out = q_nope.new_empty(shape) if ctx.pieces is None else q_nope.new_zeros(shape)
+        operands = attend_outside_graphs(ctx, self._attend, q_nope, q_pe, kv_c, k_pe, out)
+        return self.o_proj(operands[-1].flatten(1))  # [T, H]
+
+    def _attend(self, ctx: ForwardContext, q_nope, q_pe, kv_c, k_pe, out) -> None:
+        """The step's attention from its rotated queries q_nope [T, N, Dn], q_pe [T, N, R] and
+        its tokens' latents kv_c [T, L], roped k_pe [T, R] (already cached) -> out [T, N, Dv]:
+        decodes in absorbed form, prompt chunks expanded."""
+        kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
         attn = ctx.attn
+        decode_seqs, prefill_seqs = self._split_batch(attn)
+        if decode_seqs:
+            self._attend_absorbed(q_nope, q_pe, kv_cache, attn, decode_seqs, out)
         fresh = {s for s in prefill_seqs if attn.seq_lens_cpu[s] == attn.query_lens_cpu[s]}
         if prefill_seqs and len(fresh) == attn.num_seqs:  # new prompts only: one varlen call
             bounds = (attn.query_start_loc, max(attn.query_lens_cpu))
@@ -126,7 +138,6 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         elif prefill_seqs:
             queries = (q_nope, q_pe)
             self._attend_chunks(queries, kv_c, k_pe, kv_cache, attn, prefill_seqs, fresh, out)
-        return self.o_proj(out.flatten(1))  # [T, H]
 
     def _attend_chunks(self, queries, kv_c, k_pe, kv_cache, attn, seqs, fresh, out) -> None:
         """The expanded form one sequence at a time: a new prompt's context is its own rows; a

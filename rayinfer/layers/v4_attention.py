@@ -76,6 +76,8 @@ class V4Attention(nn.Module):
     """See the module docstring; the caches are `[num_blocks, block_size, V4EntryRow.width]`
     and the window pool's `[num_window_blocks, block_size, V4WindowRow.width]`."""
 
+    attends_outside_graphs = False  # the compressors and the selection run inside the layer
+
     def __init__(self, config: ModelConfig, v4: V4Config, layer_idx: int):
         super().__init__()
         hidden, heads, dim = config.hidden_size, config.num_attention_heads, v4.head_dim

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.fp8.fp8_support import require_fp8_device
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
+from rayinfer.layers.graph_pieces import cuts_every_attention
 from rayinfer.layers.layer_options import configure_layers
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import log_probabilities
@@ -49,6 +51,7 @@ from rayinfer.workers.runner.kv_memory import (
 )
 from rayinfer.workers.runner.kv_transfer import KVPayload
 from rayinfer.workers.runner.logprobs import prompt_logprobs, sampled_logprobs
+from rayinfer.workers.runner.piecewise_graphs import PiecewiseGraphs
 from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
 from rayinfer.workers.runner.sampling import RequestSampler
 from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
@@ -126,6 +129,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None  # made by allocate_kv
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
         if allocate_kv:
             num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
@@ -142,6 +146,7 @@ class ModelRunner:
             window_layers=layers[num_layers:], window_span=self.model_config.window_span,
         )  # fmt: skip
         self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
+        self.piecewise_graphs = self._capture_piecewise_graphs(self.cuda_graphs)
         self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
 
     @property
@@ -154,8 +159,9 @@ class ModelRunner:
 
     @property
     def graph_capture_seconds(self) -> float | None:
-        """Warm-up and capture of the decode and prefill graphs; None without graphs."""
-        captured = [g for g in (self.decode_graphs, self.prefill_graphs) if g is not None]
+        """Warm-up and capture of the CUDA graphs; None without graphs."""
+        every = (self.decode_graphs, self.prefill_graphs, self.piecewise_graphs)
+        captured = [g for g in every if g is not None]
         return sum(g.capture_seconds for g in captured) if captured else None
 
     @property
@@ -189,6 +195,8 @@ class ModelRunner:
         if self.captures_decode_graphs:
             reserve += CUDA_GRAPH_RESERVE_BYTES
             if self.cuda_graphs.max_prefill_tokens:  # their pool: at most a step's activations
+                reserve += peak
+            if self.cuda_graphs.max_piecewise_tokens:  # theirs, and the attentions' operands
                 reserve += peak
         return num_kv_blocks_for_memory(
             total_bytes=total,
@@ -279,6 +287,20 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def _capture_piecewise_graphs(self, config: CudaGraphConfig | None) -> PiecewiseGraphs | None:
+        """Mixed steps in pieces: on one GPU (no collectives) for models whose every attention
+        marks its cut (layers/graph_pieces.py)."""
+        if config is None or not config.max_piecewise_tokens or self.parallel.has_collectives:
+            return None
+        if not cuts_every_attention(self.model):
+            return None
+        graphs = PiecewiseGraphs(
+            self.model, self.kv_caches, config.max_piecewise_tokens,
+            self.cache_config.block_size, self.device,
+        )  # fmt: skip
+        graphs.capture()
+        return graphs
+
     def _new_kv_caches(self, num_blocks: int, num_window_blocks: int = 0) -> list[torch.Tensor]:
         """Per layer its cache, then (a window pool) per layer its window cache."""
         num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
@@ -308,11 +330,20 @@ class ModelRunner:
         if not requests and bucket is None and prefill_bucket is None:
             self.forward.idle(self.kv_caches, batch.ep_tokens)
             return SampledTokens([])
+        pieces_bucket = None
+        if bucket is None and prefill_bucket is None and self.piecewise_graphs is not None:
+            pieces_bucket = self.piecewise_graphs.bucket_of(requests)
         if prefill_bucket is not None:  # one new prompt (or none: padding), from a graph
             hidden = self.prefill_graphs.run(requests, prefill_bucket)  # [n, H]
             timeline.inputs_ready = timeline.received  # the replay copies its own inputs
             timeline.mark("queued")
             last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
+        elif pieces_bucket is not None:  # a mixed step, from graphs cut at each attention
+            hidden = self.piecewise_graphs.run(requests, pieces_bucket)  # [n, H]
+            timeline.inputs_ready = timeline.received
+            timeline.mark("queued")
+            ends = accumulate(len(r.token_ids) for r in requests)
+            last_rows = [end - 1 for r, end in zip(requests, ends) if r.samples]
         else:
             hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
         prompt = None

@@ -37,6 +37,10 @@ def parse_args(argv):
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument(
+        "--max-graph-piecewise-tokens", type=int, default=None,
+        help="LLM's max_graph_piecewise_tokens (0: mixed steps run eagerly; default: LLM's)",
+    )  # fmt: skip
     add_dataset_args(parser)
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument(
@@ -61,6 +65,8 @@ def parse_args(argv):
 
 
 def make_llm(args) -> LLM:
+    piecewise = args.max_graph_piecewise_tokens
+    options = {} if piecewise is None else {"max_graph_piecewise_tokens": piecewise}
     return LLM(
         args.model,
         device=args.device,
@@ -72,6 +78,7 @@ def make_llm(args) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
+        **options,
     )
 
 

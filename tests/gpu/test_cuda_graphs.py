@@ -6,6 +6,8 @@
   transformers logits of the two tokens closer than NEAR_TIE);
 - prefill graphs on one GPU: every new prompt prefilled from a graph (padded to a token bucket),
   float32, exact against eager prefill;
+- piecewise graphs on one GPU: prompt chunks beside decodes replayed in pieces with attention
+  eager between them, float32, exact against eager steps;
 - with two GPUs, float32, exact against one GPU: decode steps replayed from graphs with NCCL
   inside (dp=2 ep=2, an idle replica, tp=2 ep=2) and prefill from graphs across dp=2 ep=2 (NCCL
   and host-staged exchanges, local_first forced on).
@@ -97,6 +99,23 @@ def test_prefill_graphs_give_the_eager_tokens(family, checkpoint_of):
     buckets = count_prefill_replays(llm)
     assert greedy_tokens(llm, prompts) == expected
     assert len(buckets) == len(prompts), buckets
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_piecewise_graphs_give_the_eager_tokens(family, checkpoint_of):
+    """Five prompts chunked beside each other's decodes (a 64-token budget), their max_tokens
+    differing so the mixes change as they finish; float32, exact against eager steps."""
+    path = str(checkpoint_of(family))
+    prompts = make_prompts(vocab_size(family), lengths=SHRINKING_LENGTHS)
+    mixed = dict(FLOAT32, max_num_seqs=8, max_num_batched_tokens=64, max_graph_prefill_tokens=0)
+    expected = greedy_tokens(rayinfer.LLM(path, cuda_graphs=False, **mixed), prompts,
+                             SHRINKING_MAX_TOKENS)  # fmt: skip
+    llm = rayinfer.LLM(path, cuda_graphs=True, **mixed)
+    graphs, buckets = llm.engine.executor.runner.piecewise_graphs, []
+    run = graphs.run
+    graphs.run = lambda requests, bucket: buckets.append(bucket) or run(requests, bucket)
+    assert greedy_tokens(llm, prompts, SHRINKING_MAX_TOKENS) == expected
+    assert len(buckets) >= 5, buckets
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ for budget in $BUDGETS; do
       --input-len 3700 --output-len 128 --seed 0 --max-concurrency 16 \
       --warmup-prompts "${WARMUP_PROMPTS:-16}" --max-num-batched-tokens "$budget" \
       --max-graph-piecewise-tokens "$pieces" --json "$OUT/$name.json" 2>&1 \
-      | grep -e "throughput" -e "P50 T" -e "Mean T" -e "Error" -e "rror" | head -8
+      | grep -e "throughput" -e "P50 T" -e "Mean T" -e "rror" -e "steps (last" | head -12
   done
 done
 if [ -n "${SERVE_BUDGET:-}" ]; then

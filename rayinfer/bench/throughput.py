@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from rayinfer import LLM, SamplingParams
@@ -20,6 +21,7 @@ from rayinfer.bench.serve_client import RequestResult, mark_token
 from rayinfer.bench.serve_dataset import add_dataset_args, build_requests, check_dataset_args
 from rayinfer.bench.serve_metrics import format_report, summarize
 from rayinfer.engine.structured_output import StructuredOutput
+from rayinfer.workers.runner.step_timeline import KEPT_STEPS
 
 
 def parse_args(argv):
@@ -129,6 +131,27 @@ def run_all(
     return list(results.values()), time.perf_counter() - start
 
 
+def step_times(timelines: dict, max_num_seqs: int) -> dict:
+    """Median times (ms) of the timed run's last steps on the first rank, pure decodes (at most
+    max_num_seqs tokens) apart from steps with prompt tokens: the whole step, until its forward
+    was queued (wall and the thread's CPU time) and on the GPU."""
+    steps = timelines["ranks"][0] if timelines["ranks"] else []
+    kinds = {"decode": [s for s in steps if s["num_tokens"] <= max_num_seqs]}
+    kinds["prompt"] = [s for s in steps if s["num_tokens"] > max_num_seqs]
+    phases = {
+        "step": lambda s: 1e3 * (s["finished"] - s["received"]),
+        "queued": lambda s: 1e3 * (s["queued"] - s["received"]),
+        "queue_cpu": lambda s: s["queue_cpu_ms"],
+        "gpu": lambda s: s["gpu_ms"] or 0.0,
+        "tokens": lambda s: s["num_tokens"],
+    }
+    return {
+        kind: {name: statistics.median(map(phase, chosen)) for name, phase in phases.items()}
+        for kind, chosen in kinds.items()
+        if chosen
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     llm = make_llm(args)
@@ -140,12 +163,17 @@ def main(argv=None) -> int:
         structured = StructuredOutput.json_schema(json.loads(args.json_schema))
     concurrency = args.max_concurrency
     run_all(llm, warmup, "warmup", structured, concurrency)  # compiles, captures graphs
+    llm.engine.executor.drain_step_timelines()
     results, duration_s = run_all(llm, requests, "timed", structured, concurrency)
     summary = summarize(results, duration_s)
     shape = "all at once" if concurrency is None else f"{concurrency} at once"
     print(format_report(summary, f"Offline engine ({args.model}, {shape})"))
+    steps = step_times(llm.engine.executor.drain_step_timelines(), args.max_num_seqs)
+    for kind, times in steps.items():
+        print(f"{kind} steps (last {KEPT_STEPS} at most), median ms: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in times.items()))  # fmt: skip
     if args.json:
-        record = {"model": args.model, "args": vars(args), "summary": summary}
+        record = {"model": args.model, "args": vars(args), "summary": summary, "steps": steps}
         with open(args.json, "w") as out:
             json.dump(strict_json(record), out, indent=1)
     return 0 if summary["failed"] == 0 else 1

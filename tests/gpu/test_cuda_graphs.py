@@ -115,7 +115,7 @@ def test_piecewise_graphs_give_the_eager_tokens(family, checkpoint_of):
     run = graphs.run
     graphs.run = lambda requests, bucket: buckets.append(bucket) or run(requests, bucket)
     assert greedy_tokens(llm, prompts, SHRINKING_MAX_TOKENS) == expected
-    assert len(buckets) >= 5, buckets
+    assert len(buckets) >= 3, buckets  # the steps that mixed
 
 
 @pytest.fixture(scope="module")

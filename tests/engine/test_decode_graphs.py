@@ -276,10 +276,16 @@ def test_serve_config_takes_cuda_graphs_per_phase():
     auto = AppConfig.from_args({})
     decode = phase_graphs(auto.decode, "decode", use_gpus=True, max_model_len=4096)
     assert decode == CudaGraphConfig(max_batch_size=128, max_model_len=4096)
-    # The prefill phase replays its new prompts (up to its step budget) and no decode batch
-    # larger than 1 (its replicas stop after the first token).
+    # The prefill phase replays its new prompts and other steps in pieces (up to its step
+    # budget) and no decode batch larger than 1 (its replicas stop after the first token).
     prefill = phase_graphs(auto.prefill, "prefill", use_gpus=True, max_model_len=4096)
-    assert prefill == CudaGraphConfig(max_batch_size=1, max_model_len=4096, max_prefill_tokens=2048)
+    assert prefill == CudaGraphConfig(
+        max_batch_size=1, max_model_len=4096, max_prefill_tokens=2048, max_piecewise_tokens=2048
+    )
+    engine = phase_graphs(auto.engine, "engine", use_gpus=True, max_model_len=4096)
+    assert engine.max_prefill_tokens == engine.max_piecewise_tokens == 4096  # max_model_len
+    no_pieces = AppConfig.from_args({"engine.max_graph_piecewise_tokens": "0"})
+    assert phase_graphs(no_pieces.engine, "engine", True, 4096).max_piecewise_tokens == 0
     longer = AppConfig.from_args({"prefill.max_graph_prefill_tokens": "1024"})
     assert phase_graphs(longer.prefill, "prefill", True, 4096).max_prefill_tokens == 1024
     off = AppConfig.from_args({"prefill.cuda_graphs": "off"})

@@ -172,7 +172,7 @@ def test_disaggregate_takes_true_false_or_auto(value, parsed):
     assert AppConfig.from_args({}).disaggregate == "auto"
 
 
-def test_the_colocated_engine_defaults_to_mixed_batches_with_both_kinds_of_graphs():
+def test_the_colocated_engine_defaults_to_mixed_batches_with_every_kind_of_graph():
     from rayinfer.deployments.runtime import phase_graphs
     from rayinfer.graph_config import CudaGraphConfig
 
@@ -181,7 +181,7 @@ def test_the_colocated_engine_defaults_to_mixed_batches_with_both_kinds_of_graph
     assert engine.max_ongoing_requests == 128
     graphs = phase_graphs(engine, "engine", use_gpus=True, max_model_len=8192)
     assert graphs == CudaGraphConfig(
-        max_batch_size=128, max_model_len=8192, max_prefill_tokens=8192
+        max_batch_size=128, max_model_len=8192, max_prefill_tokens=8192, max_piecewise_tokens=4096
     )
     assert phase_graphs(engine, "engine", use_gpus=False, max_model_len=4096) is None
 

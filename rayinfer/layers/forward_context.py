@@ -7,7 +7,7 @@ attends causally to the whole context before it, read from the paged cache throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,9 @@ class AttentionMetadata:
     # sequence's window table (-1 where no window block is held); None for other models.
     window_slot_mapping: torch.Tensor | None = None  # [T] int64
     window_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    # What every layer of an eager step derives alike from these fields, made by the first
+    # layer that needs it (e.g. MLA's decode rows in a mixed batch): name -> value.
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

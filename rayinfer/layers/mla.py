@@ -225,9 +225,7 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         if len(seqs) == attn.num_seqs:
             rows, tables, seq_lens = slice(None), attn.block_tables, attn.seq_lens
         else:
-            rows = attn.query_start_loc[seqs].long()  # [B]: each sequence's single query
-            tables = attn.block_tables[seqs]
-            seq_lens = [attn.seq_lens_cpu[i] for i in seqs]
+            rows, tables, seq_lens = decode_subset(attn, seqs)
         w_uk, w_uv = self._kv_b_weights()
         # [B, N, L] with each sequence's heads one row apart, what the Gluon decode kernel's
         # TMA view needs: bmm writes its [N, B, L] result through the transposed view (an
@@ -239,3 +237,19 @@ class MLAAttention(UsesKernelBackends, nn.Module):
             q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale, backends=self.kernels
         )  # [B, N, L]
         out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]
+
+
+def decode_subset(attn: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
+    """The decodes of a mixed batch: their rows [B] int64 (each sequence's single query), block
+    tables [B, W] and device context lengths [B], made once per step (one host-to-device copy)
+    for every layer."""
+    subset = attn.derived.get("mla_decode_subset")
+    if subset is None:
+        index = torch.tensor(seqs, dtype=torch.int64).to(attn.seq_lens.device)
+        rows = attn.query_start_loc[index].long()
+        subset = attn.derived["mla_decode_subset"] = (
+            rows,
+            attn.block_tables[index],
+            attn.seq_lens[index],
+        )
+    return subset

@@ -135,8 +135,6 @@ class StaticStepInputs:
 class PiecewiseGraphs:
     """One chain of pieces per token bucket, captured largest first into one memory pool."""
 
-    kind = "piecewise"
-
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],  # input_ids [T], positions [T], ctx -> [T, H]

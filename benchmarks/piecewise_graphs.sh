@@ -3,7 +3,7 @@
 # DeepSeek-V2-Lite shapes (benchmarks/v2lite_folder.py, random weights), 48 prompts of 3,700
 # tokens, 128 output tokens, 16 in flight (the next added as one finishes, as `bench serve
 # --max-concurrency 16` keeps a server), per step budget in $BUDGETS, each with piecewise graphs
-# up to $PIECEWISE tokens (0: eager mixed steps). Then, with SERVE_BUDGET set, `serve run`
+# up to $PIECEWISE tokens (0: eager mixed steps; BUDGETS= runs none). Then, with SERVE_BUDGET set, `serve run`
 # colocated at that budget, through benchmarks/serve_v2lite.sh (16 streams). Run through the
 # device tool with carry [".device"]; results under $OUT:
 #   BUDGETS="8192 1024" PIECEWISE="4096 0" bash benchmarks/piecewise_graphs.sh
@@ -11,7 +11,7 @@ set -uo pipefail
 [ -n "${NO_BUNDLE:-}" ] || source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NO_BUNDLE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp} MODEL=${MODEL:-/tmp/v2lite-1k}
-BUDGETS=${BUDGETS:-8192 1024 512} PIECEWISE=${PIECEWISE:-4096 0}
+BUDGETS=${BUDGETS-8192 1024 512} PIECEWISE=${PIECEWISE-4096 0}
 python benchmarks/v2lite_folder.py "$MODEL"
 for budget in $BUDGETS; do
   for pieces in $PIECEWISE; do

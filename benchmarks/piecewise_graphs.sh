@@ -2,9 +2,10 @@
 # Mixed steps from piecewise CUDA graphs against eager ones (issue 28): the offline engine on
 # DeepSeek-V2-Lite shapes (benchmarks/v2lite_folder.py, random weights), 48 prompts of 3,700
 # tokens, 128 output tokens, 16 in flight (the next added as one finishes, as `bench serve
-# --max-concurrency 16` keeps a server), per step budget in $BUDGETS, each with piecewise graphs
-# up to $PIECEWISE tokens (0: eager mixed steps; BUDGETS= runs none). Then, with SERVE_BUDGET set, `serve run`
-# colocated at that budget, through benchmarks/serve_v2lite.sh (16 streams). Run through the
+# --max-concurrency 16` keeps a server), per step budget in $BUDGETS (empty: none), each with
+# piecewise graphs up to $PIECEWISE tokens (0: eager mixed steps). Then, with SERVE_BUDGET set,
+# `serve run` colocated at that budget, through benchmarks/serve_v2lite.sh (16 streams; further
+# arguments go to `build`, e.g. engine.max_graph_piecewise_tokens=0). Run through the
 # device tool with carry [".device"]; results under $OUT:
 #   BUDGETS="8192 1024" PIECEWISE="4096 0" bash benchmarks/piecewise_graphs.sh
 set -uo pipefail

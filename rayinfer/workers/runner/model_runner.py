@@ -2,8 +2,8 @@
 
 One ModelRunner lives on each device (in-process, or inside a Ray worker actor). It owns the
 model's weights, the KV cache (kv_cache.py), the forward of a step (forward.py) and the requests'
-sampling state (sampling.py); with a CudaGraphConfig, also the decode and prefill graphs
-(captured here, after the cache exists), which run every step that fits them.
+sampling state (sampling.py); with a CudaGraphConfig, also the CUDA graphs (step_graphs.py,
+captured once the cache exists), which replay every step that fits them.
 
 With a KVMemoryConfig on CUDA (`gpu_memory_utilization`), the cache's block count comes from the
 GPU's memory instead of the CacheConfig: `kv_blocks_that_fit` runs one profiling step of the
@@ -23,14 +23,13 @@ import numpy as np
 import torch
 
 from rayinfer.config import ConfigError, ModelConfig
-from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
+from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.engine_config import CacheConfig, KVMemoryConfig
-from rayinfer.graph_config import CudaGraphConfig, exchange_graph_blocker
+from rayinfer.graph_config import CudaGraphConfig
 from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.dsa.dsa_index_fp8 import check_fp8_index_device
 from rayinfer.kernels.fp8.fp8_support import require_fp8_device
 from rayinfer.layers.forward_context import ForwardContext, build_attention_metadata
-from rayinfer.layers.graph_pieces import cuts_every_attention
 from rayinfer.layers.layer_options import configure_layers
 from rayinfer.layers.parallel import SINGLE, ParallelContext
 from rayinfer.layers.sampler import log_probabilities
@@ -54,6 +53,7 @@ from rayinfer.workers.runner.logprobs import prompt_logprobs, sampled_logprobs
 from rayinfer.workers.runner.piecewise_graphs import PiecewiseGraphs
 from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
 from rayinfer.workers.runner.sampling import RequestSampler
+from rayinfer.workers.runner.step_graphs import StepGraphs
 from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
 
 
@@ -127,9 +127,7 @@ class ModelRunner:
         # CacheConfig's count stands.
         self.kv_memory = kv_memory if supports_memory_sizing(self.device) else None
         self.kv_cache: KVCache | None = None  # made by allocate_kv
-        self.decode_graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self.piecewise_graphs: PiecewiseGraphs | None = None
+        self.graphs = StepGraphs(cuda_graphs, parallel)  # captured by allocate_kv
         self.timelines = StepTimelines(self.device)  # the last steps' host and GPU times
         if allocate_kv:
             num_blocks = self.kv_blocks_that_fit() if self.kv_memory else cache_config.num_blocks
@@ -145,9 +143,11 @@ class ModelRunner:
             layers[:num_layers], self.cache_config.block_size, self.kv_heads,
             window_layers=layers[num_layers:], window_span=self.model_config.window_span,
         )  # fmt: skip
-        self.prefill_graphs = self._capture_prefill_graphs(self.cuda_graphs)
-        self.piecewise_graphs = self._capture_piecewise_graphs(self.cuda_graphs)
-        self.decode_graphs = self._capture_decode_graphs(self.cuda_graphs)
+        self.graphs = StepGraphs(self.cuda_graphs, self.parallel)
+        self.graphs.capture(
+            self.model, self.forward, self.kv_caches, self.cache_config.block_size, self.device,
+            self.overlap, self.windowed,
+        )  # fmt: skip
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -158,11 +158,21 @@ class ModelRunner:
         return self.kv_cache.layers + self.kv_cache.window_layers
 
     @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        return self.graphs.decode
+
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        return self.graphs.prefill
+
+    @property
+    def piecewise_graphs(self) -> PiecewiseGraphs | None:
+        return self.graphs.piecewise
+
+    @property
     def graph_capture_seconds(self) -> float | None:
         """Warm-up and capture of the CUDA graphs; None without graphs."""
-        every = (self.decode_graphs, self.prefill_graphs, self.piecewise_graphs)
-        captured = [g for g in every if g is not None]
-        return sum(g.capture_seconds for g in captured) if captured else None
+        return self.graphs.capture_seconds
 
     @property
     def prefill_graph_sizes(self) -> list[int]:
@@ -171,14 +181,8 @@ class ModelRunner:
 
     @property
     def captures_decode_graphs(self) -> bool:
-        """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
-        token exchange through host flags or sized from the routing cannot be replayed."""
-        if self.cuda_graphs is None:
-            return False
-        parallel = self.parallel
-        if not parallel.experts_exchange_tokens:
-            return True
-        return exchange_graph_blocker(parallel.ep_group.all_to_all) is None
+        """Whether this plan's forward can be captured (StepGraphs.can_capture)."""
+        return self.graphs.can_capture
 
     def kv_blocks_that_fit(self, kv_memory: KVMemoryConfig | None = None) -> int | None:
         """KV blocks this device can hold under `kv_memory` (default: the runner's; None without
@@ -263,44 +267,6 @@ class ModelRunner:
         first = max(context - num_tokens - self.model_config.window_span, 0) // block_size
         return [-1] * first + list(range(-(-context // block_size) - first))
 
-    def _capture_decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
-        if config is None or not self.captures_decode_graphs:
-            return None
-        graphs = DecodeGraphs(
-            self.forward.in_graph, self.kv_caches, config, self.cache_config.block_size,
-            self.device, self.windowed,
-        )  # fmt: skip
-        graphs.capture()
-        return graphs
-
-    def _capture_prefill_graphs(self, config: CudaGraphConfig | None) -> PrefillGraphs | None:
-        if config is None or not config.max_prefill_tokens or not self.captures_decode_graphs:
-            return None
-        graphs = PrefillGraphs(
-            self.forward.in_graph,
-            self.kv_caches,
-            config.max_prefill_tokens,
-            self.cache_config.block_size,
-            self.device,
-            self.overlap,
-        )
-        graphs.capture()
-        return graphs
-
-    def _capture_piecewise_graphs(self, config: CudaGraphConfig | None) -> PiecewiseGraphs | None:
-        """Mixed steps in pieces: on one GPU (no collectives) for models whose every attention
-        marks its cut (layers/graph_pieces.py)."""
-        if config is None or not config.max_piecewise_tokens or self.parallel.has_collectives:
-            return None
-        if not cuts_every_attention(self.model):
-            return None
-        graphs = PiecewiseGraphs(
-            self.model, self.kv_caches, config.max_piecewise_tokens,
-            self.cache_config.block_size, self.device,
-        )  # fmt: skip
-        graphs.capture()
-        return graphs
-
     def _new_kv_caches(self, num_blocks: int, num_window_blocks: int = 0) -> list[torch.Tensor]:
         """Per layer its cache, then (a window pool) per layer its window cache."""
         num_layers, block_size = self.model_config.num_layers, self.cache_config.block_size
@@ -325,29 +291,30 @@ class ModelRunner:
 
     def _execute(self, batch: ModelBatch, timeline: StepTimeline) -> SampledTokens:
         requests = batch.requests
-        bucket = self._graph_bucket(batch)
-        prefill_bucket = None if bucket is not None else self._prefill_bucket(batch)
-        if not requests and bucket is None and prefill_bucket is None:
+        replay = self.graphs.choose(batch)
+        if not requests and replay is None:
             self.forward.idle(self.kv_caches, batch.ep_tokens)
             return SampledTokens([])
-        pieces_bucket = None
-        if bucket is None and prefill_bucket is None and self.piecewise_graphs is not None:
-            pieces_bucket = self.piecewise_graphs.bucket_of(requests)
-        if prefill_bucket is not None:  # one new prompt (or none: padding), from a graph
-            hidden = self.prefill_graphs.run(requests, prefill_bucket)  # [n, H]
-            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
-            timeline.mark("queued")
+        kind, bucket = replay or (None, None)
+        if kind == "prefill":  # one new prompt (or none: padding), from a graph
+            hidden = self.prefill_graphs.run(requests, bucket)  # [n, H]
             last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
-        elif pieces_bucket is not None:  # a mixed step, from graphs cut at each attention
-            hidden = self.piecewise_graphs.run(requests, pieces_bucket)  # [n, H]
-            timeline.inputs_ready = timeline.received
-            timeline.mark("queued")
+        elif kind == "piecewise":  # any other step, from graphs cut at each attention
+            hidden = self.piecewise_graphs.run(requests, bucket)  # [n, H]
             ends = accumulate(len(r.token_ids) for r in requests)
             last_rows = [end - 1 for r, end in zip(requests, ends) if r.samples]
+        elif kind == "decode":  # pure decodes, from a graph: one row per request
+            hidden = self.decode_graphs.run(requests, bucket)  # [B, H]
+            last_rows = [row for row, r in enumerate(requests) if r.samples]
         else:
-            hidden, last_rows = self._forward_batch(requests, bucket, batch.ep_tokens, timeline)
+            hidden, last_rows = self.forward.eager(
+                requests, self.kv_caches, batch.ep_tokens, timeline
+            )
+        if kind is not None:
+            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
+            timeline.mark("queued")
         prompt = None
-        if bucket is None:  # a decode graph's rows hold no prompt tokens
+        if kind != "decode":  # a decode graph's rows hold no prompt tokens
             prompt = prompt_logprobs(hidden, requests, self.model.compute_logits)
         if not last_rows:
             return SampledTokens([], prompt_logprobs=prompt)
@@ -364,40 +331,6 @@ class ModelRunner:
         if raw is None:
             return SampledTokens(tokens, prompt_logprobs=prompt, errors=errors)
         return SampledTokens(tokens, sampled_logprobs(raw, tokens, wanted), prompt, errors)
-
-    def _graph_bucket(self, batch: ModelBatch) -> int | None:
-        """The decode graph bucket this step replays, or None to run eagerly. Ranks that talk
-        must run the same graph, so with collectives the group's driver decides it for all."""
-        if self.decode_graphs is None:
-            return None
-        if self.parallel.has_collectives:
-            return batch.decode_bucket
-        return self.decode_graphs.bucket_of(batch.requests)
-
-    def _prefill_bucket(self, batch: ModelBatch) -> int | None:
-        """The prefill graph bucket this step replays, or None; chosen like `_graph_bucket`."""
-        if self.prefill_graphs is None:
-            return None
-        if self.parallel.has_collectives:
-            return batch.prefill_bucket
-        return self.prefill_graphs.bucket_of(batch.requests)
-
-    def _forward_batch(
-        self,
-        requests: list[ScheduledRequest],
-        bucket: int | None,
-        ep_tokens: list[int] | None,
-        timeline: StepTimeline,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
-        token; a pure decode with a `bucket` replays that CUDA graph. ep_tokens: every EP rank's
-        token count, when known. timeline: the step's, marked as its inputs and forward queue."""
-        if bucket is not None:
-            hidden = self.decode_graphs.run(requests, bucket)  # [B, H]: one row per request
-            timeline.inputs_ready = timeline.received  # the replay copies its own inputs
-            timeline.mark("queued")
-            return hidden, [row for row, r in enumerate(requests) if r.samples]
-        return self.forward.eager(requests, self.kv_caches, ep_tokens, timeline)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -53,7 +53,7 @@ from rayinfer.workers.runner.logprobs import prompt_logprobs, sampled_logprobs
 from rayinfer.workers.runner.piecewise_graphs import PiecewiseGraphs
 from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
 from rayinfer.workers.runner.sampling import RequestSampler
-from rayinfer.workers.runner.step_graphs import StepGraphs
+from rayinfer.workers.runner.step_graphs import StepGraphs, forward_is_capturable
 from rayinfer.workers.runner.step_timeline import StepTimeline, StepTimelines
 
 
@@ -181,8 +181,8 @@ class ModelRunner:
 
     @property
     def captures_decode_graphs(self) -> bool:
-        """Whether this plan's forward can be captured (StepGraphs.can_capture)."""
-        return self.graphs.can_capture
+        """Whether this plan's forward can be captured (step_graphs.forward_is_capturable)."""
+        return forward_is_capturable(self.cuda_graphs, self.parallel)
 
     def kv_blocks_that_fit(self, kv_memory: KVMemoryConfig | None = None) -> int | None:
         """KV blocks this device can hold under `kv_memory` (default: the runner's; None without

@@ -28,6 +28,16 @@ from rayinfer.workers.runner.piecewise_graphs import PiecewiseGraphs
 from rayinfer.workers.runner.prefill_graphs import PrefillGraphs
 
 
+def forward_is_capturable(config: CudaGraphConfig | None, parallel: ParallelContext) -> bool:
+    """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
+    token exchange through host flags or sized from the routing cannot be replayed."""
+    if config is None:
+        return False
+    if not parallel.experts_exchange_tokens:
+        return True
+    return exchange_graph_blocker(parallel.ep_group.all_to_all) is None
+
+
 class Replay(NamedTuple):
     kind: str  # "decode", "prefill" or "piecewise"
     bucket: int
@@ -42,13 +52,7 @@ class StepGraphs:
 
     @property
     def can_capture(self) -> bool:
-        """Graphs wherever the forward can be captured: collectives become NCCL kernels, but a
-        token exchange through host flags or sized from the routing cannot be replayed."""
-        if self.config is None:
-            return False
-        if not self.parallel.experts_exchange_tokens:
-            return True
-        return exchange_graph_blocker(self.parallel.ep_group.all_to_all) is None
+        return forward_is_capturable(self.config, self.parallel)
 
     def capture(
         self,

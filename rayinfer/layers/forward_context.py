@@ -118,14 +118,17 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     positions: np.ndarray | None = None,
     window_tables: list[list[int]] | None = None,
+    slots: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """Metadata for sequences whose last `query_lens[i]` of `seq_lens[i]` tokens are new;
-    positions: their `token_positions`, when the caller already has them. Built in numpy (a
+    positions and slots: their `token_positions` and `cache_slots`, when the caller already has
+    them. Built in numpy (a
     16k-token prompt's slots took ~1.4 ms as Python lists and tensors) and sent to the device
     without waiting for it (host_lists.device_ints)."""
     if positions is None:
         positions = token_positions(query_lens, seq_lens)
-    slots = cache_slots(positions, query_lens, block_tables, block_size)
+    if slots is None:
+        slots = cache_slots(positions, query_lens, block_tables, block_size)
     padded = _padded_tables(block_tables)  # [B, max_blocks]
     starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=starts[1:])

@@ -82,6 +82,16 @@ class StagingBuffers:
         return tuple(staged)
 
 
+class RecordedCut:
+    """One attention between two pieces: the call and its staged operands [T, ...]."""
+
+    def __init__(self, attend: Attend, operands: tuple[torch.Tensor, ...]):
+        self.attend, self.operands = attend, operands
+
+    def run(self, step_ctx: ForwardContext, num_tokens: int) -> None:
+        self.attend(step_ctx, *(tensor[:num_tokens] for tensor in self.operands))
+
+
 class EagerPieces:
     """The pieces run eagerly (the CPU's replay, and warm-up before capture): each cut stages its
     operands and attends at once over the step's metadata and its first num_tokens rows."""
@@ -91,18 +101,8 @@ class EagerPieces:
 
     def cut(self, attend: Attend, operands):
         staged = self.staging.stage(operands)
-        attend(self.step_ctx, *(tensor[: self.num_tokens] for tensor in staged))
+        RecordedCut(attend, staged).run(self.step_ctx, self.num_tokens)
         return staged
-
-
-class RecordedCut:
-    """One attention between two captured pieces: the call and its staged operands [T, ...]."""
-
-    def __init__(self, attend: Attend, operands: tuple[torch.Tensor, ...]):
-        self.attend, self.operands = attend, operands
-
-    def run(self, step_ctx: ForwardContext, num_tokens: int) -> None:
-        self.attend(step_ctx, *(tensor[:num_tokens] for tensor in self.operands))
 
 
 class CapturedPieces:

@@ -166,7 +166,7 @@ def _quantize_experts(w):
     [
         dict(T=8, H=256, I=128, E=4, K=2),
         dict(T=5, H=200, I=72, E=3, K=3, foreign=True),
-        dict(T=5, H=128, I=256, E=2, K=2),
+        dict(T=7, H=384, I=256, E=3, K=2),
     ],
     ids=["aligned", "partial_blocks", "two_scale_blocks"],
 )
@@ -176,10 +176,9 @@ def test_fused_moe_fp8_block_scales(case):
     w2_q, w2_scale = _quantize_experts(w2)
     expected = fused_moe_fp8_reference(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale)
     # SMALL/TMA: one weight scale per tile and K step where I is a multiple of 128 (the up rows
-    # start on a block), a scale per column else; WIDE_N (two scale blocks in one 256-column
-    # tile) on the case with two blocks of gate rows
-    wide = (WIDE_N_FP8_TILES,) if case["I"] == 256 else ()
-    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES, *wide):
+    # start on a block), a scale per column else; WIDE_N: 256 columns, two scale blocks a tile
+    for tiles in (SMALL_TILES, TMA_TILES, CHUNK_TILES, ONE_DOT_TILES, ONE_DOT_TMA_TILES,
+                  WIDE_N_FP8_TILES):  # fmt: skip
         out = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale, w2_scale, config=tiles)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # FP8 activations and weights stay within a few percent of the unquantized experts.

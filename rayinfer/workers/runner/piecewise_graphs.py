@@ -90,21 +90,20 @@ class StaticStepInputs:
         host[0, num_tokens:bucket], host[1, num_tokens:bucket] = PAD_TOKEN, 0
         host[2, num_tokens:bucket] = PAD_SLOT
         positions = token_positions(query_lens, seq_lens) if requests else np.zeros(0, np.int64)
+        slots = cache_slots(positions, query_lens, tables, self.block_size)
         if requests:
             host[0, :num_tokens] = np.fromiter(
                 (t for r in requests for t in r.token_ids), dtype=np.int64, count=num_tokens
             )
-            host[1, :num_tokens] = positions
-            host[2, :num_tokens] = cache_slots(positions, query_lens, tables, self.block_size)
+            host[1, :num_tokens], host[2, :num_tokens] = positions, slots
         is_cuda = self.device.type == "cuda"
-        self.tokens[:, :bucket].copy_(self.host_tokens[:, :bucket], non_blocking=is_cuda)
+        self.tokens.copy_(self.host_tokens, non_blocking=is_cuda)  # whole rows: one dense copy
         if is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
         step = build_attention_metadata(
-            query_lens, seq_lens, tables, self.block_size, self.device, positions
+            query_lens, seq_lens, tables, self.block_size, self.device, positions, slots=slots
         )
-        step.slot_mapping = self.tokens[2, :num_tokens]
         return self.arguments(bucket), ForwardContext(step, self.kv_caches)
 
     def arguments(self, bucket: int) -> tuple:
@@ -147,7 +146,8 @@ class PiecewiseGraphs:
         self.sizes = piecewise_graph_sizes(max_tokens)
         self.inputs = StaticStepInputs(self.sizes[-1], block_size, kv_caches, device)
         self.staging = StagingBuffers(self.sizes[-1], device)
-        self.pieces: dict[int, tuple[CapturedPieces, torch.Tensor]] = {}  # bucket -> output
+        # bucket -> its pieces and the last piece's output [bucket, H]
+        self.pieces: dict[int, tuple[CapturedPieces, torch.Tensor]] = {}
         self.enabled = True  # False: the runner takes its eager path (benchmarks compare both)
         self.capture_seconds = 0.0
 
@@ -193,7 +193,7 @@ class PiecewiseGraphs:
         """Hidden states [n, H] of the step's n tokens; valid until the next `run` (a view of
         the last piece's static output on CUDA)."""
         (input_ids, positions, ctx), step_ctx = self.inputs.fill(requests, bucket)
-        num_tokens = step_ctx.attn.slot_mapping.shape[0]
+        num_tokens = sum(step_ctx.attn.query_lens_cpu)
         captured = self.pieces.get(bucket)
         if captured is None:  # the CPU, or before capture
             ctx.pieces = EagerPieces(self.staging, step_ctx, num_tokens)

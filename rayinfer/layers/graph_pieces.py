@@ -42,13 +42,16 @@ class GraphDecodes(NamedTuple):
     """The decode slots of a forward in pieces, views of static buffers refilled every step. Slot
     i < n (n the step's decodes attended in the graph) holds a decode: the row of its query among
     the step's tokens, its block table and context length. The other slots are padding: context
-    length 1 read through a block their table row already names (a real block: only read),
-    each at its own row that no decode holds, whose output the eager attention at the cut
-    overwrites (a prompt's row) or nothing reads (the bucket's padding)."""
+    length 1 read through a block their table row already names (a real block, only read, but
+    whatever it holds: maybe never written, NaN), each at its own row that no decode holds. A
+    padding slot writes zeros there (`is_decode` 0), which the eager attention at the cut
+    overwrites (a prompt's row) or which stay, as on the bucket's padding rows: a NaN there would
+    reach the router, whose top-k over NaN scores names no expert."""
 
     rows: torch.Tensor  # [D] int64
     block_tables: torch.Tensor  # [D, W] int32
     seq_lens: torch.Tensor  # [D] int32
+    is_decode: torch.Tensor  # [D] int32: 1 where the slot holds a decode
 
 
 def decodes_inside_pieces(model: torch.nn.Module) -> bool:

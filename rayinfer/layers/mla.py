@@ -24,7 +24,7 @@ from torch import nn
 from rayinfer.config import ModelConfig
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
-from rayinfer.layers.graph_pieces import attend_outside_graphs
+from rayinfer.layers.graph_pieces import GraphDecodes, attend_outside_graphs
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from rayinfer.layers.mla_context import (
@@ -229,9 +229,10 @@ class MLAAttention(UsesKernelBackends, nn.Module):
 
     def _attend_absorbed(self, q_nope, q_pe, kv_cache, decodes, out: torch.Tensor):
         """decodes: (rows [B] int64 of the decodes' queries, or slice(None) for every row, their
-        block tables [B, W] int32, device context lengths [B] int32) -> out[rows]. Nothing read
-        from the host and no shape from data, so a CUDA graph can capture it."""
-        rows, tables, seq_lens = decodes
+        block tables [B, W] int32, device context lengths [B] int32), or a forward in pieces'
+        GraphDecodes, whose padding slots write zeros -> out[rows]. Nothing read from the host
+        and no shape from data, so a CUDA graph can capture it."""
+        rows, tables, seq_lens = decodes[:3]
         w_uk, w_uv = self._kv_b_weights()
         # [B, N, L] with each sequence's heads one row apart, what the Gluon decode kernel's
         # TMA view needs: bmm writes its [N, B, L] result through the transposed view (an
@@ -242,7 +243,10 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         latent_out = ops.mla_decode_attention(
             q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale, backends=self.kernels
         )  # [B, N, L]
-        out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]
+        value = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]
+        if isinstance(decodes, GraphDecodes):
+            value = torch.where(decodes.is_decode[:, None, None] != 0, value, 0)
+        out[rows] = value
 
 
 def decode_subset(attn: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:

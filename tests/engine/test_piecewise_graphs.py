@@ -94,6 +94,7 @@ def test_static_inputs_hold_decode_slots_at_their_rows_then_padding_at_free_rows
     assert decodes.rows.tolist() == [3, 4, 0]  # the decodes' rows, then a row none holds
     assert decodes.seq_lens.tolist() == [6, 1, 1]  # the padding slot reads one token
     assert decodes.block_tables[:2, :2].tolist() == [[3, 7], [9, 0]]
+    assert decodes.is_decode.tolist() == [1, 1, 0]
     assert step.attn.decodes_in_graph == 2
     # More decodes than slots: the first ones take them, the eager attention the rest.
     (_, _, ctx), step = inputs.fill([request(f"x{i}", [i], [i]) for i in range(5)], bucket=8)
@@ -138,6 +139,10 @@ def test_a_padded_mixed_step_gives_the_eager_hidden_states_and_cache(
                              max_decodes=max_decodes, table_width=4)  # fmt: skip
     assert graphs.inputs.decode_rows == (max_decodes if family == "deepseek_v3" else 0)
     assert graphs.bucket_of(step) == 32
+    if max_decodes:  # the padding slots read a block never written (NaN) as they may on a GPU
+        for cache in graph_caches:
+            cache[63] = float("nan")
+        graphs.inputs.lengths[2 * max_decodes :].view(max_decodes, 4)[:, 0] = 63
     with torch.inference_mode():
         padded = graphs.run(step, 32)  # [7, H]
         step_tables = [tables[i] for i in order]
@@ -145,6 +150,12 @@ def test_a_padded_mixed_step_gives_the_eager_hidden_states_and_cache(
         eager = model(ids, positions, ForwardContext(attn, caches))
     assert padded.shape == eager.shape
     torch.testing.assert_close(padded, eager, rtol=0, atol=1e-5)
+    if family == "deepseek_v3":  # MLA's last attention output over the bucket (operand 4)
+        (attended,) = [b for key, b in graphs.staging.buffers.items() if key[0] == 4]
+        assert torch.isfinite(attended[:32]).all() and not attended[7:32].any()  # padding: 0
+    if max_decodes:
+        for cache in graph_caches:
+            cache[63] = 0.0
     written = [1 * BLOCK_SIZE + 1, 2 * BLOCK_SIZE + 3] + [
         tables[2][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(6, 11)
     ]

@@ -43,3 +43,19 @@ def test_no_tokens_and_bad_arguments():
     assert empty.topk_ids.shape == (0, 2) and empty.topk_weights.shape == (0, 2)
     with pytest.raises(ValueError, match="top_k=9 must be in 1..num_experts=8"):
         moe_routing(torch.zeros(3, 8), 9)
+
+
+@pytest.mark.parametrize("case", ["v2-greedy", "v3-noaux-tc", "mixtral-odd-experts"])
+def test_a_nan_row_names_real_experts_and_leaves_the_others_alone(case):
+    """A NaN row (padding that read a cache block never written) matches no lane in the top-k's
+    argmax; its ids must still name experts the fused MoE can index, and the other rows route
+    as without it."""
+    num_experts, top_k, scoring, renormalize, groups, topk_groups, has_bias, scaling = CASES[case]
+    logits = torch.randn(3, num_experts, generator=torch.Generator().manual_seed(7))
+    logits[1] = float("nan")
+    bias = torch.zeros(num_experts) if has_bias else None
+    args = (top_k, scoring, renormalize, groups, topk_groups, bias, scaling)
+    routed = moe_routing(logits, *args)
+    assert 0 <= int(routed.topk_ids.min()) and int(routed.topk_ids.max()) < num_experts
+    expected = moe_routing_reference(logits[[0, 2]], *args)
+    assert torch.equal(routed.topk_ids[[0, 2]], expected.topk_ids)

@@ -106,6 +106,7 @@ def _moe_routing_kernel(
     weights = tl.zeros([BLOCK_K], tl.float32)
     for k in tl.static_range(TOP_K):
         _, at = _best(choice, offs, BLOCK_E)
+        at = tl.minimum(at, num_experts - 1)  # NaN scores match no lane: still a real expert
         ids = tl.where(slots == k, at.to(tl.int64), ids)
         weights = tl.where(slots == k, tl.sum(tl.where(offs == at, scores, 0.0), 0), weights)
         choice = tl.where(offs == at, float("-inf"), choice)

@@ -73,8 +73,9 @@ def piecewise_graph_sizes(max_tokens: int) -> list[int]:
 class StaticStepInputs:
     """Device buffers for up to max_tokens tokens, refilled every step: token ids, positions,
     cache slots and (with decode_rows) the decode slots' rows (int64 [3 or 4, T]), one
-    host-to-device copy from a pinned twin; with decode_rows, the decode slots' context lengths
-    and block tables (int32 [D + D * W], table_width W) in a second one, its first rows only."""
+    host-to-device copy from a pinned twin; with decode_rows, the decode slots' context lengths,
+    which of them hold a decode, and their block tables (int32 [D + D + D * W], table_width W)
+    in a second one, its first rows only."""
 
     def __init__(self, max_tokens: int, block_size: int, kv_caches, device: torch.device,
                  decode_rows: int = 0, table_width: int = 0):  # fmt: skip
@@ -85,9 +86,9 @@ class StaticStepInputs:
         rows = 4 if self.decode_rows else 3
         self.host_tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, pin_memory=pin)
         self.tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, device=device)
-        # [D] context lengths, then [D, W] block tables; never -1 in column 0 (zeros at first,
-        # then real blocks), which is all a padding slot reads
-        lengths = self.decode_rows * (1 + table_width)
+        # [D] context lengths, [D] 1 where a slot holds a decode, then [D, W] block tables; never
+        # -1 in column 0 (zeros at first, then real blocks), which is all a padding slot reads
+        lengths = self.decode_rows * (2 + table_width)
         self.host_lengths = torch.zeros(lengths, dtype=torch.int32, pin_memory=pin)
         self.lengths = torch.zeros(lengths, dtype=torch.int32, device=device)
         self._copied: torch.cuda.Event | None = None
@@ -118,7 +119,7 @@ class StaticStepInputs:
         is_cuda = self.device.type == "cuda"
         self.tokens.copy_(self.host_tokens, non_blocking=is_cuda)  # whole rows: one dense copy
         if self.decode_rows:  # the lengths, and the table rows of the decodes they hold
-            used = self.decode_rows + in_graph * self.table_width
+            used = 2 * self.decode_rows + in_graph * self.table_width
             self.lengths[:used].copy_(self.host_lengths[:used], non_blocking=is_cuda)
         if is_cuda:
             self._copied = torch.cuda.Event()
@@ -148,7 +149,9 @@ class StaticStepInputs:
         width = self.table_width
         lengths[: len(decodes)] = [seq_lens[seq] for seq in decodes]
         lengths[len(decodes) : capacity] = 1
-        block_tables = lengths[self.decode_rows :].reshape(self.decode_rows, width)  # [D, W]
+        is_decode = lengths[self.decode_rows : 2 * self.decode_rows]
+        is_decode[: len(decodes)], is_decode[len(decodes) : capacity] = 1, 0
+        block_tables = lengths[2 * self.decode_rows :].reshape(self.decode_rows, width)  # [D, W]
         for slot, seq in enumerate(decodes):
             table = tables[seq]
             if len(table) > width:
@@ -178,9 +181,13 @@ class StaticStepInputs:
         ctx = ForwardContext(metadata, self.kv_caches)
         capacity = min(bucket, self.decode_rows)
         if capacity:
-            tables = self.lengths[self.decode_rows :].view(self.decode_rows, self.table_width)
+            rows = self.decode_rows
+            tables = self.lengths[2 * rows :].view(rows, self.table_width)
             ctx.graph_decodes = GraphDecodes(
-                self.tokens[3, :capacity], tables[:capacity], self.lengths[:capacity]
+                self.tokens[3, :capacity],
+                tables[:capacity],
+                self.lengths[:capacity],
+                self.lengths[rows : rows + capacity],
             )
         arguments = self._arguments[bucket] = (
             self.tokens[0, :bucket],

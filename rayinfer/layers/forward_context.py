@@ -17,7 +17,7 @@ import torch
 from rayinfer.kernels.host_lists import device_ints
 
 if TYPE_CHECKING:
-    from rayinfer.layers.graph_pieces import GraphDecodes, Pieces
+    from rayinfer.layers.graph_pieces import Pieces
 
 
 @dataclass
@@ -36,9 +36,6 @@ class AttentionMetadata:
     # What every layer of an eager step derives alike from these fields, made by the first
     # layer that needs it (e.g. MLA's decode rows in a mixed batch): name -> value.
     derived: dict = field(default_factory=dict)
-    # A step replayed in pieces: its first decodes_in_graph decode sequences (in batch order)
-    # were attended inside the graphs (layers/graph_pieces.py), so the eager attention skips them.
-    decodes_in_graph: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -70,9 +67,6 @@ class ForwardContext:
     # A forward captured in pieces: what each layer's attention does at its cut (see
     # layers/graph_pieces.py); None runs attention inline.
     pieces: Pieces | None = None
-    # Within pieces: the decode slots a layer attends to inside the graph (GraphDecodes); None
-    # elsewhere.
-    graph_decodes: GraphDecodes | None = None
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:

@@ -14,21 +14,13 @@ is a plain call. Within pieces, the operands are first copied into staging buffe
 layer and bucket (one set for the largest bucket: no graph keeps a layer's tensors alive), and the
 layer goes on with the staged copies, so the next piece reads the output where `attend` wrote it.
 `attend` then sees the staged operands' first n rows, n the step's real tokens (the rest is the
-bucket's padding: no cache writes).
-
-A step's decodes need no host work to attend (their context lengths and block tables are device
-tensors, as in a decode graph), so a layer may attend to them inside the piece before its cut:
-`ForwardContext.graph_decodes` gives, per decode slot of the bucket, the query's row, its block
-table and context length in static buffers (workers/runner/piecewise_graphs.py), and the step's
-own metadata counts the decodes so attended (`AttentionMetadata.decodes_in_graph`), which the
-eager attention at the cut then skips. MLA does so: its absorbed decode is ~7 launches per layer
-that the host no longer queues in a mixed step.
+bucket's padding: zero outputs, no cache writes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,28 +28,6 @@ if TYPE_CHECKING:
     from rayinfer.layers.forward_context import ForwardContext
 
 Attend = Callable[..., None]  # attend(ctx, *operands): writes into its output operands
-
-
-class GraphDecodes(NamedTuple):
-    """The decode slots of a forward in pieces, views of static buffers refilled every step. Slot
-    i < n (n the step's decodes attended in the graph) holds a decode: the row of its query among
-    the step's tokens, its block table and context length. The other slots are padding: context
-    length 1 read through a block their table row already names (a real block, only read, but
-    whatever it holds: maybe never written, NaN), each at its own row that no decode holds. A
-    padding slot writes zeros there (`is_decode` 0), which the eager attention at the cut
-    overwrites (a prompt's row) or which stay, as on the bucket's padding rows: a NaN there would
-    reach the router, whose top-k over NaN scores names no expert."""
-
-    rows: torch.Tensor  # [D] int64
-    block_tables: torch.Tensor  # [D, W] int32
-    seq_lens: torch.Tensor  # [D] int32
-    is_decode: torch.Tensor  # [D] int32: 1 where the slot holds a decode
-
-
-def decodes_inside_pieces(model: torch.nn.Module) -> bool:
-    """Whether any attention module of the model attends to a step's decodes inside the pieces
-    (`decodes_inside_pieces`), so that the pieces need GraphDecodes."""
-    return any(getattr(m, "decodes_inside_pieces", False) for m in model.modules())
 
 
 class Pieces(Protocol):

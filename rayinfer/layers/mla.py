@@ -24,7 +24,7 @@ from torch import nn
 from rayinfer.config import ModelConfig
 from rayinfer.kernels import ops
 from rayinfer.layers.forward_context import AttentionMetadata, ForwardContext
-from rayinfer.layers.graph_pieces import GraphDecodes, attend_outside_graphs
+from rayinfer.layers.graph_pieces import attend_outside_graphs
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from rayinfer.layers.mla_context import (
@@ -42,7 +42,6 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, no
 class MLAAttention(UsesKernelBackends, nn.Module):
     use_absorbed_decode = True
     attends_outside_graphs = True  # a mixed step's forward may be captured in pieces
-    decodes_inside_pieces = True  # ... attending to its decodes inside them (graph_pieces.py)
     # A chunk over a cached prefix whose expanded K_nope and V would pass this many elements
     # attends to the context in blocks of at most this many (layers/mla_context.py).
     context_block_elements: int = CONTEXT_BLOCK_ELEMENTS
@@ -118,10 +117,8 @@ class MLAAttention(UsesKernelBackends, nn.Module):
             positions, q_pe, k_pe, kv_c, kv_cache, ctx.attn.slot_mapping
         )  # [T, N, R], [T, R]; (kv_c, k_pe) stored at the slots
         shape = (hidden.shape[0], self.num_local_heads, self.v_head_dim)
-        # within pieces the padding rows' output is defined (attention writes the real rows)
+        # within pieces the padding rows' output stays zero (attention writes the real rows)
         out = q_nope.new_empty(shape) if ctx.pieces is None else q_nope.new_zeros(shape)
-        if ctx.graph_decodes is not None and self.use_absorbed_decode:
-            self._attend_absorbed(q_nope, q_pe, kv_cache, ctx.graph_decodes, out)
         operands = attend_outside_graphs(ctx, self._attend, q_nope, q_pe, kv_c, k_pe, out)
         return self.o_proj(operands[-1].flatten(1))  # [T, H]
 
@@ -132,13 +129,8 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]  # [num_blocks, block_size, L + R]
         attn = ctx.attn
         decode_seqs, prefill_seqs = self._split_batch(attn)
-        decode_seqs = decode_seqs[attn.decodes_in_graph :]  # the rest attended in the graph
-        if len(decode_seqs) == attn.num_seqs:  # every row: no host list, capturable
-            self._attend_absorbed(q_nope, q_pe, kv_cache, (slice(None), attn.block_tables,
-                                  attn.seq_lens), out)  # fmt: skip
-        elif decode_seqs:
-            subset = decode_subset(attn, decode_seqs)
-            self._attend_absorbed(q_nope, q_pe, kv_cache, subset, out)
+        if decode_seqs:
+            self._attend_absorbed(q_nope, q_pe, kv_cache, attn, decode_seqs, out)
         fresh = {s for s in prefill_seqs if attn.seq_lens_cpu[s] == attn.query_lens_cpu[s]}
         if prefill_seqs and len(fresh) == attn.num_seqs:  # new prompts only: one varlen call
             bounds = (attn.query_start_loc, max(attn.query_lens_cpu))
@@ -227,12 +219,13 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         ops.mla_prefill_attention(q_nope, q_pe, k_nope, rope_key, value, self.scale, out, bounds,
                                   is_causal, lse, backends=self.kernels)  # fmt: skip
 
-    def _attend_absorbed(self, q_nope, q_pe, kv_cache, decodes, out: torch.Tensor):
-        """decodes: (rows [B] int64 of the decodes' queries, or slice(None) for every row, their
-        block tables [B, W] int32, device context lengths [B] int32), or a forward in pieces'
-        GraphDecodes, whose padding slots write zeros -> out[rows]. Nothing read from the host
-        and no shape from data, so a CUDA graph can capture it."""
-        rows, tables, seq_lens = decodes[:3]
+    def _attend_absorbed(self, q_nope, q_pe, kv_cache, attn, seqs: list[int], out: torch.Tensor):
+        """A pure-decode batch takes every row as it is, with the device context lengths: no
+        host-to-device copy and no shape from data, so a CUDA graph can capture it."""
+        if len(seqs) == attn.num_seqs:
+            rows, tables, seq_lens = slice(None), attn.block_tables, attn.seq_lens
+        else:
+            rows, tables, seq_lens = decode_subset(attn, seqs)
         w_uk, w_uv = self._kv_b_weights()
         # [B, N, L] with each sequence's heads one row apart, what the Gluon decode kernel's
         # TMA view needs: bmm writes its [N, B, L] result through the transposed view (an
@@ -243,10 +236,7 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         latent_out = ops.mla_decode_attention(
             q_latent, q_pe[rows], kv_cache, tables, seq_lens, self.scale, backends=self.kernels
         )  # [B, N, L]
-        value = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]
-        if isinstance(decodes, GraphDecodes):
-            value = torch.where(decodes.is_decode[:, None, None] != 0, value, 0)
-        out[rows] = value
+        out[rows] = torch.einsum("bnl,nvl->bnv", latent_out, w_uv)  # [B, N, Dv]
 
 
 def decode_subset(attn: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:

@@ -10,14 +10,12 @@ chunk, which the GPU runs in ~9 ms, is host-bound 7 times over, so chunked prefi
 the host queues one graph and one attention per layer.
 
 The static inputs hold the step's tokens first, then the bucket's padding: token 0 at position 0,
-slot -1 (no cache write). For a model whose attention takes its decodes inside the pieces (MLA),
-they also hold the step's decode slots (layers/graph_pieces.GraphDecodes): up to min(bucket,
-decode_rows) decodes attend from the graph, any beyond that eagerly at the cut. Everything
-captured takes its shape from the bucket alone (MoE sorts into its worst-case padded size and
-reads the real row count on the device). Only a forward without collectives is captured in
-pieces (one GPU per replica): with collectives every rank would have to replay the same bucket.
-On the CPU nothing is captured: `run` runs the forward eagerly over the same padded inputs with
-the same staging, so padding, staging and slicing are tested there.
+slot -1 (no cache write), zero attention output. Everything captured takes its shape from the
+bucket alone (MoE sorts into its worst-case padded size and reads the real row count on the
+device). Only a forward without collectives is captured in pieces (one GPU per replica): with
+collectives every rank would have to replay the same bucket. On the CPU nothing is captured:
+`run` runs the forward eagerly over the same padded inputs with the same staging, so padding,
+staging and slicing are tested there.
 """
 
 from __future__ import annotations
@@ -37,13 +35,7 @@ from rayinfer.layers.forward_context import (
     cache_slots,
     token_positions,
 )
-from rayinfer.layers.graph_pieces import (
-    CapturedPieces,
-    EagerPieces,
-    GraphDecodes,
-    StagingBuffers,
-    decodes_inside_pieces,
-)
+from rayinfer.layers.graph_pieces import CapturedPieces, EagerPieces, StagingBuffers
 from rayinfer.workers.runner.decode_inputs import PAD_SLOT, PAD_TOKEN
 from rayinfer.workers.runner.graph_buckets import bucket_for
 from rayinfer.workers.runner.graph_capture import WARMUP_RUNS
@@ -71,26 +63,15 @@ def piecewise_graph_sizes(max_tokens: int) -> list[int]:
 
 
 class StaticStepInputs:
-    """Device buffers for up to max_tokens tokens, refilled every step: token ids, positions,
-    cache slots and (with decode_rows) the decode slots' rows (int64 [3 or 4, T]), one
-    host-to-device copy from a pinned twin; with decode_rows, the decode slots' context lengths,
-    which of them hold a decode, and their block tables (int32 [D + D + D * W], table_width W)
-    in a second one, its first rows only."""
+    """Device buffers for up to max_tokens tokens, refilled every step: token ids, positions
+    and cache slots (int64 [3, T]), one host-to-device copy from a pinned twin."""
 
-    def __init__(self, max_tokens: int, block_size: int, kv_caches, device: torch.device,
-                 decode_rows: int = 0, table_width: int = 0):  # fmt: skip
+    def __init__(self, max_tokens: int, block_size: int, kv_caches, device: torch.device):
         self.max_tokens, self.block_size = max_tokens, block_size
         self.kv_caches, self.device = kv_caches, device
-        self.decode_rows, self.table_width = min(decode_rows, max_tokens), table_width
         pin = device.type == "cuda"
-        rows = 4 if self.decode_rows else 3
-        self.host_tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, pin_memory=pin)
-        self.tokens = torch.zeros(rows, max_tokens, dtype=torch.int64, device=device)
-        # [D] context lengths, [D] 1 where a slot holds a decode, then [D, W] block tables; never
-        # -1 in column 0 (zeros at first, then real blocks), which is all a padding slot reads
-        lengths = self.decode_rows * (2 + table_width)
-        self.host_lengths = torch.zeros(lengths, dtype=torch.int32, pin_memory=pin)
-        self.lengths = torch.zeros(lengths, dtype=torch.int32, device=device)
+        self.host_tokens = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pin)
+        self.tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None
         self._arguments: dict[int, tuple] = {}  # bucket -> the captured forward's arguments
 
@@ -105,7 +86,7 @@ class StaticStepInputs:
         num_tokens = sum(query_lens)
         if not num_tokens <= bucket <= self.max_tokens:
             raise ValueError(f"{num_tokens} tokens in a bucket of {bucket} ({self.max_tokens})")
-        host = self.host_tokens.numpy()  # [3 or 4, T]: ids, positions, slots, decode rows
+        host = self.host_tokens.numpy()  # [3, T]: ids, positions, slots
         host[0, num_tokens:bucket], host[1, num_tokens:bucket] = PAD_TOKEN, 0
         host[2, num_tokens:bucket] = PAD_SLOT
         positions = token_positions(query_lens, seq_lens) if requests else np.zeros(0, np.int64)
@@ -115,52 +96,15 @@ class StaticStepInputs:
                 (t for r in requests for t in r.token_ids), dtype=np.int64, count=num_tokens
             )
             host[1, :num_tokens], host[2, :num_tokens] = positions, slots
-        in_graph = self._fill_decodes(query_lens, seq_lens, tables, bucket)
         is_cuda = self.device.type == "cuda"
         self.tokens.copy_(self.host_tokens, non_blocking=is_cuda)  # whole rows: one dense copy
-        if self.decode_rows:  # the lengths, and the table rows of the decodes they hold
-            used = 2 * self.decode_rows + in_graph * self.table_width
-            self.lengths[:used].copy_(self.host_lengths[:used], non_blocking=is_cuda)
         if is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
         step = build_attention_metadata(
             query_lens, seq_lens, tables, self.block_size, self.device, positions, slots=slots
         )
-        step.decodes_in_graph = in_graph
         return self.arguments(bucket), ForwardContext(step, self.kv_caches)
-
-    def _fill_decodes(self, query_lens, seq_lens, tables, bucket: int) -> int:
-        """The bucket's decode slots (GraphDecodes) in the pinned twin: the step's first decodes
-        (one new token), then padding slots at rows no decode holds; returns how many decodes
-        they hold."""
-        capacity = min(bucket, self.decode_rows)
-        if not capacity:
-            return 0
-        decodes = [seq for seq, n in enumerate(query_lens) if n == 1][:capacity]
-        starts = np.zeros(len(query_lens), dtype=np.int64)
-        np.cumsum(query_lens[:-1], out=starts[1:])
-        rows = starts[decodes]  # [n]: each decode's query row
-        held = np.zeros(bucket, dtype=bool)
-        held[rows] = True
-        padding = np.flatnonzero(~held)[: capacity - len(decodes)]
-        self.host_tokens.numpy()[3, :capacity] = np.concatenate([rows, padding])
-        lengths = self.host_lengths.numpy()
-        width = self.table_width
-        lengths[: len(decodes)] = [seq_lens[seq] for seq in decodes]
-        lengths[len(decodes) : capacity] = 1
-        is_decode = lengths[self.decode_rows : 2 * self.decode_rows]
-        is_decode[: len(decodes)], is_decode[len(decodes) : capacity] = 1, 0
-        block_tables = lengths[2 * self.decode_rows :].reshape(self.decode_rows, width)  # [D, W]
-        for slot, seq in enumerate(decodes):
-            table = tables[seq]
-            if len(table) > width:
-                raise ValueError(
-                    f"a decode's block table of {len(table)} blocks is wider than the static "
-                    f"tables ({width} blocks: max_model_len)"
-                )
-            block_tables[slot, : len(table)] = table
-        return len(decodes)
 
     def arguments(self, bucket: int) -> tuple:
         """input_ids [b], positions [b] and a context whose only field the pieces read is the
@@ -179,16 +123,6 @@ class StaticStepInputs:
             block_size=self.block_size,
         )
         ctx = ForwardContext(metadata, self.kv_caches)
-        capacity = min(bucket, self.decode_rows)
-        if capacity:
-            rows = self.decode_rows
-            tables = self.lengths[2 * rows :].view(rows, self.table_width)
-            ctx.graph_decodes = GraphDecodes(
-                self.tokens[3, :capacity],
-                tables[:capacity],
-                self.lengths[:capacity],
-                self.lengths[rows : rows + capacity],
-            )
         arguments = self._arguments[bucket] = (
             self.tokens[0, :bucket],
             self.tokens[1, :bucket],
@@ -207,18 +141,10 @@ class PiecewiseGraphs:
         max_tokens: int,
         block_size: int,
         device: torch.device,
-        max_decodes: int = 0,
-        table_width: int = 0,
     ):
-        """max_decodes: the most decodes of a step attended inside the graphs, where the model
-        does so (`decodes_inside_pieces`), over static block tables of table_width blocks."""
         self.forward, self.device = forward, device
         self.sizes = piecewise_graph_sizes(max_tokens)
-        takes_decodes = isinstance(forward, torch.nn.Module) and decodes_inside_pieces(forward)
-        decode_rows = max_decodes if takes_decodes else 0
-        self.inputs = StaticStepInputs(
-            self.sizes[-1], block_size, kv_caches, device, decode_rows, table_width
-        )
+        self.inputs = StaticStepInputs(self.sizes[-1], block_size, kv_caches, device)
         self.staging = StagingBuffers(self.sizes[-1], device)
         # bucket -> its pieces and the last piece's output [bucket, H]
         self.pieces: dict[int, tuple[CapturedPieces, torch.Tensor]] = {}

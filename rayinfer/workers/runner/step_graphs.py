@@ -77,9 +77,8 @@ class StepGraphs:
         pieces_fit = not self.parallel.has_collectives and cuts_every_attention(model)
         if config.max_piecewise_tokens and pieces_fit:
             self.piecewise = PiecewiseGraphs(
-                model, kv_caches, config.max_piecewise_tokens, block_size, device,
-                max_decodes=config.max_batch_size, table_width=config.table_width(block_size),
-            )  # fmt: skip
+                model, kv_caches, config.max_piecewise_tokens, block_size, device
+            )
             self.piecewise.capture()
         self.decode = DecodeGraphs(
             forward.in_graph, kv_caches, config, block_size, device, windowed

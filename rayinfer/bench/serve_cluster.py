@@ -93,7 +93,6 @@ class ServeCluster:
     head_resources: dict[str, float] = field(default_factory=dict)
     nodes: list[NodeSpec] = field(default_factory=list)  # joining the head, in order
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_* system settings
-    killed_nodes: list[int] = field(default_factory=list)  # indexes into `nodes`
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
     ports: dict[str, int] = field(default_factory=dict)
     head_node_id: str = ""
@@ -215,7 +214,6 @@ class ServeCluster:
         """SIGKILL every process of joined node `index` (its raylet, agents and workers), as if
         its machine died; the ids killed."""
         pids = node_process_ids(self.node_temp_dir(index))
-        self.killed_nodes.append(index)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -47,9 +47,9 @@ def test_no_tokens_and_bad_arguments():
 
 @pytest.mark.parametrize("case", ["v2-greedy", "v3-noaux-tc", "mixtral-odd-experts"])
 def test_a_nan_row_names_real_experts_and_leaves_the_others_alone(case):
-    """A NaN row (padding that read a cache block never written) matches no lane in the top-k's
-    argmax; its ids must still name experts the fused MoE can index, and the other rows route
-    as without it."""
+    """A NaN row (e.g. a padding row that read a cache block never written) matches no lane in
+    the top-k's argmax; its ids must still name experts the fused MoE can index, and the other
+    rows route as without it."""
     num_experts, top_k, scoring, renormalize, groups, topk_groups, has_bias, scaling = CASES[case]
     logits = torch.randn(3, num_experts, generator=torch.Generator().manual_seed(7))
     logits[1] = float("nan")

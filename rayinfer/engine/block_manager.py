@@ -182,8 +182,11 @@ class BlockManager:
         window state is needed for the last window_span of them only."""
         end = seq.num_computed_tokens + num_new_tokens
         needed = seq.num_blocks_needed(self.block_size, end)
-        while len(seq.block_table) < needed:
-            seq.block_table.append(self.pool.take_fresh())
+        # The blocks the free list gives (least recently freed first: a freed sequence's last
+        # block first) in ascending order, so that a prompt's blocks form long runs of
+        # consecutive slots, which the KV hand-off copies one run per layer.
+        fresh = [self.pool.take_fresh() for _ in range(needed - len(seq.block_table))]
+        seq.block_table.extend(sorted(fresh))
         if self.window_pool is None:
             return
         first = self._first_window_block(end if imported else seq.num_computed_tokens)

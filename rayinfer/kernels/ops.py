@@ -15,6 +15,8 @@ from rayinfer.kernels.attention.reshape_and_cache import (
 )
 from rayinfer.kernels.attention.reshape_and_cache import reshape_and_cache_reference
 from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
+from rayinfer.kernels.cache_rows import CacheRowsTable, cache_rows_reference
+from rayinfer.kernels.cache_rows import cache_rows as cache_rows_triton
 from rayinfer.kernels.dsa.dsa_cache import dsa_write_cache as dsa_write_cache_triton
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk as dsa_index_topk_triton
 from rayinfer.kernels.dsa.dsa_indexer import dsa_index_topk_reference, dsa_write_cache_reference
@@ -76,6 +78,15 @@ def rms_norm(x, weight, eps, residual=None):
     if _on_cuda(x):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
+
+
+def cache_rows(table: CacheRowsTable, packed, slots, to_cache: bool) -> None:
+    """packed [num_tokens * row bytes of all layers] uint8, layer-major <-> every layer's cache
+    rows at slots [num_tokens] int64 (to_cache: into the cache); one launch on CUDA."""
+    if _on_cuda(packed):
+        cache_rows_triton(table, packed, slots, to_cache)
+    else:
+        cache_rows_reference(table.layers, packed, slots, to_cache)
 
 
 def silu_and_mul(x, limit=None):

@@ -10,6 +10,7 @@ import from another mapping of it, page-locked too: workers/handoff_io.py):
 import pytest
 import torch
 
+from rayinfer.kernels.cache_rows import CacheRowsTable, cache_rows, cache_rows_reference
 from rayinfer.workers.handoff_io import HandoffIO
 from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_copy import KVCopier
@@ -121,3 +122,20 @@ def test_gpu_layers_of_different_widths_round_trip(num_tokens):
     KVCopier(target, chunk_bytes=sum(widths) * 2 * 50).import_(target_slots, chunks)
     for got, rows in zip(pack_kv(target, target_slots), expected):
         assert torch.equal(got, rows)
+
+
+def test_gpu_cache_rows_past_two_gib():
+    """The one-launch gather and scatter at slots whose byte offsets pass 2**31 (a layer of
+    2.4 GB), against the per-layer torch reference."""
+    num_slots, width = 2**21 + 64, 1152
+    layers = [torch.zeros(num_slots, width, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    slots = torch.tensor([5, num_slots - 1, num_slots - 40, 2**21 - 3], device="cuda")
+    packed = torch.randint(0, 256, (len(slots) * 2 * width,), dtype=torch.uint8, device="cuda")
+    table = CacheRowsTable(layers)
+    cache_rows(table, packed, slots, to_cache=True)
+    back = torch.empty_like(packed)
+    cache_rows(table, back, slots, to_cache=False)
+    assert torch.equal(back, packed)
+    expected = torch.empty_like(packed)
+    cache_rows_reference(layers, expected, slots, to_cache=False)
+    assert torch.equal(expected, packed)

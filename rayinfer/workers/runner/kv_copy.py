@@ -12,9 +12,15 @@ A synchronous `.cpu()` of each layer into pageable memory ran at 1.6-2.2 GB/s fo
 V2-Lite request (issue 28); pinned memory and one copy per chunk is what lets the host link's
 55 GB/s show (`python -m rayinfer.bench handoff`).
 
+One kernel gathers or scatters every layer's rows (kernels/cache_rows.py): beside a busy GPU
+each launch waits for room on the SMs, and in a thread beside an engine loop each torch call
+waits for the GIL.
+
 Same-node hand-offs skip the object store and both host copies (workers/runner/kv_arena.py):
 `export_into` lands each chunk's device -> host copy in the exporter's page-locked arena, and
-`import_(..., pinned=True)` copies the importer's mapping of it straight to the device.
+`import_(..., pinned=True)` copies the importer's mapping of it straight to the device. Where
+the request's slots lie in long runs (DIRECT_MIN_COPY_BYTES), those copies go without staging
+or kernel: one batch of row copies on the copy engines (workers/runner/copy_batches.py).
 
 On the CPU the cache already is host memory: rows are gathered and scattered directly.
 The copier is used from one thread at a time (the worker's KV transfer thread).
@@ -34,6 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from rayinfer.kernels import ops
+from rayinfer.kernels.cache_rows import CacheRowsTable
+from rayinfer.workers.runner.copy_batches import RowCopies, batch_copies_available, mean_copy_bytes
 from rayinfer.workers.runner.kv_transfer import layer_rows
 
 # Tokens per chunk are chosen so a chunk holds about this many bytes of all layers' rows: a long
@@ -42,6 +51,15 @@ from rayinfer.workers.runner.kv_transfer import layer_rows
 # 11.7 GB/s, 32 MB at 7.9 / 8.3, 8 MB at 4.4 / 3.4: each chunk's object-store put and
 # synchronisation cost more than the overlap gains at this size.
 CHUNK_BYTES = 128 * 2**20
+# Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
+# kernel and one driver call, where a request's copies (one per layer and run of consecutive
+# slots) average at least this many bytes; else through the device staging buffer and one
+# gather or scatter kernel. `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite
+# request): runs of 8 blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on
+# another stream, where the staged kernel takes 2.3 / 3.5, and with a Python thread contending
+# for the GIL 28 ms against 263 (every torch op and launch gives the GIL up); one-block runs
+# (18 KB copies) take 28 ms even idle against the staged 2.5.
+DIRECT_MIN_COPY_BYTES = 64 * 2**10
 # Threads of the host memcpy from object-store memory into pinned memory on import: one
 # thread's memcpy runs at about 8-10 GB/s, far below the host link.
 HOST_COPY_THREADS = 8
@@ -54,6 +72,9 @@ class KVCopier:
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
         # Per layer [num_slots, its row bytes] byte views of the cache.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
+        self.table = CacheRowsTable(self.rows)  # every layer's rows for one gather or scatter
+        usable = kv_caches[0].device.type == "cuda" and batch_copies_available(kv_caches[0].device)
+        self._row_copies = RowCopies(self.rows) if usable else None
         self.layer_bytes = tuple(rows.shape[1] for rows in self.rows)
         self.token_bytes = sum(self.layer_bytes)  # one token of every layer: a chunk's row
         self.device = kv_caches[0].device
@@ -111,6 +132,12 @@ class KVCopier:
         if not self.is_cuda:
             for (start, end), chunk in zip(bounds, chunks):
                 self._gather(slots[start:end], chunk)
+        elif self._copies_directly(slots):
+            host_slots = slots.numpy()
+            for (start, end), chunk in zip(bounds, chunks):
+                rows = layer_rows(chunk, self.layer_bytes)
+                self._row_copies.issue(rows, host_slots[start:end], False, self._stream)
+            self._stream.synchronize()
         else:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 device_slots = slots.to(self.device, non_blocking=True)
@@ -147,6 +174,14 @@ class KVCopier:
                     rows[slots[start : start + num_tokens]] = host
                 start += num_tokens
             return
+        if pinned and self._copies_directly(slots):
+            host_slots = slots.numpy()
+            for num_tokens, layers, _ in self._pieces(chunks):
+                piece = host_slots[start : start + num_tokens]
+                self._row_copies.issue(layers, piece, True, self._stream)
+                start += num_tokens
+            self._stream.synchronize()
+            return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             device_slots = slots.to(self.device, non_blocking=True)
             freed = [None, None]  # per pinned buffer, the event after which it may be refilled
@@ -164,15 +199,21 @@ class KVCopier:
                     freed[buffer] = torch.cuda.Event()
                     freed[buffer].record(self._stream)
                 chunk_slots = device_slots[start : start + num_tokens]
-                for rows, staged in zip(self.rows, layer_rows(staging, self.layer_bytes)):
-                    rows.index_copy_(0, chunk_slots, staged)
+                ops.cache_rows(self.table, staging, chunk_slots, to_cache=True)
                 start += num_tokens
             self._stream.synchronize()
 
+    def _copies_directly(self, slots: torch.Tensor) -> bool:
+        """Whether page-locked chunks of the rows at `slots` (CPU) move by batched row copies
+        (DIRECT_MIN_COPY_BYTES)."""
+        if self._row_copies is None or slots.device.type != "cpu":
+            return False
+        mean = mean_copy_bytes(slots.numpy(), self.token_bytes, self.num_layers)
+        return mean >= DIRECT_MIN_COPY_BYTES
+
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """out [len(slots) x token_bytes] <- every layer's rows at `slots` (layer_rows)."""
-        for rows, view in zip(self.rows, layer_rows(out, self.layer_bytes)):
-            torch.index_select(rows, 0, slots, out=view)
+        ops.cache_rows(self.table, out, slots, to_cache=False)
 
     def _pieces(self, chunks: Iterable[np.ndarray]) -> Iterator[tuple]:
         """The chunks in pieces of at most chunk_tokens tokens (a chunk from another copier, or

@@ -139,3 +139,35 @@ def test_gpu_cache_rows_past_two_gib():
     expected = torch.empty_like(packed)
     cache_rows_reference(layers, expected, slots, to_cache=False)
     assert torch.equal(expected, packed)
+
+
+@pytest.mark.parametrize("run_blocks", [1, 8])
+def test_gpu_pinned_chunks_by_runs_exact(run_blocks):
+    """Page-locked chunks move by batched row copies where the slots run long (8 blocks of 16
+    tokens: copies of 147 KB) and through staging and one kernel where they do not (one
+    block: 18 KB); both exact, both directions, chunks split across runs."""
+    layers, block_size, row, num_tokens = 27, 16, 576, 1000
+    num_blocks = -(-num_tokens // block_size)
+    source = random_caches(layers, 512, block_size, row, torch.bfloat16, seed=4)
+    groups = torch.randperm(512 // run_blocks)[: -(-num_blocks // run_blocks)].tolist()
+    table = [run_blocks * g + b for g in groups for b in range(run_blocks)][:num_blocks]
+    slots = token_slots(table, num_tokens, block_size)
+    copier = KVCopier(source, chunk_bytes=layers * row * 2 * 300)  # 300-token chunks
+    assert copier._copies_directly(slots) == (run_blocks == 8)
+    chunks = [
+        torch.empty((end - start) * copier.token_bytes, dtype=torch.uint8, pin_memory=True)
+        for start, end in copier.chunk_bounds(num_tokens)
+    ]
+    copier.export_into(slots, chunks)
+    expected = pack_kv(source, slots)
+    for got, rows in zip(chunk_layers([c.numpy() for c in chunks], copier), expected):
+        assert torch.equal(got, rows.view(torch.uint8))
+    target = random_caches(layers, 512, block_size, row, torch.bfloat16, seed=5)
+    before = pack_kv(target, torch.arange(512 * block_size))
+    KVCopier(target).import_(slots, chunks, pinned=True)
+    for layer, rows in enumerate(pack_kv(target, slots)):
+        assert torch.equal(rows, expected[layer])
+    untouched = torch.ones(512 * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    for layer, rows in enumerate(pack_kv(target, torch.arange(512 * block_size))):
+        assert torch.equal(rows[untouched], before[layer][untouched])

@@ -107,3 +107,19 @@ def _direct_copier(caches, chunk_tokens: int) -> KVCopier:
     copier._stream = _HostStream()
     copier._row_copies = RowCopies(copier.rows)
     return copier
+
+
+def test_a_refused_batch_stages_instead(monkeypatch):
+    """Where the driver refuses the batch, the copier stages that copy and every later one
+    (here on host memory, whose staged branch is the CPU one)."""
+
+    def refuse(dsts, srcs, sizes, stream):
+        raise RuntimeError("cuMemcpyBatchAsync failed (CUresult 1) on 3 copies")
+
+    monkeypatch.setattr(copy_batches, "_batch_copy", refuse)
+    monkeypatch.setattr(copy_batches, "_make_context_current", lambda device_index: None)
+    caches = [torch.arange(8 * 4 * 6, dtype=torch.uint8).view(8, 4, 6)]
+    copier = _direct_copier(caches, chunk_tokens=32)
+    monkeypatch.setattr(kv_copy, "DIRECT_MIN_COPY_BYTES", 1)
+    assert not copier._directly(copier._export_by_runs, torch.arange(8), [torch.zeros(48)])
+    assert copier._row_copies is None and not copier._copies_directly(torch.arange(8))

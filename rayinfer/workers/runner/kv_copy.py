@@ -32,6 +32,7 @@ types, DSA's layers without an indexer key): a chunk holds the layers back to ba
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -51,6 +52,8 @@ from rayinfer.workers.runner.kv_transfer import layer_rows
 # 11.7 GB/s, 32 MB at 7.9 / 8.3, 8 MB at 4.4 / 3.4: each chunk's object-store put and
 # synchronisation cost more than the overlap gains at this size.
 CHUNK_BYTES = 128 * 2**20
+logger = logging.getLogger(__name__)
+
 # Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
 # kernel and one driver call, where a request's copies (one per layer and run of consecutive
 # slots) average at least this many bytes; else through the device staging buffer and one
@@ -132,13 +135,9 @@ class KVCopier:
         if not self.is_cuda:
             for (start, end), chunk in zip(bounds, chunks):
                 self._gather(slots[start:end], chunk)
-        elif self._copies_directly(slots):
-            host_slots = slots.numpy()
-            for (start, end), chunk in zip(bounds, chunks):
-                rows = layer_rows(chunk, self.layer_bytes)
-                self._row_copies.issue(rows, host_slots[start:end], False, self._stream)
-            self._stream.synchronize()
-        else:
+        elif not (
+            self._copies_directly(slots) and self._directly(self._export_by_runs, slots, chunks)
+        ):
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 device_slots = slots.to(self.device, non_blocking=True)
                 for (start, end), chunk in zip(bounds, chunks):
@@ -175,13 +174,9 @@ class KVCopier:
                 start += num_tokens
             return
         if pinned and self._copies_directly(slots):
-            host_slots = slots.numpy()
-            for num_tokens, layers, _ in self._pieces(chunks):
-                piece = host_slots[start : start + num_tokens]
-                self._row_copies.issue(layers, piece, True, self._stream)
-                start += num_tokens
-            self._stream.synchronize()
-            return
+            chunks = list(chunks)
+            if self._directly(self._import_by_runs, slots, chunks):
+                return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             device_slots = slots.to(self.device, non_blocking=True)
             freed = [None, None]  # per pinned buffer, the event after which it may be refilled
@@ -202,6 +197,32 @@ class KVCopier:
                 ops.cache_rows(self.table, staging, chunk_slots, to_cache=True)
                 start += num_tokens
             self._stream.synchronize()
+
+    def _export_by_runs(self, slots: torch.Tensor, chunks: list[torch.Tensor]) -> None:
+        host_slots = slots.numpy()
+        for (start, end), chunk in zip(self.chunk_bounds(len(slots)), chunks):
+            rows = layer_rows(chunk, self.layer_bytes)
+            self._row_copies.issue(rows, host_slots[start:end], False, self._stream)
+        self._stream.synchronize()
+
+    def _import_by_runs(self, slots: torch.Tensor, chunks: list) -> None:
+        host_slots, start = slots.numpy(), 0
+        for num_tokens, layers, _ in self._pieces(chunks):
+            piece = host_slots[start : start + num_tokens]
+            self._row_copies.issue(layers, piece, True, self._stream)
+            start += num_tokens
+        self._stream.synchronize()
+
+    def _directly(self, copy, slots: torch.Tensor, chunks: list) -> bool:
+        """copy(slots, chunks) by batched row copies; False where the driver refused them (then
+        this copier stages every later copy too, and the caller stages this one)."""
+        try:
+            copy(slots, chunks)
+            return True
+        except RuntimeError as error:
+            logger.warning("batched KV row copies failed (%s); staging them from now on", error)
+            self._row_copies = None
+            return False
 
     def _copies_directly(self, slots: torch.Tensor) -> bool:
         """Whether page-locked chunks of the rows at `slots` (CPU) move by batched row copies

@@ -45,6 +45,7 @@ class RequestResult:
     kv_bytes: float = 0.0
     kv_parts_s: dict[str, float] = field(default_factory=dict)  # HANDOFF_PARTS the server sent
     kv_path: str = ""  # how its KV came: shm, object_store or arena_via_object_store
+    kv_copies: str = ""  # how export/import copied: batched, staged, host (Timings.kv_copies)
     text: str = ""  # what was generated, as streamed
 
     @property
@@ -120,6 +121,7 @@ def record_event(result: RequestResult, event: dict, elapsed_s: float) -> None:
     result.kv_bytes = timings.get("kv_bytes", result.kv_bytes)
     result.kv_parts_s |= {part: timings[part] for part in HANDOFF_PARTS if part in timings}
     result.kv_path = timings.get("kv_path", result.kv_path)
+    result.kv_copies = timings.get("kv_copies", result.kv_copies)
 
 
 def mark_token(result: RequestResult, elapsed_s: float) -> None:

@@ -88,6 +88,7 @@ def summarize(
     shares = [(r.kv_export_s + r.kv_import_s) / r.ttft_s for r in done if r.ttft_s > 0]
     summary["mean_kv_bytes"] = sum(r.kv_bytes for r in done) / max(len(done), 1)
     summary["kv_paths"] = dict(Counter(r.kv_path for r in done if r.kv_path))
+    summary["kv_copies"] = dict(Counter(r.kv_copies for r in done if r.kv_copies))
     summary["mean_handoff_share_of_ttft_pct"] = 100 * sum(shares) / max(len(shares), 1)
     summary["p50_handoff_share_of_ttft_pct"] = 100 * percentile(shares, 50)
     return summary
@@ -134,6 +135,8 @@ def format_report(s: dict, title: str = "Serving Benchmark Result", slos=None) -
         lines.append("KV hand-off".center(50, "-"))
         paths = ", ".join(f"{path} {count}" for path, count in s.get("kv_paths", {}).items())
         row("Requests by hand-off path:", paths or "-")
+        copies = ", ".join(f"{way} {count}" for way, count in s.get("kv_copies", {}).items())
+        row("Requests by copies (export/import):", copies or "-")
         for part in HANDOFF_PARTS:
             key = part.removesuffix("_s")
             if f"mean_{key}_ms" in s:

@@ -157,6 +157,9 @@ class Timings:
     # How the KV came: "shm" (mapped from the prefill worker's arena on the same node),
     # "object_store", or "arena_via_object_store" (an arena on another node); "" without one.
     kv_path: str = ""
+    # How each side copied, "export/import": "batched" (row copies on the copy engines),
+    # "staged" (device staging and one kernel), "host" (a CPU cache), "converted" (dtypes).
+    kv_copies: str = ""
     was_recomputed: bool = False
     was_resumed: bool = False  # a decode replica died mid-stream and another one finished it
 
@@ -174,4 +177,5 @@ class Timings:
         self.kv_get_s = kv_timings.get("get_s", 0.0)
         self.kv_import_copy_s = kv_timings.get("copy_s", 0.0)
         self.kv_path = kv_timings.get("path", "")
+        self.kv_copies = f"{export.get('way', '')}/{kv_timings.get('way', '')}"
         self.kv_import_s = self.kv_get_s + self.kv_import_copy_s

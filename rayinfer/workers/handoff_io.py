@@ -185,6 +185,7 @@ class HandoffIO:
             "path": path,
             "get_s": fetched - start,
             "copy_s": time.perf_counter() - fetched,
+            "way": cache.last_import_way,
             "export": dict(payloads[0].timings),
         }
         return Landed(state, timings)

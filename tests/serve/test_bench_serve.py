@@ -153,7 +153,7 @@ def test_text_events_fill_ttft_itl_usage_and_timings():
     record_event(result, completion(""), 0.30)  # no usage per chunk: an empty chunk is not a token
     record_event(result, completion("b"), 0.35)
     handoff = {"kv_export_s": 0.01, "kv_import_s": 0.02, "kv_bytes": 640.0, "kv_put_s": 0.004,
-               "kv_path": "shm"}  # fmt: skip
+               "kv_path": "shm", "kv_copies": "batched/staged"}  # fmt: skip
     usage = {"prompt_tokens": 7, "completion_tokens": 3}
     record_event(result, {"choices": [], "usage": usage, "rayinfer_timings": handoff}, 0.4)
     finish(result, 0.4, SampleRequest("x", 1, 3))
@@ -161,6 +161,7 @@ def test_text_events_fill_ttft_itl_usage_and_timings():
     assert (result.prompt_tokens, result.output_tokens) == (7, 3)
     assert (result.kv_export_s, result.kv_import_s, result.kv_bytes) == (0.01, 0.02, 640.0)
     assert result.kv_parts_s == {"kv_put_s": 0.004} and result.kv_path == "shm"
+    assert result.kv_copies == "batched/staged"
     record_event(result, {"error": {"message": "boom"}}, 0.5)
     assert result.error == "boom"
     record_event(result, {"error": "transformers says"}, 0.5)  # transformers serve's shape
@@ -226,8 +227,10 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
         result.kv_export_s, result.kv_import_s, result.kv_bytes = export_s, 0.02, 1000.0
         result.kv_parts_s = {"kv_get_s": export_s / 2}
     results[1].kv_path = "object_store"
+    results[0].kv_copies = results[1].kv_copies = "batched/batched"
     summary = summarize(results, duration_s=2.0)
     assert summary["kv_paths"] == {"object_store": 1}
+    assert summary["kv_copies"] == {"batched/batched": 2}
     assert summary["completed"] == 2 and summary["failed"] == 1
     assert summary["request_throughput"] == 1.0
     assert summary["input_throughput"] == 10.0 and summary["output_throughput"] == 5.0
@@ -250,6 +253,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     ):
         assert line in report
     assert "Requests by hand-off path:" + " " * 14 + "object_store 1" in report
+    assert "batched/batched 2" in report.split("Requests by copies (export/import):")[1]
 
 
 def test_json_has_no_inf_or_nan():

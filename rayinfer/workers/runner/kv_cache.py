@@ -71,6 +71,7 @@ class KVCache:
         self.kv_heads = kv_heads
         self.chunk_bytes = chunk_bytes
         self._copier: KVCopier | None = None
+        self.last_import_way = ""  # how the last import copied (KVCopier.last_way, "converted")
 
     @property
     def copier(self) -> KVCopier:
@@ -137,8 +138,10 @@ class KVCache:
         if mine.dtype == self.layers[0].dtype:
             # chunks viewing an arena are page-locked on CUDA (kv_arena_maps.py)
             self.copier.import_(slots, mine.chunks, pinned=mine.arena is not None)
+            self.last_import_way = self.copier.last_way
         else:  # another dtype (a float32 prefill into a bfloat16 decode): convert on the way
             unpack_kv(self.layers, slots, mine.kv)
+            self.last_import_way = "converted"
         return mine.generator_state
 
     def _window_slots(self, window_table: list[int], num_tokens: int) -> torch.Tensor:

@@ -78,6 +78,9 @@ class KVCopier:
         self.table = CacheRowsTable(self.rows)  # every layer's rows for one gather or scatter
         usable = kv_caches[0].device.type == "cuda" and batch_copies_available(kv_caches[0].device)
         self._row_copies = RowCopies(self.rows) if usable else None
+        # How the last export or import copied: "host" (a CPU cache), "batched" (row copies on
+        # the copy engines) or "staged" (device staging and one kernel).
+        self.last_way = ""
         self.layer_bytes = tuple(rows.shape[1] for rows in self.rows)
         self.token_bytes = sum(self.layer_bytes)  # one token of every layer: a chunk's row
         self.device = kv_caches[0].device
@@ -108,9 +111,11 @@ class KVCopier:
                 self._gather(slots[start:end], chunk)
                 waited += time.perf_counter() - begin
                 yield chunk.numpy()
+            self._record_way("host", timings)
             if timings is not None:
                 timings["copy_s"] = waited
             return
+        self._record_way("staged", timings)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             device_slots = slots.to(self.device, non_blocking=True)
             events = [self._gather_to_host(device_slots, bounds[0], 0)]
@@ -133,11 +138,13 @@ class KVCopier:
         begin = time.perf_counter()
         bounds = self.chunk_bounds(len(slots))
         if not self.is_cuda:
+            self._record_way("host", timings)
             for (start, end), chunk in zip(bounds, chunks):
                 self._gather(slots[start:end], chunk)
-        elif not (
-            self._copies_directly(slots) and self._directly(self._export_by_runs, slots, chunks)
-        ):
+        elif self._copies_directly(slots) and self._directly(self._export_by_runs, slots, chunks):
+            self._record_way("batched", timings)
+        else:
+            self._record_way("staged", timings)
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 device_slots = slots.to(self.device, non_blocking=True)
                 for (start, end), chunk in zip(bounds, chunks):
@@ -168,6 +175,7 @@ class KVCopier:
         device as they are, without the memcpy into the copier's pinned buffers."""
         start = 0
         if not self.is_cuda:
+            self.last_way = "host"
             for num_tokens, layers, _ in self._pieces(chunks):
                 for rows, host in zip(self.rows, layers):
                     rows[slots[start : start + num_tokens]] = host
@@ -176,7 +184,9 @@ class KVCopier:
         if pinned and self._copies_directly(slots):
             chunks = list(chunks)
             if self._directly(self._import_by_runs, slots, chunks):
+                self.last_way = "batched"
                 return
+        self.last_way = "staged"
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             device_slots = slots.to(self.device, non_blocking=True)
             freed = [None, None]  # per pinned buffer, the event after which it may be refilled
@@ -197,6 +207,11 @@ class KVCopier:
                 ops.cache_rows(self.table, staging, chunk_slots, to_cache=True)
                 start += num_tokens
             self._stream.synchronize()
+
+    def _record_way(self, way: str, timings: dict | None) -> None:
+        self.last_way = way
+        if timings is not None:
+            timings["way"] = way
 
     def _export_by_runs(self, slots: torch.Tensor, chunks: list[torch.Tensor]) -> None:
         host_slots = slots.numpy()

@@ -37,15 +37,26 @@ class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
 
 
 @functools.cache
+def _driver():
+    """The CUDA driver library (loaded once), or None where this process has none."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@functools.cache
 def _driver_batch_copy():
     """(the driver's cuMemcpyBatchAsync, whether it takes a failure-index argument), or None
     where this process has no driver new enough."""
+    driver = _driver()
+    if driver is None:
+        return None
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int(0)
         if driver.cuDriverGetVersion(ctypes.byref(version)) != _SUCCESS:
             return None
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     if version.value < _MIN_DRIVER_VERSION:
         return None
@@ -88,10 +99,8 @@ class RowCopies:
 
     def __init__(self, cache_rows: list[torch.Tensor]):
         """cache_rows: per layer [num_slots, row_bytes] uint8 (device)."""
-        self.row_bytes = np.array([rows.shape[1] for rows in cache_rows], dtype=np.int64)[:, None]
-        self.cache_base = np.array([rows.data_ptr() for rows in cache_rows], dtype=np.int64)[
-            :, None
-        ]
+        self.row_bytes = _column([rows.shape[1] for rows in cache_rows])
+        self.cache_base = _column([rows.data_ptr() for rows in cache_rows])
         self.device_index = cache_rows[0].device.index or 0
 
     def issue(
@@ -126,7 +135,7 @@ def _make_context_current(device_index: int) -> None:
     whose first CUDA call this is has none); once per thread."""
     if getattr(_current, "device", None) == device_index:
         return
-    driver = ctypes.CDLL("libcuda.so.1")
+    driver = _driver()
     context = ctypes.c_void_p()
     if driver.cuCtxGetCurrent(ctypes.byref(context)) != _SUCCESS or not context.value:
         device = ctypes.c_int()

@@ -6,6 +6,7 @@ the prefill worker, the first token on a decode worker after the hand-off), and 
 every token sampled here. Masks are filled on the host into one int32 bitmask (bit j of row r:
 token 32 * w + j allowed), after the forward has been queued, so on a GPU they are computed while
 the forward runs; layers/sampler.py applies them. Requests without a grammar cost nothing here.
+Each mask also keeps the output valid UTF-8 (utf8_tails.py), which xgrammar alone does not.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rayinfer.engine.batch import ScheduledRequest
+from rayinfer.workers.runner.utf8_tails import CLOSED, Tail, Utf8Tails
 
 
 @dataclass
@@ -34,7 +36,9 @@ class GrammarMatchers:
         self.eos_token_ids = sorted(eos_token_ids)
         self.pin = pin
         self.matchers: dict = {}  # request id -> xgrammar.GrammarMatcher
+        self.tails: dict[str, Tail] = {}  # request id -> its output's unfinished UTF-8 character
         self._compiler = None
+        self._utf8: Utf8Tails | None = None  # made with the compiler
         self._bitmask: torch.Tensor | None = None  # grown to the most rows seen
 
     @staticmethod
@@ -48,7 +52,9 @@ class GrammarMatchers:
         errors = {}
         for index, row in enumerate(rows):
             try:
+                request_id = sampling[row].request_id
                 self._matcher(sampling[row]).fill_next_token_bitmask(bitmask, index)
+                self._utf8.narrow(bitmask[index], self.tails[request_id])
             except (ValueError, RuntimeError, OSError) as error:
                 errors[row] = f"structured output: {error}"
         return GrammarMasks(bitmask, rows, errors)
@@ -61,14 +67,16 @@ class GrammarMatchers:
         for row in masks.rows:
             if row in masks.errors or token_ids[row] < 0:
                 continue
-            matcher = self.matchers[sampling[row].request_id]
-            if not matcher.accept_token(token_ids[row]):
+            request_id = sampling[row].request_id
+            if not self.matchers[request_id].accept_token(token_ids[row]):
                 refused[row] = f"structured output: the grammar refused token {token_ids[row]}"
+            self.tails[request_id] = self._utf8.after(self.tails[request_id], token_ids[row])
         return refused
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.matchers.pop(request_id, None)
+            self.tails.pop(request_id, None)
 
     def _matcher(self, request: ScheduledRequest):
         matcher = self.matchers.get(request.request_id)
@@ -78,10 +86,13 @@ class GrammarMatchers:
 
         compiled = self._compile(request.params.structured_output)
         matcher = xgrammar.GrammarMatcher(compiled)
+        tail = CLOSED
         for token_id in request.grammar_token_ids or ():
             if not matcher.accept_token(token_id):
                 raise ValueError(f"the tokens generated so far do not match (token {token_id})")
+            tail = self._utf8.after(tail, token_id)
         self.matchers[request.request_id] = matcher
+        self.tails[request.request_id] = tail
         return matcher
 
     def _compile(self, structured):
@@ -106,6 +117,7 @@ class GrammarMatchers:
             vocab_size=self.vocab_size,
             stop_token_ids=self.eos_token_ids,
         )
+        self._utf8 = Utf8Tails(info.decoded_vocab, self.vocab_size)
         return xgrammar.GrammarCompiler(info)
 
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:

@@ -156,8 +156,8 @@ def _radix_write_kernel(
         chosen = offs
         if TO_SLOTS:  # dsa_indexer.chosen_slots: the position's slot; -1 past the query
             where = offs.to(tl.int64)
-            block = tl.load(table_row + where // block_size, mask=is_above | is_tie_taken,
-                            other=0).to(tl.int64)  # fmt: skip
+            in_query = (is_above | is_tie_taken) & (where <= position)  # the table's reach
+            block = tl.load(table_row + where // block_size, mask=in_query, other=0).to(tl.int64)
             chosen = tl.where(where > position, -1, block * block_size + where % block_size)
         tl.store(out_row + at, chosen.to(out_ptr.dtype.element_ty), mask=is_above | is_tie_taken)
         next_above += tl.sum(is_above.to(tl.int32), 0)

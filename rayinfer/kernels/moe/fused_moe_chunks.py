@@ -31,8 +31,9 @@ def _expert_chunks_kernel(
     """
     for block_start in range(0, num_tiles, BLOCK):
         tiles = block_start + tl.arange(0, BLOCK)  # [B]
-        experts = tl.load(block_expert_ids_ptr + tiles, mask=tiles < num_tiles, other=-1)
-        before = tl.load(block_expert_ids_ptr + tiles - 1, mask=tiles >= 1, other=-1)
+        in_range = tiles < num_tiles
+        experts = tl.load(block_expert_ids_ptr + tiles, mask=in_range, other=-1)
+        before = tl.load(block_expert_ids_ptr + tiles - 1, mask=in_range & (tiles >= 1), other=-1)
         after = tl.load(block_expert_ids_ptr + tiles + 1, mask=tiles + 1 < num_tiles, other=-1)
         held = experts >= 0
         tl.store(run_first_ptr + experts, tiles, mask=held & (before != experts))

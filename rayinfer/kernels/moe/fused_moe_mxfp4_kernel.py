@@ -251,7 +251,9 @@ def _moe_mxfp4_split_kernel(
     # The scale tiles ([BN, 4] bytes at BK=128) are too narrow for the pipeliner's async copies:
     # loaded one K step ahead by hand, so their latency hides behind a step's dots.
     s_next = _load_scales(s_ptrs, 0, half_k, BLOCK_K)
-    up_s_next = _load_scales(up_s_ptrs, 0, half_k, BLOCK_K)
+    up_s_next = s_next  # the down GEMM (no FUSE_SILU) has no up rows: their scales are unread
+    if FUSE_SILU:
+        up_s_next = _load_scales(up_s_ptrs, 0, half_k, BLOCK_K)
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
         byte_step = k_step * (BLOCK_K // 2)
         k_in = offs_byte < half_k - byte_step

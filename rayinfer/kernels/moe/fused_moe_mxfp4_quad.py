@@ -221,7 +221,9 @@ def moe_mxfp4_quad_kernel(
     dtype = a_ptr.dtype.element_ty
     # The scale tiles are too narrow for the pipeliner's async copies: loaded a K step ahead
     s_next = _load_word_scales(s_ptrs, 0, quarter_k, BLOCK_K)
-    up_s_next = _load_word_scales(up_s_ptrs, 0, quarter_k, BLOCK_K)
+    up_s_next = s_next  # the down GEMM (no FUSE_SILU) has no up rows: their scales are unread
+    if FUSE_SILU:
+        up_s_next = _load_word_scales(up_s_ptrs, 0, quarter_k, BLOCK_K)
     for k_step in range(0, tl.cdiv(K, BLOCK_K)):
         word_step = k_step * (BLOCK_K // 4)
         words_in = offs_word < quarter_k - word_step

@@ -10,6 +10,11 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ["TRITON_INTERPRET"] == "1":
+    from interpreter_bounds import install
+
+    install()
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():

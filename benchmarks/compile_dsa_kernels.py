@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ttgir_probe import loop_report, registers_per_thread, spill_instructions  # noqa: E402
+from ttgir_probe import (  # noqa: E402
+    default_jobs,
+    loop_report,
+    registers_per_thread,
+    reports_in_order,
+    spill_instructions,
+)
 
 from rayinfer.kernels.dsa import (  # noqa: E402
     dsa_cache,
@@ -251,10 +257,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dtype", choices=list(DTYPES), action="append")
     parser.add_argument("--params", type=json.loads, default={},
                         help="sparse_mla tiles (JSON) over the configs' default ones")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="compiles at once")
     args = parser.parse_args(argv)
     SPARSE_MLA_OVERRIDE.clear()
     SPARSE_MLA_OVERRIDE.update(args.params)
-    rows = []
+    cases = []
     for kernel in args.kernel or list(KERNELS):
         for arch in args.arch or [80, 89, 90]:
             if kernel in FP8_KERNELS and arch < FP8_MIN_ARCH:
@@ -264,8 +271,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     continue
                 if kernel in V4_KERNELS + TOPK_KERNELS and dtype == "fp32":
                     continue
-                rows.append(report(kernel, arch, dtype))
-                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                cases.append((kernel, arch, dtype))
+    rows = []
+    for row in reports_in_order(report, cases, args.jobs):
+        rows.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return rows
 
 

@@ -27,10 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compile_dsa_kernels import SHARED_MEMORY_LIMITS, compile_for  # noqa: E402
 from ttgir_probe import (  # noqa: E402
+    default_jobs,
     disassemble,
     longest_loop_opcodes,
     loop_report,
     registers_per_thread,
+    reports_in_order,
     spill_instructions,
 )
 
@@ -199,12 +201,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kernel", choices=list(KERNELS), action="append")
     parser.add_argument("--arch", type=int, choices=[80, 89, 90], action="append")
     parser.add_argument("--dump", help="write the (last) kernel's TTGIR here")
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="compiles at once")
     args = parser.parse_args(argv)
+    cases = [
+        (kernel, arch, args.dump)
+        for kernel in args.kernel or list(KERNELS)
+        for arch in args.arch or [80, 89, 90]
+    ]
     rows = []
-    for kernel in args.kernel or list(KERNELS):
-        for arch in args.arch or [80, 89, 90]:
-            rows.append(report(kernel, arch, args.dump))
-            print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    for row in reports_in_order(report, cases, args.jobs):
+        rows.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return rows
 
 

@@ -29,6 +29,7 @@ be vectorized to 16 bytes and none become asynchronous.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import struct
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -287,6 +289,28 @@ def longest_loop_opcodes(cubin: bytes) -> Counter | None:
 
 
 KERNELS = {"mla": mla_constants, "prefill": prefill_constants}
+
+
+def default_jobs() -> int:
+    """Compiles run at once by default: one per core, at most 4 (Triton's compiler is single-
+    threaded, and each holds a few hundred MB)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _report(call: tuple):
+    report, case = call
+    return report(*case)
+
+
+def reports_in_order(report, cases: list[tuple], jobs: int):
+    """report(*case) for each case, in the cases' order, over `jobs` forked processes (one: in
+    this process). Forked, so the children see the parent's module state (e.g. overrides)."""
+    if jobs <= 1:
+        yield from (report(*case) for case in cases)
+        return
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        yield from pool.map(_report, [(report, case) for case in cases])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -94,11 +94,13 @@ def dsa_write_cache(
     if index_fp8 and index_dim:
         check_key_region(kv_cache, latent_rank + rope_dim, index_dim)
     rows = [kv_c, k_pe] if index_key is None else [kv_c, k_pe, index_key]
-    if any(x.stride(-1) != 1 or x.shape[0] != slot_mapping.shape[0] for x in rows):
-        raise ValueError("kv_c, k_pe and index_key must be contiguous in the last dim, one slot "
-                         "per token")  # fmt: skip
+    if any(x.shape[0] != slot_mapping.shape[0] for x in rows):
+        raise ValueError("kv_c, k_pe and index_key must have one slot per token")
     if kv_c.shape[0] == 0:
         return
+    if any(x.stride(-1) != 1 for x in rows):
+        raise ValueError("kv_c, k_pe and index_key must be contiguous in the last dim")
+    slot_mapping = slot_mapping.contiguous()  # read one element a token, without its stride
     key = kv_c if index_key is None else index_key  # any pointer: INDEX_DIM=0 reads none
     _dsa_write_cache_kernel[(kv_c.shape[0],)](
         kv_c, k_pe, key, kv_cache, kv_cache.view(torch.float8_e4m3fn), slot_mapping,

@@ -318,7 +318,9 @@ def dsa_index_topk(
         raise ValueError(f"selection={selection!r}; use one of {', '.join(SELECTIONS)}")
     params = {**index_params(q_index), **(params or {})}
     topk_params = launch_params("radix_topk", q_index.device)
+    # The kernels step through these one element at a time, without their strides.
     block_tables, query_seq = block_tables.contiguous(), query_seq.contiguous()
+    positions, weights = positions.contiguous(), weights.contiguous()
     out = torch.full((num_queries, topk), -1, dtype=torch.int32, device=q_index.device)
     k = min(topk, max_context)
     chunk = queries_per_chunk(num_queries, max_context, score_bytes)

@@ -135,7 +135,7 @@ def v4_write_rows(rows, slots, values, column) -> None:
     """The reference's write from one Triton program per (token, 1024 columns)."""
     if values.shape[0] == 0:
         return
-    values = values.contiguous()
+    values, slots = values.contiguous(), slots.contiguous()
     grid = (values.shape[0], triton.cdiv(values.shape[1], 1024))
     _write_rows_kernel[grid](rows, slots, values, column, values.shape[1], rows.stride(0),
                              values.stride(0), BLOCK_C=1024)  # fmt: skip
@@ -270,6 +270,11 @@ def v4_attention(queries, window_cache, window_tables, cache, block_tables, seq_
     if queries.stride(-1) != 1:
         raise ValueError("queries must be dense in their last dim")
     _check_dense(window_cache, cache)
+    # The kernel reads these a row (tables) or an element (per query) at a time: dense.
+    window_tables, block_tables = window_tables.contiguous(), block_tables.contiguous()
+    seq_ids, positions = seq_ids.contiguous(), positions.contiguous()
+    if entry_list is not None:
+        entry_list = entry_list.contiguous()
     kind = NO_ENTRIES if spread is None else EVERY_ENTRY if entry_list is None else LISTED_ENTRIES
     rate, share, column = spread if spread is not None else (1, 1, 0)
     listed = entry_list if entry_list is not None else block_tables  # any int tensor

@@ -57,6 +57,7 @@ def rms_norm(
         raise ValueError(f"weight {tuple(weight.shape)} must be [{hidden}] like x's last dim")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    weight = weight.contiguous()  # read as one dense row
     rows = x.reshape(-1, hidden)  # [N, H]: a view unless x is not row-contiguous
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -155,6 +155,10 @@ def _check(positions, query, key, inv_freq):
 def _launch(positions, query, key, inv_freq, is_interleaved, attention_factor, cache_write):
     """cache_write: None, or (kv_cache, slot_mapping, companion [T, C], key_offset, offset)."""
     _check(positions, query, key, inv_freq)
+    # Read an element a token (positions, slots) or a row (inv_freq) without strides: dense.
+    positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
+    if cache_write is not None:
+        cache_write = (cache_write[0], cache_write[1].contiguous(), *cache_write[2:])
     rotated = 2 * inv_freq.shape[0]  # the kernel writes these features of every head
     # Features past the rotary dim pass through: only then do the outputs start as copies.
     query_out = torch.empty_like(query) if query.shape[-1] == rotated else query.clone()

@@ -96,7 +96,11 @@ def fp8_quant_reference(
     padded[:, :num_cols] = x.float()
     groups = padded.view(num_rows, num_groups, group_size)
     scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(num_rows, -1)[:, :num_cols]
+    q = (
+        (groups / scale[..., None])
+        .clamp(-FP8_MAX, FP8_MAX)
+        .reshape(num_rows, num_groups * group_size)[:, :num_cols]
+    )
     return q.to(torch.float8_e4m3fn), scale
 
 

@@ -100,6 +100,9 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
     is_w13 = stage == "w13"
     n_out, k = c.shape[1], a.shape[1]
     use_fp8 = b_scale is not None
+    if use_fp8 and SCALE_BLOCK % tile["BLOCK_K"]:  # a K step reads one block's scales
+        raise ValueError(f"config {stage}: BLOCK_K={tile['BLOCK_K']} must divide the FP8 scale "
+                         f"block ({SCALE_BLOCK})")  # fmt: skip
     use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
     one_dot = is_w13 and "TAIL_M" in tile and bool(config[stage].get("GATE_UP_ONE_DOT"))
     weights = b

@@ -129,6 +129,8 @@ def fused_moe_small_batch(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"top_k={top_k}: the small-batch kernels take at most {MAX_TOP_K}")
     if w2.shape != (num_experts, hidden, inter) or x.shape != (num_tokens, hidden):
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
                          "do not fit [T, H], [E, 2I, H], [E, H, I]")  # fmt: skip

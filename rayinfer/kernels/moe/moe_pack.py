@@ -286,6 +286,9 @@ def localize_expert_ids(
     num_local: int,  # experts held here
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [R, K] int64, [R, K] float32
     num_rows = rows.shape[0]
+    if ids_at % 4 or rows.shape[1] < ids_at + 8 * topk:
+        raise ValueError(f"rows of {rows.shape[1]} bytes cannot hold {topk} ids and weights "
+                         f"at byte {ids_at} (a multiple of 4)")  # fmt: skip
     local = torch.empty(num_rows, topk, dtype=torch.int64, device=rows.device)
     weights = torch.empty(num_rows, topk, dtype=torch.float32, device=rows.device)
     if num_rows == 0:

@@ -136,7 +136,8 @@ def moe_routing(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
     if num_tokens == 0:
         return MoeRouting(weights, ids)
-    bias = correction_bias if correction_bias is not None else weights  # unread without a bias
+    # unread without a bias; else read as one dense row
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
     block_e = triton.next_power_of_2(num_experts)
     _moe_routing_kernel[(num_tokens,)](
         router_logits, bias, weights, ids, num_experts, router_logits.stride(0),

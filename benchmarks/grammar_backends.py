@@ -1,5 +1,7 @@
 """Token-mask time per generated token of the two grammar libraries, xgrammar and llguidance,
-for one JSON schema, on the CPU: the number rayinfer's choice of library rests on.
+for one JSON schema, on the CPU: the number rayinfer's choice of library rests on; and
+"xgrammar+utf8", xgrammar's mask narrowed to the tokens that keep the output valid UTF-8 as
+rayinfer's runner does (workers/runner/utf8_tails.py).
 
 Each library's matcher is driven from its own masks (a seeded pick among the allowed tokens)
 until the grammar ends or 256 tokens; the time of the mask computation alone is summed and
@@ -75,8 +77,12 @@ def run_llguidance(tokenizer_json: str, eos_id: int, vocab_size: int, runs: int)
     return {"setup_s": setup_s, "compile_ms": 0.0, **result}
 
 
-def run_xgrammar(tokenizer_json: str, eos_id: int, vocab_size: int, runs: int) -> dict:
+def run_xgrammar(
+    tokenizer_json: str, eos_id: int, vocab_size: int, runs: int, utf8: bool = False
+) -> dict:
     import xgrammar
+
+    from rayinfer.workers.runner.utf8_tails import CLOSED, Utf8Tails
 
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     added = {t["id"]: t["content"] for t in json.loads(tokenizer_json)["added_tokens"]}
@@ -90,20 +96,28 @@ def run_xgrammar(tokenizer_json: str, eos_id: int, vocab_size: int, runs: int) -
         encoded, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=[eos_id]
     )
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    tails = Utf8Tails(info.decoded_vocab, vocab_size) if utf8 else None
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
-    setup_s, compile_s = setup_s, time.perf_counter() - start
+    compile_s = time.perf_counter() - start
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    first_row = bitmask.numpy()[0]  # the same memory
+    tail = [CLOSED]  # the current matcher's
 
     def new_matcher():
+        tail[0] = CLOSED
         return xgrammar.GrammarMatcher(compiled)
 
     def fill(matcher):
         matcher.fill_next_token_bitmask(bitmask, 0)
+        if tails is not None:
+            tails.narrow(first_row, tail[0])
 
     def accept(matcher, token):
         assert matcher.accept_token(token)
+        if tails is not None:
+            tail[0] = tails.after(tail[0], token)
 
     result = _drive(new_matcher, fill, accept, bitmask, vocab_size, eos_id, runs,
                     lambda m: m.is_terminated())  # fmt: skip
@@ -151,7 +165,12 @@ def main() -> None:
         from tokenizers import Tokenizer
 
         vocab_size = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
-        for library, run in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+        libraries = (
+            ("llguidance", run_llguidance),
+            ("xgrammar", run_xgrammar),
+            ("xgrammar+utf8", lambda *a: run_xgrammar(*a, utf8=True)),
+        )
+        for library, run in libraries:
             result = run(tokenizer_json, eos_id, vocab_size, args.runs)
             print(json.dumps({"tokenizer": name, "vocab": vocab_size, "library": library,
                               **{k: round(v, 3) for k, v in result.items()}}))  # fmt: skip

@@ -66,14 +66,14 @@ def test_each_tails_mask_holds_the_tokens_that_continue_it_validly():
 
 def test_narrow_keeps_the_grammars_mask_where_no_token_would_remain():
     tails = Utf8Tails([b"a", b"\xc3", b"\xa9"], vocab_size=3)
-    row = torch.tensor([0b011], dtype=torch.int32)  # the grammar allows "a" and a lead byte
-    tails.narrow(row, (1, 0x80, 0xBF))  # after a lead byte: only "\xa9", which it forbids
-    assert row.tolist() == [0b011]
-    tails.narrow(row, CLOSED)
-    assert row.tolist() == [0b011]
-    row = torch.tensor([0b111], dtype=torch.int32)
-    tails.narrow(row, CLOSED)
-    assert row.tolist() == [0b011]  # a continuation byte opens nothing
+    bitmask = torch.tensor([[0b011], [0b111]], dtype=torch.int32)  # the grammar's two rows
+    rows = bitmask.numpy()  # narrowed in place, as the runner does
+    tails.narrow(rows[0], (1, 0x80, 0xBF))  # after a lead byte: only "\xa9", which it forbids
+    assert bitmask[0].tolist() == [0b011]
+    tails.narrow(rows[0], CLOSED)
+    assert bitmask[0].tolist() == [0b011]
+    tails.narrow(rows[1], CLOSED)
+    assert bitmask.tolist() == [[0b011], [0b011]]  # a continuation byte opens nothing
 
 
 def _allowed(bitmask_row: torch.Tensor) -> set[int]:

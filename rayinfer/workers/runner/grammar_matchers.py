@@ -49,12 +49,13 @@ class GrammarMatchers:
         """The masks of the sampling requests that have a grammar (call when `needed`)."""
         rows = [row for row, r in enumerate(sampling) if r.params.structured_output is not None]
         bitmask = self._bitmask_rows(len(rows))
+        rows_np = bitmask.numpy()  # the same memory
         errors = {}
         for index, row in enumerate(rows):
             try:
                 request_id = sampling[row].request_id
                 self._matcher(sampling[row]).fill_next_token_bitmask(bitmask, index)
-                self._utf8.narrow(bitmask[index], self.tails[request_id])
+                self._utf8.narrow(rows_np[index], self.tails[request_id])
             except (ValueError, RuntimeError, OSError) as error:
                 errors[row] = f"structured output: {error}"
         return GrammarMasks(bitmask, rows, errors)

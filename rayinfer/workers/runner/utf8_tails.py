@@ -73,6 +73,10 @@ class Utf8Tails:
         packed = np.packbits(allowed, axis=1, bitorder="little").view("<i4")
         self.masks = torch.from_numpy(packed.astype(np.int32))  # [len(TAILS), words]
         self._index = {tail: index for index, tail in enumerate(TAILS)}
+        # numpy on the host rows: torch's per-call overhead would cost more than the AND at
+        # these sizes (benchmarks/grammar_backends.py, xgrammar+utf8)
+        self._masks_np = self.masks.numpy()
+        self._scratch = np.empty(words, dtype=np.int32)
 
     def mask(self, tail: Tail) -> torch.Tensor:
         """[words] int32: the tokens that may follow `tail`."""
@@ -84,9 +88,10 @@ class Utf8Tails:
         data = self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
         return extend(tail, data) or CLOSED
 
-    def narrow(self, row: torch.Tensor, tail: Tail) -> None:
-        """Limit one grammar bitmask row [words] to the tokens that may follow `tail`, unless
-        that would allow none (the grammar's own choice is then kept)."""
-        narrowed = row & self.mask(tail)
-        if bool(narrowed.any()):
-            row.copy_(narrowed)
+    def narrow(self, row: np.ndarray, tail: Tail) -> None:
+        """Limit one grammar bitmask row [words] int32 (a numpy view of the host bitmask) to the
+        tokens that may follow `tail`, unless that would allow none (the grammar's own choice
+        is then kept)."""
+        np.bitwise_and(row, self._masks_np[self._index[tail]], out=self._scratch)
+        if self._scratch.any():
+            row[:] = self._scratch

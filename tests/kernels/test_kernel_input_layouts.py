@@ -76,3 +76,23 @@ def test_fp8_moe_refuses_a_k_tile_past_the_scale_block():
 def test_fp8_quant_reference_of_no_rows():
     q, scale = fp8_quant_reference(torch.randn(0, 130))
     assert q.shape == (0, 130) and scale.shape == (0, 2)
+
+
+def test_prefill_attention_refuses_an_output_it_cannot_write_densely():
+    from rayinfer.kernels.attention.prefill_attention import prefill_attention
+
+    q, k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    bounds = torch.tensor([0, 5], dtype=torch.int32)
+    out = torch.empty(16, 2, 5).permute(2, 1, 0)  # [T, H, D] with a column stride of 10
+    with pytest.raises(ValueError, match="dense in its last dim"):
+        prefill_attention(q, k, v, bounds, bounds, 5, 0.25, out=out)
+
+
+def test_mixed_attention_refuses_a_sequence_without_query_tokens():
+    from rayinfer.kernels.attention.prefill_attention import paged_mixed_attention
+
+    query, cache = torch.randn(1, 2, 16), torch.randn(2, 4, 2, 1, 16)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    seq_lens, starts = torch.tensor([3, 2], dtype=torch.int32), torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match=r"query_lens \[0, 1\]: every sequence needs"):
+        paged_mixed_attention(query, cache, tables, seq_lens, starts.int(), [0, 1], 0.25)

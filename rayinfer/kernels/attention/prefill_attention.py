@@ -223,6 +223,10 @@ def prefill_attention(
     rope = None if query_rope is None else (query_rope, key_rope)
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+    elif out.shape != (*query.shape[:2], value.shape[-1]) or out.stride(-1) != 1:
+        want = [*query.shape[:2], value.shape[-1]]
+        raise ValueError(f"out {tuple(out.shape)} must be [T, Hq, Dv] = {want}, dense in its "
+                         "last dim")  # fmt: skip
     no_table = cu_seqlens_q  # unused when not paged; any int32 tensor
     return _launch(query, key, value, out, no_table[None], cu_seqlens_q, cu_seqlens_k, scale,
                    False, 1, max_query_len, is_causal, rope, lse, backend)  # fmt: skip
@@ -312,6 +316,8 @@ def paged_mixed_attention(
     instead of reading them back through the block tables: the same values, and on an H200 the
     warp-specialized Gluon kernel (594 TFLOP/s against the paged kernel's 323 at 16k tokens, head
     dim 128). Chunks over a cached prefix take the paged kernel."""
+    if min(query_lens, default=1) < 1:  # the decode kernel pairs query row i with sequence i
+        raise ValueError(f"query_lens {query_lens}: every sequence needs a query token")
     chunk_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     if not chunk_seqs:
         return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)

@@ -75,7 +75,7 @@ class Utf8Tails:
         self._index = {tail: index for index, tail in enumerate(TAILS)}
         # numpy on the host rows: torch's per-call overhead would cost more than the AND at
         # these sizes (benchmarks/grammar_backends.py, xgrammar+utf8)
-        self._masks_np = self.masks.numpy()
+        self._rows = {tail: row for tail, row in zip(TAILS, self.masks.numpy())}
         self._scratch = np.empty(words, dtype=np.int32)
 
     def mask(self, tail: Tail) -> torch.Tensor:
@@ -92,6 +92,6 @@ class Utf8Tails:
         """Limit one grammar bitmask row [words] int32 (a numpy view of the host bitmask) to the
         tokens that may follow `tail`, unless that would allow none (the grammar's own choice
         is then kept)."""
-        np.bitwise_and(row, self._masks_np[self._index[tail]], out=self._scratch)
-        if self._scratch.any():
-            row[:] = self._scratch
+        np.bitwise_and(row, self._rows[tail], out=self._scratch)
+        if np.count_nonzero(self._scratch):
+            np.copyto(row, self._scratch)

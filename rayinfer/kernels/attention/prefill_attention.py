@@ -316,10 +316,10 @@ def paged_mixed_attention(
     instead of reading them back through the block tables: the same values, and on an H200 the
     warp-specialized Gluon kernel (594 TFLOP/s against the paged kernel's 323 at 16k tokens, head
     dim 128). Chunks over a cached prefix take the paged kernel."""
-    if min(query_lens, default=1) < 1:  # the decode kernel pairs query row i with sequence i
-        raise ValueError(f"query_lens {query_lens}: every sequence needs a query token")
     chunk_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     if not chunk_seqs:
+        if query.shape[0] != len(query_lens):  # the decode kernel pairs row i with sequence i
+            raise ValueError(f"query_lens {query_lens}: every sequence needs a query token")
         return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
     direct = [i for i in chunk_seqs if new_kv is not None and seq_lens_cpu[i] == query_lens[i]]
     paged = [i for i in chunk_seqs if new_kv is None or seq_lens_cpu[i] != query_lens[i]]

@@ -72,7 +72,6 @@ class Utf8Tails:
                     allowed[index, token] = extend(tail, data) is not None
         packed = np.packbits(allowed, axis=1, bitorder="little").view("<i4")
         self.masks = torch.from_numpy(packed.astype(np.int32))  # [len(TAILS), words]
-        self._index = {tail: index for index, tail in enumerate(TAILS)}
         # numpy on the host rows: torch's per-call overhead would cost more than the AND at
         # these sizes (benchmarks/grammar_backends.py, xgrammar+utf8)
         self._rows = {tail: row for tail, row in zip(TAILS, self.masks.numpy())}
@@ -80,7 +79,7 @@ class Utf8Tails:
 
     def mask(self, tail: Tail) -> torch.Tensor:
         """[words] int32: the tokens that may follow `tail`."""
-        return self.masks[self._index[tail]]
+        return self.masks[TAILS.index(tail)]
 
     def after(self, tail: Tail, token_id: int) -> Tail:
         """The tail once `token_id` follows; an invalid continuation (only where the mask was

@@ -26,6 +26,21 @@ def test_matches_reference(shape, dtype, with_residual):
         torch.testing.assert_close(mine, theirs, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.float16])
+def test_mixed_dtypes_sum_in_the_promoted_dtype(residual_dtype):
+    """An fp16 x with an fp32 residual returns what the reference does:
+    the residual stream keeps fp32, the normed row takes the promoted dtype."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 48, generator=generator).half()
+    residual = 100 * torch.randn(4, 48, generator=generator).to(residual_dtype)
+    weight = torch.randn(48, generator=generator)
+    ours = rms_norm(x, weight, 1e-6, residual)
+    expected = rms_norm_reference(x, weight, 1e-6, residual)
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=2e-3)
+
+
 def test_strided_input_is_normed_row_by_row():
     x = torch.randn(5, 2, 32)[:, 1]  # rows 64 elements apart
     weight = torch.randn(32)

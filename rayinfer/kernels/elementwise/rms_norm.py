@@ -61,10 +61,16 @@ def rms_norm(
     rows = x.reshape(-1, hidden)  # [N, H]: a view unless x is not row-contiguous
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    # x + residual in their promoted dtype (an fp16 x and an fp32 residual sum in fp32), as
+    # the reference does; the normed row rounds to that dtype before the weight multiply.
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(
+        rows.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device
+    )
     residual_rows = residual.reshape(-1, hidden).contiguous() if residual is not None else rows
-    residual_out = torch.empty_like(rows) if residual is not None else rows
+    residual_out = (
+        rows if residual is None else torch.empty(rows.shape, dtype=sum_dtype, device=x.device)
+    )
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, residual_rows, weight, out, residual_out, eps,

@@ -97,14 +97,14 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_new_request(request_id, prompt_ids)
-        self._check_logit_bias(params)
+        self._check_params(params)
         state = self._new_state(request_id, prompt_ids, params, prefill_only)
         self.scheduler.add(state.seq)
 
     def add_prefilled_request(self, handoff: KVHandoff, params: SamplingParams) -> None:
         """Continue a request whose prompt was prefilled elsewhere; its KV arrives as a payload."""
         self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
-        self._check_logit_bias(params)
+        self._check_params(params)
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         pending_imports = self.handoffs.pending_imports
         pending_imports.append(PendingImport(state, handoff.payload))
@@ -242,7 +242,13 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # builtins: 16k ids in ~0.2 ms
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and
+        that stop strings have a tokenizer to match them against the text."""
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop", "this model has no tokenizer, so there is no text to match stop strings in"
+            )
         vocab = self.model_config.vocab_size
         outside = [token_id for token_id, _ in params.logit_bias if token_id >= vocab]
         if outside:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rayinfer.engine.structured_output import StructuredOutput
@@ -25,7 +26,8 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """`temperature=0` is greedy; `top_k=-1` and `top_p=1` disable those filters."""
+    """`temperature=0` is greedy; `top_k=-1` (or 0, as vLLM reads it; stored as -1) and
+    `top_p=1` disable those filters."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,20 +63,24 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias or ()))
         self._validate()
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise InvalidRequestError("max_tokens", f"must be > 0, got {self.max_tokens}")
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise InvalidRequestError(
-                "temperature", f"must be a number >= 0, got {self.temperature!r}"
+                "temperature", f"must be a finite number >= 0, got {self.temperature!r}"
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise InvalidRequestError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise InvalidRequestError(
+                "top_k", f"must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"
+            )
         if self.seed is not None and (
             not isinstance(self.seed, int)
             or isinstance(self.seed, bool)

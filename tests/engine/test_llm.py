@@ -138,6 +138,7 @@ def test_requests_finishing_together_are_freed_in_one_executor_call(checkpoint, 
         (list(range(70)), GREEDY, "prompt"),
         ([1, 2, 999], GREEDY, "prompt"),
         ("text without a tokenizer", GREEDY, "prompt"),
+        ([1, 2, 3], rayinfer.SamplingParams(stop="a"), "stop"),  # no tokenizer: no text
     ],
 )
 def test_bad_requests_fail_clearly(checkpoint, prompt, params, field):

@@ -15,9 +15,13 @@ from rayinfer.layers.sampler import NO_TOKEN, sample_tokens
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 7}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
         ({"seed": "x"}, "seed"),
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
@@ -36,6 +40,11 @@ def test_the_seed_range_is_named_in_the_error():
     with pytest.raises(InvalidRequestError, match=r"seed=-1 must be in 0\.\.9223372036854775807"):
         SamplingParams(seed=-1)
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_top_k_zero_is_off_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == -1
+    assert SamplingParams(top_k=0) == SamplingParams(top_k=-1)
 
 
 def test_stop_accepts_a_string_or_a_list():

@@ -62,8 +62,10 @@ _TERMINAL_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x
 
 def client_message(text: str) -> str:
     """`text` as an error body may carry it: its first line, escapes and control characters
-    removed, cut at MAX_ERROR_CHARS."""
-    line = _TERMINAL_ESCAPES.sub("", str(text)).strip().split("\n", 1)[0]
+    removed, a lone surrogate written as its escape (a body with one cannot be encoded), cut at
+    MAX_ERROR_CHARS."""
+    text = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    line = _TERMINAL_ESCAPES.sub("", text).strip().split("\n", 1)[0]
     return line if len(line) <= MAX_ERROR_CHARS else f"{line[: MAX_ERROR_CHARS - 3]}..."
 
 

@@ -47,7 +47,7 @@ class PromptBuilder:
             prompt_ids = self._encode_chat(messages, request.template_tools() if is_chat else None)
         else:
             prompt_ids = self._encode_prompt(request.prompt)
-        max_tokens = self._max_tokens(request.requested_max_tokens, len(prompt_ids), field)
+        max_tokens = self._max_tokens(request, len(prompt_ids), field)
         try:
             params = request.sampling_params(max_tokens)
         except InvalidRequestError as error:
@@ -98,7 +98,10 @@ class PromptBuilder:
                 param=field,
             )
 
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, field: str) -> int:
+    def _max_tokens(self, request, num_prompt_tokens: int, field: str) -> int:
+        """field: the prompt's (`messages` or `prompt`); the limit's own is the request's
+        `max_tokens_field` (chat's max_completion_tokens when it gave that one)."""
+        requested, limit_field = request.requested_max_tokens, request.max_tokens_field
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise OpenAIError(
@@ -111,9 +114,9 @@ class PromptBuilder:
         if requested is not None and requested > room:
             raise OpenAIError(
                 400,
-                f"max_tokens: {requested} tokens requested, but the prompt has "
+                f"{limit_field}: {requested} tokens requested, but the prompt has "
                 f"{num_prompt_tokens} tokens and this model's maximum context length is "
-                f"{self.max_model_len}; use max_tokens <= {room}",
-                param="max_tokens",
+                f"{self.max_model_len}; use {limit_field} <= {room}",
+                param=limit_field,
             )
         return requested or room

@@ -34,6 +34,7 @@ from rayinfer.deployments.structured_fields import (
     GuidedFields,
     ResponseFormatFields,
 )
+from rayinfer.deployments.valid_unicode import check_text
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 # Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
@@ -48,6 +49,7 @@ TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 # Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 TEXT_PART_TYPES = ("text", "refusal")  # the content parts a text model reads
+TEXT_PART_SHAPE = '{"type": "text", "text": ...}'
 
 
 class StreamOptions(BaseModel):
@@ -84,6 +86,12 @@ class SamplingFields(GuidedFields):
         "sampling",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body):
+        """Every string of the body, nested ones too (deployments/valid_unicode.py)."""
+        return check_text(body)
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value):
@@ -92,6 +100,14 @@ class SamplingFields(GuidedFields):
         for key in value or {}:
             if not key.isdecimal():
                 raise ValueError(f"keys are token ids written as decimal strings, got {key!r}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value, info: ValidationInfo):
+        """As OpenAI's and vLLM's servers: options of a stream the request did not ask for."""
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream=true")
         return value
 
     @field_validator("top_k")
@@ -106,6 +122,16 @@ class SamplingFields(GuidedFields):
     def _check_seed(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= MAX_SEED:
             raise ValueError(f"seed={value} must be in 0..{MAX_SEED}")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value):
+        """One message for any wrong type (the union's errors would name its members)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
         return value
 
     @field_validator("stop")
@@ -154,6 +180,11 @@ class SamplingFields(GuidedFields):
         return None
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` came from, for its errors."""
+        return "max_tokens"
+
+    @property
     def requested_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token to report (completions' echo), or None."""
         return None
@@ -165,6 +196,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # validate_default: a missing content is checked like an explicit null
     content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value):
+        """One message for any wrong type (the union's errors would name its members)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string or a list of content parts ({TEXT_PART_SHAPE})")
+        for index, part in enumerate(value):
+            if not isinstance(part, dict):
+                raise ValueError(f"part {index} must be an object ({TEXT_PART_SHAPE})")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -205,11 +249,12 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # response_format, tools, tool_choice: ChatOutputFields (deployments/structured_fields.py)
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs=true")
+        return value
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -218,6 +263,11 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` came from, for its errors."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: a tool call's and a tool result's own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,11 @@ from rayinfer.deployments.response_bodies import (
 from rayinfer.deployments.tool_call_formats import ALL_FORMATS, ToolCallFormats
 from rayinfer.deployments.tool_calls import put_tool_calls, tool_call_stream
 from rayinfer.deployments.types import Delta, Timings
+from rayinfer.deployments.valid_unicode import INVALID_TEXT
+
+# A union member's tag in a pydantic error's location ('str', 'list[str]', 'dict[str,any]',
+# 'function-after[...]'): no field of the API is named so.
+_UNION_TAG = re.compile(r"^[\w-]+\[.*\]$|^(str|int|float|bool|dict|list|none)$")
 
 
 def validation_to_openai(
@@ -31,7 +37,10 @@ def validation_to_openai(
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return OpenAIError(400, f"malformed JSON body: {detail}", request_id=request_id)
-    loc = [part for part in first["loc"] if part != "body"]
+    if first["type"] == INVALID_TEXT:
+        field = first["ctx"]["field"]
+        return OpenAIError(400, first["msg"], param=field, request_id=request_id)
+    loc = [part for part in first["loc"] if part != "body" and not _is_union_tag(part)]
     if not loc and first["type"] == "model_attributes_type":
         return OpenAIError(
             400, "the body must be a JSON object (Content-Type: application/json)",
@@ -51,6 +60,10 @@ def validation_to_openai(
     if not message.startswith(f"{loc[-1] if loc else ''}="):  # "seed=-1 must be..." says it
         message += f" (got {_short_repr(first.get('input'))})"
     return OpenAIError(400, f"{param or 'body'}: {message}", param or None, request_id=request_id)
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and _UNION_TAG.match(part) is not None
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

@@ -27,6 +27,20 @@ from pydantic import (
 from rayinfer.engine.structured_output import StructuredOutput
 
 ANY_OBJECT = {"type": "object"}
+# The request's nested objects take JSON's types as the body does (protocol.STRICT):
+# `"strict": "true"` is refused, not read as true.
+STRICT = ConfigDict(strict=True)
+
+
+def _schema_shape(value, text_allowed: bool):
+    """One message for a schema of the wrong type (the union's errors would name its members).
+    text_allowed: vLLM's fields also take the schema as JSON text."""
+    if value is None or isinstance(value, dict) or (text_allowed and isinstance(value, str)):
+        return value
+    if not text_allowed and isinstance(value, bool):
+        return value
+    kinds = "an object or its JSON text" if text_allowed else "an object or a boolean"
+    raise ValueError(f"must be a JSON schema: {kinds}")
 
 
 def _checked(structured: StructuredOutput) -> StructuredOutput:
@@ -35,12 +49,17 @@ def _checked(structured: StructuredOutput) -> StructuredOutput:
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
     name: str = Field("response", description="the schema's name (informational)")
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(ANY_OBJECT, alias="schema")
     strict: bool | None = Field(None, description="objects hold only the named properties")
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_type(cls, value):
+        return _schema_shape(value, text_allowed=False)
 
     @field_validator("schema_")
     @classmethod
@@ -53,6 +72,8 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = STRICT
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -76,9 +97,16 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of json, regex, choice."""
 
+    model_config = STRICT
+
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
+
+    @field_validator("json_", mode="before")
+    @classmethod
+    def _schema_type(cls, value):
+        return _schema_shape(value, text_allowed=True)
 
     def structured_output(self) -> StructuredOutput | None:
         given = [key for key in ("json_", "regex", "choice") if getattr(self, key) is not None]
@@ -103,6 +131,11 @@ class GuidedFields(BaseModel):
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM's)")
     guided_regex: str | None = Field(None, description="extension (vLLM's)")
     guided_choice: list[str] | None = Field(None, description="extension (vLLM's)")
+
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _schema_type(cls, value):
+        return _schema_shape(value, text_allowed=True)
 
     @field_validator("structured_outputs")
     @classmethod
@@ -134,6 +167,8 @@ class GuidedFields(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: dict(ANY_OBJECT))
@@ -147,15 +182,21 @@ class FunctionDefinition(BaseModel):
 
 
 class ChatTool(BaseModel):
+    model_config = STRICT
+
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class ToolChoiceFunction(BaseModel):
+    model_config = STRICT
+
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
     type: Literal["function"]
     function: ToolChoiceFunction
 

@@ -232,6 +232,31 @@ def test_strict_types_and_image_parts_are_400_naming_the_field(server, case):
         assert "image_url" in error["message"]
 
 
+LONE_SURROGATES = {  # JSON text: "\ud800" escapes a lone UTF-16 surrogate
+    "prompt": ("completions", '{"prompt": "a\\ud800b"}'),
+    "model": ("completions", '{"prompt": "a", "model": "\\udfff"}'),
+    "messages[0].content": (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    ),
+}
+
+
+@pytest.mark.parametrize("param", LONE_SURROGATES)
+def test_a_lone_surrogate_is_400_naming_the_field(server, param):
+    """Python's JSON parser keeps such a string; the tokenizer (a 500) or the error body that
+    quotes it (an unencodable body) would fail on it."""
+    route, text = LONE_SURROGATES[param]
+    reply = httpx.post(
+        f"{server.http_url}/v1/{route}",
+        content=text,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
 def test_schemathesis_finds_no_undocumented_status_or_body(server, tmp_path):
     """Bounded property-based requests from /openapi.json: every status code and every JSON
     body is one the schema documents, and none is a 5xx."""

@@ -106,7 +106,61 @@ def error_for(model, body: dict) -> OpenAIError:
             "logit_bias",
         ),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-        (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "body"),  # needs logprobs=true
+        (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs"),  # no logprobs
+        # a union's field is named as sent, not by pydantic's member ('stop.str')
+        (CompletionRequest, {"prompt": "a", "stop": 123}, "stop"),
+        (CompletionRequest, {"prompt": "a", "stop": [1]}, "stop"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": ["a"]}]},
+            "messages[0].content",
+        ),
+        (CompletionRequest, {"prompt": "a", "guided_json": 5}, "guided_json"),
+        (
+            CompletionRequest,
+            {"prompt": "a", "structured_outputs": {"json": [1]}},
+            "structured_outputs.json",
+        ),
+        (
+            CompletionRequest,
+            {
+                "prompt": "a",
+                "response_format": {"type": "json_schema", "json_schema": {"schema": 1}},
+            },
+            "response_format.json_schema.schema",
+        ),
+        # as OpenAI's and vLLM's: stream options need a stream; nested objects are strict too
+        (
+            CompletionRequest,
+            {"prompt": "a", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            CompletionRequest,
+            {
+                "prompt": "a",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {}, "strict": "true"},
+                },
+            },
+            "response_format.json_schema.strict",
+        ),
+        # a lone UTF-16 surrogate ("\ud800" in the JSON) anywhere, a key too: named where it is
+        (CompletionRequest, {"prompt": "a\ud800"}, "prompt"),
+        (CompletionRequest, {"prompt": ["a", "b\udc00"]}, "prompt[1]"),
+        (CompletionRequest, {"prompt": "a", "model": "\udfff"}, "model"),
+        (CompletionRequest, {"prompt": "a", "logit_bias": {"\ud800": 1}}, "logit_bias"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages[0].content[0].text",
+        ),
         (
             ChatCompletionRequest,
             {**CHAT, "response_format": {"type": "yaml"}},  # json_object and json_schema work
@@ -117,10 +171,8 @@ def error_for(model, body: dict) -> OpenAIError:
 def test_invalid_fields_answer_400_naming_them(model, body, param):
     error = error_for(model, body)
     assert error.status == 400
-    if param == "body":  # a rule across fields: the message names them
-        assert error.param is None and "top_logprobs" in error.message
-        return
     assert error.param == param
+    assert error.message.startswith(f"{param}: ")
     assert error.body()["error"]["param"] == param
     assert error.body()["error"]["type"] == "invalid_request_error"
 
@@ -169,6 +221,10 @@ def test_prompt_limits_name_the_field(prompts):
     with pytest.raises(OpenAIError) as error:
         prompts.build(CompletionRequest(prompt=[1, 10**6]))
     assert error.value.param == "prompt"
+    chat = ChatCompletionRequest(**CHAT, max_completion_tokens=10**6)
+    with pytest.raises(OpenAIError, match="^max_completion_tokens: ") as error:
+        prompts.build(chat)
+    assert error.value.param == "max_completion_tokens"
 
 
 def test_default_max_tokens_fills_the_context(prompts):
@@ -295,6 +351,8 @@ def test_errors_reach_the_client_without_internals(error, status, message, wrapp
 def test_client_messages_are_one_short_line_without_escapes():
     assert client_message("\x1b[1;31mboom\x1b[0m\nTraceback ...") == "boom"
     assert len(client_message("x" * 5000)) == 500
+    # a lone surrogate (a model name quoted back) would make the body impossible to encode
+    assert client_message("model `\ud800`") == "model `\\ud800`"
 
 
 def test_an_empty_body_names_the_routes_required_field():

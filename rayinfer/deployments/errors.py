@@ -5,7 +5,9 @@ replica raised (RayTaskError, with the remote traceback and the worker's pid in 
 cause is unwrapped and only rayinfer's own messages reach the client: a bad value is a 400
 naming its field, a request the engine failed alone a 500 naming why, a replica that lost its
 engine a 503 to retry, anything else a 500 that points at the log. 5xx are logged with their
-traceback under the request id.
+traceback under the request id. A request Serve cancelled because its client went away (the
+proxy cancels the ingress's task; its ASGI `receive` then raises TaskCancelledError) is
+CLIENT_CLOSED, nginx's 499: no one reads that answer, and it is no server error.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from rayinfer.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+CLIENT_CLOSED = 499
+CLIENT_GONE_ERRORS = (ray.exceptions.TaskCancelledError,)
+
 REPLICA_LOST_ERRORS = (
     EngineStoppedError,
     ray.exceptions.RayActorError,  # ActorDiedError too
@@ -34,7 +39,9 @@ def as_openai_error(error: BaseException, request_id: str) -> OpenAIError:
     answer = _classify(root_cause(error), request_id)
     if answer.request_id is None:
         answer.request_id = request_id
-    if answer.status >= 500:
+    if answer.status == CLIENT_CLOSED:
+        logger.info("request %s: the client closed it", request_id)
+    elif answer.status >= 500:
         logger.error(
             "request %s failed with %d: %s",
             request_id,
@@ -63,6 +70,8 @@ def _classify(error: BaseException, request_id: str) -> OpenAIError:
         return OpenAIError(
             500, f"the engine could not finish this request: {error.reason}", code="request_failed"
         )
+    if isinstance(error, CLIENT_GONE_ERRORS):
+        return OpenAIError(CLIENT_CLOSED, "the client closed the request", code="client_closed")
     if isinstance(error, BackPressureError):
         return OpenAIError(503, "the replicas are full; retry shortly", code="overloaded")
     if isinstance(error, REPLICA_LOST_ERRORS):

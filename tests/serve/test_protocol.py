@@ -7,7 +7,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, TaskCancelledError
 
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineStoppedError
@@ -333,6 +333,8 @@ def ray_wrapped(cause: Exception) -> Exception:
         (EngineStoppedError("ActorDiedError"), 503, "is being replaced; retry"),
         (ActorDiedError(), 503, "is being replaced; retry"),
         (RuntimeError("\x1b[31mpid=7 actor_id=abc\x1b[0m"), 500, "under request id cmpl-9"),
+        # Serve cancelled the request: its client went away (no server error, no 500 logged)
+        (TaskCancelledError(), 499, "the client closed the request"),
     ],
 )
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -346,6 +348,8 @@ def test_errors_reach_the_client_without_internals(error, status, message, wrapp
     if status >= 500:  # the whole error is in the server log, under the request id
         assert "cmpl-9" in caplog.text and type(error).__name__ in caplog.text
         assert not wrapped or "pid=4321" in caplog.text
+    else:
+        assert "Traceback" not in caplog.text
 
 
 def test_client_messages_are_one_short_line_without_escapes():

@@ -33,7 +33,7 @@ from rayinfer.deployments.pipeline import (
 )
 from rayinfer.deployments.prompts import PromptBuilder
 from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest
-from rayinfer.deployments.replies import HttpReply, validation_to_openai
+from rayinfer.deployments.replies import HttpReply, unparsable_body, validation_to_openai
 from rayinfer.deployments.resume import TextRules
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import GenerateChunk, GenerateRequest, GenerateResponse, Timings
@@ -93,8 +93,12 @@ async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes and methods answer with the OpenAI error body too."""
-    answer = OpenAIError(error.status_code, f"{error.detail}", request_id=request_id_of(request))
+    """Unknown routes and methods answer with the OpenAI error body too; a body FastAPI could
+    not decode (its 400 caused by the decoder's error) says why."""
+    detail = f"{error.detail}"
+    if error.status_code == 400 and error.__cause__ is not None:
+        detail = unparsable_body(error.__cause__)
+    answer = OpenAIError(error.status_code, detail, request_id=request_id_of(request))
     return error_response(answer)
 
 

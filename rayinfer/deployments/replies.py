@@ -62,6 +62,16 @@ def validation_to_openai(
     return OpenAIError(400, f"{param or 'body'}: {message}", param or None, request_id=request_id)
 
 
+def unparsable_body(cause: BaseException | None) -> str:
+    """Why a body is not JSON, for a failure other than a syntax error (FastAPI answers those
+    'There was an error parsing the body'): `cause` is what its JSON decoder raised."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "malformed JSON body: it is not UTF-8 (nor UTF-16 or UTF-32) text"
+    if isinstance(cause, RecursionError):
+        return "malformed JSON body: its arrays and objects nest too deeply"
+    return "malformed JSON body"
+
+
 def _is_union_tag(part) -> bool:
     return isinstance(part, str) and _UNION_TAG.match(part) is not None
 

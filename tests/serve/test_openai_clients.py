@@ -257,6 +257,25 @@ def test_a_lone_surrogate_is_400_naming_the_field(server, param):
     assert reply.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (b'{"prompt": "\xff\xfe\xfa"}', "not UTF-8"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nest too deeply"),
+        (b'{"prompt": "a\xed\xa0\x80"}', "lone UTF-16 surrogate"),  # one encoded as UTF-8
+    ],
+)
+def test_an_undecodable_body_is_400_saying_why(server, body, why):
+    reply = httpx.post(
+        f"{server.http_url}/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert reply.status_code == 400, reply.text
+    assert why in reply.json()["error"]["message"]
+
+
 def test_schemathesis_finds_no_undocumented_status_or_body(server, tmp_path):
     """Bounded property-based requests from /openapi.json: every status code and every JSON
     body is one the schema documents, and none is a 5xx."""

@@ -15,7 +15,7 @@ from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.openai_error import OpenAIError, client_message
 from rayinfer.deployments.prompts import PromptBuilder
 from rayinfer.deployments.protocol import ChatCompletionRequest, CompletionRequest
-from rayinfer.deployments.replies import HttpReply, validation_to_openai
+from rayinfer.deployments.replies import HttpReply, unparsable_body, validation_to_openai
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.types import Delta, GenerateRequest, Timings
 from rayinfer.engine.outputs import Logprob, RequestFailedError, TokenLogprobs
@@ -357,6 +357,13 @@ def test_client_messages_are_one_short_line_without_escapes():
     assert len(client_message("x" * 5000)) == 500
     # a lone surrogate (a model name quoted back) would make the body impossible to encode
     assert client_message("model `\ud800`") == "model `\\ud800`"
+
+
+def test_an_undecodable_body_says_why():
+    undecodable = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    assert "not UTF-8" in unparsable_body(undecodable)
+    assert "nest too deeply" in unparsable_body(RecursionError())
+    assert unparsable_body(ValueError()) == "malformed JSON body"
 
 
 def test_an_empty_body_names_the_routes_required_field():

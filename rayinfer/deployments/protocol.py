@@ -102,14 +102,6 @@ class SamplingFields(GuidedFields):
                 raise ValueError(f"keys are token ids written as decimal strings, got {key!r}")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _options_need_a_stream(cls, value, info: ValidationInfo):
-        """As OpenAI's and vLLM's servers: options of a stream the request did not ask for."""
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("only allowed with stream=true")
-        return value
-
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, value: int) -> int:

@@ -172,7 +172,8 @@ class Pipeline:
         if remaining <= 0:
             yield Delta("", [], "length")
             return
-        resumed = replace(params, max_tokens=remaining)
+        min_tokens = max(0, params.min_tokens - len(sent))
+        resumed = replace(params, max_tokens=remaining, min_tokens=min_tokens)
         timings.was_resumed = True
         text = None
         if self.text_rules is not None:

@@ -22,6 +22,12 @@ class ScheduledRequest:
     # the request samples on this executor, so that a runner without its grammar matcher (a
     # decode worker after the hand-off) rebuilds it; None on later steps.
     grammar_token_ids: list[int] | None = None
+    # With SamplingParams.repetition_penalty != 1: the prompt, sent likewise only the first time
+    # the request samples on this executor (the runner keeps its distinct ids); None after.
+    prompt_token_ids: list[int] | None = None
+    # While fewer than SamplingParams.min_tokens are generated: the tokens this step may not
+    # sample (EOS unless ignored, and the stop_token_ids); None otherwise.
+    suppressed_token_ids: tuple[int, ...] | None = None
     # With SamplingParams.prompt_logprobs: the prompt tokens this chunk's rows predict (row j:
     # the prompt token at start_position + j + 1), while they are prompt tokens.
     prompt_logprob_targets: list[int] | None = None

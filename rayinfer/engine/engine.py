@@ -83,8 +83,10 @@ class LLMEngine:
         # free, and 256 decodes finishing together made 512.
         self._to_free: list[str] = []
         self.handoffs = Handoffs(self.scheduler, scheduler_config, executor, self._free_later)
-        # Structured-output requests whose history the executor's grammar matchers have had.
-        self._grammars_sent: set[str] = set()
+        # Requests that have sampled on this executor: their grammar history and prompt (for the
+        # repetition penalty) were sent with their first sampling step.
+        self._sampled_here: set[str] = set()
+        self._eos_ids = tuple(sorted(self.eos_token_ids))
 
     # --- requests in -------------------------------------------------------------------------
     def add_request(
@@ -135,7 +137,7 @@ class LLMEngine:
         else:
             self.scheduler.finish(state.seq, "abort")
         self.executor.free_requests([request_id])
-        self._grammars_sent.discard(request_id)
+        self._sampled_here.discard(request_id)
         self.states.pop(request_id, None)
 
     @property
@@ -250,11 +252,15 @@ class LLMEngine:
                 "stop", "this model has no tokenizer, so there is no text to match stop strings in"
             )
         vocab = self.model_config.vocab_size
-        outside = [token_id for token_id, _ in params.logit_bias if token_id >= vocab]
-        if outside:
-            raise InvalidRequestError(
-                "logit_bias", f"token id {outside[0]} is outside the vocabulary [0, {vocab})"
-            )
+        for name, ids in (
+            ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = [token_id for token_id in ids if token_id >= vocab]
+            if outside:
+                raise InvalidRequestError(
+                    name, f"token id {outside[0]} is outside the vocabulary [0, {vocab})"
+                )
 
     def _new_state(self, request_id, prompt_ids, params, prefill_only) -> RequestState:
         seq = Sequence(request_id, prompt_ids, params, self._arrivals, prefill_only)
@@ -322,7 +328,7 @@ class LLMEngine:
     def _free_finished(self) -> None:
         if self._to_free:
             finished, self._to_free = self._to_free, []
-            self._grammars_sent.difference_update(finished)
+            self._sampled_here.difference_update(finished)
             self.executor.free_requests(finished)
 
     def _model_batch(self, scheduled: list[ScheduledSequence]) -> ModelBatch:
@@ -349,19 +355,30 @@ class LLMEngine:
                         else None
                     ),
                     prompt_logprob_targets=_prompt_logprob_targets(seq, start, item.num_new_tokens),
-                    grammar_token_ids=self._grammar_history(seq, item.samples),
+                    suppressed_token_ids=self._suppressed(seq) if item.samples else None,
                 )
             )
+            if item.samples and seq.request_id not in self._sampled_here:
+                self._send_history(requests[-1], seq)
         return ModelBatch(requests)
 
-    def _grammar_history(self, seq: Sequence, samples: bool) -> list[int] | None:
-        """A structured request's generated tokens the first time it samples here."""
-        if not samples or seq.params.structured_output is None:
+    def _send_history(self, request: ScheduledRequest, seq: Sequence) -> None:
+        """The first time a request samples here: what the runner keeps from then on (a
+        structured request's generated tokens, a repetition-penalized request's prompt)."""
+        self._sampled_here.add(seq.request_id)
+        if seq.params.structured_output is not None:
+            request.grammar_token_ids = list(seq.output_token_ids)
+        if seq.params.repetition_penalty != 1:
+            request.prompt_token_ids = seq.prompt_token_ids
+
+    def _suppressed(self, seq: Sequence) -> tuple[int, ...] | None:
+        """Under min_tokens: the tokens that would end the request (EOS unless ignored or a
+        grammar decides, and the stop_token_ids)."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
             return None
-        if seq.request_id in self._grammars_sent:
-            return None
-        self._grammars_sent.add(seq.request_id)
-        return list(seq.output_token_ids)
+        eos = () if params.ignore_eos or params.structured_output is not None else self._eos_ids
+        return eos + params.stop_token_ids or None
 
 
 def _prompt_logprob_targets(seq: Sequence, start: int, num_new: int) -> list[int] | None:

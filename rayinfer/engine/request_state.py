@@ -7,11 +7,7 @@ from collections.abc import Set as AbstractSet
 from rayinfer.engine.batch import SampledLogprobs
 from rayinfer.engine.outputs import GeneratedTokens, Logprob, RequestOutput, TokenLogprobs
 from rayinfer.engine.sequence import Sequence
-from rayinfer.engine.stop_checker import (
-    find_stop_string,
-    finish_reason_after_token,
-    streamable_length,
-)
+from rayinfer.engine.stop_checker import find_stop, finish_reason_after_token, streamable_length
 
 
 class RequestState:
@@ -32,7 +28,9 @@ class RequestState:
         if tokenizer is not None:
             from rayinfer.engine.detokenizer import IncrementalDetokenizer
 
-            self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+            )
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed the request (finish_reason "error")
@@ -58,15 +56,18 @@ class RequestState:
         reason = finish_reason_after_token(seq, eos_token_ids, max_model_len)
         if self.detokenizer is None:
             return reason
+        params = seq.params
         searched = len(self.text)
-        is_eos = reason == "stop"
-        if not is_eos:  # the EOS token's own text is never shown
+        is_stop_token = reason == "stop"
+        if not is_stop_token or params.include_stop_str_in_output:  # else its text is not shown
             self.text += self.detokenizer.add(token_id)
         if reason is not None:
             self.text += self.detokenizer.flush()
-        cut = find_stop_string(self.text, seq.params.stop, searched)
-        if cut is not None:
-            self.text = self.text[:cut]
+        if seq.num_output_tokens < params.min_tokens:
+            return reason
+        found = find_stop(self.text, params.stop, searched)
+        if found is not None:
+            self.text = self.text[: found[1] if params.include_stop_str_in_output else found[0]]
             return "stop"
         return reason
 

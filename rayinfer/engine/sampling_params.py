@@ -52,6 +52,21 @@ class SamplingParams:
     # grammar allows, and the request ends ("stop") on the end-of-text token the grammar allows
     # once the output is complete (even with ignore_eos).
     structured_output: StructuredOutput | None = None
+    # vLLM's extensions. min_p in [0, 1]: drop tokens whose probability (after temperature) is
+    # below min_p times the most likely one's; 0 is off.
+    min_p: float = 0.0
+    # > 0, 1 is off: every token of the prompt or the output has its logit divided by it where
+    # positive, multiplied where not (CTRL's rule), before temperature
+    repetition_penalty: float = 1.0
+    # EOS and stop_token_ids cannot be sampled, and stop strings are not looked for, until this
+    # many tokens are generated (under a grammar, the grammar still decides when EOS may come)
+    min_tokens: int = 0
+    # token ids that end the request ("stop") besides EOS; their text is not in the output
+    stop_token_ids: tuple[int, ...] = ()
+    # keep the matched stop string (or stop token's text) at the end of the text
+    include_stop_str_in_output: bool = False
+    # whether special tokens (<|im_end|>, ...) are left out of the detokenized text
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +77,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias or ()))
+        if isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        elif self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
         self._validate()
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
@@ -108,6 +127,7 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
         self._validate_logit_bias()
+        self._validate_vllm_extensions()
 
     def _validate_logit_bias(self) -> None:
         for token_id, bias in self.logit_bias:
@@ -122,13 +142,55 @@ class SamplingParams:
                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
                 )
 
+    def _validate_vllm_extensions(self) -> None:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        penalty = self.repetition_penalty
+        if not _is_number(penalty) or not 0 < penalty < math.inf:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be a finite number > 0 (1 is off), got {penalty!r}"
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequestError(
+                "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}",
+            )
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequestError(
+                "stop_token_ids", f"must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    name, f"must be true or false, got {getattr(self, name)!r}"
+                )
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the sampler needs the generated tokens (presence, frequency or repetition)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def has_additive_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

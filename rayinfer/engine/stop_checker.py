@@ -14,14 +14,24 @@ def eos_token_ids(model_config, tokenizer=None) -> set[int]:
     return ids | set(tokenizer.eos_token_ids) if tokenizer is not None else ids
 
 
+def ends_at_stop_token(seq: Sequence, eos_token_ids: AbstractSet[int]) -> bool:
+    """Whether the last token is one that ends the request: EOS (unless ignored) or one of its
+    stop_token_ids, once min_tokens are generated. Under a grammar, EOS is sampled only where
+    the grammar lets the output end: it ends the request always."""
+    params, last = seq.params, seq.output_token_ids[-1]
+    if params.structured_output is not None and last in eos_token_ids:
+        return True
+    if seq.num_output_tokens < params.min_tokens:
+        return False
+    return (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
+
+
 def finish_reason_after_token(
     seq: Sequence, eos_token_ids: AbstractSet[int], max_model_len: int
 ) -> str | None:
-    """'stop' on EOS, 'length' on max_tokens or the context limit, else None. Under a grammar,
-    EOS is sampled only where the grammar lets the output end: it ends the request always."""
-    params = seq.params
-    stops_at_eos = not params.ignore_eos or params.structured_output is not None
-    if stops_at_eos and seq.output_token_ids[-1] in eos_token_ids:
+    """'stop' on a stop token (ends_at_stop_token), 'length' on max_tokens or the context
+    limit, else None."""
+    if ends_at_stop_token(seq, eos_token_ids):
         return "stop"
     if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
@@ -30,9 +40,19 @@ def finish_reason_after_token(
 
 def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
     """Index where the earliest stop string starts in text[search_from:], or None."""
-    hits = [text.find(stop, max(0, search_from - len(stop) + 1)) for stop in stops]
-    hits = [h for h in hits if h >= 0]
-    return min(hits) if hits else None
+    found = find_stop(text, stops, search_from)
+    return found[0] if found is not None else None
+
+
+def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string ending in text[search_from:] (at equal starts,
+    the first listed), or None."""
+    hits = []
+    for stop in stops:
+        start = text.find(stop, max(0, search_from - len(stop) + 1))
+        if start >= 0:
+            hits.append((start, start + len(stop)))
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 def streamable_length(text: str, stops: tuple[str, ...]) -> int:

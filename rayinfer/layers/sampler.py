@@ -1,5 +1,5 @@
-"""Choose the next token of each row from its logits: greedy, or temperature, top-k and top-p
-sampling with a per-request random generator (so a seeded request samples the same tokens
+"""Choose the next token of each row from its logits: greedy, or temperature, top-k, top-p and
+min-p sampling with a per-request random generator (so a seeded request samples the same tokens
 whatever else shares its batch)."""
 
 from __future__ import annotations
@@ -43,6 +43,54 @@ def apply_penalties(
     penalty = scale[:, :1] * (counts > 0).to(dtype) + scale[:, 1:] * counts  # [R, V]
     index = torch.tensor(rows, device=device)
     logits.index_put_((index,), logits[index] - penalty)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,  # [B, V] float32: penalized in place
+    prompt_ids: list[torch.Tensor | None],  # [B] each [P] int64 on logits' device, or None
+    output_token_ids: list[list[int] | None],  # [B] generated tokens, or None
+    penalties: list[float],  # [B] repetition_penalty; 1.0 is off
+) -> None:
+    """logit / p where logit > 0 else logit * p, for every token in the row's prompt or output
+    (CTRL's rule). One seen-mask for every penalized row, filled by one scatter."""
+    rows = [row for row, penalty in enumerate(penalties) if penalty != 1.0]
+    if not rows:
+        return
+    device = logits.device
+    parts, lengths = [], []
+    for row in rows:
+        prompt, generated = prompt_ids[row], output_token_ids[row] or []
+        if prompt is not None:
+            parts.append(prompt)
+        parts.append(torch.tensor(generated, dtype=torch.int64, device=device))
+        lengths.append((0 if prompt is None else prompt.numel()) + len(generated))
+    ids = torch.cat(parts)  # [N]
+    which = torch.repeat_interleave(
+        torch.arange(len(rows), device=device),
+        torch.tensor(lengths, device=device),
+        output_size=ids.numel(),
+    )  # [N]: the row of each token (output_size given: no device sync)
+    seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)  # [R, V]
+    seen[which, ids] = True
+    index = torch.tensor(rows, device=device)
+    chosen = logits[index]  # [R, V]
+    scale = torch.tensor([penalties[r] for r in rows], dtype=logits.dtype, device=device)[:, None]
+    penalized = torch.where(chosen > 0, chosen / scale, chosen * scale)
+    logits.index_put_((index,), torch.where(seen, penalized, chosen))
+
+
+def suppress_tokens(
+    logits: torch.Tensor,  # [B, V] float32: masked in place
+    token_ids: list[tuple[int, ...] | None],  # [B] tokens the row may not sample; None: none
+) -> None:
+    """logits[row, token] = -inf for every listed token (min_tokens' EOS and stop ids)."""
+    pairs = [(row, token) for row, given in enumerate(token_ids) for token in given or ()]
+    if not pairs:
+        return
+    rows, tokens = zip(*pairs)
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))  # [N] each
+    logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
 
 def apply_logit_bias(
@@ -125,6 +173,7 @@ def sample_tokens(
     top_ks: list[int],  # [B]; -1 is off
     top_ps: list[float],  # [B]; 1.0 is off
     generators: list[torch.Generator | None],  # [B]; CPU generators, None for greedy rows
+    min_ps: list[float] | None = None,  # [B]; 0.0 is off; None: off for every row
 ) -> SampledRows:
     """The next token of each row. A row whose logits hold a NaN, or whose sampling raises,
     fails alone: the other rows' tokens are what they would be without it."""
@@ -144,7 +193,7 @@ def sample_tokens(
             try:
                 tokens[row] = _sample_row(
                     host_logits[host_row], temperatures[row], top_ks[row], top_ps[row],
-                    generators[row],
+                    min_ps[row] if min_ps else 0.0, generators[row],
                 )  # fmt: skip
             except RuntimeError as error:  # torch refuses the row's probabilities
                 errors[row] = f"sampling failed: {error}"
@@ -158,18 +207,23 @@ def _sample_row(
     temperature: float,
     top_k: int,
     top_p: float,
+    min_p: float,
     generator: torch.Generator | None,
 ) -> int:
     # Shifted so the largest is 0 before dividing (softmax is unchanged by the shift), and the
     # temperature kept above float32's smallest normal number: a tiny temperature (1e-300, 0 in
     # float32) then sends the other tokens to -inf instead of making 0/0 or inf - inf NaN.
     scaled = (logits - logits.max()) / max(temperature, FLOAT32_TINY)
-    probs = _filtered_probs(scaled, top_k, top_p)
+    probs = _filtered_probs(scaled, top_k, top_p, min_p)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[V] scaled logits -> [V] probabilities with tokens outside top-k / top-p zeroed."""
+def _filtered_probs(
+    scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """[V] scaled logits -> [V] probabilities with tokens outside top-k / top-p / min-p zeroed.
+    min-p compares each probability with the most likely one's: a ratio that renormalizing
+    after top-k / top-p leaves unchanged, so the set it keeps is that of the full softmax."""
     sorted_logits, order = scaled.sort(descending=True)  # [V], [V]
     if 0 < top_k < sorted_logits.numel():
         sorted_logits[top_k:] = float("-inf")
@@ -177,5 +231,7 @@ def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     if top_p < 1.0:
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [V]
         sorted_probs[mass_before >= top_p] = 0.0  # always keeps the most likely token
+    if min_p > 0:
+        sorted_probs[sorted_probs < min_p * sorted_probs[0]] = 0.0  # [0]: the most likely
     probs = torch.zeros_like(sorted_probs).scatter_(0, order, sorted_probs)
     return probs / probs.sum()

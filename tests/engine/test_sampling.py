@@ -27,6 +27,20 @@ from rayinfer.layers.sampler import NO_TOKEN, sample_tokens
         ({"seed": 2**63}, "seed"),
         ({"seed": True}, "seed"),
         ({"stop": [""]}, "stop"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "0.1"}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens=16
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ],
 )
 def test_invalid_values_name_their_field(kwargs, field):
@@ -187,3 +201,68 @@ def test_logit_bias_outside_openai_range_names_the_field(bias):
         SamplingParams(logit_bias=bias)
     assert error.value.field == "logit_bias"
     assert SamplingParams(logit_bias={3: -100, 4: 2.5}).logit_bias == ((3, -100), (4, 2.5))
+
+
+def test_vllm_extensions_default_to_off_and_normalize():
+    params = SamplingParams(stop_token_ids=[5, 6], min_tokens=16)
+    assert params.stop_token_ids == (5, 6) and params.min_tokens == 16
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.2).has_penalties
+    assert not SamplingParams(repetition_penalty=1.2).has_additive_penalties
+
+
+def test_min_p_keeps_the_tokens_above_its_share_of_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    generator = seeded(0)
+    drawn = {sample_tokens(logits, [1.0], [-1], [1.0], [generator], [0.5]).token_ids[0]
+             for _ in range(300)}  # fmt: skip
+    assert drawn == {0, 1}  # 0.15 < 0.5 * 0.5
+    assert sample_tokens(logits, [1.0], [-1], [1.0], [seeded(0)], [1.0]).token_ids == [0]
+
+
+def test_min_p_of_a_row_leaves_the_others_alone():
+    logits = torch.randn(3, 60)
+    alone = sample_tokens(logits[1:2], [1.0], [-1], [1.0], [seeded(4)]).token_ids[0]
+    batched = sample_tokens(logits, [1.0] * 3, [-1] * 3, [1.0] * 3,
+                            [seeded(1), seeded(4), seeded(2)], [0.9, 0.0, 0.3])  # fmt: skip
+    assert batched.token_ids[1] == alone
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    from rayinfer.layers.sampler import apply_repetition_penalty
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 3.0], [2.0, -2.0, 1.0, -1.0, 3.0]])
+    prompt = torch.tensor([0, 1])
+    apply_repetition_penalty(logits, [prompt, prompt], [[3, 3], [4]], [2.0, 1.0])
+    torch.testing.assert_close(logits[0], torch.tensor([1.0, -4.0, 1.0, -2.0, 3.0]))
+    torch.testing.assert_close(logits[1], torch.tensor([2.0, -2.0, 1.0, -1.0, 3.0]))
+
+
+def test_repetition_penalty_of_a_batch_equals_the_row_by_row_rule():
+    from rayinfer.layers.sampler import apply_repetition_penalty
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=gen, dtype=torch.float64)
+    prompts = [torch.randint(0, 40, (n,), generator=gen) for n in (3, 9, 1, 20, 4)]
+    prompts[2] = None
+    outputs = [torch.randint(0, 40, (n,), generator=gen).tolist() for n in (0, 5, 2, 11, 3)]
+    outputs[4] = None
+    penalties = [1.3, 0.6, 2.0, 1.0, 1.1]
+    expected = logits.clone()
+    for row, penalty in enumerate(penalties):
+        seen = set(outputs[row] or []) | set([] if prompts[row] is None else prompts[row].tolist())
+        for token in seen:
+            value = expected[row, token]
+            expected[row, token] = value / penalty if value > 0 else value * penalty
+    apply_repetition_penalty(logits, prompts, outputs, penalties)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def test_suppressed_tokens_cannot_be_sampled_by_their_row_only():
+    from rayinfer.layers.sampler import suppress_tokens
+
+    logits = torch.zeros(3, 5)
+    suppress_tokens(logits, [(1, 4), None, (0,)])
+    assert logits.isinf().nonzero().tolist() == [[0, 1], [0, 4], [2, 0]]

@@ -4,6 +4,14 @@ Each request that samples at a temperature above 0 keeps its own torch.Generator
 `SamplingParams.seed`, else from the OS), so that a seeded request samples the same tokens
 whatever else shares its batch; its state travels with the KV hand-off. Structured-output
 requests keep a grammar matcher (grammar_matchers.py) whose masks limit their logits.
+Requests with a repetition_penalty keep their prompt's distinct token ids on the logits' device,
+received once (ScheduledRequest.prompt_token_ids, the first time the request samples on this
+runner: after a hand-off, the decode runner's first step); the generated tokens come with every
+step, as for presence and frequency penalties.
+
+Logits pass, in vLLM's order: grammar mask, min_tokens' suppressed tokens, logit_bias, the
+repetition penalty, presence/frequency penalties, then temperature and top-k/top-p/min-p. Each
+stage is skipped when no row of the step uses it.
 
 Under tensor parallelism every rank of a replica samples the same rows, but only the first
 rank's tokens are returned (workers/group.py), and an unseeded request's generator is seeded by
@@ -26,8 +34,10 @@ from rayinfer.layers.sampler import (
     SampledRows,
     apply_logit_bias,
     apply_penalties,
+    apply_repetition_penalty,
     apply_token_bitmask,
     sample_tokens,
+    suppress_tokens,
 )
 from rayinfer.workers.runner.grammar_matchers import GrammarMasks, GrammarMatchers
 
@@ -44,6 +54,7 @@ class RequestSampler:
         parallel group (None or size 1: this rank samples alone), whose collectives run on
         `device`."""
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_ids: dict[str, torch.Tensor] = {}  # [P] int64: a prompt's distinct ids
         self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = device or torch.device("cpu")
         self.grammars = GrammarMatchers(
@@ -64,15 +75,12 @@ class RequestSampler:
         they would without it."""
         if masks is not None:
             apply_token_bitmask(logits, masks.bitmask, masks.rows)
+        if any(r.suppressed_token_ids for r in sampling):
+            suppress_tokens(logits, [r.suppressed_token_ids for r in sampling])
         if any(r.params.logit_bias for r in sampling):
             apply_logit_bias(logits, [r.params.logit_bias for r in sampling])
-        if any(r.output_token_ids for r in sampling):
-            apply_penalties(
-                logits,
-                [r.output_token_ids for r in sampling],
-                [r.params.presence_penalty for r in sampling],
-                [r.params.frequency_penalty for r in sampling],
-            )
+        if any(r.output_token_ids is not None for r in sampling):
+            self.penalize(logits, sampling)
         generators, setup_errors = [], {}
         for row, request in enumerate(sampling):
             try:
@@ -82,12 +90,14 @@ class RequestSampler:
                 setup_errors[row] = f"seed={request.params.seed!r}: {error}"
         temperatures = [0 if row in setup_errors else r.params.temperature
                         for row, r in enumerate(sampling)]  # fmt: skip
+        min_ps = [r.params.min_p for r in sampling]
         rows = sample_tokens(
             logits,
             temperatures,
             [r.params.top_k for r in sampling],
             [r.params.top_p for r in sampling],
             generators,
+            min_ps if any(min_ps) else None,
         )
         if masks is not None:
             setup_errors.update(masks.errors)
@@ -99,6 +109,29 @@ class RequestSampler:
             token_ids = self.first_rank_tokens(token_ids)
             errors.update(self.grammars.accept(sampling, masks, token_ids))
         return SampledRows(token_ids, errors)
+
+    def penalize(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
+        """[B, V] logits: the repetition penalty, then presence and frequency penalties, on the
+        rows that carry their generated tokens (ScheduledRequest.output_token_ids)."""
+        for r in sampling:
+            if r.prompt_token_ids is not None:
+                ids = torch.tensor(r.prompt_token_ids, dtype=torch.int64).unique()
+                self.prompt_ids[r.request_id] = ids.to(logits.device)
+        if any(r.params.repetition_penalty != 1 for r in sampling):
+            apply_repetition_penalty(
+                logits,
+                [self.prompt_ids.get(r.request_id) for r in sampling],
+                [r.output_token_ids for r in sampling],
+                [r.params.repetition_penalty for r in sampling],
+            )
+        if any(r.params.has_additive_penalties and r.output_token_ids for r in sampling):
+            apply_penalties(
+                logits,
+                [r.output_token_ids if r.params.has_additive_penalties else None
+                 for r in sampling],
+                [r.params.presence_penalty for r in sampling],
+                [r.params.frequency_penalty for r in sampling],
+            )  # fmt: skip
 
     def first_rank_tokens(self, token_ids: list[int]) -> list[int]:
         """[B] the tokens the TP group's first rank sampled (this rank's own without a group).
@@ -137,4 +170,5 @@ class RequestSampler:
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+            self.prompt_ids.pop(request_id, None)
         self.grammars.free(request_ids)

@@ -7,10 +7,12 @@ neutral values and refused otherwise, naming the field. Unknown fields are ignor
 server does. Types are strict where OpenAI's are: `"max_tokens": "3"`, `"stream": "true"` and a
 token id `false` are 400, not coerced. Completions take a batch of prompts (a list of strings or
 of token-id lists): each prompt is its own engine request, choice `prompt_index * n + i`.
-Extensions (vLLM's `top_k`, `ignore_eos`) are marked. Log-probabilities: chat's `logprobs` /
-`top_logprobs` (up to 20) and completions' `logprobs` (up to 5), formatted by
-deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py. Structured outputs
-(response_format, vLLM's structured_outputs / guided_*) and tools: deployments/structured_fields.py.
+Extensions (vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`) are marked.
+Log-probabilities: chat's `logprobs` / `top_logprobs` (up to 20) and completions' `logprobs`
+(up to 5), formatted by deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
+Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tools:
+deployments/structured_fields.py.
 
 Every number is checked here with OpenAI's range (vLLM's for its extensions): a value outside
 answers 400 naming the field before anything is tokenized or scheduled.
@@ -70,7 +72,32 @@ class SamplingFields(GuidedFields):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="extension: -1 disables")
+    top_k: int = Field(-1, description="extension: -1 or 0 disables")
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="extension: drop tokens less likely than min_p times the most likely one",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="extension: > 0, 1 is off; the logit of every token in the prompt or the "
+        "output is divided by it where positive, multiplied where negative",
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="extension: EOS, stop_token_ids and stop strings wait for these"
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, description="extension: token ids that end the output, like EOS"
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="extension: keep the matched stop string in the text"
+    )
+    skip_special_tokens: bool = Field(
+        True, description="extension: leave special tokens out of the text"
+    )
     stop: str | list[str] | None = None
     seed: int | None = Field(None, description=f"0..{MAX_SEED}")
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
@@ -105,8 +132,15 @@ class SamplingFields(GuidedFields):
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, value: int) -> int:
-        if value != -1 and value < 1:
-            raise ValueError("must be -1 (off) or >= 1")
+        if value < -1:
+            raise ValueError("must be -1 or 0 (off) or >= 1")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and min(value) < 0:
+            raise ValueError("token ids must be >= 0")
         return value
 
     @field_validator("seed")
@@ -164,6 +198,12 @@ class SamplingFields(GuidedFields):
             prompt_logprobs=self.requested_prompt_logprobs,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             structured_output=self.structured_output(),  # deployments/structured_fields.py
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 from ray.exceptions import ActorDiedError, TaskCancelledError
 
+import rayinfer
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import as_openai_error
@@ -50,7 +51,27 @@ def error_for(model, body: dict) -> OpenAIError:
             {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5},
             "frequency_penalty",
         ),
-        (CompletionRequest, {"prompt": "a", "top_k": 0}, "top_k"),
+        (CompletionRequest, {"prompt": "a", "top_k": -2}, "top_k"),
+        (CompletionRequest, {"prompt": "a", "min_p": 1.5}, "min_p"),
+        (CompletionRequest, {"prompt": "a", "min_p": -0.1}, "min_p"),
+        (CompletionRequest, {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+        (CompletionRequest, {"prompt": "a", "repetition_penalty": "2"}, "repetition_penalty"),
+        (
+            ChatCompletionRequest,
+            {**CHAT, "repetition_penalty": float("inf")},
+            "repetition_penalty",
+        ),  # fmt: skip
+        (CompletionRequest, {"prompt": "a", "min_tokens": -1}, "min_tokens"),
+        (CompletionRequest, {"prompt": "a", "min_tokens": 1.5}, "min_tokens"),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": [-3]}, "stop_token_ids"),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": 5}, "stop_token_ids"),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+        (
+            ChatCompletionRequest,
+            {**CHAT, "include_stop_str_in_output": "yes"},
+            "include_stop_str_in_output",
+        ),
+        (ChatCompletionRequest, {**CHAT, "skip_special_tokens": 0}, "skip_special_tokens"),
         (CompletionRequest, {"prompt": "a", "seed": -1}, "seed"),
         (CompletionRequest, {"prompt": "a", "seed": 2**63}, "seed"),
         (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop"),
@@ -198,6 +219,33 @@ def test_logit_bias_reaches_the_sampling_params_with_int_ids():
     request = CompletionRequest(prompt="a", logit_bias={"5": -100, "7": 2.5})
     assert request.sampling_params(3).logit_bias == ((5, -100.0), (7, 2.5))
     assert CompletionRequest(prompt="a").sampling_params(3).logit_bias == ()
+
+
+def test_vllm_sampling_extensions_reach_the_sampling_params():
+    body = {
+        **CHAT,
+        "top_k": 0,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "min_tokens": 2,
+        "stop_token_ids": [7, 9],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+    params = ChatCompletionRequest.model_validate(body).sampling_params(5)
+    assert (params.top_k, params.min_p, params.repetition_penalty) == (-1, 0.1, 1.2)
+    assert (params.min_tokens, params.stop_token_ids) == (2, (7, 9))
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
+    default = CompletionRequest(prompt="a").sampling_params(5)
+    assert default == rayinfer.SamplingParams(max_tokens=5)
+    handle = GenerateRequest(prompt=[1], min_p=0.5, stop_token_ids=(3,)).sampling_params(4)
+    assert (handle.min_p, handle.stop_token_ids) == (0.5, (3,))
+
+
+def test_min_tokens_above_max_tokens_names_min_tokens(prompts):
+    with pytest.raises(OpenAIError, match="^min_tokens: ") as error:
+        prompts.build(CompletionRequest(prompt=[1, 2], max_tokens=3, min_tokens=4))
+    assert error.value.status == 400 and error.value.param == "min_tokens"
 
 
 def test_generate_request_needs_prompt_or_messages():

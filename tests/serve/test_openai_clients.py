@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 APP_ARGS = ["disaggregate=true", "max_model_len=256"]
 PROMPTS = ["The quick brown fox", "Tell me about the river.", "Once upon a time", "a b c"]
 GREEDY = dict(model="tiny", max_tokens=6, temperature=0)
+GREEDY_PARAMS = dict(max_tokens=6, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +199,27 @@ def test_logit_bias_forces_a_token(client, tokenizer):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(prompt=PROMPTS[0], logit_bias={"100000": 5}, **GREEDY)
     assert caught.value.body["param"] == "logit_bias"
+
+
+def test_vllm_sampling_extensions_answer_as_the_offline_engine(client, server):
+    """Through the prefill -> decode hand-off of this server: the repetition penalty needs the
+    prompt on the decode worker, min_tokens the count, stop_token_ids the engine's stop rule."""
+    import rayinfer
+
+    llm = rayinfer.LLM("tiny", max_model_len=256)
+    extensions = dict(repetition_penalty=1.5, min_tokens=3, skip_special_tokens=False)
+    tokens = llm.generate(PROMPTS[0], rayinfer.SamplingParams(**GREEDY_PARAMS, **extensions))[0]
+    tokens = list(tokens.token_ids)
+    step = next(k for k in range(3, len(tokens)) if tokens[k] not in tokens[:k])
+    extensions["stop_token_ids"] = [tokens[step]]  # ends PROMPTS[0] there
+    offline = llm.generate(PROMPTS, rayinfer.SamplingParams(**GREEDY_PARAMS, **extensions))
+    assert offline[0].finish_reason == "stop"
+    for prompt, expected in zip(PROMPTS, offline):
+        reply = client.completions.create(prompt=prompt, extra_body=extensions, **GREEDY)
+        choice = reply.choices[0]
+        assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
+    bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
 
 
 IMAGE_MESSAGE = {

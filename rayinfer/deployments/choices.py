@@ -7,20 +7,55 @@ the later choices from its prefix cache where the first one's blocks are already
 the choices in index order, usage counting the prompt once and every choice's tokens. Stream: one
 SSE stream whose chunks carry their choice's `index`, interleaved as they come, then one usage chunk
 and [DONE]. Usage counts each prompt once (its tokens and cached tokens) and every choice's
-generated tokens. Closing the stream (a client disconnect) aborts every choice."""
+generated tokens. Closing the stream (a client disconnect) aborts every choice.
+
+A request's choices are submitted to the engines together, and Serve's router refuses a call
+while `max_queued_requests` of the caller's calls already wait for a replica: so a request of
+more choices than a phase's `max_queued_requests` could never be served, and is refused with a
+400 naming `n` or `prompt` (ChoiceLimit)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from rayinfer.deployments import response_bodies
+from rayinfer.deployments.openai_error import OpenAIError
+from rayinfer.deployments.phase_config import PhaseConfig
 from rayinfer.deployments.replies import HttpReply, sse
 from rayinfer.deployments.types import Delta, Timings
 from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
 
 _CHOICE_DONE = object()
+
+
+@dataclass(frozen=True)
+class ChoiceLimit:
+    """The most choices one request may ask for, and the config key that sets it."""
+
+    max_choices: int
+    key: str
+
+    @classmethod
+    def of(cls, phases: dict[str, PhaseConfig]) -> ChoiceLimit:
+        """phases: the served phases' configs by name (prefill and decode, or engine)."""
+        name = min(phases, key=lambda name: phases[name].max_queued_requests)
+        return cls(phases[name].max_queued_requests, f"{name}.max_queued_requests")
+
+    def check(self, num_prompts: int, n: int) -> None:
+        """Raise a 400 for a request of num_prompts prompts x n choices past the limit."""
+        num_choices = num_prompts * n
+        if num_choices <= self.max_choices:
+            return
+        asked = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise OpenAIError(
+            400,
+            f"this request asks for {num_choices} choices ({asked}), more than the "
+            f"{self.max_choices} this server can run at once ({self.key}); send fewer prompts "
+            "or a smaller n per request",
+            param="n" if n > 1 else "prompt",
+        )
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

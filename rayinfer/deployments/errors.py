@@ -5,9 +5,10 @@ replica raised (RayTaskError, with the remote traceback and the worker's pid in 
 cause is unwrapped and only rayinfer's own messages reach the client: a bad value is a 400
 naming its field, a request the engine failed alone a 500 naming why, a replica that lost its
 engine a 503 to retry, anything else a 500 that points at the log. 5xx are logged with their
-traceback under the request id. A request Serve cancelled because its client went away (the
-proxy cancels the ingress's task; its ASGI `receive` then raises TaskCancelledError) is
-CLIENT_CLOSED, nginx's 499: no one reads that answer, and it is no server error.
+traceback under the request id, but a request shed for overload (503 `overloaded`) in one
+line. A request Serve cancelled because its client went away (the proxy cancels the ingress's
+task; its ASGI `receive` then raises TaskCancelledError) is CLIENT_CLOSED, nginx's 499: no one
+reads that answer, and it is no server error.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def as_openai_error(error: BaseException, request_id: str) -> OpenAIError:
         answer.request_id = request_id
     if answer.status == CLIENT_CLOSED:
         logger.info("request %s: the client closed it", request_id)
+    elif answer.code == "overloaded":  # load shed on purpose: its traceback tells nothing
+        logger.warning("request %s shed with %d: %s", request_id, answer.status, answer.message)
     elif answer.status >= 500:
         logger.error(
             "request %s failed with %d: %s",

@@ -19,7 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayinfer.deployments import response_bodies
 from rayinfer.deployments.admission import Admission
-from rayinfer.deployments.choices import choice_params, stream_of_choices, whole_of_choices
+from rayinfer.deployments.choices import (
+    ChoiceLimit,
+    choice_params,
+    stream_of_choices,
+    whole_of_choices,
+)
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.metrics import ServeMetrics
@@ -134,6 +139,8 @@ class Ingress:
         admission = Admission(
             self.config.ingress.max_queue_wait_s, parallelism=batching.max_num_seqs
         )
+        phases = ("engine",) if engine is not None else ("prefill", "decode")
+        self.choice_limit = ChoiceLimit.of({name: getattr(self.config, name) for name in phases})
         wait_s = self.config.ingress.max_replica_wait_s
         self.pipeline: Pipeline = (
             ColocatedPipeline(engine, self.metrics, admission, wait_s)
@@ -183,6 +190,7 @@ class Ingress:
         # One request per prompt of a completions batch, each checked and tokenized like a
         # single prompt; off the event loop: a long text encodes without the GIL.
         singles = [request] if chat else [request.for_prompt(p) for p in request.prompts]
+        self.choice_limit.check(len(singles), request.n)
         built = await asyncio.to_thread(lambda: [self.prompts.build(one) for one in singles])
         model = self.source.served_model_name
         if request.n > 1 or len(singles) > 1:
@@ -201,7 +209,18 @@ class Ingress:
     async def _serve_choices(self, request, request_id, singles, built, chat: bool):
         """n > 1 or a batch of prompts: one pipeline run per choice of each prompt, index
         prompt * n + choice (deployments/choices.py). A stream starts once every choice has
-        its first token, so that overload still answers 503 up front."""
+        its first token, so that overload still answers 503 up front. The choices are admitted
+        together (deployments/admission.py): all or none."""
+        waiters = self.pipeline.admit(len(singles) * request.n)
+        try:
+            return await self._run_choices(request, request_id, singles, built, chat, waiters)
+        except BaseException:
+            for waiter in waiters:  # the choices that never ran give their places back
+                waiter.leave()
+            raise
+
+    async def _run_choices(self, request, request_id, singles, built, chat: bool, waiters):
+        """Each choice's run, in its place among the admitted (`waiters`, by index)."""
         model, n = self.source.served_model_name, request.n
         formats = self.prompts.tool_call_formats
         runs, replies, timings = [], [], []
@@ -211,7 +230,7 @@ class Ingress:
                 index = len(runs)
                 timings.append(Timings())
                 runs.append(self.pipeline.run(f"{request_id}-{index}", prompt_ids, choice,
-                                              timings[-1]))  # fmt: skip
+                                              timings[-1], waiters[index]))  # fmt: skip
                 replies.append(HttpReply(request_id, model, chat, request, len(prompt_ids),
                                          index, echo_text, formats))  # fmt: skip
         if not request.stream:

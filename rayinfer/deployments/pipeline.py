@@ -26,7 +26,7 @@ import ray
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from rayinfer.deployments.admission import Admission, Refusal
+from rayinfer.deployments.admission import Admission, Refusal, Waiter
 from rayinfer.deployments.engine_loop import EngineStoppedError
 from rayinfer.deployments.errors import root_cause
 from rayinfer.deployments.metrics import ServeMetrics
@@ -60,11 +60,11 @@ def overloaded(phase: str) -> OpenAIError:
     return OpenAIError(503, f"the {phase} replicas are full; retry shortly", code="overloaded")
 
 
-def refused(refusal: Refusal, max_wait_s: float) -> OpenAIError:
+def refused(refusal: Refusal, max_wait_s: float, num_runs: int = 1) -> OpenAIError:
+    what = "this request" if num_runs == 1 else f"this request's {num_runs} choices"
     message = (
-        f"the server is at capacity: this request would wait about "
-        f"{refusal.estimated_wait_s:.1f} s to start, above its {max_wait_s:g} s bound; retry "
-        f"after {refusal.retry_after_s} s"
+        f"the server is at capacity: {what} would wait about {refusal.estimated_wait_s:.1f} s "
+        f"to start, above its {max_wait_s:g} s bound; retry after {refusal.retry_after_s} s"
     )
     return OpenAIError(503, message, code="overloaded", retry_after_s=refusal.retry_after_s)
 
@@ -113,25 +113,36 @@ class Pipeline:
         # (no tokenizer): a resumed stream's deltas pass as the replica sends them.
         self.text_rules: TextRules | None = None
 
-    async def run(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timings: Timings
-    ) -> AsyncIterator[Delta]:
-        """The request's deltas; a request the engines cannot start in time raises a 503 before
-        any work. It waits (for admission) until its first decode token or its finish."""
-        refusal = self.admission.try_admit()
+    def admit(self, num_runs: int = 1) -> list[Waiter]:
+        """Admit a request of num_runs runs (its choices) as one: each run's place among the
+        waiting, for `run`; a request the engines cannot start in time raises a 503."""
+        refusal = self.admission.try_admit(num_runs)
         if refusal is not None:
             self.metrics.count_request("shed")
-            raise refused(refusal, self.admission.max_wait_s)
+            raise refused(refusal, self.admission.max_wait_s, num_runs)
+        return [Waiter(self.admission) for _ in range(num_runs)]
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        timings: Timings,
+        waiter: Waiter | None = None,
+    ) -> AsyncIterator[Delta]:
+        """The request's deltas. It waits (for admission) until its first decode token or its
+        finish. waiter: its place from `admit` (None: admitted here, before any work; a request
+        the engines cannot start in time raises a 503)."""
+        if waiter is None:
+            waiter = self.admit()[0]
         arrival = time.perf_counter()
         status = "abort"
         last = arrival
         num_generated = 0
-        is_waiting = True
         try:
             async for delta in self._run(request_id, prompt_ids, params, timings):
-                if is_waiting and (num_generated > 0 or delta.finish_reason is not None):
-                    is_waiting = False
-                    self.admission.start()
+                if num_generated > 0 or delta.finish_reason is not None:
+                    waiter.start()
                 now = time.perf_counter()
                 if num_generated == 0:
                     timings.ttft_s = now - arrival
@@ -146,8 +157,7 @@ class Pipeline:
             status = "error"
             raise
         finally:
-            if is_waiting:
-                self.admission.leave()
+            waiter.leave()  # nothing once started
             self.metrics.count_request(status)
             self.metrics.add_tokens(len(prompt_ids), num_generated)
 

@@ -115,6 +115,8 @@ class HttpReply:
         self.tool_calls = tool_call_stream(request, tool_call_formats) if chat else None
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
+        """The reply's body; a failure propagates as raised, for the route to answer and log
+        once (a request of many choices fails with its first)."""
         text, finish_reason, entries = self.echo_text, None, []
         try:
             async for delta in deltas:
@@ -122,8 +124,6 @@ class HttpReply:
                 self._count(delta)
                 finish_reason = delta.finish_reason or finish_reason
                 entries += self._echoed_logprobs(delta) + (delta.logprobs or [])
-        except Exception as error:
-            raise as_openai_error(error, self.request_id) from error
         finally:
             await deltas.aclose()
         build = chat_completion_body if self.chat else completion_body

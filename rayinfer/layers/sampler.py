@@ -57,19 +57,22 @@ def apply_repetition_penalty(
     if not rows:
         return
     device = logits.device
-    parts, lengths = [], []
-    for row in rows:
-        prompt, generated = prompt_ids[row], output_token_ids[row] or []
-        if prompt is not None:
-            parts.append(prompt)
-        parts.append(torch.tensor(generated, dtype=torch.int64, device=device))
-        lengths.append((0 if prompt is None else prompt.numel()) + len(generated))
-    ids = torch.cat(parts)  # [N]
-    which = torch.repeat_interleave(
-        torch.arange(len(rows), device=device),
-        torch.tensor(lengths, device=device),
-        output_size=ids.numel(),
-    )  # [N]: the row of each token (output_size given: no device sync)
+    arange = torch.arange(len(rows), device=device)
+    prompts = [prompt_ids[row] for row in rows]
+    outputs = [output_token_ids[row] or [] for row in rows]
+    prompt_lengths = [0 if p is None else p.numel() for p in prompts]
+    flat = [token for generated in outputs for token in generated]
+    ids = torch.cat(
+        [p for p in prompts if p is not None]
+        + [torch.tensor(flat, dtype=torch.int64, device=device)]
+    )  # [N]: every row's prompt ids, then every row's generated ids
+    # the row of each id; output_size given: no device sync
+    which = torch.cat([
+        torch.repeat_interleave(arange, torch.tensor(prompt_lengths, device=device),
+                                output_size=sum(prompt_lengths)),
+        torch.repeat_interleave(arange, torch.tensor([len(g) for g in outputs], device=device),
+                                output_size=len(flat)),
+    ])  # fmt: skip
     seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)  # [R, V]
     seen[which, ids] = True
     index = torch.tensor(rows, device=device)

@@ -8,6 +8,7 @@ import torch
 
 import rayinfer
 from rayinfer.engine.model_source import resolve_model_path
+from rayinfer.engine.sampling_params import InvalidRequestError
 from rayinfer.models.tiny import EOS_ID, IM_START_ID, SPECIAL_TOKENS
 from tests.models.harness import load_rayinfer, make_prompts, run_greedy
 
@@ -177,3 +178,9 @@ def test_the_repetition_penalty_survives_preemption_and_the_hand_off(llm, prompt
     decode = rayinfer.LLM("tiny", device="cpu", dtype="float32", block_size=8)
     handed_off = decode.decode(llm.prefill(prompts, params), params)
     assert [o.token_ids for o in handed_off] == alone
+
+
+def test_stop_token_ids_outside_the_vocabulary_name_the_field(llm, prompts):
+    with pytest.raises(InvalidRequestError, match="^stop_token_ids: ") as error:
+        llm.generate(prompts[0], SamplingParams(stop_token_ids=[10**6]))
+    assert error.value.field == "stop_token_ids"

@@ -110,7 +110,9 @@ class KVHandoffConfig:
     arena_bytes: the size of each exporting worker's arena (a file in /dev/shm).
     lease_s: how long an exported request's KV keeps its arena space for an importer that has
     neither landed nor dropped it; past it the space may be reused (the late importer then
-    reads the KV as lost and recomputes the prompt)."""
+    reads the KV as lost and recomputes the prompt). The exporting group holds each hand-off's
+    references as long (workers/export_holds.py), or until the importer released its spans:
+    an export through the object store keeps its copy there for the whole lease."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.

@@ -3,7 +3,9 @@
 The KV goes into the object store from the worker that holds it (`WorkerGroup.export_kv`), on the
 worker's transfer thread while its next steps run; the `PrefillResult` returns at once with the
 export's ObjectRefs nested in its hand-off (they travel by reference, and decode waits for them),
-so the first token streams before the copy has finished.
+so the first token streams before the copy has finished. The group keeps its own references to
+them until decode is done with the KV (workers/export_holds.py: Ray can lose decode's borrow of
+refs nested in a Serve reply).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.engine.executor import Executor, KVLostError
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.death_watch import DeathWatch, WorkerLost
+from rayinfer.workers.export_holds import ExportHolds
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.runner.decode_graphs import shared_decode_bucket
 from rayinfer.workers.runner.graph_buckets import graph_batch_sizes
@@ -106,6 +107,8 @@ class WorkerGroup(Executor):
         self.kv_is_replicated = spec.model_config.kv_is_replicated  # every TP rank, one row
         self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
         self.stats = TransferStats()
+        # this group's references to its hand-offs, until their importers are done with them
+        self.export_holds = ExportHolds(spec.kv_handoff.lease_s)
         self.gpus_per_worker = gpus_per_worker
         placement_group = placement_group or get_current_placement_group()
         self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
@@ -273,6 +276,8 @@ class WorkerGroup(Executor):
         # a hand-off carries every layer's rows unpadded: the cache's bytes per token
         per_token = sum(self.descriptions[rank]["kv_bytes_per_token"] for rank in exporters)
         owners = [self.worker_names[rank] for rank in exporters]
+        self.export_holds.drop_done()
+        self.export_holds.hold(request_id, shards)
         return KVRefs(shards=shards, num_bytes=per_token * num_tokens, owners=owners)
 
     def import_kv(
@@ -342,6 +347,7 @@ class WorkerGroup(Executor):
     def free_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._tables_sent.pop(request_id, None)
+        self.export_holds.drop_done()
         for worker in self.workers:
             worker.free_requests.remote(request_ids)
 
@@ -384,6 +390,7 @@ class WorkerGroup(Executor):
         """Unlink the workers' arenas, then kill the workers."""
         if self._death_watch is not None:
             self._death_watch.close()
+        self.export_holds.clear()
         self.close_arenas()
         for worker in self.workers:
             ray.kill(worker)

@@ -10,9 +10,11 @@ decode worker that finds it dead."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +23,7 @@ from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.runtime import ModelSource, build_engine
 from rayinfer.engine.executor import KVLostError
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.workers.group import KVRefs
 from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 8]
@@ -177,6 +180,57 @@ def test_handoff_by_reference_through_the_object_store_and_its_loss(ray_cluster,
         prefill_group.shutdown()  # kills the worker that owns the KV's chunks
     wait_until_lost(ray, lost_chunk)
     assert_recomputed(decode, lost, expected)
+
+
+def test_a_handoff_read_through_refs_its_owner_does_not_know_lands(
+    ray_cluster, prefill, decode, expected, read_unregistered
+):
+    """Serve sends a Prefill replica's reply as an item of a streaming generator, and Ray can lose
+    the borrow of the ObjectRefs nested in it (ray-project/ray#58080): decode then reads the
+    hand-off through refs that its owner (here this process's prefill group) does not know of.
+    The group's own references keep it readable until the importer is done with it."""
+    ray = ray_cluster
+    (prefill_engine, prefill_group), (decode_engine, _) = prefill, decode
+    handoff = prefill_handoff(prefill_engine, "unknown-reader")
+    while prefill_engine.handoffs.busy:  # until the export has ended
+        prefill_engine.step()
+    core = ray._private.worker.global_worker.core_worker
+    ids = [(ref.binary(), core.get_owner_address(ref)) for ref in handoff.payload.shards]
+    num_bytes, owners = handoff.payload.num_bytes, handoff.payload.owners
+    handoff = replace(handoff, payload=None)  # the last reference this test held
+    gc.collect()
+    headers = ray.get(read_unregistered.remote(ids))
+    assert not isinstance(headers, str), f"the hand-off's header was freed: {headers}"
+    recomputes = decode_engine.handoffs.num_kv_recomputes
+    decode_engine.add_prefilled_request(
+        replace(handoff, payload=KVRefs(headers, num_bytes, owners)), GREEDY
+    )
+    assert run_to_end(decode_engine, "unknown-reader") == expected
+    assert decode_engine.handoffs.num_kv_recomputes == recomputes
+    prefill_group.free_requests([])  # the import released the span: the group lets go too
+    assert "unknown-reader" not in prefill_group.export_holds.request_ids
+
+
+@pytest.fixture(scope="module")
+def read_unregistered(ray_cluster):
+    """A task reading ObjectRefs rebuilt from their ids, a borrow their owner is never told of
+    (as when Ray loses it): it reads them only while the owner itself still holds them."""
+
+    @ray_cluster.remote
+    def read(ids):
+        import ray
+
+        core = ray._private.worker.global_worker.core_worker
+        refs = []
+        for binary, owner in ids:
+            refs.append(ray.ObjectRef(binary, owner))
+            core.deserialize_and_register_object_ref(binary, ray.ObjectRef.nil(), owner, b"")
+        try:
+            return ray.get(refs, timeout=30)
+        except ray.exceptions.RayError as error:
+            return type(error).__name__
+
+    return read
 
 
 @pytest.mark.parametrize("death", ["shut down", "killed"])

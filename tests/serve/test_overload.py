@@ -86,3 +86,24 @@ def test_a_burst_past_capacity_is_shed_with_retry_after_and_everyone_is_answered
     after = httpx.post(server.http_url + "/v1/chat/completions", json=body(0, False), timeout=30)
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["message"]["content"]
+
+
+def completions(url: str, num_prompts: int, n: int) -> httpx.Response:
+    body = {"model": "tiny", "prompt": [f"river {i}" for i in range(num_prompts)], "n": n,
+            "max_tokens": 4, "temperature": 1.0}  # fmt: skip
+    return httpx.post(url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
+
+
+def test_a_request_past_what_serve_can_queue_is_a_400_and_an_idle_server_admits_a_batch(server):
+    """640 choices exceed the phases' max_queued_requests (512): Serve would refuse most of them
+    whatever the load. A batch of 32 choices on the idle server is admitted, though its engines
+    (4 sequences at once) start it in more than max_queue_wait_s."""
+    oversized = completions(server.http_url, num_prompts=40, n=16)
+    assert oversized.status_code == 400, oversized.text
+    error = oversized.json()["error"]
+    assert error["param"] == "n" and "640 choices (40 prompts x n=16)" in error["message"]
+    assert "max_queued_requests" in error["message"]
+
+    batch = completions(server.http_url, num_prompts=16, n=2)
+    assert batch.status_code == 200, batch.text
+    assert len(batch.json()["choices"]) == 32

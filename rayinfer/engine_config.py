@@ -111,8 +111,9 @@ class KVHandoffConfig:
     lease_s: how long an exported request's KV keeps its arena space for an importer that has
     neither landed nor dropped it; past it the space may be reused (the late importer then
     reads the KV as lost and recomputes the prompt). The exporting group holds each hand-off's
-    references as long (workers/export_holds.py), or until the importer released its spans:
-    an export through the object store keeps its copy there for the whole lease."""
+    references as long (workers/export_holds.py), or until the importer released its spans;
+    those of exports through the object store, whose import it cannot see, at most arena_bytes
+    of them."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.

@@ -13,7 +13,11 @@ A hand-off is held from its export's start until its importer is done with it: a
 export's spans, mapped here, are released by the importer (or taken back by their owner, or
 their arena is gone). Where nothing here shows that (an export through the object store, or
 into an arena on another node), it is held until the lease has passed since its export ended
-(`KVHandoffConfig.lease_s`: as long as an arena keeps a span nobody released).
+(`KVHandoffConfig.lease_s`: as long as an arena keeps a span nobody released), and such holds
+keep at most `KVHandoffConfig.arena_bytes` of KV (the oldest ended ones let go first): an arena
+never keeps more for its importers either, so a steady load across nodes does not keep a whole
+lease of hand-offs in the object store. Letting go of a hold frees nothing a reader still
+borrows; it only ends this guard for that hand-off.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 class _Held:
     request_id: str
     shards: list[ray.ObjectRef]
+    num_bytes: int  # the KV it carries
     until: float | None = None  # time.monotonic() past which it is dropped; None: exporting
     spans: list[ArenaSpan] | None = None  # whose release ends it; None: only the lease does
 
 
 class ExportHolds:
-    def __init__(self, lease_s: float):
+    def __init__(self, lease_s: float, max_unseen_bytes: int):
+        """max_unseen_bytes: the most KV held for hand-offs whose import nothing here shows."""
         self.lease_s = lease_s
+        self.max_unseen_bytes = max_unseen_bytes
         self.held: list[_Held] = []
         self.maps = ArenaMaps(pin=False)  # the header tables of this node's arenas
 
@@ -47,15 +54,26 @@ class ExportHolds:
     def request_ids(self) -> list[str]:
         return [held.request_id for held in self.held]
 
-    def hold(self, request_id: str, shards: list[ray.ObjectRef]) -> None:
+    def hold(self, request_id: str, shards: list[ray.ObjectRef], num_bytes: int) -> None:
         """Keep an export's references (from the call that started it) until its import."""
-        self.held.append(_Held(request_id, list(shards)))
+        self.held.append(_Held(request_id, list(shards), num_bytes))
 
     def drop_done(self) -> None:
-        """Forget the hand-offs their importers are done with, and those past their lease."""
+        """Forget the hand-offs their importers are done with, those past their lease, and the
+        oldest whose import nothing here shows past max_unseen_bytes."""
         self._note_ended_exports()
         now = time.monotonic()
         self.held = [held for held in self.held if not self._is_done(held, now)]
+        unseen = [held for held in self.held if held.until is not None and held.spans is None]
+        excess = sum(held.num_bytes for held in unseen) - self.max_unseen_bytes
+        let_go = set()
+        for held in unseen:  # in export order: the oldest first
+            if excess <= 0:
+                break
+            let_go.add(id(held))
+            excess -= held.num_bytes
+        if let_go:
+            self.held = [held for held in self.held if id(held) not in let_go]
 
     def clear(self) -> None:
         self.held = []

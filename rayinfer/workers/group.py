@@ -108,7 +108,7 @@ class WorkerGroup(Executor):
         self.placements = [WorkerPlacement(rank, spec.plan) for rank in range(num_workers)]
         self.stats = TransferStats()
         # this group's references to its hand-offs, until their importers are done with them
-        self.export_holds = ExportHolds(spec.kv_handoff.lease_s)
+        self.export_holds = ExportHolds(spec.kv_handoff.lease_s, spec.kv_handoff.arena_bytes)
         self.gpus_per_worker = gpus_per_worker
         placement_group = placement_group or get_current_placement_group()
         self.worker_names = [f"{name_prefix}-r{rank}" for rank in range(num_workers)]
@@ -277,7 +277,7 @@ class WorkerGroup(Executor):
         per_token = sum(self.descriptions[rank]["kv_bytes_per_token"] for rank in exporters)
         owners = [self.worker_names[rank] for rank in exporters]
         self.export_holds.drop_done()
-        self.export_holds.hold(request_id, shards)
+        self.export_holds.hold(request_id, shards, per_token * num_tokens)
         return KVRefs(shards=shards, num_bytes=per_token * num_tokens, owners=owners)
 
     def import_kv(

@@ -48,6 +48,16 @@ def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.http_url + path, json=body, timeout=120)
 
 
+def post_raw(server, path: str, content: str | bytes) -> httpx.Response:
+    """A JSON-typed body sent as given (text the client's JSON encoder would not write)."""
+    return httpx.post(
+        f"{server.http_url}{path}",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+
+
 def test_models_retrieve_and_an_unknown_id_is_404(client):
     model = client.models.retrieve("tiny")
     assert model.id == "tiny" and model.object == "model" and model.owned_by == "rayinfer"
@@ -269,12 +279,7 @@ def test_a_lone_surrogate_is_400_naming_the_field(server, param):
     """Python's JSON parser keeps such a string; the tokenizer (a 500) or the error body that
     quotes it (an unencodable body) would fail on it."""
     route, text = LONE_SURROGATES[param]
-    reply = httpx.post(
-        f"{server.http_url}/v1/{route}",
-        content=text,
-        headers={"content-type": "application/json"},
-        timeout=120,
-    )
+    reply = post_raw(server, f"/v1/{route}", text)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
 
@@ -288,12 +293,7 @@ def test_a_lone_surrogate_is_400_naming_the_field(server, param):
     ],
 )
 def test_an_undecodable_body_is_400_saying_why(server, body, why):
-    reply = httpx.post(
-        f"{server.http_url}/v1/completions",
-        content=body,
-        headers={"content-type": "application/json"},
-        timeout=120,
-    )
+    reply = post_raw(server, "/v1/completions", body)
     assert reply.status_code == 400, reply.text
     assert why in reply.json()["error"]["message"]
 

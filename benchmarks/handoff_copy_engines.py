@@ -8,7 +8,9 @@ kv_copy.DIRECT_MIN_COPY_BYTES).
 
 "busy, this process": matmuls queued on another stream of this process ahead of each copy (as a
 decode step beside an import), "+ a Python thread" adds a thread spinning in Python (holding the
-GIL as an engine loop's host work does); "busy, another process": a second process running
+GIL as an engine loop's host work does), once per `--switch-intervals-ms` (the interpreter's GIL
+switch interval, ProcessConfig.gil_switch_interval_ms; Python's own is 5 ms); "busy, another
+process": a second process running
 matmuls throughout (as Prefill and Decode replicas sharing one GPU). One V2-Lite request by
 default (3,700 tokens x 27 layers x 1,152 bytes, 115 MB), its blocks in order, in runs of 8, 4
 and 2, and shuffled; each way is checked byte for byte first. Wall time per copy (what the
@@ -24,6 +26,7 @@ import contextlib
 import json
 import multiprocessing
 import statistics
+import sys
 import threading
 import time
 from functools import partial
@@ -46,6 +49,19 @@ def parse_args(argv=None):
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--busy-ms", type=float, default=40.0, help="matmul work queued per copy")
+    parser.add_argument(
+        "--switch-intervals-ms",
+        type=float,
+        nargs="+",
+        default=[5.0],
+        help="GIL switch intervals for the Python-thread rows",
+    )
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        default=None,
+        help="only these block layouts (e.g. 'in order', 'shuffled')",
+    )
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -205,13 +221,17 @@ def main(argv=None) -> int:
         blocks = [run * int(group) + b for group in groups for b in range(run)]
         tables[f"runs of {run} blocks"] = blocks[:num_request_blocks]
     tables["blocks shuffled"] = shuffled
+    if args.tables:
+        tables = {n: t for n, t in tables.items() if any(k in n for k in args.tables)}
     mbytes = args.tokens * token_bytes / 1e6
     results = {"bytes": args.tokens * token_bytes, "args": vars(args), "rows": []}
     print(f"{mbytes:.1f} MB a request; wall ms (GB/s), medians of {args.repeats}")
     busy_here = Busy(args.busy_ms)
     context = multiprocessing.get_context("spawn")
-    loads = ("idle", "busy, this process", "busy, this process + a Python thread",
-             "busy, another process")  # fmt: skip
+    spinning_loads = [f"busy, this process + a Python thread, switch {ms:g} ms"
+                      for ms in args.switch_intervals_ms]  # fmt: skip
+    loads = ("idle", "busy, this process", *spinning_loads, "busy, another process")
+    python_interval = sys.getswitchinterval()
     for name, table in tables.items():
         slots = token_slots(table, args.tokens, args.block_size)
         check(ways, slots)
@@ -224,8 +244,10 @@ def main(argv=None) -> int:
                 other.start()
                 if not ready.wait(120):
                     raise RuntimeError("the matmul process did not start")
-            elif load.endswith("Python thread"):
+            elif "Python thread" in load:
                 spinning = PythonThread()
+                interval = args.switch_intervals_ms[spinning_loads.index(load)]
+                sys.setswitchinterval(interval / 1e3)
             busy = busy_here if load.startswith("busy, this process") else None
             try:
                 with spinning:
@@ -238,6 +260,7 @@ def main(argv=None) -> int:
                         print(f"{name} ({runs} runs x {args.layers} layers), {load}: {kind} "
                               f"{way} {ms:.2f} ms ({mbytes / ms:.1f} GB/s)")  # fmt: skip
             finally:
+                sys.setswitchinterval(python_interval)
                 if other is not None:
                     stop.set()
                     other.join(60)

@@ -8,7 +8,7 @@
 #   3. `transformers serve` (continuous batching) against rayinfer on one random Llama folder
 #      (benchmarks/random_llama_checkpoint.py; transformers' batching does not run MLA), same
 #      client, same text prompts (transformers_c16.json / serve_c16_text.json).
-#   bash benchmarks/serve_peer_and_handoff.sh
+#   bash benchmarks/serve_peer_and_handoff.sh [serve args for the hand-off pass, key=value ...]
 set -uo pipefail
 source .device/ray/use-ray-bundle.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NO_BUNDLE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
@@ -20,7 +20,7 @@ runs copies && timeout 150 python -m pytest -q -m gpu tests/gpu/test_kv_copy.py 
 if runs handoff; then
   echo "== hand-off in serve (disaggregated, arena)"
   OFFLINE=0 SERVE_PASSES=c16 RATES= WARMUPS=8 NUM_PROMPTS=48 UP_TIMEOUT=300 BENCH_TIMEOUT=200 \
-    bash benchmarks/serve_v2lite.sh disaggregate=true
+    bash benchmarks/serve_v2lite.sh disaggregate=true "$@"
   python - "$OUT/serve_c16.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))["summary"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rayinfer.config_error import ConfigError
 from rayinfer.exchange_config import check_choice
 
 # What the step profiler records of the host besides the GPU's activity
@@ -20,7 +21,10 @@ class ProcessConfig:
     profile_cpu: what `start_profile` records of the host: "ops" its operators, "none" nothing
     (tracing every operator opens gaps between kernels that a host-bound step does not have
     unprofiled), "stack" operators and Python frames, "python" the host's Python alone through
-    cProfile (no GPU activity)."""
+    cProfile (no GPU activity).
+    gil_switch_interval_ms: how long a worker's thread waits at most for the GIL while another
+    runs Python (workers/gil_switch.py: the KV hand-off's copy thread beside the engine step's);
+    None keeps Python's 5 ms."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -29,11 +33,22 @@ class ProcessConfig:
     numa_bind: bool = True
     gc_freeze: bool = True
     profile_cpu: Literal[PROFILE_CPU_CHOICES] = "ops"
+    gil_switch_interval_ms: float | None = None
 
     def __post_init__(self):
         check_choice("process.numa_bind", self.numa_bind, (True, False))
         check_choice("process.gc_freeze", self.gc_freeze, (True, False))
         check_choice("process.profile_cpu", self.profile_cpu, PROFILE_CPU_CHOICES)
+        interval = self.gil_switch_interval_ms
+        if interval is not None and not (
+            isinstance(interval, (int, float))
+            and not isinstance(interval, bool)
+            and 0 < interval <= 1000
+        ):
+            raise ConfigError(
+                f"process.gil_switch_interval_ms={interval!r}; use a number of milliseconds "
+                "in (0, 1000], or None for Python's own"
+            )
 
 
 DEFAULT_PROCESS = ProcessConfig()

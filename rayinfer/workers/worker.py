@@ -21,6 +21,7 @@ import torch
 from rayinfer.engine.batch import ModelBatch, SampledTokens
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.gc_freeze import freeze_after_startup
+from rayinfer.workers.gil_switch import set_switch_interval
 from rayinfer.workers.handoff_io import HandoffIO, KVLost
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
@@ -51,6 +52,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.spec = spec
+        set_switch_interval(spec.process.gil_switch_interval_ms)
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
         # Before weights and staging memory exist: their pages land on the GPU's NUMA node.

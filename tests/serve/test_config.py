@@ -257,7 +257,8 @@ def test_each_phase_chooses_its_token_exchange():
         ({"engine.kernels.fp8_gemm": "cutlass"},
          "engine.kernels.fp8_gemm='cutlass': Input should be 'auto', 'triton' or 'cublas'"),
         ({"decode.process.numa": "0"},
-         "decode.process.numa: unknown key; allowed here: numa_bind, gc_freeze, profile_cpu"),
+         "decode.process.numa: unknown key; allowed here: numa_bind, gc_freeze, profile_cpu, "
+         "gil_switch_interval_ms"),
         ({"decode.process.profile_cpu": "1"},
          "decode.process.profile_cpu='1': Input should be 'ops', 'none', 'stack' or 'python'"),
     ],
@@ -272,10 +273,12 @@ def test_typed_sections_reach_the_engine_args_as_given():
 
     config = AppConfig.from_args(
         {"decode.overlap.first_share": "0.4", "decode.kernels.small_batch_moe": "true",
-         "decode.process.gc_freeze": "false", "decode.all_to_all.host.protocol": "cpu"}
+         "decode.process.gc_freeze": "false", "decode.all_to_all.host.protocol": "cpu",
+         "decode.process.gil_switch_interval_ms": "0.5"}
     )  # fmt: skip
     args = phase_engine_args(config, ModelSource.resolve(config), "decode", use_gpus=False)
     assert args.overlap is config.decode.overlap and args.overlap.first_share == 0.4
     assert args.kernels.small_batch_moe and not args.process.gc_freeze
+    assert args.process.gil_switch_interval_ms == 0.5
     assert args.all_to_all is config.decode.all_to_all and args.all_to_all.host.protocol == "cpu"
     assert args.key_prefix == "decode."

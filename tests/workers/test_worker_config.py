@@ -23,7 +23,7 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
     all_to_all = AllToAllConfig(transport="host", dedup=False, host=host)
     overlap = OverlapConfig(first_share=0.25, shared_experts="combine")
     kernels = KernelBackends(fp8_gemm="triton", small_batch_moe=True)
-    process = ProcessConfig(gc_freeze=False, profile_cpu="none")
+    process = ProcessConfig(gc_freeze=False, profile_cpu="none", gil_switch_interval_ms=0.5)
     llm = rayinfer.LLM(
         str(path), device="cpu", parallel=ParallelPlan(dp=2, ep=2), two_batch_overlap=True,
         all_to_all={"transport": "host", "dedup": False, "host": {"direct_max_bytes": 8192,
@@ -33,7 +33,9 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
 
     def what_the_worker_uses(worker) -> dict:
         """Run inside a Worker actor (defined here: pickled by value): the configs its
-        runner, layers and comm group hold."""
+        runner, layers and comm group hold, and its interpreter's GIL switch interval."""
+        import sys
+
         ep_group = worker.runner.parallel.ep_group
         moe = next(m for m in worker.runner.model.modules() if isinstance(m, MoE))
         return {
@@ -43,6 +45,7 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
             "overlap": (worker.runner.overlap, moe.overlap),
             "kernels": (moe.kernels, moe.experts.kernels),
             "process": worker.spec.process,
+            "switch_interval_s": sys.getswitchinterval(),
         }
 
     try:
@@ -57,5 +60,6 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
         assert used["overlap"] == (overlap, overlap)
         assert used["kernels"] == (kernels, kernels)
         assert used["process"] == process
+        assert used["switch_interval_s"] == 0.0005
     single = rayinfer.LLM(str(path), device="cpu").generate(prompts, GREEDY)
     assert tokens == [o.token_ids for o in single]  # the same math, whatever the settings

@@ -37,10 +37,15 @@ class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
 
 
 @functools.cache
-def _driver():
-    """The CUDA driver library (loaded once), or None where this process has none."""
+def _driver(holding_gil: bool = False):
+    """The CUDA driver library (loaded once), or None where this process has none.
+
+    holding_gil: its functions keep the GIL while they run (ctypes.PyDLL). For calls that
+    return at once, as the batched copy does (it only queues the copies): one that let the GIL
+    go would have to take it back, waiting up to the interpreter's switch interval where
+    another thread runs Python (workers/gil_switch.py)."""
     try:
-        return ctypes.CDLL("libcuda.so.1")
+        return (ctypes.PyDLL if holding_gil else ctypes.CDLL)("libcuda.so.1")
     except OSError:
         return None
 
@@ -61,8 +66,9 @@ def _driver_batch_copy():
     if version.value < _MIN_DRIVER_VERSION:
         return None
     # CUDA 13 dropped the failure index (the `_v2` symbol); 12.8-12.9 drivers have only the first.
+    queueing = _driver(holding_gil=True)
     for name, takes_fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
-        function = getattr(driver, name, None)
+        function = getattr(queueing, name, None)
         if function is not None:
             function.restype = ctypes.c_int
             return function, takes_fail_index

@@ -12,7 +12,8 @@ Extensions (vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_t
 Log-probabilities: chat's `logprobs` / `top_logprobs` (up to 20) and completions' `logprobs`
 (up to 5), formatted by deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
 Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tools:
-deployments/structured_fields.py.
+deployments/structured_fields.py; the messages' tool calls and tool results:
+deployments/message_tool_fields.py.
 
 Every number is checked here with OpenAI's range (vLLM's for its extensions): a value outside
 answers 400 naming the field before anything is tokenized or scheduled.
@@ -31,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayinfer.deployments.message_tool_fields import ToolCallsAsSent
 from rayinfer.deployments.structured_fields import (
     ChatOutputFields,
     GuidedFields,
@@ -226,8 +228,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # validate_default: a missing content is checked like an explicit null
+    # validate_default: a missing content or tool_call_id is checked like an explicit null
     content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
+    tool_calls: ToolCallsAsSent = None  # an assistant's; the template gets them as sent
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -263,6 +268,13 @@ class ChatMessage(BaseModel):
                 )
             if not isinstance(part.get(kind), str):
                 raise ValueError(f"part {index}: a {kind} part needs a string {kind!r} field")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, value, info: ValidationInfo):
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         return value
 
     def text(self) -> str:
@@ -306,8 +318,8 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
         fields (tool_calls, tool_call_id, name) kept beside the text."""
         messages = []
         for m in self.messages:
-            extra = {k: v for k, v in (m.model_extra or {}).items() if k in TOOL_MESSAGE_FIELDS}
-            messages.append({"role": m.role, "content": m.text(), **extra})
+            sent = {k: getattr(m, k) for k in TOOL_MESSAGE_FIELDS if k in m.model_fields_set}
+            messages.append({"role": m.role, "content": m.text(), **sent})
         return messages
 
 

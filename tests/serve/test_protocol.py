@@ -289,6 +289,41 @@ def test_chat_prompt_uses_the_template(prompts):
     assert prompt_ids == prompts.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
 
 
+# How Qwen3's template writes an assistant's calls and a tool's result
+CALLS_TEMPLATE = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for call in m.tool_calls %}"
+    '[{{ call.id }}]<tool_call>{"name": "{{ call.function.name }}", "arguments": '
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}"
+    "{% else %}{{ call.function.arguments | tojson }}{% endif %}}</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}<tool_response {{ m.tool_call_id }}>{{ m.content }}"
+    "</tool_response>{% else %}{{ m.role }}: {{ m.content }}{% endif %}{% endfor %}"
+)
+
+
+def test_tool_calls_and_results_reach_the_template_as_sent(prompts):
+    """The calls an assistant made (content null) and their results go to the template as the
+    client sent them: arguments as JSON text, added keys (a stream's index) kept."""
+    call = {"id": "call_1", "type": "function", "index": 0,
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    request = ChatCompletionRequest.model_validate({"messages": messages})
+    sent = request.chat_messages()
+    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    text = prompts.tokenizer.apply_chat_template(
+        sent, add_generation_prompt=False, chat_template=CALLS_TEMPLATE
+    )
+    assert text == (
+        'user: Weather?[call_1]<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}'
+        "</tool_call><tool_response call_1>sunny</tool_response>"
+    )
+    prompts.build(request)  # the tiny model's template renders it too
+
+
 async def deltas_then(error: Exception | None = None):
     yield Delta("Hel", [1], None, num_cached_tokens=4)
     yield Delta("lo", [2, 3], None)

@@ -176,3 +176,18 @@ def test_bad_fields_answer_400_and_the_next_request_succeeds(client, fields, par
     # ignore_eos: an unseeded draw from the random model may end early at EOS
     after = _chat(client, max_tokens=4, extra_body={"ignore_eos": True}).choices[0]
     assert after.finish_reason == "length"
+
+
+def test_a_tool_conversation_is_served_and_a_malformed_call_named(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}, result]
+    served = client.chat.completions.create(
+        model="tiny", messages=history, max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert served.choices[0].finish_reason == "length"
+    history[1]["tool_calls"] = [{**call, "function": {"arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=history, max_tokens=4)
+    assert caught.value.body["param"] == "messages[1].tool_calls[0].function.name"

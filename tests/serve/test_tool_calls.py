@@ -1,6 +1,7 @@
 """Tool-call parsing of each family's real strings, read in the formats its checkpoint picks;
 stream deltas that begin each call (id, type, name) before its arguments and send the arguments
-in fragments, reassembling to the whole text's calls; the request fields' 400s (no server)."""
+in fragments, reassembling to the whole text's calls; the request fields' 400s, and those of
+the messages' tool calls and tool results (no server)."""
 
 from __future__ import annotations
 
@@ -267,3 +268,65 @@ def test_bad_fields_answer_400_naming_the_field(fields, param):
     answer = validation_to_openai(error.value.errors())
     assert answer.status == 400 and answer.param == param, answer.message
     assert answer.message.startswith(f"{param}: "), answer.message
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+
+
+def _call(**fields) -> dict:
+    """CALL with these fields of its function replaced (None: left out)."""
+    function = {**CALL["function"], **fields}
+    return {**CALL, "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _without(key: str) -> dict:
+    return {k: v for k, v in CALL.items() if k != key}
+
+
+def _history(calls, *later) -> list[dict]:
+    """A conversation whose messages[1] is an assistant's call (content null, as the openai
+    SDK and LangChain send it)."""
+    called = {"role": "assistant", "content": None, "tool_calls": calls}
+    return [{"role": "user", "content": "hi"}, called, *later]
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        (_history("x"), "messages[1].tool_calls"),
+        (_history({"0": CALL}), "messages[1].tool_calls"),
+        (_history([5]), "messages[1].tool_calls[0]"),
+        (_history([_without("id")]), "messages[1].tool_calls[0].id"),
+        (_history([{**CALL, "id": 7}]), "messages[1].tool_calls[0].id"),
+        (_history([_without("type")]), "messages[1].tool_calls[0].type"),
+        (_history([{**CALL, "type": "custom"}]), "messages[1].tool_calls[0].type"),
+        (_history([_without("function")]), "messages[1].tool_calls[0].function"),
+        (_history([{**CALL, "function": "weather"}]), "messages[1].tool_calls[0].function"),
+        (_history([CALL, _call(name=None)]), "messages[1].tool_calls[1].function.name"),
+        (_history([_call(name=["weather"])]), "messages[1].tool_calls[0].function.name"),
+        (_history([_call(arguments=None)]), "messages[1].tool_calls[0].function.arguments"),
+        (_history([_call(arguments={"city": "Paris"})]),
+         "messages[1].tool_calls[0].function.arguments"),
+        (_history([CALL], {"role": "tool", "content": "sunny"}), "messages[2].tool_call_id"),
+        (_history([CALL], {"role": "tool", "content": "sunny", "tool_call_id": 1}),
+         "messages[2].tool_call_id"),
+        (_history([CALL], {"role": "tool", "tool_call_id": "call_1"}), "messages[2].content"),
+        ([{"role": "user", "content": "hi", "name": 3}], "messages[0].name"),
+    ],
+)  # fmt: skip
+def test_malformed_tool_calls_and_results_answer_400_naming_the_field(messages, param):
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    answer = validation_to_openai(error.value.errors())
+    assert answer.status == 400 and answer.param == param, answer.message
+    assert answer.message.startswith(f"{param}: "), answer.message
+
+
+@pytest.mark.parametrize("calls", [None, [], [CALL, _call(arguments="")]])
+def test_well_formed_tool_calls_are_accepted(calls):
+    """null and [] as vLLM takes them; arguments any string (a cut-off call's, or empty)."""
+    result = {"role": "tool", "content": [{"type": "text", "text": "sunny"}],
+              "tool_call_id": "call_1", "name": "weather"}  # fmt: skip
+    request = ChatCompletionRequest.model_validate({"messages": _history(calls, result)})
+    assert request.chat_messages()[1]["tool_calls"] == calls

@@ -204,6 +204,7 @@ class LLM:
                         output.token_ids[0],
                         payload=None,
                         finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
                     )
                 )
         return handoffs
@@ -255,6 +256,7 @@ def _finished_output(handoff: KVHandoff) -> RequestOutput:
         handoff.prompt_token_ids,
         token_ids=[handoff.first_token_id],
         finish_reason=handoff.finish_reason,
+        stop_reason=handoff.stop_reason,
     )
 
 

@@ -31,7 +31,8 @@ class Decode(PhaseReplica):
             output = event.output
             now = time.perf_counter()
             chunk = DecodeChunk(output.new_text, output.new_token_ids, output.finish_reason,
-                                new_logprobs=output.new_logprobs)  # fmt: skip
+                                new_logprobs=output.new_logprobs,
+                                stop_reason=output.stop_reason)  # fmt: skip
             if is_first:
                 stats = self.workers.stats
                 chunk.kv_import_s = stats.import_seconds.pop(handoff.request_id, 0.0)

@@ -33,7 +33,8 @@ class Engine(PhaseReplica):
             output = event.output
             now = time.perf_counter()
             chunk = DecodeChunk(output.new_text, output.new_token_ids, output.finish_reason,
-                                new_logprobs=output.new_logprobs)  # fmt: skip
+                                new_logprobs=output.new_logprobs,
+                                stop_reason=output.stop_reason)  # fmt: skip
             if is_first:
                 chunk.prompt_logprobs = output.prompt_logprobs
                 chunk.num_cached_tokens = output.num_cached_tokens

@@ -269,17 +269,18 @@ class Ingress:
         """Run a request to its end: `handle.generate.remote(GenerateRequest(prompt=..., ...))`."""
         request_id = f"gen-{uuid.uuid4().hex}"
         prompt_ids, params, timings = self._handle_request(request)
-        text, token_ids, finish_reason = "", [], None
+        text, token_ids, finish_reason, stop_reason = "", [], None, None
         logprobs = [] if params.logprobs is not None else None
         async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
             text += delta.text
             token_ids += delta.token_ids
-            finish_reason = delta.finish_reason or finish_reason
+            if delta.finish_reason is not None:
+                finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
             if logprobs is not None:
                 logprobs += delta.logprobs or []
         return GenerateResponse(
             request_id, text, token_ids, len(prompt_ids), finish_reason, timings.as_dict(),
-            logprobs,
+            logprobs, stop_reason,
         )  # fmt: skip
 
     async def generate_stream(
@@ -290,8 +291,9 @@ class Ingress:
         prompt_ids, params, timings = self._handle_request(request)
         async for delta in self.pipeline.run(request_id, prompt_ids, params, timings):
             yield GenerateChunk(
-                request_id, delta.text, delta.token_ids, delta.finish_reason, delta.logprobs
-            )
+                request_id, delta.text, delta.token_ids, delta.finish_reason, delta.logprobs,
+                delta.stop_reason,
+            )  # fmt: skip
 
     def _handle_request(self, request: GenerateRequest | dict):
         if isinstance(request, dict):

@@ -224,7 +224,8 @@ class DisaggregatedPipeline(Pipeline):
         first_logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
         if result.finish_reason is not None:
             yield Delta(result.text, [result.first_token_id], result.finish_reason, first_logprobs,
-                        result.prompt_logprobs, result.num_cached_tokens)  # fmt: skip
+                        result.prompt_logprobs, result.num_cached_tokens,
+                        result.stop_reason)  # fmt: skip
             return
         timings.kv_bytes = result.handoff.num_bytes
         yield Delta(result.first_text, [result.first_token_id], None, first_logprobs,
@@ -322,7 +323,8 @@ async def _chunks(stream, phase: str, first: DecodeChunk | None = None):
 
 def delta_of(chunk: DecodeChunk) -> Delta:
     return Delta(chunk.new_text, list(chunk.new_token_ids), chunk.finish_reason,
-                 chunk.new_logprobs, chunk.prompt_logprobs, chunk.num_cached_tokens)  # fmt: skip
+                 chunk.new_logprobs, chunk.prompt_logprobs, chunk.num_cached_tokens,
+                 chunk.stop_reason)  # fmt: skip
 
 
 async def _backpressure_as_503(stream, phase: str):

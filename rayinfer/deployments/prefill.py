@@ -62,5 +62,6 @@ class Prefill(PhaseReplica):
                 num_cached_tokens=output.num_cached_tokens,
                 first_logprobs=output.logprobs[0] if output.logprobs else None,
                 prompt_logprobs=output.prompt_logprobs,
+                stop_reason=output.stop_reason,
             )
         raise RuntimeError(f"prefill of {request.request_id!r} ended without an output")

@@ -117,18 +117,19 @@ class HttpReply:
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
         """The reply's body; a failure propagates as raised, for the route to answer and log
         once (a request of many choices fails with its first)."""
-        text, finish_reason, entries = self.echo_text, None, []
+        text, finish_reason, stop_reason, entries = self.echo_text, None, None, []
         try:
             async for delta in deltas:
                 text += delta.text
                 self._count(delta)
-                finish_reason = delta.finish_reason or finish_reason
+                if delta.finish_reason is not None:
+                    finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
                 entries += self._echoed_logprobs(delta) + (delta.logprobs or [])
         finally:
             await deltas.aclose()
         build = chat_completion_body if self.chat else completion_body
         body = build(self.request_id, self.model, text, finish_reason, self.usage(),
-                     self._logprobs(entries, text))  # fmt: skip
+                     self._logprobs(entries, text), stop_reason)  # fmt: skip
         body["choices"][0]["index"] = self.index
         if self.tool_calls is not None:
             put_tool_calls(body["choices"][0], self.tool_calls, text, finish_reason)
@@ -167,7 +168,7 @@ class HttpReply:
                     for chunk in self._tool_call_chunks(delta, logprobs):
                         yield self._with_chunk_usage(chunk)
                     continue
-                chunk = self._chunk(text, delta.finish_reason, logprobs)
+                chunk = self._chunk(text, delta.finish_reason, logprobs, delta.stop_reason)
                 yield self._with_chunk_usage(chunk)
                 echo = ""
         except Exception as error:  # the stream already started: report in-band, then end
@@ -185,7 +186,9 @@ class HttpReply:
         chunks = [self._chunk(body, None, logprobs if i == 0 else None)
                   for i, body in enumerate(bodies)]  # fmt: skip
         if reason is not None:
-            chunks[-1]["choices"][0]["finish_reason"] = self.tool_calls.finish_reason(reason)
+            last = chunks[-1]["choices"][0]
+            last["finish_reason"] = self.tool_calls.finish_reason(reason)
+            last["stop_reason"] = delta.stop_reason
         return chunks
 
     def trailer(self, usage: dict, timings: Timings) -> list[str]:
@@ -195,14 +198,16 @@ class HttpReply:
             events.append(sse(self._usage_chunk(usage, timings)))
         return [*events, "data: [DONE]\n\n"]
 
-    def _chunk(self, content, finish_reason=None, logprobs=None) -> dict:
+    def _chunk(self, content, finish_reason=None, logprobs=None, stop_reason=None) -> dict:
         if not self.chat:
             body = completion_chunk_body(
-                self.request_id, self.model, content, finish_reason, logprobs
+                self.request_id, self.model, content, finish_reason, logprobs, stop_reason
             )
         else:
             delta = content if isinstance(content, dict) else {"content": content}
-            body = chat_chunk_body(self.request_id, self.model, delta, finish_reason, logprobs)
+            body = chat_chunk_body(
+                self.request_id, self.model, delta, finish_reason, logprobs, stop_reason
+            )
         body["choices"][0]["index"] = self.index
         return body
 

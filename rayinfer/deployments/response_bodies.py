@@ -1,5 +1,9 @@
 """OpenAI-compatible response bodies: completions and chat completions, their stream chunks,
-token usage, and the model list."""
+token usage, and the model list.
+
+Each choice also carries vLLM's `stop_reason` beside `finish_reason`: the stop token id (an int
+from `stop_token_ids`) or the stop string that ended it; null for EOS or `length`, and on a
+stream's chunks before the one that carries the finish reason."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ def usage_body(
 
 
 def chat_completion_body(
-    request_id, model, text, finish_reason, usage, logprobs=None
+    request_id, model, text, finish_reason, usage, logprobs=None, stop_reason=None
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -36,6 +40,7 @@ def chat_completion_body(
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
                 "logprobs": logprobs,
             }
         ],
@@ -43,44 +48,57 @@ def chat_completion_body(
     }
 
 
-def completion_body(request_id, model, text, finish_reason, usage, logprobs=None) -> dict[str, Any]:
+def completion_body(
+    request_id, model, text, finish_reason, usage, logprobs=None, stop_reason=None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
+        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs)],
         "usage": usage,
     }
 
 
 def chat_chunk_body(
-    request_id, model, delta: dict, finish_reason=None, logprobs=None
+    request_id, model, delta: dict, finish_reason=None, logprobs=None, stop_reason=None
 ) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "logprobs": logprobs,
+    }
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
+        "choices": [choice],
     }
 
 
 def completion_chunk_body(
-    request_id, model, text, finish_reason=None, logprobs=None
+    request_id, model, text, finish_reason=None, logprobs=None, stop_reason=None
 ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-        ],
+        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs)],
+    }
+
+
+def _text_choice(text, finish_reason, stop_reason, logprobs) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": text,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "logprobs": logprobs,
     }
 
 

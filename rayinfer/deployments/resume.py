@@ -58,6 +58,7 @@ class ResumedText:
                 break
         if reason is None and delta.finish_reason is not None:
             reason = delta.finish_reason  # one the rules cannot see (the engine's own)
+            self.state.stop_reason = delta.stop_reason
             if self.state.detokenizer is not None:
                 self.state.text += self.state.detokenizer.flush()
         if reason is not None:
@@ -65,7 +66,8 @@ class ResumedText:
         output = self.state.take_output()
         logprobs = delta.logprobs[:used] if delta.logprobs is not None else None
         return replace(delta, text=output.new_text, token_ids=delta.token_ids[:used],
-                       finish_reason=reason, logprobs=logprobs)  # fmt: skip
+                       finish_reason=reason, logprobs=logprobs,
+                       stop_reason=output.stop_reason)  # fmt: skip
 
     def _append(self, token_id: int) -> str | None:
         rules = self.rules

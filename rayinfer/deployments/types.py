@@ -23,6 +23,7 @@ class Delta:
     logprobs: list | None = None  # engine.outputs.TokenLogprobs per token id, when asked
     prompt_logprobs: list | None = None  # the first delta's, with SamplingParams.prompt_logprobs
     num_cached_tokens: int | None = None  # the first delta's: prompt tokens from the prefix cache
+    stop_reason: int | str | None = None  # with finish_reason "stop": RequestOutput's (vLLM's)
 
 
 class GenerateRequest(SamplingFields):
@@ -69,6 +70,7 @@ class GenerateChunk:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, with `logprobs` asked
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
@@ -80,6 +82,7 @@ class GenerateResponse:
     finish_reason: str | None
     timings: dict[str, float | int | bool] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, with `logprobs` asked
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
@@ -106,6 +109,7 @@ class PrefillResult:
     num_cached_tokens: int = 0
     first_logprobs: Any = None  # engine.outputs.TokenLogprobs when the request asked for them
     prompt_logprobs: list | None = None  # per prompt token, with SamplingParams.prompt_logprobs
+    stop_reason: int | str | None = None  # when the request ended at its first token by a stop
 
 
 @dataclass
@@ -136,6 +140,7 @@ class DecodeChunk:
     new_logprobs: list | None = None  # engine.outputs.TokenLogprobs of new_token_ids, if asked
     prompt_logprobs: list | None = None  # an Engine's first chunk, with prompt_logprobs asked
     num_cached_tokens: int | None = None  # an Engine's first chunk: prompt tokens from the cache
+    stop_reason: int | str | None = None  # the last chunk's, with finish_reason "stop"
 
 
 @dataclass

@@ -26,3 +26,4 @@ class KVHandoff:
     num_bytes: int = 0
     finish_reason: str | None = None  # set when there is nothing left to decode
     first_token_logprobs: Any = None  # outputs.TokenLogprobs when the request asked for them
+    stop_reason: int | str | None = None  # with finish_reason "stop": RequestOutput's

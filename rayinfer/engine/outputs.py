@@ -93,6 +93,9 @@ class RequestOutput:
     # logprob None.
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": why, in a sentence
+    # vLLM's: with finish_reason "stop", the stop_token_ids entry (int) or the stop string (str)
+    # that ended the request; None for EOS, a grammar's end, "length" and while running
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:

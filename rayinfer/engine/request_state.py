@@ -7,7 +7,12 @@ from collections.abc import Set as AbstractSet
 from rayinfer.engine.batch import SampledLogprobs
 from rayinfer.engine.outputs import GeneratedTokens, Logprob, RequestOutput, TokenLogprobs
 from rayinfer.engine.sequence import Sequence
-from rayinfer.engine.stop_checker import find_stop, finish_reason_after_token, streamable_length
+from rayinfer.engine.stop_checker import (
+    find_stop,
+    finish_reason_after_token,
+    stop_token_reason,
+    streamable_length,
+)
 
 
 class RequestState:
@@ -33,6 +38,8 @@ class RequestState:
             )
         self.text = ""
         self.finish_reason: str | None = None
+        # vLLM's: the stop token id or stop string that ended the request, None otherwise
+        self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine failed the request (finish_reason "error")
         self._num_tokens_reported = 0
         self._num_chars_reported = 0
@@ -46,7 +53,7 @@ class RequestState:
     ) -> str | None:
         """Add a sampled token (with its log-probabilities when the request asked for them: an
         executor's numbers, or a TokenLogprobs already made, as a hand-off's first token's);
-        returns why the request ends now, or None."""
+        returns why the request ends now, or None. A "stop" sets `stop_reason`."""
         seq = self.seq
         seq.output_token_ids.append(token_id)
         if self.logprobs is not None:
@@ -54,6 +61,7 @@ class RequestState:
                 logprobs = self.token_logprobs(token_id, logprobs)
             self.logprobs.append(logprobs)
         reason = finish_reason_after_token(seq, eos_token_ids, max_model_len)
+        self.stop_reason = stop_token_reason(seq) if reason == "stop" else None
         if self.detokenizer is None:
             return reason
         params = seq.params
@@ -66,8 +74,9 @@ class RequestState:
         if seq.num_output_tokens < params.min_tokens:
             return reason
         found = find_stop(self.text, params.stop, searched)
-        if found is not None:
-            self.text = self.text[: found[1] if params.include_stop_str_in_output else found[0]]
+        if found is not None:  # the text is cut here, even where a stop token came too
+            self.text = self.text[: found.end if params.include_stop_str_in_output else found.start]
+            self.stop_reason = found.stop
             return "stop"
         return reason
 
@@ -104,7 +113,7 @@ class RequestState:
         self.finish_reason = reason
 
     def fail(self, error: str) -> None:
-        self.finish_reason, self.error = "error", error
+        self.finish_reason, self.error, self.stop_reason = "error", error, None
 
     def take_output(self) -> RequestOutput:
         """The request's state plus what changed since the last call."""
@@ -124,6 +133,7 @@ class RequestState:
             new_token_ids=generated[self._num_tokens_reported :],
             new_text=text[self._num_chars_reported : visible],
             finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             error=self.error,
         )

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
+from typing import NamedTuple
 
 from rayinfer.engine.sequence import Sequence
+
+
+class StopMatch(NamedTuple):
+    """Where a stop string was found in the text, and which one."""
+
+    start: int
+    end: int
+    stop: str
 
 
 def eos_token_ids(model_config, tokenizer=None) -> set[int]:
@@ -38,21 +47,28 @@ def finish_reason_after_token(
     return None
 
 
+def stop_token_reason(seq: Sequence) -> int | None:
+    """vLLM's stop_reason for a request its last token ended ("stop"): the token's id where it
+    is one of the request's stop_token_ids (an EOS id listed there too), None for EOS."""
+    last = seq.output_token_ids[-1]
+    return int(last) if last in seq.params.stop_token_ids else None
+
+
 def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
     """Index where the earliest stop string starts in text[search_from:], or None."""
     found = find_stop(text, stops, search_from)
-    return found[0] if found is not None else None
+    return found.start if found is not None else None
 
 
-def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, int] | None:
-    """(start, end) of the earliest stop string ending in text[search_from:] (at equal starts,
-    the first listed), or None."""
+def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> StopMatch | None:
+    """The earliest stop string ending in text[search_from:] (at equal starts, the first
+    listed), or None."""
     hits = []
     for stop in stops:
         start = text.find(stop, max(0, search_from - len(stop) + 1))
         if start >= 0:
-            hits.append((start, start + len(stop)))
-    return min(hits, key=lambda hit: hit[0]) if hits else None
+            hits.append(StopMatch(start, start + len(stop), stop))
+    return min(hits, key=lambda hit: hit.start) if hits else None
 
 
 def streamable_length(text: str, stops: tuple[str, ...]) -> int:

@@ -213,7 +213,8 @@ def test_logit_bias_forces_a_token(client, tokenizer):
 
 def test_vllm_sampling_extensions_answer_as_the_offline_engine(client, server):
     """Through the prefill -> decode hand-off of this server: the repetition penalty needs the
-    prompt on the decode worker, min_tokens the count, stop_token_ids the engine's stop rule."""
+    prompt on the decode worker, min_tokens the count, stop_token_ids the engine's stop rule
+    and its stop_reason."""
     import rayinfer
 
     llm = rayinfer.LLM("tiny", max_model_len=256)
@@ -223,11 +224,13 @@ def test_vllm_sampling_extensions_answer_as_the_offline_engine(client, server):
     step = next(k for k in range(3, len(tokens)) if tokens[k] not in tokens[:k])
     extensions["stop_token_ids"] = [tokens[step]]  # ends PROMPTS[0] there
     offline = llm.generate(PROMPTS, rayinfer.SamplingParams(**GREEDY_PARAMS, **extensions))
-    assert offline[0].finish_reason == "stop"
+    assert (offline[0].finish_reason, offline[0].stop_reason) == ("stop", tokens[step])
     for prompt, expected in zip(PROMPTS, offline):
         reply = client.completions.create(prompt=prompt, extra_body=extensions, **GREEDY)
-        choice = reply.choices[0]
-        assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
+        choice = reply.choices[0]  # stop_reason: vLLM's field, an extra to the SDK's model
+        assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (
+            expected.text, expected.finish_reason, expected.stop_reason,
+        )  # fmt: skip
     bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
 

@@ -90,6 +90,6 @@ def test_a_stop_string_across_the_cut_ends_the_resumed_stream(llm, rules):
     deltas = asyncio.run(collect())
     assert "".join(d.text for d in deltas) == expected.text
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
-    assert deltas[-1].finish_reason == "stop"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
     assert engines.requests[1].prompt_token_ids == PROMPT + whole.token_ids[:cut]
     assert second.cancelled  # stopped before that replica's own end

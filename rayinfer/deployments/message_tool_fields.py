@@ -3,10 +3,11 @@ an assistant's `tool_calls` is a list of `{"id": str, "type": "function", "funct
 str, "arguments": str}}`, a tool message's `tool_call_id` a string. A malformed one answers 400
 naming its path (`messages[1].tool_calls[0].function.name`).
 
-The checks only look: the chat template gets each field as the client sent it, `arguments`
-still the JSON text (not parsed into an object) and any keys the client added still there.
-Nor is `arguments` checked to be JSON: a reply cut off inside a call (finish_reason `length`)
-comes back with half of it, and the template only writes the text out.
+The checks only look: the request keeps each field as the client sent it, `arguments` the
+JSON text and any keys the client added still there. Nor is `arguments` checked to be JSON: a
+reply cut off inside a call (finish_reason `length`) comes back with half of it. The chat
+template gets `arguments` parsed where the text is a JSON object, else the text
+(tool_calls.template_messages).
 """
 
 from __future__ import annotations

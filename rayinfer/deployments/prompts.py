@@ -10,7 +10,7 @@ from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.tool_call_formats import ToolCallFormats
-from rayinfer.deployments.tool_calls import template_inputs
+from rayinfer.deployments.tool_calls import template_inputs, template_messages
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.tokenizer import TokenizerError
 
@@ -55,9 +55,11 @@ class PromptBuilder:
         return prompt_ids, params
 
     def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """tools: a chat request's tools for the template (deployments/tool_calls.py)."""
+        """tools: a chat request's tools for the template (deployments/tool_calls.py). The
+        template gets tool calls' arguments parsed (template_messages); `messages` is unchanged."""
         if self.tokenizer is None:
             raise OpenAIError(400, "messages: this model has no tokenizer", param="messages")
+        messages = template_messages(messages)
         try:
             if tools:
                 reads_tools = self.tokenizer.template_reads_tools()

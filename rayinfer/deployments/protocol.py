@@ -314,8 +314,9 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """The messages as chat templates read them: a tool call's and a tool result's own
-        fields (tool_calls, tool_call_id, name) kept beside the text."""
+        """The messages as sent, content as text: a tool call's and a tool result's own fields
+        (tool_calls, tool_call_id, name) kept beside it. The chat template gets them through
+        tool_calls.template_messages, which parses tool calls' arguments."""
         messages = []
         for m in self.messages:
             sent = {k: getattr(m, k) for k in TOOL_MESSAGE_FIELDS if k in m.model_fields_set}

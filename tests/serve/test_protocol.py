@@ -300,9 +300,27 @@ CALLS_TEMPLATE = (
 )
 
 
-def test_tool_calls_and_results_reach_the_template_as_sent(prompts):
-    """The calls an assistant made (content null) and their results go to the template as the
-    client sent them: arguments as JSON text, added keys (a stream's index) kept."""
+def rendered_chat(prompts, monkeypatch, template: str, chat: ChatCompletionRequest | list) -> str:
+    """The text the server's prompt builder renders for a chat request (or its messages)
+    through this template."""
+    texts = []
+
+    def encode(text, add_special_tokens=True):
+        texts.append(text)
+        return [1]
+
+    if isinstance(chat, list):
+        chat = ChatCompletionRequest.model_validate({"messages": chat})
+    with monkeypatch.context() as patch:
+        patch.setattr(prompts.tokenizer, "chat_templates", {"default": template})
+        patch.setattr(prompts.tokenizer, "encode", encode)
+        prompts.build(chat)
+    return texts[0]
+
+
+def test_tool_calls_and_results_reach_the_template(prompts, monkeypatch):
+    """The calls an assistant made (content null) and their results reach the template, added
+    keys (a stream's index) kept; the request itself keeps the client's arguments text."""
     call = {"id": "call_1", "type": "function", "index": 0,
             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
     messages = [
@@ -311,17 +329,113 @@ def test_tool_calls_and_results_reach_the_template_as_sent(prompts):
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     ]
     request = ChatCompletionRequest.model_validate({"messages": messages})
-    sent = request.chat_messages()
-    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
-    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
-    text = prompts.tokenizer.apply_chat_template(
-        sent, add_generation_prompt=False, chat_template=CALLS_TEMPLATE
-    )
+    text = rendered_chat(prompts, monkeypatch, CALLS_TEMPLATE, messages)
     assert text == (
         'user: Weather?[call_1]<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}'
         "</tool_call><tool_response call_1>sunny</tool_response>"
     )
     prompts.build(request)  # the tiny model's template renders it too
+    sent = request.chat_messages()
+    assert sent[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+# A call as real templates write it (the assistant's other messages write nothing):
+# Llama 3.1's `tojson` of whatever arguments are,
+LLAMA_CALL = (
+    "{% for m in messages %}{% for call in m.tool_calls or [] %}"
+    "{{- '{\"name\": \"' + call.function.name + '\", ' }}{{- '\"parameters\": ' }}"
+    "{{- call.function.arguments | tojson }}{{- '}' }}{% endfor %}{% endfor %}"
+)
+# Qwen3's and Hermes' text as it is or `tojson` of an object,
+QWEN_CALL = (
+    "{% for m in messages %}{% for call in m.tool_calls or [] %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    '{{- \'{"name": "\' }}{{- call.name }}{{- \'", "arguments": \' }}'
+    "{%- if call.arguments is string %}{{- call.arguments }}"
+    "{%- else %}{{- call.arguments | tojson }}{%- endif %}{{- '}' }}{% endfor %}{% endfor %}"
+)
+# DeepSeek V3's `+` of the arguments as text,
+DEEPSEEK_CALL = (
+    "{% for m in messages %}{% for tool in m.tool_calls or [] %}"
+    "{{ '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>' }}{% endfor %}{% endfor %}"
+)
+# and GLM-4.5's key/value pairs of an object.
+GLM_CALL = (
+    "{% for m in messages %}{% for tc in m.tool_calls or [] %}"
+    "{%- if tc.function %}{%- set tc = tc.function %}{%- endif %}"
+    "{{- '<tool_call>' + tc.name -}}{% set _args = tc.arguments %}"
+    "{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>"
+    "{% endfor %}</tool_call>{% endfor %}{% endfor %}"
+)
+COMPACT = '{"days":2,"city":"Paris","note":"m\\u00e9t\\u00e9o"}'  # keys out of order
+
+
+def _call_history(arguments: str) -> list:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": arguments}}  # fmt: skip
+    return [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "template, arguments, written",
+    [
+        # JSON once, not a string of it ("{\"city\": ...}")
+        (LLAMA_CALL, '{"city": "Paris", "days": 2}',
+         '{"name": "weather", "parameters": {"city": "Paris", "days": 2}}'),
+        # an object's tojson: the client's key order, json.dumps' spacing, no \u escapes
+        (LLAMA_CALL, COMPACT,
+         '{"name": "weather", "parameters": {"days": 2, "city": "Paris", "note": "météo"}}'),
+        (QWEN_CALL, COMPACT,
+         '{"name": "weather", "arguments": {"days": 2, "city": "Paris", "note": "météo"}}'),
+        (QWEN_CALL, '{"city": "Paris", "days": 2}',
+         '{"name": "weather", "arguments": {"city": "Paris", "days": 2}}'),
+        # text the template adds to a string is the client's own
+        (DEEPSEEK_CALL, COMPACT,
+         f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{COMPACT}\n```"
+         "<｜tool▁call▁end｜>"),
+        (GLM_CALL, COMPACT,
+         "<tool_call>weather<arg_key>days</arg_key><arg_value>2</arg_value>"
+         "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+         "<arg_key>note</arg_key><arg_value>météo</arg_value></tool_call>"),
+    ],
+    ids=["llama", "llama-compact", "qwen-compact", "qwen", "deepseek", "glm"],
+)  # fmt: skip
+def test_tool_call_arguments_reach_the_template_as_their_object(
+    prompts, monkeypatch, template, arguments, written
+):
+    """As vLLM passes them and transformers' tool-use docs ask: a JSON object's text as the
+    object, so that templates writing `tojson` of it encode it once."""
+    assert rendered_chat(prompts, monkeypatch, template, _call_history(arguments)) == written
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"city": "Pa', "", "[1]", '"Paris"', "null", "{'city': 'Paris'}", "[" * 100_000],
+    ids=["cut-off", "empty", "list", "string", "null", "python", "too-deep"],
+)
+def test_tool_call_arguments_not_a_json_object_reach_the_template_as_sent(
+    prompts, monkeypatch, arguments
+):
+    """A call cut off by max_tokens, JSON that is no object, or text too deeply nested to
+    parse: the client's text."""
+    text = rendered_chat(prompts, monkeypatch, QWEN_CALL, _call_history(arguments))
+    assert text == '{"name": "weather", "arguments": ' + arguments + "}"
+
+
+def test_parsing_tool_call_arguments_leaves_the_request_as_sent(prompts, monkeypatch):
+    messages = _call_history(COMPACT)
+    request = ChatCompletionRequest.model_validate({"messages": messages})
+    rendered_chat(prompts, monkeypatch, GLM_CALL, request)
+    assert request.chat_messages()[1]["tool_calls"] == messages[1]["tool_calls"]
+    assert request.messages[1].tool_calls[0]["function"]["arguments"] == COMPACT
 
 
 async def deltas_then(error: Exception | None = None):

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from rayinfer.config import ConfigError, ParallelPlan
+from rayinfer.engine.chat_prompt import ChatOptions, encode_conversation
 from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.model_source import resolve_device, resolve_dtype
 from rayinfer.engine.outputs import RequestFailedError, RequestOutput
@@ -171,14 +172,32 @@ class LLM:
         self,
         conversations: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} messages) or several, through
-        the checkpoint's chat template."""
+        the checkpoint's chat template, as the server renders a chat request's messages (tool
+        calls' arguments reach the template as objects).
+
+        As vLLM's `LLM.chat`: add_generation_prompt ends the prompt with the header of a new
+        assistant turn; continue_final_message (with add_generation_prompt=False) ends it inside
+        the last message, an assistant's, for the model to continue; chat_template_kwargs are
+        more template variables, e.g. {"enable_thinking": False} for Qwen3's template
+        (engine/chat_prompt.py lists the keys refused). A bad value raises InvalidRequestError
+        naming it."""
         if self.tokenizer is None:
             raise ConfigError("this model has no tokenizer.json, so no chat template; use generate")
+        options = ChatOptions.checked(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
+        prompts = [
+            encode_conversation(self.tokenizer, messages, options=options)
+            for messages in conversations
+        ]
         return self.generate(prompts, params)
 
     def prefill(self, prompts, params=None) -> list[KVHandoff]:

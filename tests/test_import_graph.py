@@ -21,6 +21,7 @@ NOT_ABOVE = {
     "rayinfer.layers": ("rayinfer.models", "rayinfer.engine", "rayinfer.workers"),
     "rayinfer.models": ("rayinfer.engine", "rayinfer.workers", "rayinfer.deployments"),
     "rayinfer.engine": ("rayinfer.workers", "rayinfer.deployments", "rayinfer.llm"),
+    "rayinfer.llm": ("rayinfer.deployments", "rayinfer.app"),
     "rayinfer.workers.runner": (
         "rayinfer.engine.scheduler",
         "rayinfer.engine.block_manager",

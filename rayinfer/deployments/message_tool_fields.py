@@ -7,7 +7,7 @@ The checks only look: the request keeps each field as the client sent it, `argum
 JSON text and any keys the client added still there. Nor is `arguments` checked to be JSON: a
 reply cut off inside a call (finish_reason `length`) comes back with half of it. The chat
 template gets `arguments` parsed where the text is a JSON object, else the text
-(tool_calls.template_messages).
+(engine/template_messages.py).
 """
 
 from __future__ import annotations

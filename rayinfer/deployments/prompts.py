@@ -10,7 +10,8 @@ from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.tool_call_formats import ToolCallFormats
-from rayinfer.deployments.tool_calls import template_inputs, template_messages
+from rayinfer.deployments.tool_calls import template_inputs
+from rayinfer.engine.chat_prompt import ChatOptions, encode_conversation
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.tokenizer import TokenizerError
 
@@ -34,17 +35,15 @@ class PromptBuilder:
 
     def build(self, request) -> tuple[list[int], SamplingParams]:
         """request: ChatCompletionRequest, CompletionRequest or GenerateRequest."""
-        messages = (
-            request.chat_messages()
-            if isinstance(request, ChatCompletionRequest)
-            else (getattr(request, "messages", None))
-        )
+        is_chat = isinstance(request, ChatCompletionRequest)
+        messages = request.chat_messages() if is_chat else getattr(request, "messages", None)
         field = "messages" if messages is not None else "prompt"
         if messages is not None:
             texts = [m.get("content") for m in messages]
             self._check_text_length(sum(len(t) for t in texts if isinstance(t, str)), field)
-            is_chat = isinstance(request, ChatCompletionRequest)
-            prompt_ids = self._encode_chat(messages, request.template_tools() if is_chat else None)
+            tools = request.template_tools() if is_chat else None
+            options = request.chat_options() if is_chat else None
+            prompt_ids = self.encode_chat(messages, tools, options)
         else:
             prompt_ids = self._encode_prompt(request.prompt)
         max_tokens = self._max_tokens(request, len(prompt_ids), field)
@@ -54,17 +53,25 @@ class PromptBuilder:
             raise OpenAIError(400, str(error), param=error.field) from None
         return prompt_ids, params
 
-    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """tools: a chat request's tools for the template (deployments/tool_calls.py). The
-        template gets tool calls' arguments parsed (template_messages); `messages` is unchanged."""
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        options: ChatOptions | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt ids of a conversation, as offline `LLM.chat` renders it
+        (engine/chat_prompt.py). tools: a chat request's tools for the template
+        (deployments/tool_calls.py). `messages` is unchanged."""
         if self.tokenizer is None:
             raise OpenAIError(400, "messages: this model has no tokenizer", param="messages")
-        messages = template_messages(messages)
         try:
             if tools:
                 reads_tools = self.tokenizer.template_reads_tools()
                 messages, tools = template_inputs(messages, tools, reads_tools)
-            return self.tokenizer.encode_chat(messages, tools=tools)
+            return encode_conversation(self.tokenizer, messages, tools, options, add_special_tokens)
+        except InvalidRequestError as error:  # the chat options against these messages
+            raise OpenAIError(400, str(error), param=error.field) from None
         except Exception as error:  # TokenizerError, or the template raised
             raise OpenAIError(400, f"messages: {error}", param="messages") from None
 

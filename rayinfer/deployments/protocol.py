@@ -13,7 +13,9 @@ Log-probabilities: chat's `logprobs` / `top_logprobs` (up to 20) and completions
 (up to 5), formatted by deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
 Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tools:
 deployments/structured_fields.py; the messages' tool calls and tool results:
-deployments/message_tool_fields.py.
+deployments/message_tool_fields.py; how chat renders its messages (vLLM's
+add_generation_prompt, continue_final_message, chat_template_kwargs):
+deployments/chat_template_fields.py.
 
 Every number is checked here with OpenAI's range (vLLM's for its extensions): a value outside
 answers 400 naming the field before anything is tokenized or scheduled.
@@ -32,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayinfer.deployments.chat_template_fields import ChatTemplateFields
 from rayinfer.deployments.message_tool_fields import ToolCallsAsSent
 from rayinfer.deployments.structured_fields import (
     ChatOutputFields,
@@ -284,14 +287,20 @@ class ChatMessage(BaseModel):
             )
         return self.content or ""
 
+    def as_sent(self) -> dict[str, Any]:
+        """The message as sent, content as text, the tool fields the client gave beside it."""
+        sent = {k: getattr(self, k) for k in TOOL_MESSAGE_FIELDS if k in self.model_fields_set}
+        return {"role": self.role, "content": self.text(), **sent}
 
-class ChatCompletionRequest(SamplingFields, ChatOutputFields):
+
+class ChatCompletionRequest(SamplingFields, ChatOutputFields, ChatTemplateFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # response_format, tools, tool_choice: ChatOutputFields (deployments/structured_fields.py)
+    # add_generation_prompt, continue_final_message, chat_template_kwargs: ChatTemplateFields
 
     @field_validator("top_logprobs")
     @classmethod
@@ -316,12 +325,8 @@ class ChatCompletionRequest(SamplingFields, ChatOutputFields):
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages as sent, content as text: a tool call's and a tool result's own fields
         (tool_calls, tool_call_id, name) kept beside it. The chat template gets them through
-        tool_calls.template_messages, which parses tool calls' arguments."""
-        messages = []
-        for m in self.messages:
-            sent = {k: getattr(m, k) for k in TOOL_MESSAGE_FIELDS if k in m.model_fields_set}
-            messages.append({"role": m.role, "content": m.text(), **sent})
-        return messages
+        engine/template_messages.py, which parses tool calls' arguments."""
+        return [m.as_sent() for m in self.messages]
 
 
 class CompletionRequest(SamplingFields, ResponseFormatFields):

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
+
+from rayinfer.engine.chat_template import render_chat
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Texts this long encode through `encode_batch`, which releases the GIL while it works (`encode`
 # holds it: a 200,000-word prompt stopped every other thread of the process for 0.45 s).
 GIL_FREE_ENCODE_CHARS = 4096
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # first: what templates read
 
 
 class TokenizerError(ValueError):
@@ -112,32 +109,44 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **template_kwargs,
     ) -> str:
-        """The conversation rendered as text, exactly as transformers' `apply_chat_template`.
+        """The conversation rendered as text, exactly as transformers' `apply_chat_template`
+        (engine/chat_template.py). template_kwargs: more variables for the template (Qwen3's
+        `enable_thinking`), over the special tokens and `documents`.
 
         The text already holds the template's special tokens: encode it with
         `add_special_tokens=False` (or call `encode_chat`).
         """
         template = self._select_template(chat_template, tools)
-        messages = [_normalize_message(message) for message in messages]
-        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables = {"tools": tools, "documents": None}
+        variables.update((k, v) for k, v in self.special_tokens.items() if v is not None)
         variables.update(template_kwargs)
-        return _compile_template(template).render(
-            messages=messages,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
+        return render_chat(
+            template, messages, variables, add_generation_prompt, continue_final_message
         )
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """The rendered conversation's ids. add_special_tokens: the tokenizer's own (a bos)
+        on top of what the template writes, as vLLM's chat field of that name."""
         text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def template_reads_tools(self) -> bool:
         """Whether the chat template that renders tools names them at all."""
@@ -160,16 +169,6 @@ class Tokenizer:
             f"model {self.name!r} has several chat templates and none named 'default'; "
             f"pass chat_template= one of {sorted(self.chat_templates)}"
         )
-
-
-def _normalize_message(message: dict) -> dict:
-    """As transformers: drop None values (OpenAI clients send content=None) and copy the
-    reasoning under every name templates read."""
-    message = {key: value for key, value in message.items() if value is not None}
-    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
-    if reasoning is not None:
-        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message
 
 
 def _read_json(path: Path) -> dict:
@@ -237,48 +236,3 @@ def _chat_templates(folder: Path, config: dict) -> dict[str, str]:
     if isinstance(template, list):
         return {entry["name"]: entry["template"] for entry in template}
     return {"default": template} if template else {}
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile with the environment transformers uses: sandboxed, trim_blocks and lstrip_blocks."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text: render the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
-            lineno
-        )
-
-    def _render_body(self, caller) -> str:
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson escapes HTML characters, which chat templates must not do.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)

@@ -6,6 +6,7 @@ import pytest
 import rayinfer
 from rayinfer.config import ConfigError
 from rayinfer.engine.sampling_params import InvalidRequestError
+from tests.engine.test_chat_template import QWEN3_THINKING_TEMPLATE
 from tests.models.harness import TINY_DENSE, make_hf_checkpoint, make_prompts
 
 GREEDY = rayinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -212,6 +213,80 @@ def test_chat_applies_the_template_of_the_built_in_model():
 def test_chat_without_a_tokenizer_says_why(checkpoint):
     with pytest.raises(ConfigError, match="chat template"):
         rayinfer.LLM(str(checkpoint), device="cpu").chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return rayinfer.LLM("tiny", device="cpu")
+
+
+def chatml_ids(llm, text: str) -> list[int]:
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+STORY = [
+    {"role": "user", "content": "Tell me a story."},
+    {"role": "assistant", "content": "Once upon"},
+]
+SHORT = rayinfer.SamplingParams(max_tokens=2, temperature=0)
+
+
+def test_chat_takes_vllms_template_options(tiny_llm):
+    (open_ended,) = tiny_llm.chat(
+        STORY, SHORT, add_generation_prompt=False, continue_final_message=True
+    )
+    asked = "<|im_start|>user\nTell me a story.<|im_end|>\n"
+    assert open_ended.prompt_token_ids == chatml_ids(
+        tiny_llm, asked + "<|im_start|>assistant\nOnce upon"
+    )
+    (no_header,) = tiny_llm.chat(STORY[:1], SHORT, add_generation_prompt=False)
+    assert no_header.prompt_token_ids == chatml_ids(tiny_llm, asked)
+    for options, field in [
+        (dict(continue_final_message=True), "continue_final_message"),
+        (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+    ]:
+        with pytest.raises(InvalidRequestError) as caught:
+            tiny_llm.chat(STORY, SHORT, **options)
+        assert caught.value.field == field
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llm, monkeypatch):
+    monkeypatch.setattr(tiny_llm.tokenizer, "chat_templates", {"default": QWEN3_THINKING_TEMPLATE})
+    (reply,) = tiny_llm.chat(STORY[:1], SHORT, chat_template_kwargs={"enable_thinking": False})
+    text = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+    assert reply.prompt_token_ids == chatml_ids(tiny_llm, text + "<think>\n\n</think>\n\n")
+
+
+# Writes an assistant's calls as Llama 3.1's template does: `arguments | tojson`
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}{{ call.function.arguments | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_renders_the_prompt_the_server_renders(tiny_llm, monkeypatch):
+    """A tool call's arguments reach the template as the object their text holds, offline as
+    served: written once by `tojson`, not as a JSON string of the text."""
+    from rayinfer.deployments.config import AppConfig
+    from rayinfer.deployments.prompts import PromptBuilder
+    from rayinfer.deployments.protocol import ChatCompletionRequest
+    from rayinfer.deployments.runtime import ModelSource
+
+    prompts = PromptBuilder(ModelSource.resolve(AppConfig(max_model_len=256)))
+    for tokenizer in (tiny_llm.tokenizer, prompts.tokenizer):
+        monkeypatch.setattr(tokenizer, "chat_templates", {"default": CALLS_TEMPLATE})
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    served_ids, _ = prompts.build(ChatCompletionRequest(messages=messages, max_tokens=2))
+    (reply,) = tiny_llm.chat(messages, SHORT)
+    assert reply.prompt_token_ids == served_ids
+    assert '\n{"city": "Paris"}<|im_end|>' in tiny_llm.tokenizer.decode(served_ids, False)
 
 
 def test_kv_cache_that_does_not_fit_names_the_setting(checkpoint):

@@ -18,7 +18,6 @@ from rayinfer.deployments.tool_calls import (
     parse_tool_calls,
     string_params_of,
     template_inputs,
-    template_messages,
 )
 
 ARGS = {"city": "Paris", "days": 2}
@@ -233,24 +232,6 @@ def test_tools_go_to_a_system_message_where_the_template_ignores_them():
     assert template_inputs(messages, tools, True) == (messages, tools)
     shown, none = template_inputs(messages, tools, False)
     assert none is None and shown[0]["role"] == "system" and '"weather"' in shown[0]["content"]
-
-
-def test_template_messages_parse_only_an_assistant_calls_json_object():
-    """A handle's messages are not shape-checked: what is not an assistant's call with text
-    arguments stays as given, and the given messages stay as they were."""
-    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
-    odd = [
-        {"role": "user", "tool_calls": [call]},
-        {"role": "assistant", "tool_calls": "x"},
-        {"role": "assistant", "tool_calls": [7, {"function": None}, {"function": {"name": "f"}}]},
-        {"role": "assistant", "tool_calls": [{"function": {"arguments": {"a": 1}}}]},
-    ]
-    assert template_messages(odd) == odd
-    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
-    parsed = template_messages(messages)[0]["tool_calls"][0]["function"]["arguments"]
-    assert parsed == {"a": 1} and str(parsed) == '{"a":1}' and "<" + parsed + ">" == '<{"a":1}>'
-    assert json.dumps(parsed) == '{"a": 1}'
-    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a":1}'
 
 
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}

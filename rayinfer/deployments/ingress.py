@@ -2,7 +2,8 @@
 
 It tokenizes (applying the chat template), checks the request against the model, runs it through
 Prefill then Decode, or through one colocated Engine (deployments/pipeline.py), and streams the
-detokenized text as SSE or returns it whole.
+detokenized text as SSE or returns it whole. vLLM's /tokenize and /detokenize it answers with
+its tokenizer alone (deployments/tokenization.py).
 """
 
 import asyncio
@@ -17,7 +18,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayinfer.deployments import response_bodies
+from rayinfer.deployments import response_bodies, tokenization
 from rayinfer.deployments.admission import Admission
 from rayinfer.deployments.choices import (
     ChoiceLimit,
@@ -47,7 +48,12 @@ from rayinfer.engine.stop_checker import eos_token_ids
 app = FastAPI(title="rayinfer", description="OpenAI-compatible API over MoE engines on Ray Serve")
 
 
-REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+REQUIRED_FIELDS = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/tokenize": "prompt",
+    "/detokenize": "tokens",
+}
 
 
 def error_responses(*statuses: int) -> dict:
@@ -177,6 +183,27 @@ class Ingress:
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, request: CompletionRequest, http: Request):
         return await self._serve_http(request, http, "cmpl", chat=False)
+
+    @app.post(
+        "/tokenize",
+        response_model=tokenization.TokenizeResponse,
+        responses=error_responses(400, 404, 500),
+    )
+    async def tokenize(self, request: tokenization.TokenizeRequest, http: Request):
+        """A text's or a conversation's token ids, as a completion or chat would prompt."""
+        http.state.request_id = f"tokn-{uuid.uuid4().hex}"
+        self._check_model(request.model)
+        return await asyncio.to_thread(tokenization.tokenize, self.prompts, request)
+
+    @app.post(
+        "/detokenize",
+        response_model=tokenization.DetokenizeResponse,
+        responses=error_responses(400, 404, 500),
+    )
+    async def detokenize(self, request: tokenization.DetokenizeRequest, http: Request):
+        http.state.request_id = f"tokn-{uuid.uuid4().hex}"
+        self._check_model(request.model)
+        return await asyncio.to_thread(tokenization.detokenize, self.prompts, request)
 
     async def _serve_http(self, request, http: Request, id_prefix: str, chat: bool):
         request_id = http.state.request_id = f"{id_prefix}-{uuid.uuid4().hex}"

@@ -99,6 +99,11 @@ class Tokenizer:
         (a byte-level token's string has one character per byte, at least one per text char)."""
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The ids' vocabulary strings (a byte-level BPE's "Ġworld"), as transformers'
+        `convert_ids_to_tokens`; every id must be in the vocabulary."""
+        return [self.backend.id_to_token(token_id) for token_id in ids]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # transformers 5 ignores clean_up_tokenization_spaces for BPE models, and so does rayinfer.
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

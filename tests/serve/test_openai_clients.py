@@ -1,6 +1,6 @@
 """End to end: what third-party OpenAI clients send, against a real `serve run` on a private
-cluster: the openai SDK, raw httpx, lm-eval's `local-completions` with batched prompts, and a
-schemathesis run over `/openapi.json`.
+cluster: the openai SDK, raw httpx (vLLM's /tokenize and /detokenize too), lm-eval's
+`local-completions` with batched prompts, and a schemathesis run over `/openapi.json`.
 
 One server for the module (starting one costs ~40 s on 2 cores).
 """
@@ -233,6 +233,33 @@ def test_vllm_sampling_extensions_answer_as_the_offline_engine(client, server):
         )  # fmt: skip
     bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, tokenizer):
+    """Answered by the ingress alone: a prompt's ids and back to text, a conversation's ids
+    (a chat completion's prompt_tokens), and bad input as 400/404 naming the field."""
+    body = dict(model="tiny", prompt=PROMPTS[1], return_token_strs=True)
+    reply = post(server, "/tokenize", body)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["tokens"]
+    assert tokens == tokenizer.encode(PROMPTS[1])
+    assert reply.json() == {"count": len(tokens), "max_model_len": 256, "tokens": tokens,
+                            "token_strs": tokenizer.token_strings(tokens)}  # fmt: skip
+    back = post(server, "/detokenize", {"model": "tiny", "tokens": tokens[1:]})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPTS[1]}
+    chat = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}])
+    usage = post(server, "/v1/chat/completions", {**chat, **GREEDY_PARAMS}).json()["usage"]
+    assert post(server, "/tokenize", chat).json()["count"] == usage["prompt_tokens"]
+    for route, bad, status, param in [
+        ("/tokenize", {"prompt": "a", **chat}, 400, "prompt"),
+        ("/tokenize", {"messages": chat["messages"], "continue_final_message": True}, 400,
+         "continue_final_message"),
+        ("/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"model": "gpt-5", "tokens": [5]}, 404, "model"),
+    ]:  # fmt: skip
+        reply = post(server, route, bad)
+        assert reply.status_code == status, reply.text
+        assert reply.json()["error"]["param"] == param and reply.json()["error"]["request_id"]
 
 
 IMAGE_MESSAGE = {

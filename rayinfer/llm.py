@@ -224,6 +224,7 @@ class LLM:
                         payload=None,
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
+                        finished_output=output,
                     )
                 )
         return handoffs
@@ -270,6 +271,10 @@ def _broadcast(prompts, params):
 
 
 def _finished_output(handoff: KVHandoff) -> RequestOutput:
+    """The output of a request that finished at its first token: the prefill's where the
+    hand-off carries it, else what the hand-off says of it."""
+    if handoff.finished_output is not None:
+        return handoff.finished_output
     return RequestOutput(
         handoff.request_id,
         handoff.prompt_token_ids,

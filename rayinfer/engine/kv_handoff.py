@@ -27,3 +27,6 @@ class KVHandoff:
     finish_reason: str | None = None  # set when there is nothing left to decode
     first_token_logprobs: Any = None  # outputs.TokenLogprobs when the request asked for them
     stop_reason: int | str | None = None  # with finish_reason "stop": RequestOutput's
+    # The prefill's outputs.RequestOutput where the request finished at its first token (its
+    # text, logprobs and prompt logprobs), which decode returns as it is; None otherwise.
+    finished_output: Any = None

@@ -159,3 +159,9 @@ def test_a_stop_on_the_prefills_first_token_is_handed_on(llm, prompts, free):
     decode = rayinfer.LLM("tiny", device="cpu", dtype="float32")
     outputs = decode.decode(handoffs, params)
     assert reasons(outputs) == [("stop", first_id), ("stop", stop), ("stop", None)]
+    # the prefill's whole output is what decode returns: its text and logprobs too
+    kept = SamplingParams(**GREEDY, stop=stop, include_stop_str_in_output=True, logprobs=1)
+    (output,) = decode.decode(llm.prefill([prompts[0]], kept), kept)
+    (whole,) = llm.generate([prompts[0]], kept)
+    assert output.text == whole.text == stop and output.token_ids == whole.token_ids
+    assert output.logprobs == whole.logprobs and output.logprobs

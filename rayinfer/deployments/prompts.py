@@ -1,7 +1,9 @@
 """Turn an API request into prompt token ids and SamplingParams, or a 400 naming the field.
 
 A text that cannot fit max_model_len even at the tokenizer's longest token is refused before it
-is tokenized (a 200,000-word prompt answers 400 at once); the rest is tokenized whole.
+is tokenized (a 200,000-word prompt answers 400 at once); the rest is tokenized whole. vLLM's
+truncate_prompt_tokens then keeps the prompt's last tokens (engine/prompt_truncation.py): it
+shortens texts that pass that check, unlike vLLM, which tokenizes any text it is to truncate.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
 from rayinfer.deployments.tool_call_formats import ToolCallFormats
 from rayinfer.deployments.tool_calls import template_inputs
+from rayinfer.engine.bad_words import with_bad_words_tokenized
 from rayinfer.engine.chat_prompt import ChatOptions, encode_conversation
+from rayinfer.engine.prompt_truncation import keep_last, prompt_token_limit
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.tokenizer import TokenizerError
 
@@ -38,6 +42,7 @@ class PromptBuilder:
         is_chat = isinstance(request, ChatCompletionRequest)
         messages = request.chat_messages() if is_chat else getattr(request, "messages", None)
         field = "messages" if messages is not None else "prompt"
+        limit = self._prompt_limit(request)
         if messages is not None:
             texts = [m.get("content") for m in messages]
             self._check_text_length(sum(len(t) for t in texts if isinstance(t, str)), field)
@@ -45,10 +50,12 @@ class PromptBuilder:
             options = request.chat_options() if is_chat else None
             prompt_ids = self.encode_chat(messages, tools, options)
         else:
-            prompt_ids = self._encode_prompt(request.prompt)
+            prompt_ids = self._encode_prompt(request.prompt, limit)
+        prompt_ids = keep_last(prompt_ids, limit)  # a chat's or token ids (a text's already is)
         max_tokens = self._max_tokens(request, len(prompt_ids), field)
         try:
-            params = request.sampling_params(max_tokens)
+            params = with_bad_words_tokenized(request.sampling_params(max_tokens), self.tokenizer)
+            params.check_vocabulary(self.vocab_size)
         except InvalidRequestError as error:
             raise OpenAIError(400, str(error), param=error.field) from None
         return prompt_ids, params
@@ -82,7 +89,8 @@ class PromptBuilder:
         except TokenizerError:
             return False
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], limit: int | None = None) -> list[int]:
+        """limit: the tokens truncate_prompt_tokens keeps of a text (None: all)."""
         if not prompt:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
         if isinstance(prompt, str):
@@ -91,12 +99,26 @@ class PromptBuilder:
                     400, "prompt: this model has no tokenizer; send token ids", param="prompt"
                 )
             self._check_text_length(len(prompt), "prompt")
+            if limit is not None:
+                return self.tokenizer.encode_last(prompt, limit)
             return self.tokenizer.encode(prompt)
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise OpenAIError(
                 400, f"prompt: token ids must lie in [0, {self.vocab_size})", param="prompt"
             )
         return list(prompt)
+
+    def _prompt_limit(self, request) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps (None: all), or a 400 naming it
+        when it does not fit beside the requested max_tokens (none requested counts 0)."""
+        try:
+            return prompt_token_limit(
+                request.truncate_prompt_tokens,
+                self.max_model_len,
+                request.requested_max_tokens or 0,
+            )
+        except InvalidRequestError as error:
+            raise OpenAIError(400, str(error), param=error.field) from None
 
     def _check_text_length(self, num_chars: int, field: str) -> None:
         if self.max_text_chars is not None and num_chars > self.max_text_chars:

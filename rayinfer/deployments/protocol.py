@@ -8,7 +8,8 @@ server does. Types are strict where OpenAI's are: `"max_tokens": "3"`, `"stream"
 token id `false` are 400, not coerced. Completions take a batch of prompts (a list of strings or
 of token-id lists): each prompt is its own engine request, choice `prompt_index * n + i`.
 Extensions (vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`) are marked.
+`include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`, `allowed_token_ids`,
+`bad_words`, `truncate_prompt_tokens`) are marked.
 Log-probabilities: chat's `logprobs` / `top_logprobs` (up to 20) and completions' `logprobs`
 (up to 5), formatted by deployments/logprobs.py. `n` choices over HTTP: deployments/choices.py.
 Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tools:
@@ -42,6 +43,7 @@ from rayinfer.deployments.structured_fields import (
     ResponseFormatFields,
 )
 from rayinfer.deployments.valid_unicode import check_text
+from rayinfer.engine.bad_words import MAX_BAD_WORD_SEQUENCES
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 # Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
@@ -103,6 +105,19 @@ class SamplingFields(GuidedFields):
     skip_special_tokens: bool = Field(
         True, description="extension: leave special tokens out of the text"
     )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="extension: only these token ids may be sampled"
+    )
+    bad_words: list[str] | None = Field(
+        None,
+        description="extension: words the output may not contain (the last token of each "
+        "word's token sequence is masked where the output ends with the others)",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        description="extension: keep the prompt's last k tokens; -1 keeps as many as "
+        "max_model_len - max_tokens leaves",
+    )
     stop: str | list[str] | None = None
     seed: int | None = Field(None, description=f"0..{MAX_SEED}")
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
@@ -146,6 +161,31 @@ class SamplingFields(GuidedFields):
     def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
         if value and min(value) < 0:
             raise ValueError("token ids must be >= 0")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise ValueError("must not be empty (no token could be sampled); null is off")
+        if value and min(value) < 0:
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value and not all(value):
+            raise ValueError("bad words must not be empty")
+        if value and len(value) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(f"{len(value)} words; send at most {MAX_BAD_WORD_SEQUENCES}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be an integer >= 1, or -1 (as many as fit)")
         return value
 
     @field_validator("seed")
@@ -209,6 +249,9 @@ class SamplingFields(GuidedFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(self.bad_words or ()),
+            # truncate_prompt_tokens is not passed: PromptBuilder truncates the prompt it sends
         )
 
     @property

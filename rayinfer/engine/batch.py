@@ -25,8 +25,9 @@ class ScheduledRequest:
     # With SamplingParams.repetition_penalty != 1: the prompt, sent likewise only the first time
     # the request samples on this executor (the runner keeps its distinct ids); None after.
     prompt_token_ids: list[int] | None = None
-    # While fewer than SamplingParams.min_tokens are generated: the tokens this step may not
-    # sample (EOS unless ignored, and the stop_token_ids); None otherwise.
+    # The tokens this step may not sample: while fewer than SamplingParams.min_tokens are
+    # generated, EOS (unless ignored) and the stop_token_ids; with bad_words, the last token of
+    # each word whose other tokens the output ends with (engine/bad_words.py). None: none.
     suppressed_token_ids: tuple[int, ...] | None = None
     # With SamplingParams.prompt_logprobs: the prompt tokens this chunk's rows predict (row j:
     # the prompt token at start_position + j + 1), while they are prompt tokens.

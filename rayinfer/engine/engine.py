@@ -21,12 +21,14 @@ import logging
 from dataclasses import replace
 
 from rayinfer.config import ConfigError, ModelConfig
+from rayinfer.engine.bad_words import completing_tokens, with_bad_words_tokenized
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.executor import Executor
 from rayinfer.engine.handoffs import Handoffs, PendingImport
 from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import RequestOutput
+from rayinfer.engine.prompt_truncation import keep_last, prompt_token_limit
 from rayinfer.engine.request_state import RequestState
 from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
 from rayinfer.engine.scheduler import ScheduledSequence, Scheduler
@@ -96,17 +98,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prefill_only: bool = False,
     ) -> None:
-        params = params or SamplingParams()
-        prompt_ids = self._prompt_token_ids(prompt)
+        params = self._checked_params(params or SamplingParams())
+        limit = prompt_token_limit(
+            params.truncate_prompt_tokens, self.scheduler_config.max_model_len, params.max_tokens
+        )
+        prompt_ids = self._prompt_token_ids(prompt, limit)
         self._check_new_request(request_id, prompt_ids)
-        self._check_params(params)
         state = self._new_state(request_id, prompt_ids, params, prefill_only)
         self.scheduler.add(state.seq)
 
     def add_prefilled_request(self, handoff: KVHandoff, params: SamplingParams) -> None:
         """Continue a request whose prompt was prefilled elsewhere; its KV arrives as a payload."""
         self._check_new_request(handoff.request_id, handoff.prompt_token_ids)
-        self._check_params(params)
+        params = self._checked_params(params)  # the prefill truncated the prompt already
         state = self._new_state(handoff.request_id, list(handoff.prompt_token_ids), params, False)
         pending_imports = self.handoffs.pending_imports
         pending_imports.append(PendingImport(state, handoff.payload))
@@ -223,12 +227,15 @@ class LLMEngine:
         )
 
     # --- internals ---------------------------------------------------------------------------
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_token_ids(self, prompt: str | list[int], limit: int | None) -> list[int]:
+        """limit: truncate_prompt_tokens' (engine/prompt_truncation.py), None for all."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
+            if limit is not None:
+                return self.tokenizer.encode_last(prompt, limit)
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return keep_last(list(prompt), limit)
 
     def _check_new_request(self, request_id: str, prompt_ids: list[int]) -> None:
         if request_id in self.states or request_id in self.handoffs_ready:
@@ -244,23 +251,16 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # builtins: 16k ids in ~0.2 ms
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and
-        that stop strings have a tokenizer to match them against the text."""
+    def _checked_params(self, params: SamplingParams) -> SamplingParams:
+        """params with bad_words tokenized, after what SamplingParams cannot check alone: token
+        ids against the vocabulary, and that stop strings and bad words have a tokenizer."""
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop", "this model has no tokenizer, so there is no text to match stop strings in"
             )
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            outside = [token_id for token_id in ids if token_id >= vocab]
-            if outside:
-                raise InvalidRequestError(
-                    name, f"token id {outside[0]} is outside the vocabulary [0, {vocab})"
-                )
+        params = with_bad_words_tokenized(params, self.tokenizer)
+        params.check_vocabulary(self.model_config.vocab_size)
+        return params
 
     def _new_state(self, request_id, prompt_ids, params, prefill_only) -> RequestState:
         seq = Sequence(request_id, prompt_ids, params, self._arrivals, prefill_only)
@@ -372,13 +372,17 @@ class LLMEngine:
             request.prompt_token_ids = seq.prompt_token_ids
 
     def _suppressed(self, seq: Sequence) -> tuple[int, ...] | None:
-        """Under min_tokens: the tokens that would end the request (EOS unless ignored or a
-        grammar decides, and the stop_token_ids)."""
+        """The tokens this step may not sample: under min_tokens, those that would end the
+        request (EOS unless ignored or a grammar decides, and the stop_token_ids); with
+        bad_words, those that would complete one (engine/bad_words.py)."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            return None
-        eos = () if params.ignore_eos or params.structured_output is not None else self._eos_ids
-        return eos + params.stop_token_ids or None
+        suppressed = ()
+        if seq.num_output_tokens < params.min_tokens:
+            ignored = params.ignore_eos or params.structured_output is not None
+            suppressed = (() if ignored else self._eos_ids) + params.stop_token_ids
+        if params.bad_words_token_ids:
+            suppressed += completing_tokens(params.bad_words_token_ids, seq.output_token_ids)
+        return suppressed or None
 
 
 def _prompt_logprob_targets(seq: Sequence, start: int, num_new: int) -> list[int] | None:

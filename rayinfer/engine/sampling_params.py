@@ -67,6 +67,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # whether special tokens (<|im_end|>, ...) are left out of the detokenized text
     skip_special_tokens: bool = True
+    # None, or the only token ids that may be sampled (duplicates dropped); each must lie in
+    # the vocabulary (the engine checks)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # words the output may not contain: their token sequences are masked (engine/bad_words.py)
+    bad_words: tuple[str, ...] = ()
+    # bad_words as token sequences, filled from them by the engine (or the server's ingress)
+    # with the model's tokenizer, so that a hand-off carries them; None: not tokenized yet.
+    # Given directly, they are used as they are (a model without a tokenizer).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # None, or keep only the prompt's last k tokens; -1: as many as max_model_len - max_tokens
+    # leaves (engine/prompt_truncation.py)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,9 +93,27 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         elif self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", ())
+        self._normalize_token_filters()
         self._validate()
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+
+    def _normalize_token_filters(self) -> None:
+        """Lists to tuples, duplicates dropped (order kept); other types are left for
+        _validate_token_filters to refuse."""
+        if isinstance(self.allowed_token_ids, (list, tuple, set, frozenset)):
+            object.__setattr__(
+                self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids))
+            )
+        if self.bad_words is None:
+            object.__setattr__(self, "bad_words", ())
+        elif isinstance(self.bad_words, (list, tuple)):
+            object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))
+        sequences = self.bad_words_token_ids
+        if isinstance(sequences, (list, tuple)) and all(
+            isinstance(s, (list, tuple)) for s in sequences
+        ):
+            object.__setattr__(self, "bad_words_token_ids", tuple(map(tuple, sequences)))
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -128,6 +158,7 @@ class SamplingParams:
             raise InvalidRequestError("stop", "must be a non-empty string or a list of them")
         self._validate_logit_bias()
         self._validate_vllm_extensions()
+        self._validate_token_filters()
 
     def _validate_logit_bias(self) -> None:
         for token_id, bias in self.logit_bias:
@@ -169,6 +200,54 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(
                     name, f"must be true or false, got {getattr(self, name)!r}"
+                )
+
+    def _validate_token_filters(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (
+            isinstance(allowed, tuple) and all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise InvalidRequestError(
+                "allowed_token_ids", f"must be a list of integers >= 0, got {allowed!r}"
+            )
+        if allowed == ():
+            raise InvalidRequestError(
+                "allowed_token_ids", "must not be empty (no token could be sampled); None is off"
+            )
+        if not isinstance(self.bad_words, tuple) or not all(
+            isinstance(w, str) and w for w in self.bad_words
+        ):
+            raise InvalidRequestError(
+                "bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}"
+            )
+        sequences = self.bad_words_token_ids
+        if sequences is not None and not (
+            isinstance(sequences, tuple)
+            and all(s and all(_is_int(t) and t >= 0 for t in s) for s in sequences)
+        ):
+            raise InvalidRequestError(
+                "bad_words",
+                f"bad_words_token_ids must be lists of integers >= 0, got {sequences!r}",
+            )
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and not (_is_int(truncate) and (truncate >= 1 or truncate == -1)):
+            raise InvalidRequestError(
+                "truncate_prompt_tokens",
+                f"must be an integer >= 1, or -1 (as many as fit), got {truncate!r}",
+            )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """What the model decides: every token id the params name lies in [0, vocab_size)."""
+        for name, ids in (
+            ("logit_bias", [token_id for token_id, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", [t for s in self.bad_words_token_ids or () for t in s]),
+        ):
+            outside = [token_id for token_id in ids if token_id >= vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    name, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
                 )
 
     @property

@@ -93,6 +93,19 @@ class Tokenizer:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_last(self, text: str, max_tokens: int) -> list[int]:
+        """At most max_tokens ids: the special tokens `encode` adds (BOS) around the text's last
+        tokens, as transformers' `truncation=True, max_length=max_tokens` with
+        `truncation_side="left"` (vLLM's truncate_prompt_tokens on a text)."""
+        if len(text) >= GIL_FREE_ENCODE_CHARS:
+            encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        else:
+            encoding = self.backend.encode(text, add_special_tokens=False)
+        processor = self.backend.post_processor
+        num_special = processor.num_special_tokens_to_add(False) if processor is not None else 0
+        encoding.truncate(max(max_tokens - num_special, 0), direction="left")
+        return self.backend.post_process(encoding).ids
+
     @cached_property
     def max_token_chars(self) -> int:
         """The most characters of text one token can stand for: its vocabulary string's length

@@ -11,6 +11,10 @@ import torch
 from rayinfer.kernels.host_lists import device_ints
 
 NO_TOKEN = -1  # the token of a row whose sampling failed
+NO_TOKEN_LEFT = (
+    "every token is masked: allowed_token_ids, bad_words, min_tokens and the grammar together "
+    "leave none to sample"
+)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
@@ -96,6 +100,34 @@ def suppress_tokens(
     logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
 
+def allow_only_tokens(
+    logits: torch.Tensor,  # [B, V] float32: masked in place
+    token_ids: list[torch.Tensor | None],  # [B] each [A] int64 on logits' device; None: any
+) -> None:
+    """logits[row, t] = -inf for every token t outside the row's list (vLLM's
+    allowed_token_ids): one [R, V] mask for the listed rows, filled by one scatter, no host
+    sync. Columns past the listed ids (a padded vocabulary) are masked too."""
+    rows = [row for row, ids in enumerate(token_ids) if ids is not None]
+    if not rows:
+        return
+    device = logits.device
+    chosen = [token_ids[row] for row in rows]
+    lengths = [ids.numel() for ids in chosen]
+    which = torch.repeat_interleave(
+        torch.arange(len(rows), device=device),
+        device_ints(lengths, torch.int64, device),
+        output_size=sum(lengths),
+    )  # [N]: the mask row of each allowed id (output_size given: no device sync)
+    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=device)  # [R, V]
+    banned[which, torch.cat(chosen)] = False
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = device_ints(rows, torch.int64, device)
+    masked = logits.index_select(0, index).masked_fill_(banned, float("-inf"))  # [R, V]
+    logits.index_copy_(0, index, masked)
+
+
 def apply_logit_bias(
     logits: torch.Tensor,  # [B, V] float32: biased in place
     biases: list[tuple[tuple[int, float], ...]],  # [B] (token id, bias) pairs; () for none
@@ -178,12 +210,18 @@ def sample_tokens(
     generators: list[torch.Generator | None],  # [B]; CPU generators, None for greedy rows
     min_ps: list[float] | None = None,  # [B]; 0.0 is off; None: off for every row
 ) -> SampledRows:
-    """The next token of each row. A row whose logits hold a NaN, or whose sampling raises,
-    fails alone: the other rows' tokens are what they would be without it."""
+    """The next token of each row. A row whose logits hold a NaN, whose every token is masked
+    (-inf), or whose sampling raises, fails alone: the other rows' tokens are what they would be
+    without it."""
     greedy = logits.argmax(dim=-1)  # [B]: every row, overwritten when sampling
     has_nan = logits.isnan().any(dim=-1)  # [B]
-    tokens, nan_rows = torch.stack([greedy, has_nan.to(greedy.dtype)]).tolist()  # one copy
+    none_left = logits.gather(1, greedy[:, None])[:, 0] == float("-inf")  # [B]: the best is -inf
+    flags = torch.stack([greedy, has_nan.to(greedy.dtype), none_left.to(greedy.dtype)])
+    tokens, nan_rows, empty_rows = flags.tolist()  # one copy
     errors = {row: "the model's logits hold NaN" for row, bad in enumerate(nan_rows) if bad}
+    for row, empty in enumerate(empty_rows):
+        if empty and row not in errors:
+            errors[row] = NO_TOKEN_LEFT
     sampled_rows = [
         row
         for row, temperature in enumerate(temperatures)

@@ -41,6 +41,19 @@ from rayinfer.layers.sampler import NO_TOKEN, sample_tokens
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": "word"}, "bad_words"),  # a list of words, not one
+        ({"bad_words": [3]}, "bad_words"),
+        ({"bad_words_token_ids": [[]]}, "bad_words"),
+        ({"bad_words_token_ids": [[-2]]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     ],
 )
 def test_invalid_values_name_their_field(kwargs, field):
@@ -266,3 +279,83 @@ def test_suppressed_tokens_cannot_be_sampled_by_their_row_only():
     logits = torch.zeros(3, 5)
     suppress_tokens(logits, [(1, 4), None, (0,)])
     assert logits.isinf().nonzero().tolist() == [[0, 1], [0, 4], [2, 0]]
+
+
+def test_token_filters_default_to_off_and_drop_duplicates():
+    params = SamplingParams()
+    assert params.allowed_token_ids is None and params.bad_words == ()
+    assert params.bad_words_token_ids is None and params.truncate_prompt_tokens is None
+    params = SamplingParams(
+        allowed_token_ids=[7, 3, 7],
+        bad_words=["a", "b", "a"],
+        bad_words_token_ids=[[1, 2], [3]],
+        truncate_prompt_tokens=-1,
+    )
+    assert params.allowed_token_ids == (7, 3) and params.bad_words == ("a", "b")
+    assert params.bad_words_token_ids == ((1, 2), (3,)) and params.truncate_prompt_tokens == -1
+
+
+def test_token_ids_outside_the_vocabulary_name_their_field():
+    for params, field in [
+        (SamplingParams(allowed_token_ids=[3, 50]), "allowed_token_ids"),
+        (SamplingParams(bad_words_token_ids=[[1, 50]]), "bad_words"),
+        (SamplingParams(stop_token_ids=[50]), "stop_token_ids"),
+        (SamplingParams(logit_bias={50: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"^{field}: token id 50 is outside"):
+            params.check_vocabulary(50)
+    SamplingParams(allowed_token_ids=[49], bad_words_token_ids=[[0, 49]]).check_vocabulary(50)
+
+
+def test_allow_only_tokens_masks_every_other_token_of_its_rows():
+    from rayinfer.layers.sampler import allow_only_tokens
+
+    for lists in ([(1, 4), None, (0,)], [(2,), (3, 1)]):  # some rows, then every row
+        logits = torch.randn(len(lists), 6)
+        expected = logits.clone()
+        for row, allowed in enumerate(lists):
+            if allowed is not None:
+                keep = expected[row, list(allowed)].clone()
+                expected[row] = float("-inf")
+                expected[row, list(allowed)] = keep
+        allow_only_tokens(logits, [None if a is None else torch.tensor(a) for a in lists])
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_every_token_masked_fails_alone(temperature):
+    from rayinfer.layers.sampler import NO_TOKEN_LEFT
+
+    logits = torch.randn(3, 50)
+    logits[1] = float("-inf")
+    generators = [seeded(i) if temperature else None for i in range(3)]
+    alone = [sample_tokens(logits[r : r + 1], [temperature], [-1], [1.0],
+                           [seeded(r) if temperature else None]).token_ids[0]
+             for r in (0, 2)]  # fmt: skip
+    rows = sample_tokens(logits, [temperature] * 3, [-1] * 3, [1.0] * 3, generators)
+    assert rows.errors == {1: NO_TOKEN_LEFT}
+    assert rows.token_ids == [alone[0], NO_TOKEN, alone[1]]
+
+
+def test_a_bad_word_masks_its_last_token_where_the_output_ends_with_the_rest():
+    from rayinfer.engine.bad_words import completing_tokens
+
+    words = ((9,), (4, 5, 6), (5, 7))
+    assert completing_tokens(words, []) == (9,)
+    assert completing_tokens(words, [1, 4]) == (9,)  # (4, 5) not yet
+    assert completing_tokens(words, [4, 5]) == (9, 6, 7)
+    assert completing_tokens(words, [5, 4, 5, 5]) == (9, 7)
+
+
+def test_truncation_keeps_k_or_what_max_tokens_leaves():
+    from rayinfer.engine.prompt_truncation import keep_last, prompt_token_limit
+
+    assert prompt_token_limit(None, 64, 10) is None
+    assert prompt_token_limit(5, 64, 10) == 5 and prompt_token_limit(-1, 64, 10) == 54
+    assert prompt_token_limit(54, 64, 10) == 54
+    for truncate, max_tokens in ((55, 10), (-1, 64), (1, 64)):
+        with pytest.raises(InvalidRequestError) as error:
+            prompt_token_limit(truncate, 64, max_tokens)
+        assert error.value.field == "truncate_prompt_tokens"
+    assert keep_last([1, 2, 3], 2) == [2, 3] and keep_last([1, 2, 3], 5) == [1, 2, 3]
+    assert keep_last([1, 2, 3], None) == [1, 2, 3]

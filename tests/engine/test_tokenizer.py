@@ -297,3 +297,13 @@ def test_tokens_only_in_tokenizer_config_are_added(tmp_path):
         == hf.decode(ids, skip_special_tokens=True)
         == "call <tool_call> then  done"
     )
+
+
+@pytest.mark.parametrize("save", [save_llama3_style, save_chatml_style])
+def test_encode_last_matches_transformers_left_truncation(tmp_path, save):
+    ours, hf = load_both(save(tmp_path))
+    hf.truncation_side = "left"
+    for text in TEXTS:
+        for max_tokens in (1, 3, 8, 1000):
+            expected = hf(text, truncation=True, max_length=max_tokens)["input_ids"]
+            assert ours.encode_last(text, max_tokens) == expected, (text, max_tokens)

@@ -66,6 +66,18 @@ def error_for(model, body: dict) -> OpenAIError:
         (CompletionRequest, {"prompt": "a", "stop_token_ids": [-3]}, "stop_token_ids"),
         (CompletionRequest, {"prompt": "a", "stop_token_ids": 5}, "stop_token_ids"),
         (CompletionRequest, {"prompt": "a", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+        (CompletionRequest, {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids"),
+        (CompletionRequest, {"prompt": "a", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        (CompletionRequest, {"prompt": "a", "allowed_token_ids": 5}, "allowed_token_ids"),
+        (ChatCompletionRequest, {**CHAT, "allowed_token_ids": ["5"]}, "allowed_token_ids[0]"),
+        (CompletionRequest, {"prompt": "a", "bad_words": [""]}, "bad_words"),
+        (CompletionRequest, {"prompt": "a", "bad_words": "word"}, "bad_words"),
+        (ChatCompletionRequest, {**CHAT, "bad_words": [1]}, "bad_words[0]"),
+        (CompletionRequest, {"prompt": "a", "bad_words": ["w"] * 129}, "bad_words"),
+        (CompletionRequest, {"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        (ChatCompletionRequest, {**CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        (ChatCompletionRequest, {**CHAT, "truncate_prompt_tokens": "3"}, "truncate_prompt_tokens"),
+        (ChatCompletionRequest, {**CHAT, "truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
         (
             ChatCompletionRequest,
             {**CHAT, "include_stop_str_in_output": "yes"},
@@ -240,6 +252,53 @@ def test_vllm_sampling_extensions_reach_the_sampling_params():
     assert default == rayinfer.SamplingParams(max_tokens=5)
     handle = GenerateRequest(prompt=[1], min_p=0.5, stop_token_ids=(3,)).sampling_params(4)
     assert (handle.min_p, handle.stop_token_ids) == (0.5, (3,))
+
+
+def test_token_filters_reach_the_sampling_params(prompts):
+    body = {**CHAT, "allowed_token_ids": [9, 7, 9], "bad_words": ["day", "day"]}
+    params = ChatCompletionRequest.model_validate(body).sampling_params(5)
+    assert params.allowed_token_ids == (9, 7) and params.bad_words == ("day",)
+    assert params.bad_words_token_ids is None  # tokenized by PromptBuilder, below
+    _, built = prompts.build(CompletionRequest(prompt=[1, 2], bad_words=["day"]))
+    day, spaced = (prompts.tokenizer.encode(w, add_special_tokens=False) for w in ("day", " day"))
+    assert built.bad_words_token_ids == (tuple(day), tuple(spaced))
+    handle = GenerateRequest(prompt=[1], allowed_token_ids=(3,), truncate_prompt_tokens=-1)
+    assert handle.sampling_params(4).allowed_token_ids == (3,)
+
+
+LONG = list(range(10, 80))  # more than max_model_len=64
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
+        ({"bad_words": ["\u2003"]}, "bad_words"),  # only a space: no token
+        ({"bad_words": [f"w{i}" for i in range(65)]}, "bad_words"),  # > 128 token sequences
+        ({"prompt": LONG, "truncate_prompt_tokens": 60, "max_tokens": 5}, "truncate_prompt_tokens"),
+        ({"prompt": LONG, "truncate_prompt_tokens": -1}, "prompt"),  # 64 kept: no room left
+    ],
+)
+def test_token_filters_the_model_refuses_answer_400_naming_them(prompts, body, param):
+    with pytest.raises(OpenAIError, match=f"^{param}: ") as error:
+        prompts.build(CompletionRequest(**{"prompt": [1, 2], **body}))
+    assert error.value.status == 400 and error.value.param == param
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(prompts):
+    kept, params = prompts.build(CompletionRequest(prompt=LONG, truncate_prompt_tokens=20))
+    assert kept == LONG[-20:] and params.max_tokens == 44  # the rest of max_model_len=64
+    assert params.truncate_prompt_tokens is None  # the engine gets the prompt truncated
+    kept, _ = prompts.build(CompletionRequest(prompt=LONG, truncate_prompt_tokens=-1, max_tokens=4))
+    assert kept == LONG[-60:]
+    text = "The quick brown fox jumps over the lazy dog and the farmer watches from the gate."
+    kept, _ = prompts.build(CompletionRequest(prompt=text, truncate_prompt_tokens=6))
+    whole = prompts.tokenizer.encode(text)
+    assert kept == whole[:1] + whole[-5:]  # the BOS stays, as transformers' left truncation
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": text}])
+    whole, _ = prompts.build(chat)
+    kept, _ = prompts.build(chat.model_copy(update={"truncate_prompt_tokens": 7}))
+    assert kept == whole[-7:]
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens(prompts):

@@ -7,11 +7,15 @@ requests keep a grammar matcher (grammar_matchers.py) whose masks limit their lo
 Requests with a repetition_penalty keep their prompt's distinct token ids on the logits' device,
 received once (ScheduledRequest.prompt_token_ids, the first time the request samples on this
 runner: after a hand-off, the decode runner's first step); the generated tokens come with every
-step, as for presence and frequency penalties.
+step, as for presence and frequency penalties. Requests with allowed_token_ids keep those ids on
+the logits' device, made from their params the first time they sample here (the params come with
+every step, so any runner can). bad_words need nothing here: the engine sends the tokens each
+step may not sample (ScheduledRequest.suppressed_token_ids).
 
-Logits pass, in vLLM's order: grammar mask, min_tokens' suppressed tokens, logit_bias, the
-repetition penalty, presence/frequency penalties, then temperature and top-k/top-p/min-p. Each
-stage is skipped when no row of the step uses it.
+Logits pass, in vLLM's order: grammar mask, allowed_token_ids, the suppressed tokens (bad_words'
+and min_tokens'), logit_bias, the repetition penalty, presence/frequency penalties, then
+temperature and top-k/top-p/min-p. Each stage is skipped when no row of the step uses it. A row
+that these masks leave no token fails alone (layers/sampler.py).
 
 Under tensor parallelism every rank of a replica samples the same rows, but only the first
 rank's tokens are returned (workers/group.py), and an unseeded request's generator is seeded by
@@ -28,10 +32,12 @@ import torch
 from rayinfer.config import ModelConfig
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.engine.sampling_params import SamplingParams
+from rayinfer.kernels.host_lists import device_ints
 from rayinfer.layers.parallel import LayerGroup
 from rayinfer.layers.sampler import (
     NO_TOKEN,
     SampledRows,
+    allow_only_tokens,
     apply_logit_bias,
     apply_penalties,
     apply_repetition_penalty,
@@ -55,6 +61,7 @@ class RequestSampler:
         `device`."""
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_ids: dict[str, torch.Tensor] = {}  # [P] int64: a prompt's distinct ids
+        self.allowed_ids: dict[str, torch.Tensor] = {}  # [A] int64: allowed_token_ids
         self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = device or torch.device("cpu")
         self.grammars = GrammarMatchers(
@@ -75,6 +82,8 @@ class RequestSampler:
         they would without it."""
         if masks is not None:
             apply_token_bitmask(logits, masks.bitmask, masks.rows)
+        if any(r.params.allowed_token_ids for r in sampling):
+            allow_only_tokens(logits, [self.allowed(r, logits.device) for r in sampling])
         if any(r.suppressed_token_ids for r in sampling):
             suppress_tokens(logits, [r.suppressed_token_ids for r in sampling])
         if any(r.params.logit_bias for r in sampling):
@@ -109,6 +118,15 @@ class RequestSampler:
             token_ids = self.first_rank_tokens(token_ids)
             errors.update(self.grammars.accept(sampling, masks, token_ids))
         return SampledRows(token_ids, errors)
+
+    def allowed(self, request: ScheduledRequest, device: torch.device) -> torch.Tensor | None:
+        """[A] the request's allowed_token_ids on `device`, kept until it is freed; None: any."""
+        ids = request.params.allowed_token_ids
+        if ids is None:
+            return None
+        if request.request_id not in self.allowed_ids:
+            self.allowed_ids[request.request_id] = device_ints(ids, torch.int64, device)
+        return self.allowed_ids[request.request_id]
 
     def penalize(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
         """[B, V] logits: the repetition penalty, then presence and frequency penalties, on the
@@ -171,4 +189,5 @@ class RequestSampler:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
             self.prompt_ids.pop(request_id, None)
+            self.allowed_ids.pop(request_id, None)
         self.grammars.free(request_ids)

@@ -19,6 +19,7 @@ from rayinfer.deployments.config_args import (
     parse_bool_or_auto,
 )
 from rayinfer.deployments.phase_config import IngressConfig, PhaseConfig
+from rayinfer.deployments.reasoning import ReasoningParserName
 from rayinfer.engine_config import KVHandoffConfig
 from rayinfer.graph_config import graph_blocker
 
@@ -50,6 +51,15 @@ class AppConfig(Strict):
     model: str = Field("tiny", description="'tiny' or a Hugging Face checkpoint folder")
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
     served_model_name: str | None = Field(None, description="name clients pass as `model`")
+    reasoning_parser: ReasoningParserName | None = Field(
+        None,
+        description="split a thinking model's reasoning (between <think> and </think>) off its "
+        "chat replies into `reasoning_content` and `reasoning`, as vLLM's --reasoning-parser: "
+        "deepseek_r1 (the reply starts inside the reasoning), deepseek_v3 (inside it where "
+        "chat_template_kwargs turn `thinking` on), qwen3 or glm45 (the reply's own <think>, or "
+        "the prompt's; none with enable_thinking false); rayinfer/deployments/chat_reasoning.py. "
+        "null: replies as generated",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     fp8_weights: bool = Field(
         False,

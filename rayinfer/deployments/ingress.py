@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayinfer.deployments import response_bodies, tokenization
 from rayinfer.deployments.admission import Admission
+from rayinfer.deployments.chat_reasoning import ChatReasoning
 from rayinfer.deployments.choices import (
     ChoiceLimit,
     choice_params,
@@ -157,6 +158,8 @@ class Ingress:
         if tokenizer is not None:  # without one there is no text to keep
             stops = frozenset(eos_token_ids(source.model_config, tokenizer))
             self.pipeline.text_rules = TextRules(tokenizer, stops, source.max_model_len)
+        parser = self.config.reasoning_parser  # chat replies' reasoning (chat_reasoning.py)
+        self.reasoning = ChatReasoning(parser, tokenizer) if parser and tokenizer else None
 
     # --- HTTP --------------------------------------------------------------------------------
     @app.get("/health")
@@ -220,33 +223,37 @@ class Ingress:
         self.choice_limit.check(len(singles), request.n)
         built = await asyncio.to_thread(lambda: [self.prompts.build(one) for one in singles])
         model = self.source.served_model_name
+        start = self._reasoning_start(request, built[0][0]) if chat else None
         if request.n > 1 or len(singles) > 1:
-            return await self._serve_choices(request, request_id, singles, built, chat)
+            return await self._serve_choices(request, request_id, singles, built, chat, start)
         (prompt_ids, params), request = built[0], singles[0]
         timings = Timings()
         deltas = self.pipeline.run(request_id, prompt_ids, params, timings)
         echo_text, formats = self._echo_text(request, prompt_ids), self.prompts.tool_call_formats
-        reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0, echo_text, formats)
+        reply = HttpReply(request_id, model, chat, request, len(prompt_ids), 0, echo_text, formats,
+                          start)  # fmt: skip
         if request.stream:
             first = await first_delta(deltas)
             events = reply.stream(prepend(first, deltas), timings)
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(await reply.whole(deltas, timings))
 
-    async def _serve_choices(self, request, request_id, singles, built, chat: bool):
+    async def _serve_choices(self, request, request_id, singles, built, chat: bool, start=None):
         """n > 1 or a batch of prompts: one pipeline run per choice of each prompt, index
         prompt * n + choice (deployments/choices.py). A stream starts once every choice has
         its first token, so that overload still answers 503 up front. The choices are admitted
-        together (deployments/admission.py): all or none."""
+        together (deployments/admission.py): all or none. start: a chat's reasoning start."""
         waiters = self.pipeline.admit(len(singles) * request.n)
         try:
-            return await self._run_choices(request, request_id, singles, built, chat, waiters)
+            return await self._run_choices(
+                request, request_id, singles, built, chat, waiters, start
+            )
         except BaseException:
             for waiter in waiters:  # the choices that never ran give their places back
                 waiter.leave()
             raise
 
-    async def _run_choices(self, request, request_id, singles, built, chat: bool, waiters):
+    async def _run_choices(self, request, request_id, singles, built, chat, waiters, start=None):
         """Each choice's run, in its place among the admitted (`waiters`, by index)."""
         model, n = self.source.served_model_name, request.n
         formats = self.prompts.tool_call_formats
@@ -259,7 +266,7 @@ class Ingress:
                 runs.append(self.pipeline.run(f"{request_id}-{index}", prompt_ids, choice,
                                               timings[-1], waiters[index]))  # fmt: skip
                 replies.append(HttpReply(request_id, model, chat, request, len(prompt_ids),
-                                         index, echo_text, formats))  # fmt: skip
+                                         index, echo_text, formats, start))  # fmt: skip
         if not request.stream:
             return JSONResponse(await whole_of_choices(replies, runs, timings, n))
         firsts = await asyncio.gather(*(first_delta(run) for run in runs), return_exceptions=True)
@@ -271,6 +278,11 @@ class Ingress:
         started = [prepend(first, run) for first, run in zip(firsts, runs)]
         events = stream_of_choices(replies, started, timings, n)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    def _reasoning_start(self, request, prompt_ids: list[int]) -> str | None:
+        """How a chat reply starts under the reasoning parser (None: no parser), or a 400 for a
+        structured output beside reasoning (deployments/chat_reasoning.py)."""
+        return self.reasoning.start_of(request, prompt_ids) if self.reasoning else None
 
     def _echo_text(self, request, prompt_ids: list[int]) -> str:
         """The prompt as text for completions' `echo`: as sent, or its token ids decoded."""

@@ -55,6 +55,9 @@ MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this many cha
 MAX_PROMPTS = 256  # prompts in one batched completions request, each its own engine request
 MAX_LOGIT_BIAS_TOKENS = 300  # tokens one request may bias, as OpenAI's
 TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
+# An assistant's reasoning, under vLLM's old and current names; templates that render earlier
+# turns' thinking read it (engine/chat_template.py passes it under every name they read)
+REASONING_MESSAGE_FIELDS = ("reasoning_content", "reasoning")
 # Roles whose messages must carry `content` (an assistant's may be null beside `tool_calls`).
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 TEXT_PART_TYPES = ("text", "refusal")  # the content parts a text model reads
@@ -279,6 +282,10 @@ class ChatMessage(BaseModel):
     tool_calls: ToolCallsAsSent = None  # an assistant's; the template gets them as sent
     tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
     name: str | None = None
+    reasoning_content: str | None = Field(
+        None, description="extension (vLLM's): an assistant's reasoning, for the template"
+    )
+    reasoning: str | None = Field(None, description="extension (vLLM's): reasoning_content")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -331,8 +338,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def as_sent(self) -> dict[str, Any]:
-        """The message as sent, content as text, the tool fields the client gave beside it."""
-        sent = {k: getattr(self, k) for k in TOOL_MESSAGE_FIELDS if k in self.model_fields_set}
+        """The message as sent, content as text, the tool fields the client gave beside it,
+        and an assistant's reasoning (other roles' is dropped, as vLLM drops it)."""
+        fields = TOOL_MESSAGE_FIELDS
+        if self.role == "assistant":
+            fields += REASONING_MESSAGE_FIELDS
+        sent = {k: getattr(self, k) for k in fields if k in self.model_fields_set}
         return {"role": self.role, "content": self.text(), **sent}
 
 

@@ -7,9 +7,11 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rayinfer.deployments.chat_reasoning import put_reasoning, reasoning_delta
 from rayinfer.deployments.errors import as_openai_error
 from rayinfer.deployments.logprobs import chat_logprobs, completion_logprobs
 from rayinfer.deployments.openai_error import OpenAIError
+from rayinfer.deployments.reasoning import ReasoningSplitter
 from rayinfer.deployments.response_bodies import (
     chat_chunk_body,
     chat_completion_body,
@@ -95,10 +97,13 @@ class HttpReply:
         index: int = 0,
         echo_text: str = "",
         tool_call_formats: ToolCallFormats = ALL_FORMATS,
+        reasoning_start: str | None = None,
     ):
         """`index`: this reply's choice among the request's `n` (see deployments/choices.py).
         `echo_text`: the prompt's text, put before the completion with `echo` (completions).
-        `tool_call_formats`: the formats of the checkpoint's tool calls (tool_call_formats.py)."""
+        `tool_call_formats`: the formats of the checkpoint's tool calls (tool_call_formats.py).
+        `reasoning_start`: how a chat reply starts under the server's reasoning parser
+        (reasoning.py; None: no parser, the text is all content)."""
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -113,6 +118,8 @@ class HttpReply:
         self._text_offset = 0  # completions' logprobs: where the next token's text is looked for
         # None: no tools to call
         self.tool_calls = tool_call_stream(request, tool_call_formats) if chat else None
+        # None: no reasoning to split off; tool calls are read in the content after it
+        self.reasoning = ReasoningSplitter(reasoning_start) if chat and reasoning_start else None
 
     async def whole(self, deltas: AsyncIterator[Delta], timings: Timings) -> dict:
         """The reply's body; a failure propagates as raised, for the route to answer and log
@@ -130,9 +137,13 @@ class HttpReply:
         build = chat_completion_body if self.chat else completion_body
         body = build(self.request_id, self.model, text, finish_reason, self.usage(),
                      self._logprobs(entries, text), stop_reason)  # fmt: skip
-        body["choices"][0]["index"] = self.index
+        choice = body["choices"][0]
+        choice["index"] = self.index
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            put_reasoning(choice, reasoning, text)
         if self.tool_calls is not None:
-            put_tool_calls(body["choices"][0], self.tool_calls, text, finish_reason)
+            put_tool_calls(choice, self.tool_calls, text or "", finish_reason)
         if self.request.rayinfer_timings:
             body["rayinfer_timings"] = timings.as_dict()
         return body
@@ -164,8 +175,8 @@ class HttpReply:
                 text = echo + delta.text
                 entries = self._echoed_logprobs(delta) + (delta.logprobs or [])
                 logprobs = self._streamed_logprobs(entries, text)
-                if self.tool_calls is not None:
-                    for chunk in self._tool_call_chunks(delta, logprobs):
+                if self.tool_calls is not None or self.reasoning is not None:
+                    for chunk in self._split_chunks(delta, logprobs):
                         yield self._with_chunk_usage(chunk)
                     continue
                 chunk = self._chunk(text, delta.finish_reason, logprobs, delta.stop_reason)
@@ -176,18 +187,33 @@ class HttpReply:
         finally:  # also on client disconnect: closing the pipeline aborts the request
             await deltas.aclose()
 
-    def _tool_call_chunks(self, delta: Delta, logprobs) -> list[dict]:
-        """A chat delta's chunks when tools may be called (deployments/tool_calls.py): content
-        and tool_calls deltas, the last with the finish reason ('tool_calls' after a call)."""
+    def _split_chunks(self, delta: Delta, logprobs) -> list[dict]:
+        """A chat delta's chunks when its text is split: reasoning (reasoning.py), then content
+        and tool_calls deltas (deployments/tool_calls.py) read from the content after it, the
+        last with the finish reason ('tool_calls' after a call). A delta whose text is all held
+        back (it may be part of a tag or a call marker) gives one empty content chunk where it
+        ends the reply, carries logprobs, or must show its tokens in the chunks' usage."""
         reason = delta.finish_reason
-        bodies = self.tool_calls.deltas(delta.text, reason)
-        if not bodies and (reason is not None or logprobs is not None):
+        reasoning, content = "", delta.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(content)
+            if reason is not None:
+                rest = self.reasoning.finish()
+                reasoning, content = reasoning + rest[0], content + rest[1]
+        bodies = [reasoning_delta(reasoning)] if reasoning else []
+        if self.tool_calls is not None:
+            bodies += self.tool_calls.deltas(content, reason)
+        elif content:
+            bodies.append({"content": content})
+        shown = reason is not None or logprobs is not None or self.request.include_chunk_usage
+        if not bodies and shown:
             bodies = [{"content": ""}]
         chunks = [self._chunk(body, None, logprobs if i == 0 else None)
                   for i, body in enumerate(bodies)]  # fmt: skip
         if reason is not None:
             last = chunks[-1]["choices"][0]
-            last["finish_reason"] = self.tool_calls.finish_reason(reason)
+            called = self.tool_calls is not None
+            last["finish_reason"] = self.tool_calls.finish_reason(reason) if called else reason
             last["stop_reason"] = delta.stop_reason
         return chunks
 

@@ -112,14 +112,14 @@ def tool_call_stream(request, formats: ToolCallFormats = ALL_FORMATS) -> ToolCal
 
 
 def put_tool_calls(choice: dict, stream: ToolCallStream, text: str, reason: str | None) -> None:
-    """A whole reply's choice with the calls its text holds (`message.tool_calls`)."""
+    """A whole reply's choice with the calls its text holds (`message.tool_calls`); the
+    message's other fields (its reasoning) stay."""
     content, calls = parse_tool_calls(
         text, stream.mode, stream.function, stream.formats, stream.string_params
     )
     if not calls:
         return
-    choice["message"] = {"role": "assistant", "content": content,
-                         "tool_calls": [call.body() for call in calls]}  # fmt: skip
+    choice["message"].update(content=content, tool_calls=[call.body() for call in calls])
     choice["finish_reason"] = "tool_calls" if reason == "stop" else reason
 
 

@@ -58,11 +58,24 @@ def test_defaults_are_one_replica_per_phase():
         ({"prefill.all_to_all.dedupe": "true"}, "prefill.all_to_all.dedupe: unknown key"),
         ({"index_cache_dtype": "fp8"}, "index_cache_dtype='fp8'"),
         ({"ingress.max_queue_wait_s": "0"}, "ingress.max_queue_wait_s='0': Input should be"),
+        (
+            {"reasoning_parser": "deepseek"},
+            "reasoning_parser='deepseek': Input should be 'deepseek_r1', 'deepseek_v3', "
+            "'qwen3' or 'glm45'",
+        ),
+        ({"reasoning_parser": "none"}, "reasoning_parser='none': Input should be 'deepseek_r1'"),
+        ({"reasoning_parser": True}, "reasoning_parser=True: Input should be 'deepseek_r1'"),
     ],
 )
 def test_invalid_args_name_the_key(args, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         AppConfig.from_args(args)
+
+
+def test_reasoning_parser_is_off_unless_named():
+    assert AppConfig.from_args({}).reasoning_parser is None
+    assert AppConfig.from_args({"reasoning_parser": None}).reasoning_parser is None  # YAML null
+    assert AppConfig.from_args({"reasoning_parser": "qwen3"}).reasoning_parser == "qwen3"
 
 
 def test_unknown_key_lists_allowed_keys():

@@ -13,16 +13,15 @@ text, as vLLM's.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from rayinfer.deployments.chat_message import ChatMessage
 from rayinfer.deployments.chat_template_fields import ChatTemplateFields
 from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.prompts import PromptBuilder
-from rayinfer.deployments.protocol import ChatMessage
+from rayinfer.deployments.sampling_fields import STRICT
 from rayinfer.deployments.structured_fields import ChatTool
 from rayinfer.deployments.valid_unicode import check_text
-
-STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class TokenizeRequest(ChatTemplateFields):

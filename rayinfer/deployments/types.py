@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from rayinfer.deployments.protocol import SamplingFields
+from rayinfer.deployments.sampling_fields import SamplingFields
 from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import TokenLogprobs
 from rayinfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams

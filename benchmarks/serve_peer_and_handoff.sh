@@ -23,7 +23,8 @@ if runs handoff; then
     bash benchmarks/serve_v2lite.sh disaggregate=true "$@"
   python - "$OUT/serve_c16.json" <<'PY'
 import json, sys
-s = json.load(open(sys.argv[1]))["summary"]
+s = json.load(open(sys.argv[1]))
+s = s["passes"][0]["summary"] if "passes" in s else s["summary"]
 print({k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()
        if "kv" in k or "handoff" in k or k in ("p50_ttft_ms", "input_throughput")})
 PY

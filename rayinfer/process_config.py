@@ -24,7 +24,9 @@ class ProcessConfig:
     cProfile (no GPU activity).
     gil_switch_interval_ms: how long a worker's thread waits at most for the GIL while another
     runs Python (workers/gil_switch.py: the KV hand-off's copy thread beside the engine step's);
-    None keeps Python's 5 ms."""
+    None keeps Python's 5 ms. 0.5 ms: a 115 MB hand-off's copies beside a thread running Python
+    took 3.2 ms against 8.1 at 5 ms (2.4 ms idle), and in `serve run` the import's P95 fell to
+    11 ms (benchmarks/RESULTS.md, C49 and C39)."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -33,7 +35,7 @@ class ProcessConfig:
     numa_bind: bool = True
     gc_freeze: bool = True
     profile_cpu: Literal[PROFILE_CPU_CHOICES] = "ops"
-    gil_switch_interval_ms: float | None = None
+    gil_switch_interval_ms: float | None = 0.5
 
     def __post_init__(self):
         check_choice("process.numa_bind", self.numa_bind, (True, False))

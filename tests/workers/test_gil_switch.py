@@ -27,8 +27,9 @@ def test_milliseconds_become_the_interval(restored_interval):
     assert sys.getswitchinterval() == pytest.approx(0.0005)
 
 
-def test_the_default_keeps_pythons_interval():
-    assert ProcessConfig().gil_switch_interval_ms is None
+def test_workers_take_half_a_millisecond_unless_told():
+    assert ProcessConfig().gil_switch_interval_ms == 0.5
+    assert ProcessConfig(gil_switch_interval_ms=None).gil_switch_interval_ms is None
 
 
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), 1001, "1", True])

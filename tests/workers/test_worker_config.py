@@ -23,7 +23,7 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
     all_to_all = AllToAllConfig(transport="host", dedup=False, host=host)
     overlap = OverlapConfig(first_share=0.25, shared_experts="combine")
     kernels = KernelBackends(fp8_gemm="triton", small_batch_moe=True)
-    process = ProcessConfig(gc_freeze=False, profile_cpu="none", gil_switch_interval_ms=0.5)
+    process = ProcessConfig(gc_freeze=False, profile_cpu="none", gil_switch_interval_ms=2.0)
     llm = rayinfer.LLM(
         str(path), device="cpu", parallel=ParallelPlan(dp=2, ep=2), two_batch_overlap=True,
         all_to_all={"transport": "host", "dedup": False, "host": {"direct_max_bytes": 8192,
@@ -60,6 +60,6 @@ def test_non_default_fields_reach_and_steer_every_worker(ray_cluster, tmp_path):
         assert used["overlap"] == (overlap, overlap)
         assert used["kernels"] == (kernels, kernels)
         assert used["process"] == process
-        assert used["switch_interval_s"] == 0.0005
+        assert used["switch_interval_s"] == 0.002
     single = rayinfer.LLM(str(path), device="cpu").generate(prompts, GREEDY)
     assert tokens == [o.token_ids for o in single]  # the same math, whatever the settings

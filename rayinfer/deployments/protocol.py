@@ -38,12 +38,18 @@ from rayinfer.engine.sampling_params import MAX_LOGPROBS
 MAX_CHOICES = 16  # `n`: choices per request over HTTP (deployments/choices.py)
 MAX_PROMPTS = 256  # prompts in one batched completions request, each its own engine request
 
+
 class ChatCompletionRequest(SamplingFields, ChatOutputFields, ChatTemplateFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, each sampled on its own")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include_reasoning: bool = Field(
+        True,
+        description="extension (vLLM's): false leaves a thinking model's reasoning out of the "
+        "reply (the server's reasoning_parser still splits it off the content)",
+    )
     # response_format, tools, tool_choice: ChatOutputFields (deployments/structured_fields.py)
     # add_generation_prompt, continue_final_message, chat_template_kwargs: ChatTemplateFields
 

@@ -141,7 +141,7 @@ class HttpReply:
         choice["index"] = self.index
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text)
-            put_reasoning(choice, reasoning, text)
+            put_reasoning(choice, reasoning if self.request.include_reasoning else None, text)
         if self.tool_calls is not None:
             put_tool_calls(choice, self.tool_calls, text or "", finish_reason)
         if self.request.rayinfer_timings:
@@ -200,7 +200,8 @@ class HttpReply:
             if reason is not None:
                 rest = self.reasoning.finish()
                 reasoning, content = reasoning + rest[0], content + rest[1]
-        bodies = [reasoning_delta(reasoning)] if reasoning else []
+        shows_reasoning = reasoning and self.request.include_reasoning
+        bodies = [reasoning_delta(reasoning)] if shows_reasoning else []
         if self.tool_calls is not None:
             bodies += self.tool_calls.deltas(content, reason)
         elif content:

@@ -235,6 +235,20 @@ def test_streamed_chunks_split_the_reasoning_where_tags_are_cut(cuts):
     assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
 
 
+@pytest.mark.parametrize("cuts", [[], [5, 40], list(range(1, 46))])
+def test_include_reasoning_false_leaves_the_reasoning_out(cuts):
+    message, _ = whole_message(
+        reply(IN_REASONING, False, include_reasoning=False), pieces_of(TEXT, cuts)
+    )
+    assert (message["reasoning_content"], message["content"]) == (None, "It is 4.")
+    chunks = stream_chunks(
+        reply(IN_REASONING, True, include_reasoning=False), pieces_of(TEXT, cuts)
+    )
+    out = reassembled(chunks)
+    assert (out["reasoning_content"], out["reasoning"], out["content"]) == ("", "", "It is 4.")
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
 def test_continuous_usage_shows_tokens_held_back_as_a_possible_tag():
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = stream_chunks(

@@ -47,7 +47,7 @@ class PromptBuilder:
             texts = [m.get("content") for m in messages]
             self._check_text_length(sum(len(t) for t in texts if isinstance(t, str)), field)
             tools = request.template_tools() if is_chat else None
-            options = request.chat_options() if is_chat else None
+            options = request.chat_options()  # chat completions' and a handle's fields
             prompt_ids = self.encode_chat(messages, tools, options)
         else:
             prompt_ids = self._encode_prompt(request.prompt, limit)

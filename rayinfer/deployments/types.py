@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from rayinfer.deployments.chat_template_fields import ChatTemplateFields
 from rayinfer.deployments.sampling_fields import SamplingFields
 from rayinfer.engine.kv_handoff import KVHandoff
 from rayinfer.engine.outputs import TokenLogprobs
@@ -26,8 +27,10 @@ class Delta:
     stop_reason: int | str | None = None  # with finish_reason "stop": RequestOutput's (vLLM's)
 
 
-class GenerateRequest(SamplingFields):
-    """A request through a Python handle: `prompt` (text or token ids) or chat `messages`.
+class GenerateRequest(SamplingFields, ChatTemplateFields):
+    """A request through a Python handle: `prompt` (text or token ids) or chat `messages`,
+    rendered with the chat template's fields as chat completions are (add_generation_prompt,
+    continue_final_message, chat_template_kwargs: deployments/chat_template_fields.py).
 
     The sampling fields are those of the OpenAI API (max_tokens, temperature, top_p, top_k, stop,
     seed, ignore_eos); `max_tokens=None` generates up to max_model_len. `logprobs=k` reports each

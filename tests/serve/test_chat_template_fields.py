@@ -5,12 +5,14 @@ server: the request model and the prompt builder, on the built-in model's tokeni
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.prompts import PromptBuilder
 from rayinfer.deployments.protocol import ChatCompletionRequest
 from rayinfer.deployments.runtime import ModelSource
+from rayinfer.deployments.types import GenerateRequest
 from tests.engine.test_chat_template import QWEN3_THINKING_TEMPLATE
 from tests.serve.test_protocol import error_for
 
@@ -119,3 +121,14 @@ def test_a_template_variable_the_template_cannot_use_is_400(prompts, monkeypatch
     with pytest.raises(OpenAIError, match="^messages: ") as caught:
         built_ids(prompts, {"messages": ASK, "chat_template_kwargs": {"bos_token": 5}})
     assert caught.value.status == 400
+
+
+def test_a_handles_messages_take_the_same_fields(prompts, monkeypatch):
+    """A Python handle's GenerateRequest renders its messages as the chat request does."""
+    handle = GenerateRequest(**OPEN_STORY)
+    assert prompts.build(handle)[0] == built_ids(prompts, OPEN_STORY)
+    monkeypatch.setattr(prompts.tokenizer, "chat_templates", {"default": QWEN3_THINKING_TEMPLATE})
+    thinking_off = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+    assert prompts.build(GenerateRequest(**thinking_off))[0] == built_ids(prompts, thinking_off)
+    with pytest.raises(ValidationError, match="continue_final_message"):
+        GenerateRequest(messages=STORY, continue_final_message=True)  # with the generation prompt

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from rayinfer.deployments.request_body import STRICT
 from rayinfer.engine.chat_prompt import ChatOptions, template_variables
 from rayinfer.engine.sampling_params import InvalidRequestError
 
 
 class ChatTemplateFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
 
     add_generation_prompt: bool = Field(
         True,

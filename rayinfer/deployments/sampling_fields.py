@@ -6,15 +6,12 @@ tokenized or scheduled. The request bodies themselves: deployments/protocol.py.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
+from rayinfer.deployments.request_body import STRICT, RequestBody
 from rayinfer.deployments.structured_fields import GuidedFields
-from rayinfer.deployments.valid_unicode import check_text
 from rayinfer.engine.bad_words import MAX_BAD_WORD_SEQUENCES
 from rayinfer.engine.sampling_params import MAX_SEED, SamplingParams
-
-# Every HTTP body model: no coercion of strings to numbers or booleans, nor of booleans to ints.
-STRICT = ConfigDict(extra="ignore", strict=True)
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI's
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this many characters
@@ -32,7 +29,7 @@ class StreamOptions(BaseModel):
     )
 
 
-class SamplingFields(GuidedFields):
+class SamplingFields(GuidedFields, RequestBody):
     model_config = STRICT
 
     model: str | None = None
@@ -92,12 +89,6 @@ class SamplingFields(GuidedFields):
         description="token id (as a string) -> bias in [-100, 100] added to its logit before "
         "sampling",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body):
-        """Every string of the body, nested ones too (deployments/valid_unicode.py)."""
-        return check_text(body)
 
     @field_validator("logit_bias")
     @classmethod

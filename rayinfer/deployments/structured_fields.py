@@ -27,7 +27,7 @@ from pydantic import (
 from rayinfer.engine.structured_output import StructuredOutput
 
 ANY_OBJECT = {"type": "object"}
-# The request's nested objects take JSON's types as the body does (sampling_fields.STRICT):
+# The request's nested objects take JSON's types as the body does (request_body.STRICT):
 # `"strict": "true"` is refused, not read as true.
 STRICT = ConfigDict(strict=True)
 

@@ -13,18 +13,17 @@ text, as vLLM's.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from rayinfer.deployments.chat_message import ChatMessage
 from rayinfer.deployments.chat_template_fields import ChatTemplateFields
 from rayinfer.deployments.openai_error import OpenAIError
 from rayinfer.deployments.prompts import PromptBuilder
-from rayinfer.deployments.sampling_fields import STRICT
+from rayinfer.deployments.request_body import STRICT, RequestBody
 from rayinfer.deployments.structured_fields import ChatTool
-from rayinfer.deployments.valid_unicode import check_text
 
 
-class TokenizeRequest(ChatTemplateFields):
+class TokenizeRequest(ChatTemplateFields, RequestBody):
     model_config = STRICT
 
     model: str | None = None
@@ -43,11 +42,6 @@ class TokenizeRequest(ChatTemplateFields):
         "prompt, false for messages (the chat template writes its own)",
     )
     return_token_strs: bool = Field(False, description="also the tokens' vocabulary strings")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body):
-        return check_text(body)
 
     @field_validator("prompt")
     @classmethod
@@ -69,16 +63,9 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = Field(None, description="with return_token_strs")
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = STRICT
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int] = Field(description="token ids, each in the vocabulary")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body):
-        return check_text(body)
 
 
 class DetokenizeResponse(BaseModel):

@@ -78,14 +78,17 @@ def mxfp4_split_asm(arch: int, is_w13: bool):
     return compile_for(_moe_mxfp4_split_kernel, types, constants, arch, warps, stages)
 
 
-def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False, lut_reg: bool = False):
+def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False, lut_reg: bool = False,
+               swapped: bool = False):  # fmt: skip
     """The quad-lane kernel (16-bit words) with its inline-asm lookup, the default tile; lut_reg:
-    the lookup's table in a register (the lanemask form)."""
+    the lookup's table in a register (the lanemask form); swapped: over bytes whose bit pairs
+    come swapped (`swap_bit_pairs`)."""
     tile = {k: v for k, v in fused_moe_mxfp4.DEFAULT_TILE.items() if k not in ("SPLIT", "ASM")}
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     types = dict(a_ptr="*bf16", w_ptr="*i16", s_ptr="*u8", c_ptr="*bf16", **GEMM_POINTERS)
     constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-                     USE_ASM=True, FOLD=fold, LUT_REG=lut_reg, EVEN_K=True, USE_LIMIT=is_w13,
+                     USE_ASM=True, FOLD=fold, LUT_REG=lut_reg, SWAPPED=swapped, EVEN_K=True,
+                     USE_LIMIT=is_w13,
                      LIMIT=10.0, **tile)  # fmt: skip
     return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
 
@@ -167,6 +170,8 @@ KERNELS = {
     "mxfp4_quad_reg_gate_up": lambda arch: mxfp4_quad(arch, True, lut_reg=True),
     "mxfp4_quad_reg_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True, True),
     "mxfp4_quad_reg_fold_down": lambda arch: mxfp4_quad(arch, False, True, True),
+    "mxfp4_quad_swapped_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True, True, True),
+    "mxfp4_quad_swapped_fold_down": lambda arch: mxfp4_quad(arch, False, True, True, True),
     "fp8_gate_up": lambda arch: moe_gate_up(arch, fp8=True),
     "fp8_block_gemm": fp8_block_gemm,
     "fp8_activation_quant": fp8_activation_quant,

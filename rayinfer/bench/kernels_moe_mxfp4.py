@@ -77,7 +77,7 @@ def bench_ms(fn) -> float:
 def tile(bm, bn, bk, warps, stages, group_m=1, split=False, lut_reg=False) -> dict:
     """A tile; split: False (tl.dot_scaled), True (two lanes, bytes) or 4 (four lanes, words),
     each split kernel with its inline-PTX dequantization; lut_reg: the four-lane lookup with its
-    table in a register ("LUT_REG")."""
+    table in a register ("LUT_REG"; weights with swapped bit pairs always take that form)."""
     found = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
              "num_warps": warps, "num_stages": stages}  # fmt: skip
     if lut_reg:
@@ -99,20 +99,22 @@ _LARGE_SPLIT = [(128, 128, 8, 3, 8), (128, 64, 8, 3, 8), (128, 64, 4, 4, 8), (25
 
 def candidates(num_tokens: int) -> dict[tuple, list[dict]]:
     """(row tile, kernel) -> stage tiles to try: tl.dot_scaled, the two-lane split kernel, the
-    four-lane word kernel, also with its table in a register (both stages of a call must agree
-    on the lanes: act's layout)."""
+    four-lane word kernel, also with its table in a register, and over weights with swapped bit
+    pairs ("quad_swapped") (both stages of a call must agree on the lanes: act's layout)."""
     if num_tokens <= 256:
         return {
             (16, "scaled"): [tile(16, *t) for t in _SMALL_SCALED],
             (16, "split"): [tile(16, *t, split=True) for t in _SMALL_SPLIT],
             (16, "quad"): [tile(16, *t, split=4) for t in _SMALL_SPLIT],
             (16, "quad_reg"): [tile(16, *t, split=4, lut_reg=True) for t in _SMALL_QUAD_REG],
+            (16, "quad_swapped"): [tile(16, *t, split=4, lut_reg=True) for t in _SMALL_QUAD_REG],
         }
     return {
         (128, "scaled"): [tile(128, n, k, w, s, g) for n, k, w, s, g in _LARGE_SCALED],
         (128, "split"): [tile(128, *t, split=True) for t in _LARGE_SPLIT],
         (128, "quad"): [tile(128, *t, split=4) for t in _LARGE_SPLIT],
         (128, "quad_reg"): [tile(128, *t, split=4, lut_reg=True) for t in _LARGE_SPLIT],
+        (128, "quad_swapped"): [tile(128, *t, split=4, lut_reg=True) for t in _LARGE_SPLIT],
         (64, "split"): [tile(64, *t, split=True) for t in _LARGE_SPLIT[:4]],
         (64, "quad"): [tile(64, *t, split=4) for t in _LARGE_SPLIT[:4]],
     }
@@ -123,18 +125,18 @@ def sweep(x, experts, weights, ids, ref, families: list[str] | None = None) -> d
     whose first pair misses the float32 reference (rel. error > 1e-2) is skipped."""
     num_tokens, top_k = ids.shape
     inter = experts["w13"].shape[1] // 2
-    packed = (experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
-              experts["w2_scale"])  # fmt: skip
     best = None
     small = mxfp4.scales_fold(experts["w13_scale"], experts["w2_scale"])
     for (bm, family), tiles in candidates(num_tokens).items():
         if families and family not in families:
             continue
+        swapped = family.endswith("swapped")
+        w13, w2 = (experts[f"{name}_swapped" if swapped else name] for name in ("w13", "w2"))
+        packed = (w13, w2, weights, ids, experts["w13_scale"], experts["w2_scale"])
         first = {"w13": tiles[0], "w2": tiles[0]}
         try:
-            out = mxfp4.fused_moe_mxfp4(
-                x, *packed, first, swiglu_limit=SWIGLU_LIMIT, small_scales=small
-            )
+            out = mxfp4.fused_moe_mxfp4(x, *packed, first, swiglu_limit=SWIGLU_LIMIT,
+                                        small_scales=small, bits_swapped=swapped)  # fmt: skip
             error = relative_error(out, ref)
         except Exception as failure:  # noqa: BLE001 - a family that does not build here
             error = f"{type(failure).__name__}: {str(failure)[:200]}"
@@ -145,13 +147,14 @@ def sweep(x, experts, weights, ids, ref, families: list[str] | None = None) -> d
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
         slot_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
         stage_args = {
-            "w13": (x, experts["w13"], experts["w13_scale"], act, weights, alignment),
-            "w2": (act, experts["w2"], experts["w2_scale"], slot_out, weights, alignment),
+            "w13": (x, w13, experts["w13_scale"], act, weights, alignment),
+            "w2": (act, w2, experts["w2_scale"], slot_out, weights, alignment),
         }
         chosen = {}
         for stage, args in stage_args.items():
             is_w13 = stage == "w13"
-            launch = (top_k if is_w13 else 1, is_w13, SWIGLU_LIMIT if is_w13 else None, small)
+            limit = SWIGLU_LIMIT if is_w13 else None
+            launch = (top_k if is_w13 else 1, is_w13, limit, small, swapped)
             timed = []
             for t in tiles:
                 try:
@@ -165,34 +168,51 @@ def sweep(x, experts, weights, ids, ref, families: list[str] | None = None) -> d
         total = chosen["w13"][0] + chosen["w2"][0]
         print(f"  family BM={bm} {family}: best stages {total:.3f} ms", flush=True)
         if best is None or total < best[0]:
-            best = (total, {stage: pair[1] for stage, pair in chosen.items()})
-    return best[1]
+            best = (total, {stage: pair[1] for stage, pair in chosen.items()}, swapped)
+    return best[1], best[2]
 
 
 def expert_bytes(experts: dict, ids: torch.Tensor) -> int:
     """Bytes of the routed-to experts' packed weights and scales (what must be read once)."""
     num_used = int(ids.unique().numel())
-    per_expert = sum(t[0].numel() for t in experts.values())
+    parts = ("w13", "w2", "w13_scale", "w2_scale")  # not the swapped copies
+    per_expert = sum(experts[name][0].numel() for name in parts)
     return num_used * per_expert
 
 
 def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool,
              families: list[str] | None = None) -> dict:  # fmt: skip
+    """Both MoEs timed on the same inputs: the MXFP4 one with the sweep's tiles (else the
+    configured ones) over the bytes as shipped and, where those tiles are four-lane ones, over
+    the same bytes with their bit pairs swapped (the kernel's output must not change)."""
     shape = V4_FLASH
     device = experts["w13"].device
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, shape.hidden, device=device, dtype=BF16, generator=gen)
     weights, ids = random_routing(num_tokens, shape, device, seed=num_tokens)
     ref = float32_reference(x, bf16[0], bf16[1], weights, ids, SWIGLU_LIMIT)
-    config = sweep(x, experts, weights, ids, ref, families) if do_sweep else None
-    args = (x, experts["w13"], experts["w2"], weights, ids, experts["w13_scale"],
-            experts["w2_scale"])  # fmt: skip
+    config, swept_swapped = sweep(x, experts, weights, ids, ref, families) if do_sweep else (
+        None, False)  # fmt: skip
     limit = {"swiglu_limit": SWIGLU_LIMIT}
     small = {"small_scales": mxfp4.scales_fold(experts["w13_scale"], experts["w2_scale"])}
-    ours = mxfp4.fused_moe_mxfp4(*args, config, **limit, **small)
+    scales = (experts["w13_scale"], experts["w2_scale"])
+
+    def run(swapped: bool):
+        w13, w2 = (experts[f"{name}_swapped" if swapped else name] for name in ("w13", "w2"))
+        return mxfp4.fused_moe_mxfp4(x, w13, w2, weights, ids, *scales, config, **limit, **small,
+                                     bits_swapped=swapped)  # fmt: skip
+
+    shipped_config = config or mxfp4._pick_config(x, experts["w13"])
+    four_lanes = mxfp4.lanes(shipped_config["w13"]) == 4
+    ours = run(swept_swapped)
     base = fused_moe(x, bf16[0], bf16[1], weights, ids, **limit)
-    mxfp4_ms = bench_ms(lambda: mxfp4.fused_moe_mxfp4(*args, config, **limit, **small))
     bf16_ms = bench_ms(lambda: fused_moe(x, bf16[0], bf16[1], weights, ids, **limit))
+    shipped_ms = bench_ms(lambda: run(False)) if not swept_swapped else None
+    swapped_ms = same_output = None
+    if four_lanes:
+        swapped_ms = bench_ms(lambda: run(True))
+        same_output = bool(torch.equal(run(True), run(False)))
+    mxfp4_ms = swapped_ms if swept_swapped else shipped_ms
     flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
     read = expert_bytes(experts, ids)
     return dict(
@@ -202,7 +222,11 @@ def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool,
         mxfp4_tb_per_s=round(read / mxfp4_ms / 1e9, 3),
         bf16_tb_per_s=round(read * 32 / 8.5 / bf16_ms / 1e9, 3),  # bf16: 16 bits, not 4.25
         mxfp4_tflops=round(flops / mxfp4_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1),
-        config=config or "default",
+        shipped_bytes_ms=None if shipped_ms is None else round(shipped_ms, 4),
+        swapped_bits_ms=None if swapped_ms is None else round(swapped_ms, 4),
+        swapped_speedup=None if swapped_ms is None else round(bf16_ms / swapped_ms, 3),
+        swapped_same_output=same_output, config=config or "default",
+        config_bits_swapped=swept_swapped,
     )  # fmt: skip
 
 
@@ -213,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
     parser.add_argument("--families", nargs="+", default=None,
                         help="with --sweep: only these kernel families (scaled, split, quad, "
-                        "quad_reg); default: all")  # fmt: skip
+                        "quad_reg, quad_swapped); default: all")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels moe_mxfp4: needs a CUDA GPU")
         return 0
     experts = random_mxfp4_experts(V4_FLASH, "cuda")
+    experts.update(w13_swapped=mxfp4.swap_bit_pairs(experts["w13"]),
+                   w2_swapped=mxfp4.swap_bit_pairs(experts["w2"]))  # fmt: skip
     bf16 = dequantized_bf16(experts)
     results = dict(device=torch.cuda.get_device_name(), shape=V4_FLASH.__dict__, cases=[])
     for num_tokens in args.tokens:

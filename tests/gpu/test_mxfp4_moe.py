@@ -13,7 +13,7 @@ import torch
 from rayinfer.bench.kernels_moe_mxfp4 import dequantized_bf16, float32_reference
 from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
 from rayinfer.kernels.moe.fused_moe import fused_moe
-from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4
+from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4, swap_bit_pairs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,6 +33,7 @@ KERNELS = {  # name -> tile (the same for both GEMMs)
     "quad_reg_mma_sync": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2, "num_stages": 3,
                           "SPLIT": 4, "ASM": True, "LUT_REG": True},  # mma.sync on Hopper
 }  # fmt: skip
+SWAPPED = ("quad_reg", "quad_reg_mma_sync")  # also run over bytes with swapped bit pairs
 
 
 def experts_with_scales(low: int, high: int) -> dict:
@@ -71,3 +72,10 @@ def test_mxfp4_kernel_is_as_close_to_float32_as_bf16_experts(kernel, num_tokens,
     bf16 = fused_moe(x, w13_bf16, w2_bf16, weights, ids, swiglu_limit=LIMIT)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert relative_error(out, ref) <= 1.5 * relative_error(bf16, ref) + 1e-3
+    if kernel in SWAPPED:  # the shorter lookup over swapped bytes: the same values, bit for bit
+        swapped = fused_moe_mxfp4(
+            x, swap_bit_pairs(experts["w13"]), swap_bit_pairs(experts["w2"]), weights, ids,
+            experts["w13_scale"], experts["w2_scale"], {"w13": tile, "w2": tile},
+            swiglu_limit=LIMIT, small_scales=scales[1] <= 128, bits_swapped=True,
+        )  # fmt: skip
+        assert torch.equal(swapped, out)

@@ -12,6 +12,7 @@ from rayinfer.kernels.moe.fused_moe_mxfp4 import (
     dequantize_mxfp4_reference,
     fused_moe_mxfp4,
     fused_moe_mxfp4_reference,
+    swap_bit_pairs,
 )
 from rayinfer.layers.fused_experts import FusedExperts
 
@@ -105,6 +106,34 @@ def test_dequantization_follows_the_format():
         packed.view(torch.int8), scale.view(torch.float8_e8m0fnu)
     )
     assert torch.equal(as_stored, dequantize_mxfp4_reference(packed, scale))
+
+
+def test_swap_bit_pairs_orders_a_byte_for_the_lookup_and_undoes_itself():
+    """High nibble (s e1 e0 m) = 1011, low (s' e1' e0' m') = 0110: s e1 s' e1' e0 m e0' m'."""
+    packed = torch.tensor([0b1011_0110, 0x00, 0xFF, 0x2F], dtype=torch.uint8)
+    swapped = swap_bit_pairs(packed)
+    assert swapped.tolist() == [0b10_01_11_10, 0x00, 0xFF, 0b00_11_10_11]
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(swap_bit_pairs(swap_bit_pairs(every_byte)), every_byte)
+    assert swap_bit_pairs(every_byte).unique().numel() == 256
+
+
+@pytest.mark.parametrize("tiles", ["quad", "quad_wide_k"])
+@pytest.mark.parametrize("name", ["off_the_tile", "k_of_one_group"])
+def test_the_four_lane_kernel_reads_swapped_bit_pairs(name, tiles):
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES[name], seed=7)
+    out = fused_moe_mxfp4(x, swap_bit_pairs(w13), swap_bit_pairs(w2), weights, ids, w13_scale,
+                          w2_scale, config=TILES[tiles], bits_swapped=True)  # fmt: skip
+    expected = fused_moe_mxfp4_reference(x.float(), w13, w2, weights, ids, w13_scale, w2_scale)
+    _assert_near(out, expected)
+
+
+def test_swapped_bit_pairs_need_four_lane_tiles():
+    x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(CASES["one_token"])
+    for tiles in ("small", "split"):
+        with pytest.raises(ValueError, match='"SPLIT": 4'):
+            fused_moe_mxfp4(x, w13, w2, weights, ids, w13_scale, w2_scale, config=TILES[tiles],
+                            bits_swapped=True)  # fmt: skip
 
 
 def test_ops_dispatch_on_the_weight_dtypes():

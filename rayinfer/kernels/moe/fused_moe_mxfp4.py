@@ -109,30 +109,44 @@ def lanes(tile: dict) -> int:
     return split
 
 
-def _kernel_and_params(tile: dict, dtype: torch.dtype, small_scales: bool):
+def swap_bit_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 bytes with each byte's bits 2-3 and 4-5 swapped: (s e1 e0 m) of the high
+    nibble and (s' e1' e0' m') of the low one become s e1 s' e1' e0 m e0' m', the order the
+    four-lane lookup takes its table indices in (fused_moe_mxfp4_quad.py). Its own inverse."""
+    b = as_bytes(packed)
+    return (b & 0xC3) | ((b << 2) & 0x30) | ((b >> 2) & 0x0C)
+
+
+def _kernel_and_params(tile: dict, dtype: torch.dtype, small_scales: bool,
+                       bits_swapped: bool = False):  # fmt: skip
     """The tile's kernel and meta-parameters. "ASM" (bf16 only; fp16 takes the exact float32
     bits) is the split kernel's shift PTX and the four-lane kernel's table lookup; "LUT_REG"
-    (four lanes only) that lookup with its table in a register."""
+    (four lanes only) that lookup with its table in a register. bits_swapped weights
+    (`swap_bit_pairs`) only the four-lane kernel reads."""
     params = {key: value for key, value in tile.items() if key not in ("SPLIT", "ASM", "LUT_REG")}
     num_lanes = lanes(tile)
+    if bits_swapped and num_lanes != 4:
+        raise ValueError(f'experts with swapped bit pairs need four-lane tiles ("SPLIT": 4), '
+                         f"not {tile}")  # fmt: skip
     if num_lanes == 1:
         return _moe_mxfp4_gemm_kernel, {**params, "FORMAT": "bf16" if dtype == BF16 else "fp16"}
     use_asm = bool(tile.get("ASM")) and dtype == BF16
     if num_lanes == 4:  # "LUT_REG": the lookup's table kept in a register (fewer instructions)
         lut_reg = bool(tile.get("LUT_REG"))
         return moe_mxfp4_quad_kernel, {**params, "USE_ASM": use_asm, "FOLD": small_scales,
-                                       "LUT_REG": lut_reg}  # fmt: skip
+                                       "LUT_REG": lut_reg, "SWAPPED": bits_swapped}  # fmt: skip
     return _moe_mxfp4_split_kernel, {**params, "USE_ASM": use_asm}
 
 
 def _launch(a, w, scale, c, topk_weights, alignment, tile, top_k, is_w13, swiglu_limit,
-            small_scales=False):  # fmt: skip
+            small_scales=False, bits_swapped=False):  # fmt: skip
     """One grouped GEMM: gate+up with SiLU (is_w13) or down weighted by the router. A tile of
     2 or 4 lanes takes a (and gives act) lane-major: [k = 0 mod L | 1 mod L | ..] (see
     `deinterleave`); 4 lanes read w as 16-bit words. small_scales: every scale byte is at most
-    128, so the four-lane lookup multiplies each pair once."""
+    128, so the four-lane lookup multiplies each pair once. bits_swapped: w's bytes went
+    through `swap_bit_pairs`."""
     n_out, k = c.shape[1], a.shape[1]
-    kernel, params = _kernel_and_params(tile, a.dtype, bool(small_scales))
+    kernel, params = _kernel_and_params(tile, a.dtype, bool(small_scales), bits_swapped)
     if lanes(tile) == 4:
         w = w.view(torch.int16)  # [E, N, K/4] words; strides in words
     num_pid_n = triton.cdiv(n_out, params["BLOCK_N"])
@@ -160,6 +174,7 @@ def fused_moe_mxfp4(
     *,
     swiglu_limit: float | None = None,  # DeepSeek-V4: silu(min(gate, l)) * clamp(up, -l, l)
     small_scales: bool = False,  # every scale byte <= 128 (scales <= 2, as trained weights have)
+    bits_swapped: bool = False,  # w13 and w2 went through swap_bit_pairs (four-lane tiles only)
 ) -> torch.Tensor:  # [T, H] x.dtype
     check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale)
     if x.stride(1) != 1 or topk_ids.shape != topk_weights.shape:
@@ -180,9 +195,9 @@ def fused_moe_mxfp4(
     w13, w2, w13_scale, w2_scale = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
     x_in = deinterleave(x, lanes(w13_tile))
     _launch(x_in, w13, w13_scale, act, weights, alignment, w13_tile, top_k, True, swiglu_limit,
-            small_scales)  # fmt: skip
+            small_scales, bits_swapped)  # fmt: skip
     _launch(act, w2, w2_scale, slot_out, weights, alignment, w2_tile, 1, False, None,
-            small_scales)  # fmt: skip
+            small_scales, bits_swapped)  # fmt: skip
     hidden = x.shape[1]
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](
         slot_out, topk_ids.contiguous(), out, hidden, num_experts, TOP_K=top_k, BLOCK_H=1024

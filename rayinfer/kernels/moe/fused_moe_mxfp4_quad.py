@@ -48,15 +48,18 @@ _LUT_IN_REGISTER = """.reg .b32 lt, gt;
 mov.b32 lt, %lanemask_lt;
 mov.b32 gt, %lanemask_gt;
 lop3.b32 lo_tab, lt, gt, 0xC0804000, 0xEA;"""
-_LOOKUP = """
+_ORDER_BYTES = """
 mov.b32 hi_tab, 0x81800100;
 mov.b32 nzero, 0x80008000;
 prmt.b32 v, $4, 0, 0x3120;
-shl.b32 t, v, 2;
+"""
+_SWAP_BIT_PAIRS = """shl.b32 t, v, 2;
 shr.b32 u, v, 2;
 lop3.b32 t, t, u, 0x30303030, 0xE4;
 lop3.b32 y, v, t, 0xC3C3C3C3, 0xE4;
-lop3.b32 z, y, 0x33333333, 0x40404040, 0xEA;
+"""
+_SWAPPED_ALREADY = "mov.b32 y, v;\n"
+_LOOKUP = """lop3.b32 z, y, 0x33333333, 0x40404040, 0xEA;
 shr.b32 q, y, 2;
 lop3.b32 zh, q, 0x33333333, 0x40404040, 0xEA;
 prmt.b32 $0, lo_tab, hi_tab, z;
@@ -78,17 +81,22 @@ fma.rn.bf16x2 $3, $3, $6, nzero;
 """
 
 
-def lookup_asm(fold: bool, lut_in_register: bool) -> str:
+def lookup_asm(fold: bool, lut_in_register: bool, swapped: bool = False) -> str:
     """The lookup block: one scale factor with fold, else two; the low table by the lanemask
-    identity with lut_in_register (fewer instructions, same bits), else an immediate."""
+    identity with lut_in_register (fewer instructions, same bits), else an immediate; swapped:
+    the bytes come with their bit pairs 2-3 and 4-5 swapped already (`swap_bit_pairs`)."""
     table = _LUT_IN_REGISTER if lut_in_register else _LUT_IMMEDIATE
-    return "{\n" + _LOOKUP_REGS + "\n" + table + _LOOKUP + ("" if fold else _SECOND_FACTOR) + "}"
+    swap = _SWAPPED_ALREADY if swapped else _SWAP_BIT_PAIRS
+    body = _ORDER_BYTES + swap + _LOOKUP + ("" if fold else _SECOND_FACTOR)
+    return "{\n" + _LOOKUP_REGS + "\n" + table + body + "}"
 
 
 WORD_LOOKUP_FOLD_ASM = tl.constexpr(lookup_asm(True, False))
 WORD_LOOKUP_ASM = tl.constexpr(lookup_asm(False, False))
 WORD_LOOKUP_FOLD_REG_ASM = tl.constexpr(lookup_asm(True, True))
 WORD_LOOKUP_REG_ASM = tl.constexpr(lookup_asm(False, True))
+SWAPPED_LOOKUP_FOLD_REG_ASM = tl.constexpr(lookup_asm(True, True, True))
+SWAPPED_LOOKUP_REG_ASM = tl.constexpr(lookup_asm(False, True, True))
 
 
 @triton.jit
@@ -114,28 +122,39 @@ def _spread(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _unswap_bit_pairs(word):
+    """int32 holding a 16-bit word whose bytes have bits 2-3 and 4-5 swapped -> as shipped."""
+    return (word & 0xC3C3) | ((word << 2) & 0x3030) | ((word >> 2) & 0x0C0C)
+
+
+@triton.jit
 def _dequant_words(w, s, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr,
-                   LUT_REG: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LUT_REG: tl.constexpr, SWAPPED: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):  # fmt: skip
     """w [BN, BK/4] int16 words, s [BN, BK/32] uint8 UE8M0 scales -> the four lanes' values,
     each [BN, BK/4] DTYPE (bf16 by the lookup with USE_ASM, its table in a register with
-    LUT_REG; exact float32 bits else)."""
+    LUT_REG or SWAPPED; exact float32 bits else). SWAPPED: each byte's bit pairs 2-3 and 4-5
+    come swapped (`swap_bit_pairs`), which spares the lookup four instructions a word pair."""
     if USE_ASM:
         first, second = _bf16_factors(s, FOLD)
         if FOLD:
             lane0, lane2, lane1, lane3 = tl.inline_asm_elementwise(
-                WORD_LOOKUP_FOLD_REG_ASM if LUT_REG else WORD_LOOKUP_FOLD_ASM, "=r,=r,=r,=r,r,r",
-                [w, _spread(first, BLOCK_N, BLOCK_K)],
+                SWAPPED_LOOKUP_FOLD_REG_ASM if SWAPPED else
+                (WORD_LOOKUP_FOLD_REG_ASM if LUT_REG else WORD_LOOKUP_FOLD_ASM),
+                "=r,=r,=r,=r,r,r", [w, _spread(first, BLOCK_N, BLOCK_K)],
                 dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2,
             )  # fmt: skip
         else:
             lane0, lane2, lane1, lane3 = tl.inline_asm_elementwise(
-                WORD_LOOKUP_REG_ASM if LUT_REG else WORD_LOOKUP_ASM, "=r,=r,=r,=r,r,r,r",
+                SWAPPED_LOOKUP_REG_ASM if SWAPPED else
+                (WORD_LOOKUP_REG_ASM if LUT_REG else WORD_LOOKUP_ASM), "=r,=r,=r,=r,r,r,r",
                 [w, _spread(first, BLOCK_N, BLOCK_K), _spread(second, BLOCK_N, BLOCK_K)],
                 dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2,
             )  # fmt: skip
     else:
         word = w.to(tl.int32) & 0xFFFF
+        if SWAPPED:
+            word = _unswap_bit_pairs(word)
         exponent = _spread(s, BLOCK_N, BLOCK_K).to(tl.int32)
         lane0 = _e2m1_exact(word & 15, exponent, DTYPE)
         lane1 = _e2m1_exact((word >> 4) & 15, exponent, DTYPE)
@@ -155,7 +174,8 @@ def _load_word_scales(s_ptrs, word_step, quarter_k, BLOCK_K: tl.constexpr):
 @triton.jit
 def _quad_dot(acc, w_ptrs, s, a0, a1, a2, a3, word_step, words_in,
               DTYPE: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr,
-              LUT_REG: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              LUT_REG: tl.constexpr, SWAPPED: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):  # fmt: skip
     """acc [BN, BM] += sum over lanes r of lane_r [BN, BK/4] @ a_r [BK/4, BM]; s [BN, BK/32] the
     step's scales."""
@@ -163,8 +183,8 @@ def _quad_dot(acc, w_ptrs, s, a0, a1, a2, a3, word_step, words_in,
         w = tl.load(w_ptrs + word_step)  # [BN, BK/4] int16
     else:  # masked words are zeros; the activations there are zeros too
         w = tl.load(w_ptrs + word_step, mask=words_in[None, :], other=0)
-    lane0, lane1, lane2, lane3 = _dequant_words(w, s, DTYPE, USE_ASM, FOLD, LUT_REG, BLOCK_N,
-                                                BLOCK_K)  # fmt: skip
+    lane0, lane1, lane2, lane3 = _dequant_words(w, s, DTYPE, USE_ASM, FOLD, LUT_REG, SWAPPED,
+                                                BLOCK_N, BLOCK_K)  # fmt: skip
     acc = tl.dot(lane0, a0, acc)
     acc = tl.dot(lane1, a1, acc)
     acc = tl.dot(lane2, a2, acc)
@@ -188,7 +208,8 @@ def moe_mxfp4_quad_kernel(
     N, K, num_slots, up_offset, num_blocks_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    USE_ASM: tl.constexpr, FOLD: tl.constexpr, LUT_REG: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr, FOLD: tl.constexpr, LUT_REG: tl.constexpr, SWAPPED: tl.constexpr,
+    EVEN_K: tl.constexpr,
     USE_LIMIT: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -236,10 +257,10 @@ def moe_mxfp4_quad_kernel(
             mask = mask & words_in[:, None]
         a0, a1, a2, a3 = _load_lanes(a_ptrs, word_step, quarter_k, mask)
         acc = _quad_dot(acc, w_ptrs, s, a0, a1, a2, a3, word_step, words_in, dtype, USE_ASM,
-                        FOLD, LUT_REG, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+                        FOLD, LUT_REG, SWAPPED, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         if FUSE_SILU:
             acc_up = _quad_dot(acc_up, w_ptrs + up_offset * stride_wn, up_s, a0, a1, a2, a3,
-                               word_step, words_in, dtype, USE_ASM, FOLD, LUT_REG, EVEN_K,
+                               word_step, words_in, dtype, USE_ASM, FOLD, LUT_REG, SWAPPED, EVEN_K,
                                BLOCK_N, BLOCK_K)  # fmt: skip
     store_slot_tile(acc, acc_up, c_ptr, stride_cm, topk_weights_ptr, slots, is_real, pid_n, N,
                     FUSE_SILU, MUL_WEIGHT, USE_LIMIT, LIMIT, BLOCK_N)  # fmt: skip

@@ -99,7 +99,7 @@ def silu_and_mul(x, limit=None):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, *,
               swiglu_limit=None, backends: KernelBackends = DEFAULT_BACKENDS,
-              mxfp4_small_scales=False):  # fmt: skip
+              mxfp4_small_scales=False, mxfp4_bits_swapped=False):  # fmt: skip
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     MXFP4 experts (DeepSeek-V4), chosen by their dtypes: w13 [E, 2I, H/2] and w2 [E, H, I/2]
@@ -107,6 +107,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
     (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
     mxfp4_small_scales: every UE8M0 byte is at most 128 (the kernel multiplies once).
+    mxfp4_bits_swapped: the packed bytes went through `swap_bit_pairs` (the four-lane lookup's
+    order; FusedExperts stores them so on GPUs).
     On CUDA with backends.small_batch_moe, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     limit = {"swiglu_limit": swiglu_limit}
@@ -114,9 +116,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
         # float32 activations (parity runs) and CPUs take the float32 dequantized reference
         if _on_cuda(x) and x.dtype != torch.float32:
             return fused_moe_mxfp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                   small_scales=mxfp4_small_scales, **limit)  # fmt: skip
+                                   small_scales=mxfp4_small_scales,
+                                   bits_swapped=mxfp4_bits_swapped, **limit)  # fmt: skip
         args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit)
-        return fused_moe_mxfp4_reference(*args)
+        return fused_moe_mxfp4_reference(*args, bits_swapped=mxfp4_bits_swapped)
     if _on_cuda(x):
         if backends.small_batch_moe and fits_small_batch(topk_ids, w13, x):
             return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, **limit)

@@ -11,7 +11,9 @@ ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must b
 
 MXFP4 weights (`weight_format="mxfp4"`, DeepSeek-V4-Flash): packed e2m1 bytes and one UE8M0
 exponent byte per 32 values along K, kept packed (kernels/moe/fused_moe_mxfp4.py); the packed tensor
-and its scale load through the same call (`is_scale=True` for the scale), shapes checked.
+and its scale load through the same call (`is_scale=True` for the scale), shapes checked. Into
+experts on a GPU the packed bytes load with their bit pairs swapped (`swap_bit_pairs`: the GPU
+kernel's lookup then issues four fewer instructions a word pair; `mxfp4_bits_swapped`).
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 """
@@ -26,7 +28,7 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
-from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold
+from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold, swap_bit_pairs
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import FP8_BLOCK
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
@@ -100,6 +102,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
         self.w13_scale = self.w2_scale = None
         self._small_scales: bool | None = None  # MXFP4: every scale byte <= 128, once read
+        self.mxfp4_bits_swapped = False  # MXFP4 loaded into a GPU: bytes as swap_bit_pairs left
         if self.weight_format == "mxfp4":
             self._make_mxfp4_weights(hidden_size, intermediate_size)
             return
@@ -175,6 +178,9 @@ class FusedExperts(UsesKernelBackends, nn.Module):
                 f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
                 "keep FP8 block-scaled weights (fp8_weights=True)"
             )
+        if mxfp4 and not is_scale and target.is_cuda:
+            loaded = swap_bit_pairs(loaded)  # every packed tensor of a GPU's experts alike
+            self.mxfp4_bits_swapped = True
         target.copy_(loaded)
         return True
 
@@ -184,6 +190,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
             x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale,
             swiglu_limit=self.swiglu_limit, backends=self.kernels,
             mxfp4_small_scales=self.mxfp4_small_scales(),
+            mxfp4_bits_swapped=self.mxfp4_bits_swapped,
         )  # fmt: skip
 
     def mxfp4_small_scales(self) -> bool:

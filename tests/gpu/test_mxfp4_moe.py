@@ -14,6 +14,7 @@ from rayinfer.bench.kernels_moe_mxfp4 import dequantized_bf16, float32_reference
 from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
 from rayinfer.kernels.moe.fused_moe import fused_moe
 from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4, swap_bit_pairs
+from rayinfer.layers.fused_experts import FusedExperts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,3 +80,31 @@ def test_mxfp4_kernel_is_as_close_to_float32_as_bf16_experts(kernel, num_tokens,
             swiglu_limit=LIMIT, small_scales=scales[1] <= 128, bits_swapped=True,
         )  # fmt: skip
         assert torch.equal(swapped, out)
+
+
+def test_experts_loaded_into_the_gpu_keep_swapped_bit_pairs_and_run_as_shipped():
+    """FusedExperts on a GPU swaps each packed byte's bit pairs as it loads; the kernel (bf16)
+    and the float32 reference (float32 activations) both read them as the bytes shipped."""
+    experts = experts_with_scales(116, 120)
+    layer = FusedExperts(SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate,
+                         weight_format="mxfp4", swiglu_limit=LIMIT).cuda()  # fmt: skip
+    inter = SHAPE.intermediate
+    for e in range(SHAPE.num_experts):
+        for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, None))):
+            layer.load_expert_weight(e, part, experts["w13"][e, rows].cpu())
+            layer.load_expert_weight(e, part, experts["w13_scale"][e, rows].cpu(), True)
+        layer.load_expert_weight(e, "down", experts["w2"][e].cpu())
+        layer.load_expert_weight(e, "down", experts["w2_scale"][e].cpu(), True)
+    assert layer.mxfp4_bits_swapped
+    assert torch.equal(layer.w13, swap_bit_pairs(experts["w13"]))
+    num_tokens = 96
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = random_routing(num_tokens, SHAPE, "cuda", seed=5)
+    shipped = fused_moe_mxfp4(x, experts["w13"], experts["w2"], weights, ids,
+                              experts["w13_scale"], experts["w2_scale"], swiglu_limit=LIMIT,
+                              small_scales=True)  # fmt: skip
+    assert torch.equal(layer(x, weights, ids), shipped)
+    w13_bf16, w2_bf16 = dequantized_bf16(experts)
+    ref = float32_reference(x, w13_bf16, w2_bf16, weights, ids, LIMIT)
+    torch.testing.assert_close(layer(x.float(), weights, ids), ref, rtol=1e-4, atol=1e-4)

@@ -184,7 +184,10 @@ def fused_moe_mxfp4(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    config = config or _pick_config(x, w13)
+    if config is None:  # a GPU's tiles; swapped bit pairs need four lanes (the default's)
+        config = _pick_config(x, w13)
+        if bits_swapped and lanes(config["w13"]) != 4:
+            config = DEFAULT_CONFIG
     w13_tile, w2_tile = config["w13"], config["w2"]
     if w13_tile["BLOCK_M"] != w2_tile["BLOCK_M"] or lanes(w13_tile) != lanes(w2_tile):
         raise ValueError("w13 and w2 tiles need the same BLOCK_M (one alignment) and SPLIT")
@@ -223,8 +226,11 @@ def dequantize_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def fused_moe_mxfp4_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                              swiglu_limit=None):  # fmt: skip
-    """The experts dequantized to float32, through fused_moe_reference, in x's dtype out."""
+                              swiglu_limit=None, bits_swapped=False):  # fmt: skip
+    """The experts dequantized to float32, through fused_moe_reference, in x's dtype out;
+    bits_swapped: w13 and w2 went through `swap_bit_pairs` (undone here, a copy)."""
+    if bits_swapped:
+        w13, w2 = swap_bit_pairs(w13), swap_bit_pairs(w2)
     w13_full = dequantize_mxfp4_reference(w13, w13_scale)  # [E, 2I, H]
     w2_full = dequantize_mxfp4_reference(w2, w2_scale)  # [E, H, I]
     out = fused_moe_reference(x.float(), w13_full, w2_full, topk_weights, topk_ids, swiglu_limit)

@@ -67,8 +67,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale) -> None:
-    """ValueError naming the part and both shapes unless the experts fit x [T, H]."""
+def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale,
+                        dtypes=(torch.bfloat16, torch.float16)) -> None:  # fmt: skip
+    """ValueError naming the part and both shapes unless the experts fit x [T, H] of dtypes."""
     num_experts, two_i, packed_h = w13.shape
     hidden, inter = x.shape[-1], two_i // 2
     if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
@@ -87,8 +88,8 @@ def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale) -> None:
             )
         if not t.is_contiguous():
             raise ValueError(f"MXFP4 {name} must be contiguous")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the MXFP4 kernel takes bf16 or fp16 activations, not {x.dtype}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"the MXFP4 kernel takes {dtypes} activations, not {x.dtype}")
 
 
 def _pick_config(x, w13) -> dict:

@@ -50,11 +50,13 @@ from rayinfer.kernels.moe.fused_moe_mxfp4 import (
     fused_moe_mxfp4_reference,
     is_mxfp4,
 )
+from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import fused_moe_mxfp4_w4a8
 from rayinfer.kernels.moe.fused_moe_small import fits_small_batch, fused_moe_small_batch
 from rayinfer.kernels.moe.moe_combine import moe_combine as moe_combine_triton
 from rayinfer.kernels.moe.moe_combine import moe_combine_reference
 from rayinfer.kernels.moe.moe_routing import MoeRouting, moe_routing_reference
 from rayinfer.kernels.moe.moe_routing_kernel import moe_routing as moe_routing_triton
+from rayinfer.kernels.moe.mxfp4_layouts import to_shipped
 from rayinfer.kernels.moe.router_logits import router_logits as router_logits_triton
 from rayinfer.kernels.moe.router_logits import router_logits_reference, uses_kernel
 from rayinfer.kernels.triton_compat import HAS_TRITON
@@ -99,7 +101,7 @@ def silu_and_mul(x, limit=None):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, *,
               swiglu_limit=None, backends: KernelBackends = DEFAULT_BACKENDS,
-              mxfp4_small_scales=False, mxfp4_bits_swapped=False):  # fmt: skip
+              mxfp4_small_scales=False, mxfp4_layout="shipped"):  # fmt: skip
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x.dtype, or float8_e4m3fn with [E, N/128, K/128]
     float32 block scales), topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H].
     MXFP4 experts (DeepSeek-V4), chosen by their dtypes: w13 [E, 2I, H/2] and w2 [E, H, I/2]
@@ -107,19 +109,22 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
     (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
     mxfp4_small_scales: every UE8M0 byte is at most 128 (the kernel multiplies once).
-    mxfp4_bits_swapped: the packed bytes went through `swap_bit_pairs` (the four-lane lookup's
-    order; FusedExperts stores them so on GPUs).
+    mxfp4_layout: how the packed bytes are kept (kernels/moe/mxfp4_layouts.py): "octets" runs
+    the W4A8 kernel, "shipped" and "swapped" the W4A16 one.
     On CUDA with backends.small_batch_moe, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     limit = {"swiglu_limit": swiglu_limit}
     if is_mxfp4(w13, w13_scale):
         # float32 activations (parity runs) and CPUs take the float32 dequantized reference
         if _on_cuda(x) and x.dtype != torch.float32:
-            return fused_moe_mxfp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                   small_scales=mxfp4_small_scales,
-                                   bits_swapped=mxfp4_bits_swapped, **limit)  # fmt: skip
+            args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+            if mxfp4_layout == "octets":
+                return fused_moe_mxfp4_w4a8(*args, **limit)
+            return fused_moe_mxfp4(*args, small_scales=mxfp4_small_scales,
+                                   bits_swapped=mxfp4_layout == "swapped", **limit)  # fmt: skip
+        w13, w2 = to_shipped(w13, mxfp4_layout), to_shipped(w2, mxfp4_layout)
         args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit)
-        return fused_moe_mxfp4_reference(*args, bits_swapped=mxfp4_bits_swapped)
+        return fused_moe_mxfp4_reference(*args)
     if _on_cuda(x):
         if backends.small_batch_moe and fits_small_batch(topk_ids, w13, x):
             return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, **limit)

@@ -11,15 +11,18 @@ ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must b
 
 MXFP4 weights (`weight_format="mxfp4"`, DeepSeek-V4-Flash): packed e2m1 bytes and one UE8M0
 exponent byte per 32 values along K, kept packed (kernels/moe/fused_moe_mxfp4.py); the packed tensor
-and its scale load through the same call (`is_scale=True` for the scale), shapes checked. Into
-experts on a GPU the packed bytes load with their bit pairs swapped (`swap_bit_pairs`: the GPU
-kernel's lookup then issues four fewer instructions a word pair; `mxfp4_bits_swapped`).
+and its scale load through the same call (`is_scale=True` for the scale), shapes checked. On a
+GPU the packed bytes are kept in the layout of the kernel that reads them
+(kernels/moe/mxfp4_layouts.py, `mxfp4_layout`): "swapped" for W4A16, "octets" for W4A8
+(`KernelBackends.mxfp4_moe`, chosen once the kernels are set, after loading); a load converts
+what it copies.
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import NamedTuple
 
@@ -28,7 +31,10 @@ from torch import nn
 
 from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
-from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold, swap_bit_pairs
+from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
+from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold
+from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import fits_w4a8
+from rayinfer.kernels.moe.mxfp4_layouts import from_shipped, relayout_
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import FP8_BLOCK
 from rayinfer.layers.parallel import SINGLE, ParallelContext, divide
@@ -39,6 +45,7 @@ _MXFP4_BYTES = (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", torc
 _UE8M0_BYTES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
+logger = logging.getLogger(__name__)
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -102,9 +109,12 @@ class FusedExperts(UsesKernelBackends, nn.Module):
         self.first_local_expert = parallel.ep_rank * self.num_local_experts
         self.w13_scale = self.w2_scale = None
         self._small_scales: bool | None = None  # MXFP4: every scale byte <= 128, once read
-        self.mxfp4_bits_swapped = False  # MXFP4 loaded into a GPU: bytes as swap_bit_pairs left
+        self.mxfp4_layout = "shipped"  # MXFP4 bytes as kept (kernels/moe/mxfp4_layouts.py)
+        self._kernels = DEFAULT_BACKENDS
         if self.weight_format == "mxfp4":
             self._make_mxfp4_weights(hidden_size, intermediate_size)
+            if self.w13.is_cuda:  # W4A16 until the kernels say otherwise: nothing loaded yet
+                self.mxfp4_layout = "swapped"
             return
         shape13 = (self.num_local_experts, 2 * intermediate_size, hidden_size)
         shape2 = (self.num_local_experts, hidden_size, intermediate_size)
@@ -178,9 +188,8 @@ class FusedExperts(UsesKernelBackends, nn.Module):
                 f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
                 "keep FP8 block-scaled weights (fp8_weights=True)"
             )
-        if mxfp4 and not is_scale and target.is_cuda:
-            loaded = swap_bit_pairs(loaded)  # every packed tensor of a GPU's experts alike
-            self.mxfp4_bits_swapped = True
+        if mxfp4 and not is_scale:
+            loaded = from_shipped(loaded.to(target.device), self.mxfp4_layout)
         target.copy_(loaded)
         return True
 
@@ -190,8 +199,44 @@ class FusedExperts(UsesKernelBackends, nn.Module):
             x, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale,
             swiglu_limit=self.swiglu_limit, backends=self.kernels,
             mxfp4_small_scales=self.mxfp4_small_scales(),
-            mxfp4_bits_swapped=self.mxfp4_bits_swapped,
+            mxfp4_layout=self.mxfp4_layout,
         )  # fmt: skip
+
+    @property
+    def kernels(self) -> KernelBackends:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: KernelBackends) -> None:
+        """The backends (layer_options.configure_layers, after loading): MXFP4 experts on a GPU
+        move to the layout of the kernel `mxfp4_moe` picks."""
+        self._kernels = kernels
+        if self.weight_format == "mxfp4" and self.w13.is_cuda:
+            self.use_mxfp4_layout(self._mxfp4_layout_for(kernels.mxfp4_moe))
+
+    def _mxfp4_layout_for(self, choice: str) -> str:
+        """ "octets" where W4A8 is asked for and can be exact here, else "swapped"."""
+        if choice != "w4a8":  # "auto" is W4A16 (benchmarks/RESULTS.md, kernels: MXFP4)
+            return "swapped"
+        if torch.cuda.get_device_capability(self.w13.device) < (8, 9):
+            raise ConfigError(
+                "kernels.mxfp4_moe='w4a8' needs FP8 tensor cores (sm_89 or later), not "
+                f"{torch.cuda.get_device_name(self.w13.device)}; use one of auto, w4a16"
+            )
+        hidden, inter = self.w2.shape[1], self.intermediate_size
+        if hidden % 128 or inter % 128 or not fits_w4a8(self.w13_scale, self.w2_scale):
+            logger.warning(
+                "MXFP4 experts (H=%d, I=%d) keep W4A16: W4A8 needs H and I multiples of 128 "
+                "and each row's scales within 11 binades", hidden, inter,
+            )  # fmt: skip
+            return "swapped"
+        return "octets"
+
+    def use_mxfp4_layout(self, layout: str) -> None:
+        """Keep the packed experts in this layout from now on (the stored bytes rewritten)."""
+        relayout_(self.w13.data, self.mxfp4_layout, layout)
+        relayout_(self.w2.data, self.mxfp4_layout, layout)
+        self.mxfp4_layout = layout
 
     def mxfp4_small_scales(self) -> bool:
         """Whether every MXFP4 scale is at most 2 (byte <= 128), as trained weights' are: the

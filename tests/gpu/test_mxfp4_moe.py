@@ -12,6 +12,7 @@ import torch
 
 from rayinfer.bench.kernels_moe_mxfp4 import dequantized_bf16, float32_reference
 from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
+from rayinfer.kernels.backends import KernelBackends
 from rayinfer.kernels.moe.fused_moe import fused_moe
 from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4, swap_bit_pairs
 from rayinfer.layers.fused_experts import FusedExperts
@@ -82,12 +83,14 @@ def test_mxfp4_kernel_is_as_close_to_float32_as_bf16_experts(kernel, num_tokens,
         assert torch.equal(swapped, out)
 
 
-def test_experts_loaded_into_the_gpu_keep_swapped_bit_pairs_and_run_as_shipped():
-    """FusedExperts on a GPU swaps each packed byte's bit pairs as it loads; the kernel (bf16)
-    and the float32 reference (float32 activations) both read them as the bytes shipped."""
+def test_experts_loaded_into_the_gpu_keep_the_kernels_layout_and_run_as_shipped():
+    """FusedExperts made on a GPU keeps its packed bytes swapped for the W4A16 kernel as it
+    loads them, octets once kernels.mxfp4_moe asks for W4A8; each kernel (bf16) and the float32
+    reference (float32 activations) read them as the bytes shipped."""
     experts = experts_with_scales(116, 120)
-    layer = FusedExperts(SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate,
-                         weight_format="mxfp4", swiglu_limit=LIMIT).cuda()  # fmt: skip
+    with torch.device("cuda"):
+        layer = FusedExperts(SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate,
+                             weight_format="mxfp4", swiglu_limit=LIMIT)  # fmt: skip
     inter = SHAPE.intermediate
     for e in range(SHAPE.num_experts):
         for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, None))):
@@ -95,7 +98,7 @@ def test_experts_loaded_into_the_gpu_keep_swapped_bit_pairs_and_run_as_shipped()
             layer.load_expert_weight(e, part, experts["w13_scale"][e, rows].cpu(), True)
         layer.load_expert_weight(e, "down", experts["w2"][e].cpu())
         layer.load_expert_weight(e, "down", experts["w2_scale"][e].cpu(), True)
-    assert layer.mxfp4_bits_swapped
+    assert layer.mxfp4_layout == "swapped"
     assert torch.equal(layer.w13, swap_bit_pairs(experts["w13"]))
     num_tokens = 96
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -108,3 +111,8 @@ def test_experts_loaded_into_the_gpu_keep_swapped_bit_pairs_and_run_as_shipped()
     w13_bf16, w2_bf16 = dequantized_bf16(experts)
     ref = float32_reference(x, w13_bf16, w2_bf16, weights, ids, LIMIT)
     torch.testing.assert_close(layer(x.float(), weights, ids), ref, rtol=1e-4, atol=1e-4)
+    if torch.cuda.get_device_capability() < (8, 9):
+        return
+    # SHAPE's I = 544 is no multiple of 128: W4A8 is asked for but the layer keeps W4A16
+    layer.kernels = KernelBackends(mxfp4_moe="w4a8")
+    assert layer.mxfp4_layout == "swapped"

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from rayinfer.bench.moe_cases import MoeShape, random_routing
+from rayinfer.kernels.backends import KernelBackends
 from rayinfer.kernels.moe.fused_moe import fused_moe_fp8_reference
 from rayinfer.kernels.moe.fused_moe_mxfp4 import dequantize_mxfp4_reference
 from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import fits_w4a8, fused_moe_mxfp4_w4a8, to_octets
+from rayinfer.layers.fused_experts import FusedExperts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,3 +69,24 @@ def test_the_lookup_matches_integer_bits_and_float32(num_tokens, block_m):
     bf16 = fused_moe_mxfp4_w4a8(x.bfloat16(), *args, swiglu_limit=LIMIT)
     assert bf16.dtype == torch.bfloat16
     assert (bf16.float() - expected).norm() / expected.norm() < 2e-2
+
+
+def test_experts_asked_for_w4a8_keep_octets_and_run_the_w4a8_kernel():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    w13, w13_scale, w2, w2_scale = _experts(gen)
+    with torch.device("cuda"):
+        layer = FusedExperts(SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate,
+                             weight_format="mxfp4", swiglu_limit=LIMIT)  # fmt: skip
+    for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        getattr(layer, name).data.copy_(t)
+    layer.mxfp4_layout = "shipped"  # copied in as shipped, past load_expert_weight
+    layer.kernels = KernelBackends(mxfp4_moe="w4a8")
+    assert layer.mxfp4_layout == "octets" and torch.equal(layer.w13, to_octets(w13))
+    x = torch.randn(64, SHAPE.hidden, device="cuda", generator=gen).bfloat16()
+    weights, ids = random_routing(64, SHAPE, "cuda", seed=3)
+    direct = fused_moe_mxfp4_w4a8(x, layer.w13, layer.w2, weights, ids, w13_scale, w2_scale,
+                                  swiglu_limit=LIMIT)  # fmt: skip
+    assert torch.equal(layer(x, weights, ids), direct)
+    layer.kernels = KernelBackends()  # auto: W4A16 over swapped bit pairs
+    assert layer.mxfp4_layout == "swapped"
+    assert (layer(x, weights, ids).float() - direct.float()).norm() / direct.float().norm() < 3e-2

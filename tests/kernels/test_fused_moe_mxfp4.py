@@ -165,20 +165,25 @@ def test_fused_experts_load_and_run_mxfp4():
     torch.testing.assert_close(experts(x.float(), weights, ids), expected)
 
 
-def test_fused_experts_with_swapped_bit_pairs_run_the_same_experts():
-    """What a GPU's experts hold after loading (bytes through swap_bit_pairs, flagged), run
-    where the float32 reference takes them (CPU): the same result as the bytes as shipped."""
+@pytest.mark.parametrize("layout", ["swapped", "octets"])
+def test_fused_experts_in_a_gpu_layout_run_the_same_experts(layout):
+    """What a GPU's experts may hold (kernels/moe/mxfp4_layouts.py), run where the float32
+    reference takes them (CPU): the same result as the bytes as shipped; loads after the
+    change of layout convert what they copy."""
     case = CASES["off_the_tile"]
     x, w13, w2, weights, ids, w13_scale, w2_scale = _problem(case, seed=5)
     experts = FusedExperts(case["E"], case["H"], case["I"], weight_format="mxfp4")
     for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         getattr(experts, name).data.copy_(t)
     expected = experts(x.float(), weights, ids)
-    assert not experts.mxfp4_bits_swapped  # loaded on a CPU: as shipped
-    experts.w13.data.copy_(swap_bit_pairs(w13))
-    experts.w2.data.copy_(swap_bit_pairs(w2))
-    experts.mxfp4_bits_swapped = True
+    assert experts.mxfp4_layout == "shipped"  # made on a CPU
+    experts.use_mxfp4_layout(layout)
+    assert not torch.equal(experts.w13, w13)
     torch.testing.assert_close(experts(x.float(), weights, ids), expected, rtol=0, atol=0)
+    experts.load_expert_weight(1, "down", w2[1])
+    torch.testing.assert_close(experts(x.float(), weights, ids), expected, rtol=0, atol=0)
+    experts.use_mxfp4_layout("shipped")
+    assert torch.equal(experts.w13, w13) and torch.equal(experts.w2, w2)
 
 
 def test_fused_experts_read_whether_every_scale_is_at_most_two():

@@ -11,6 +11,7 @@ from rayinfer.kernels.moe.fused_moe import fused_moe_fp8_reference
 from rayinfer.kernels.moe.fused_moe_mxfp4 import dequantize_mxfp4_reference
 from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import (
     fits_w4a8,
+    from_octets,
     fused_moe_mxfp4_w4a8,
     octet_lanes,
     to_octets,
@@ -98,6 +99,9 @@ def test_octets_carry_magnitudes_in_place_and_signs_for_the_lookup():
     assert [n & 7 for n in nibbles] == [c & 7 for c in codes]
     signs = [c >> 3 for c in codes]
     assert [n >> 3 for n in nibbles] == [signs[i] for i in (4, 0, 5, 1, 6, 2, 7, 3)]
+    every_word = torch.randint(0, 256, (64, 4096), generator=torch.Generator().manual_seed(0))
+    every_word = every_word.to(torch.uint8)
+    assert torch.equal(from_octets(to_octets(every_word)), every_word)
 
 
 def test_octet_lanes_split_each_eight_values_in_halves():

@@ -227,11 +227,8 @@ def dequantize_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def fused_moe_mxfp4_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                              swiglu_limit=None, bits_swapped=False):  # fmt: skip
-    """The experts dequantized to float32, through fused_moe_reference, in x's dtype out;
-    bits_swapped: w13 and w2 went through `swap_bit_pairs` (undone here, a copy)."""
-    if bits_swapped:
-        w13, w2 = swap_bit_pairs(w13), swap_bit_pairs(w2)
+                              swiglu_limit=None):  # fmt: skip
+    """The experts dequantized to float32, through fused_moe_reference, in x's dtype out."""
     w13_full = dequantize_mxfp4_reference(w13, w13_scale)  # [E, 2I, H]
     w2_full = dequantize_mxfp4_reference(w2, w2_scale)  # [E, H, I]
     out = fused_moe_reference(x.float(), w13_full, w2_full, topk_weights, topk_ids, swiglu_limit)

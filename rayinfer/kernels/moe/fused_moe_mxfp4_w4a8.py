@@ -30,6 +30,7 @@ LARGE_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": K_BLOCK, "GROUP_M": 8, "
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # quantized to FP8 first
 # the value whose sign each nibble of an octet word carries in its bit 3
 _SIGN_OF_NIBBLE = (4, 0, 5, 1, 6, 2, 7, 3)
+_NIBBLE_OF_SIGN = tuple(_SIGN_OF_NIBBLE.index(value) for value in range(8))
 
 
 def to_octets(packed: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,16 @@ def to_octets(packed: torch.Tensor) -> torch.Tensor:
     signs = (nibbles >> 3)[..., list(_SIGN_OF_NIBBLE)]
     octets = (nibbles & 7) | (signs << 3)
     return (octets[..., 0::2] | (octets[..., 1::2] << 4)).to(torch.uint8).reshape(b.shape)
+
+
+def from_octets(octets: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_octets`: the bytes as shipped."""
+    b = as_bytes(octets)
+    words = b.reshape(*b.shape[:-1], -1, 4).to(torch.int16)
+    nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [..., K/8, 8]
+    signs = (nibbles >> 3)[..., list(_NIBBLE_OF_SIGN)]
+    values = (nibbles & 7) | (signs << 3)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8).reshape(b.shape)
 
 
 def octet_lanes(q: torch.Tensor) -> torch.Tensor:

@@ -182,9 +182,8 @@ def expert_bytes(experts: dict, ids: torch.Tensor) -> int:
 
 
 # W4A8 tiles tried per row tile (BLOCK_M, BLOCK_N, warps, stages, GROUP_M); BLOCK_K is 128
-_W4A8_SMALL = [(16, 64, 4, 3, 1), (16, 64, 4, 4, 1), (16, 128, 4, 3, 1), (16, 128, 8, 3, 1)]
-_W4A8_LARGE = [(64, 64, 4, 3, 8), (64, 64, 4, 4, 8), (64, 128, 8, 3, 8), (128, 64, 8, 3, 8),
-               (128, 128, 8, 3, 8)]  # fmt: skip
+_W4A8_SMALL = [(16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 1)]
+_W4A8_LARGE = [(64, 64, 4, 3, 8), (64, 128, 8, 3, 8), (128, 64, 8, 3, 8)]
 
 
 def w4a8_tiles(num_tokens: int) -> list[dict]:

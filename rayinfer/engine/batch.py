@@ -15,7 +15,7 @@ class ScheduledRequest:
     start_position: int  # position of token_ids[0] in the sequence (= tokens already cached)
     block_table: list[int]  # every block the sequence holds
     samples: bool  # whether to sample a next token after the last new token
-    params: SamplingParams
+    params: SamplingParams | None  # None only on the wire to a worker that holds them
     kv_partition: int = 0  # the cache partition (data-parallel attention replica) holding it
     output_token_ids: list[int] | None = None  # generated so far; sent only when penalties apply
     # With SamplingParams.structured_output: the tokens generated so far, sent the first time

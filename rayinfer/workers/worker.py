@@ -19,6 +19,7 @@ import ray
 import torch
 
 from rayinfer.engine.batch import ModelBatch, SampledTokens
+from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.gc_freeze import freeze_after_startup
 from rayinfer.workers.gil_switch import set_switch_interval
@@ -62,6 +63,7 @@ class Worker:
         self.placement = WorkerPlacement(rank, spec.plan)
         self.block_tables: dict[str, list[int]] = {}  # request id -> its whole table, as sent
         self.window_tables: dict[str, list[int]] = {}  # the same for window tables
+        self.params: dict[str, SamplingParams] = {}  # request id -> its params, as first sent
         parallel = self._join_groups(name.rsplit("-r", 1)[0]) if world_size > 1 else SINGLE
         self.runner = ModelRunner(
             spec.model_config,
@@ -129,13 +131,20 @@ class Worker:
 
     @ray.method(**HOT_PATH)
     def execute(self, batch: ModelBatch) -> SampledTokens:
-        self._complete_tables(batch)
+        self._complete_requests(batch)
         return self.runner.execute(batch)
 
-    def _complete_tables(self, batch: ModelBatch) -> None:
+    def _complete_requests(self, batch: ModelBatch) -> None:
         """Each request's whole block table, from what earlier steps sent and this one's new
-        blocks (see WorkerGroup._new_blocks_only)."""
+        blocks, and its SamplingParams where this step sent none (WorkerGroup._as_sent)."""
         for request in batch.requests:
+            if request.params is not None:
+                self.params[request.request_id] = request.params
+            elif (params := self.params.get(request.request_id)) is not None:
+                request.params = params
+            else:
+                raise RuntimeError(f"request {request.request_id!r}: sent without its "
+                                   "SamplingParams, which this worker does not hold")  # fmt: skip
             start = request.block_table_from
             if start == 0:
                 self.block_tables[request.request_id] = request.block_table
@@ -254,6 +263,7 @@ class Worker:
         for request_id in request_ids:
             self.block_tables.pop(request_id, None)
             self.window_tables.pop(request_id, None)
+            self.params.pop(request_id, None)
         self.runner.free_requests(request_ids)
 
     def _wants(self, payload: KVPayload) -> bool:

@@ -1,6 +1,7 @@
-"""A worker group sends each request's block table once, then only the blocks added since: the
-workers rebuild the whole tables, also across a preemption (a new table) and a move to another
-replica, and each step's payload shrinks to the new blocks."""
+"""A worker group sends each request's block table once, then only the blocks added since, and
+its SamplingParams once: the workers rebuild the whole tables and keep the params, also across a
+preemption (a new table), a move to another replica and a free, and each step's payload shrinks
+to the new blocks."""
 
 import pickle
 from types import SimpleNamespace
@@ -23,23 +24,26 @@ class Driver:
     """The group's side of the protocol, with one worker per replica (pickled as by Ray)."""
 
     def __init__(self, replicas: int):
-        self.group = SimpleNamespace(_tables_sent={})
-        self.workers = [SimpleNamespace(block_tables={}) for _ in range(replicas)]
+        self.group = SimpleNamespace(_tables_sent={}, _params_sent={})
+        self.workers = [SimpleNamespace(block_tables={}, params={}) for _ in range(replicas)]
 
     def step(self, shares: list[list[ScheduledRequest]]) -> list[list[ScheduledRequest]]:
-        seen = []
+        seen, self.wire = [], []
         for replica, share in enumerate(shares):
-            wire = WorkerGroup._new_blocks_only(self.group, replica, share)
+            wire = WorkerGroup._as_sent(self.group, replica, share)
             batch = pickle.loads(pickle.dumps(ModelBatch(wire)))
-            Worker._complete_tables(self.workers[replica], batch)
+            self.wire.append([r.params for r in batch.requests])
+            Worker._complete_requests(self.workers[replica], batch)
             seen.append(batch.requests)
         return seen
 
     def free(self, request_ids):
         for request_id in request_ids:
             self.group._tables_sent.pop(request_id, None)
+            self.group._params_sent.pop(request_id, None)
             for worker in self.workers:
                 worker.block_tables.pop(request_id, None)
+                worker.params.pop(request_id, None)
 
 
 def test_workers_rebuild_the_tables_from_the_new_blocks():
@@ -48,8 +52,8 @@ def test_workers_rebuild_the_tables_from_the_new_blocks():
     (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
     assert got_a[0].block_table == [3, 9] and got_b[0].block_table == [4]
     a.append(11)  # a grows by a block; b does not
-    sent = [WorkerGroup._new_blocks_only(SimpleNamespace(_tables_sent=dict(
-        driver.group._tables_sent)), 0, [request("a", a)])]  # fmt: skip
+    sent = [WorkerGroup._as_sent(SimpleNamespace(_tables_sent=dict(driver.group._tables_sent),
+            _params_sent=dict(driver.group._params_sent)), 0, [request("a", a)])]  # fmt: skip
     assert sent[0][0].block_table == [11] and sent[0][0].block_table_from == 2
     (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
     assert got_a[0].block_table == [3, 9, 11] and got_b[0].block_table == [4]
@@ -64,11 +68,32 @@ def test_workers_rebuild_the_tables_from_the_new_blocks():
     assert got_a[0].block_table == [6, 2]
 
 
-def test_a_worker_missing_the_start_of_a_table_says_so():
-    worker = SimpleNamespace(block_tables={})
+def test_params_go_once_per_replica_and_again_after_a_free_or_a_change():
+    driver = Driver(replicas=2)
+    got = driver.step([[request("a", [1])], [request("b", [2])]])
+    assert driver.wire == [[PARAMS], [PARAMS]]  # first steps carry them
+    got = driver.step([[request("a", [1])], [request("b", [2])]])
+    assert driver.wire == [[None], [None]]  # the workers hold them
+    assert got[0][0].params is not None and got[0][0].params.max_tokens == 4
+    driver.step([[], [request("a", [1])]])  # moved to the other replica
+    assert driver.wire == [[], [PARAMS]]
+    other = SamplingParams(max_tokens=9, temperature=0)
+    moved = ScheduledRequest("a", [7], 15, [1], True, other)
+    (_, got_a) = driver.step([[], [moved]])  # another params object: sent again
+    assert driver.wire == [[], [other]] and got_a[0].params.max_tokens == 9
+    driver.free(["a"])
+    driver.step([[], [moved]])
+    assert driver.wire == [[], [other]]
+
+
+def test_a_worker_missing_the_start_of_a_table_or_the_params_says_so():
+    worker = SimpleNamespace(block_tables={}, params={})
     late = ScheduledRequest("x", [1], 40, [12], True, PARAMS, block_table_from=3)
     with pytest.raises(RuntimeError, match="request 'x': sent blocks from 3 on.*holds None"):
-        Worker._complete_tables(worker, ModelBatch([late]))
+        Worker._complete_requests(worker, ModelBatch([late]))
+    bare = ScheduledRequest("y", [1], 40, [12], True, None)
+    with pytest.raises(RuntimeError, match="request 'y': sent without its SamplingParams"):
+        Worker._complete_requests(worker, ModelBatch([bare]))
 
 
 def test_decode_payload_shrinks_to_the_new_blocks():
@@ -77,9 +102,9 @@ def test_decode_payload_shrinks_to_the_new_blocks():
     driver = Driver(replicas=1)
     tables = [list(range(i * 600, i * 600 + 512)) for i in range(256)]
     first = [request(f"r{i}", t) for i, t in enumerate(tables)]
-    whole = len(pickle.dumps(ModelBatch(WorkerGroup._new_blocks_only(driver.group, 0, first))))
+    whole = len(pickle.dumps(ModelBatch(WorkerGroup._as_sent(driver.group, 0, first))))
     for t in tables[:8]:
         t.append(t[-1] + 1)
     later = [request(f"r{i}", t) for i, t in enumerate(tables)]
-    step = len(pickle.dumps(ModelBatch(WorkerGroup._new_blocks_only(driver.group, 0, later))))
-    assert whole > 500_000 and step < 60_000
+    step = len(pickle.dumps(ModelBatch(WorkerGroup._as_sent(driver.group, 0, later))))
+    assert whole > 500_000 and step < 40_000

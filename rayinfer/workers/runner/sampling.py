@@ -8,9 +8,10 @@ Requests with a repetition_penalty keep their prompt's distinct token ids on the
 received once (ScheduledRequest.prompt_token_ids, the first time the request samples on this
 runner: after a hand-off, the decode runner's first step); the generated tokens come with every
 step, as for presence and frequency penalties. Requests with allowed_token_ids keep those ids on
-the logits' device, made from their params the first time they sample here (the params come with
-every step, so any runner can). bad_words need nothing here: the engine sends the tokens each
-step may not sample (ScheduledRequest.suppressed_token_ids).
+the logits' device, made from their params the first time they sample here (every step's
+request carries its params: a worker fills in those its group sent once, workers/worker.py).
+bad_words need nothing here: the engine sends the tokens each step may not sample
+(ScheduledRequest.suppressed_token_ids).
 
 Logits pass, in vLLM's order: grammar mask, allowed_token_ids, the suppressed tokens (bad_words'
 and min_tokens'), logit_bias, the repetition penalty, presence/frequency penalties, then

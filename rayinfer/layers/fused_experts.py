@@ -188,7 +188,7 @@ class FusedExperts(UsesKernelBackends, nn.Module):
                 f"expert {expert_id} {part}: checkpoint tensor is {loaded.dtype}, but the experts "
                 "keep FP8 block-scaled weights (fp8_weights=True)"
             )
-        if mxfp4 and not is_scale:
+        if mxfp4 and not is_scale and self.mxfp4_layout != "shipped":
             loaded = from_shipped(loaded.to(target.device), self.mxfp4_layout)
         target.copy_(loaded)
         return True

@@ -22,11 +22,13 @@ from rayinfer.kernels.triton_compat import triton
 
 K_BLOCK = 128  # one weight scale block and one activation scale a K step
 MAX_SCALE_SPREAD = 11  # binades between a row's largest and smallest scale (exact e4m3)
-# Tiles of the FP8 fused MoE's shape on an H200 (weights as the MMA's M side here)
+# Untimed tiles (no GPU has run this kernel yet) that build for sm_90 without spilling
+# (benchmarks/compile_moe_kernels.py): 64 x 128 spills in the gate+up GEMM, whose two
+# accumulators need twice the registers, so that stage takes 64 x 64.
 DEFAULT_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": K_BLOCK, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 3}  # fmt: skip
-LARGE_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": K_BLOCK, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 3}  # fmt: skip
+_LARGE = {"BLOCK_M": 64, "BLOCK_K": K_BLOCK, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+LARGE_CONFIG = {"w13": {**_LARGE, "BLOCK_N": 64}, "w2": {**_LARGE, "BLOCK_N": 128}}
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # quantized to FP8 first
 # the value whose sign each nibble of an octet word carries in its bit 3
 _SIGN_OF_NIBBLE = (4, 0, 5, 1, 6, 2, 7, 3)
@@ -37,24 +39,24 @@ def to_octets(packed: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 bytes [..., K/2] as shipped (value 2j in byte j's low nibble) -> the kernel's
     octets, same shape: in each 4-byte word, nibble i holds v_i's magnitude in bits 0-2 and in
     bit 3 the sign of v_{4 + i/2} (even i) or v_{(i-1)/2} (odd i)."""
-    b = as_bytes(packed)
-    if b.shape[-1] % 4:
-        raise ValueError(f"octets need K/2 = {b.shape[-1]} bytes a multiple of 4")
-    words = b.reshape(*b.shape[:-1], -1, 4).to(torch.int16)
-    nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [..., K/8, 8] v0..v7
-    signs = (nibbles >> 3)[..., list(_SIGN_OF_NIBBLE)]
-    octets = (nibbles & 7) | (signs << 3)
-    return (octets[..., 0::2] | (octets[..., 1::2] << 4)).to(torch.uint8).reshape(b.shape)
+    return _move_signs(packed, _SIGN_OF_NIBBLE)
 
 
 def from_octets(octets: torch.Tensor) -> torch.Tensor:
     """The inverse of `to_octets`: the bytes as shipped."""
-    b = as_bytes(octets)
+    return _move_signs(octets, _NIBBLE_OF_SIGN)
+
+
+def _move_signs(packed: torch.Tensor, source: tuple[int, ...]) -> torch.Tensor:
+    """Each 4-byte word's nibble i with its magnitude bits kept and its sign bit taken from
+    nibble source[i]."""
+    b = as_bytes(packed)
+    if b.shape[-1] % 4:
+        raise ValueError(f"octets need K/2 = {b.shape[-1]} bytes a multiple of 4")
     words = b.reshape(*b.shape[:-1], -1, 4).to(torch.int16)
     nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [..., K/8, 8]
-    signs = (nibbles >> 3)[..., list(_NIBBLE_OF_SIGN)]
-    values = (nibbles & 7) | (signs << 3)
-    return (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8).reshape(b.shape)
+    moved = (nibbles & 7) | ((nibbles >> 3)[..., list(source)] << 3)
+    return (moved[..., 0::2] | (moved[..., 1::2] << 4)).to(torch.uint8).reshape(b.shape)
 
 
 def octet_lanes(q: torch.Tensor) -> torch.Tensor:
@@ -123,9 +125,9 @@ def fused_moe_mxfp4_w4a8(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    if config is None:
-        tile = DEFAULT_TILE if num_tokens * top_k <= 8 * w13.shape[0] else LARGE_TILE
-        config = {"w13": tile, "w2": tile}
+    if config is None:  # 16-row tiles while experts get about 8 slots or fewer
+        small = num_tokens * top_k <= 8 * w13.shape[0]
+        config = {"w13": DEFAULT_TILE, "w2": DEFAULT_TILE} if small else LARGE_CONFIG
     if config["w13"]["BLOCK_M"] != config["w2"]["BLOCK_M"]:
         raise ValueError("w13 and w2 tiles need the same BLOCK_M (one alignment)")
     alignment = moe_align(topk_ids, w13.shape[0], config["w13"]["BLOCK_M"])

@@ -9,13 +9,11 @@ dots, synchronous loads left in the loop).
 
 Kernels: the MXFP4 fused MoE's two GEMMs (gate+up with swiglu_limit, down) with the launcher's
 plain tl.dot_scaled kernel (16 x 64 x 128 tiles) and as the split kernel with the inline-asm
-dequantization (which the interpreter cannot run) and the launcher's default tile (a GPU without
-an entry in configs/fused_moe_mxfp4.json gets it), the four-lane word kernel with its lookup
-table in a register, also over swapped bit pairs, the W4A8 kernel (sm_89 and sm_90: FP8 dots),
-the bf16 grouped GEMM
-with swiglu_limit, and the one-launch routing kernel with sqrtsoftplus scores (256 experts,
-top-6). Integer arguments are compiled as multiples of 16, as Triton specializes them at launch.
-"""
+dequantization (which the interpreter cannot run) and the launcher's default tile (a GPU without an
+entry in configs/fused_moe_mxfp4.json gets it), the four-lane word kernel with its lookup table in
+a register, also over swapped bit pairs, the bf16 grouped GEMM with swiglu_limit, and the
+one-launch routing kernel with sqrtsoftplus scores (256 experts, top-6). Integer arguments are
+compiled as multiples of 16, as Triton specializes them at launch."""
 
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ from ttgir_probe import (  # noqa: E402
 from rayinfer.kernels.fp8.fp8_gemm import DEFAULT_CONFIG as FP8_GEMM_CONFIG  # noqa: E402
 from rayinfer.kernels.fp8.fp8_gemm_kernels import _fp8_block_gemm_kernel  # noqa: E402
 from rayinfer.kernels.fp8.fp8_quant import _fp8_quant_kernel  # noqa: E402
-from rayinfer.kernels.moe import fused_moe_mxfp4, fused_moe_mxfp4_w4a8  # noqa: E402
+from rayinfer.kernels.moe import fused_moe_mxfp4  # noqa: E402
 from rayinfer.kernels.moe.fused_moe import DEFAULT_CONFIG  # noqa: E402
 from rayinfer.kernels.moe.fused_moe_kernels import _moe_gemm_kernel  # noqa: E402
 from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (  # noqa: E402
@@ -49,7 +47,6 @@ from rayinfer.kernels.moe.fused_moe_mxfp4_kernel import (  # noqa: E402
     _moe_mxfp4_split_kernel,
 )
 from rayinfer.kernels.moe.fused_moe_mxfp4_quad import moe_mxfp4_quad_kernel  # noqa: E402
-from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8_kernel import moe_mxfp4_w4a8_kernel  # noqa: E402
 from rayinfer.kernels.moe.moe_routing_kernel import _moe_routing_kernel  # noqa: E402
 
 GEMM_POINTERS = dict(topk_weights_ptr="*fp32", sorted_slot_ids_ptr="*i32",
@@ -94,19 +91,6 @@ def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False, lut_reg: bool = Fals
                      USE_LIMIT=is_w13,
                      LIMIT=10.0, **tile)  # fmt: skip
     return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
-
-
-def mxfp4_w4a8(arch: int, is_w13: bool):
-    """The W4A8 kernel (octets made e4m3 by its PTX lookup, FP8 dots) with its default tile;
-    sm_89 and sm_90 only, as every FP8 kernel."""
-    tile = dict(fused_moe_mxfp4_w4a8.DEFAULT_TILE)
-    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
-    types = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", c_ptr="*bf16",
-                 **GEMM_POINTERS)  # fmt: skip
-    constants = dict(SLOTS_PER_A_ROW=6 if is_w13 else 1, FUSE_SILU=is_w13, MUL_WEIGHT=not is_w13,
-                     USE_ASM=True, USE_LIMIT=is_w13, LIMIT=10.0, GROUPS=128 if is_w13 else 64,
-                     **tile)  # fmt: skip
-    return compile_for(moe_mxfp4_w4a8_kernel, types, constants, arch, warps, stages)
 
 
 def moe_gate_up(arch: int, fp8: bool):
@@ -161,12 +145,11 @@ def _tensor_core_opcodes(cubin: bytes) -> str:
 def _sass_loop(kernel: str, cubin: bytes) -> dict:
     """For the split GEMMs: the SASS instructions each thread issues per K step, and per
     packed weight byte (two values) it dequantizes there; the dequantization's share."""
-    split = kernel.startswith(("mxfp4_split", "mxfp4_quad", "mxfp4_w4a8"))
+    split = kernel.startswith(("mxfp4_split", "mxfp4_quad"))
     opcodes = longest_loop_opcodes(cubin) if split else None
     if not opcodes:
         return {}
-    w4a8 = kernel.startswith("mxfp4_w4a8")
-    tile = fused_moe_mxfp4_w4a8.DEFAULT_TILE if w4a8 else fused_moe_mxfp4.DEFAULT_TILE
+    tile = fused_moe_mxfp4.DEFAULT_TILE
     parts = 2 if kernel.endswith("gate_up") else 1  # gate and up rows
     threads = 32 * tile["num_warps"]
     bytes_per_thread = parts * tile["BLOCK_N"] * tile["BLOCK_K"] // 2 // threads
@@ -186,8 +169,6 @@ KERNELS = {
     "mxfp4_quad_reg_fold_down": lambda arch: mxfp4_quad(arch, False, True, True),
     "mxfp4_quad_swapped_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True, True, True),
     "mxfp4_quad_swapped_fold_down": lambda arch: mxfp4_quad(arch, False, True, True, True),
-    "mxfp4_w4a8_gate_up": lambda arch: mxfp4_w4a8(arch, True),
-    "mxfp4_w4a8_down": lambda arch: mxfp4_w4a8(arch, False),
     "fp8_gate_up": lambda arch: moe_gate_up(arch, fp8=True),
     "fp8_block_gemm": fp8_block_gemm,
     "fp8_activation_quant": fp8_activation_quant,

@@ -21,7 +21,6 @@ import triton.testing
 
 from rayinfer.bench.moe_cases import MOE_SHAPES, MoeShape, random_routing, relative_error
 from rayinfer.kernels.moe import fused_moe_mxfp4 as mxfp4
-from rayinfer.kernels.moe import fused_moe_mxfp4_w4a8 as w4a8
 from rayinfer.kernels.moe.fused_moe import fused_moe
 from rayinfer.kernels.moe.moe_align import moe_align
 
@@ -181,38 +180,6 @@ def expert_bytes(experts: dict, ids: torch.Tensor) -> int:
     return num_used * per_expert
 
 
-# W4A8 tiles tried per row tile (BLOCK_M, BLOCK_N, warps, stages, GROUP_M); BLOCK_K is 128
-_W4A8_SMALL = [(16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 1)]
-_W4A8_LARGE = [(64, 64, 4, 3, 8), (64, 128, 8, 3, 8), (128, 64, 8, 3, 8)]
-
-
-def w4a8_tiles(num_tokens: int) -> list[dict]:
-    rows = _W4A8_SMALL if num_tokens <= 256 else _W4A8_LARGE
-    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": g, "num_warps": w,
-             "num_stages": st} for bm, bn, w, st, g in rows]  # fmt: skip
-
-
-def time_w4a8(x, experts, weights, ids, ref) -> dict:
-    """The W4A8 path (FP8 activations, experts in octets) over its tiles: each one's ms and
-    relative error against the float32 reference over unquantized activations; the best."""
-    args = (experts["w13_octets"], experts["w2_octets"], weights, ids, experts["w13_scale"],
-            experts["w2_scale"])  # fmt: skip
-    rows = []
-    for tile in w4a8_tiles(x.shape[0]):
-        config = {"w13": tile, "w2": tile}
-        run = lambda c=config: w4a8.fused_moe_mxfp4_w4a8(x, *args, c, swiglu_limit=SWIGLU_LIMIT)  # noqa: E731
-        try:
-            error = relative_error(run(), ref)
-            ms = bench_ms(run)
-        except Exception as failure:  # noqa: BLE001 - a tile that does not build here
-            print(f"  w4a8 T={x.shape[0]} {tile}: {type(failure).__name__}", flush=True)
-            continue
-        print(f"  w4a8 T={x.shape[0]} {tile}: {ms:.3f} ms, rel. error {error:.4f}", flush=True)
-        rows.append(dict(tile=tile, ms=round(ms, 4), rel_err=error))
-    best = min(rows, key=lambda row: row["ms"]) if rows else None
-    return dict(tiles=rows, best=best)
-
-
 def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool,
              families: list[str] | None = None) -> dict:  # fmt: skip
     """Both MoEs timed on the same inputs: the MXFP4 one with the sweep's tiles (else the
@@ -260,7 +227,6 @@ def run_case(num_tokens: int, experts: dict, bf16: tuple, do_sweep: bool,
         swapped_speedup=None if swapped_ms is None else round(bf16_ms / swapped_ms, 3),
         swapped_same_output=same_output, config=config or "default",
         config_bits_swapped=swept_swapped,
-        w4a8=time_w4a8(x, experts, weights, ids, ref) if "w13_octets" in experts else None,
     )  # fmt: skip
 
 
@@ -272,11 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=None,
                         help="with --sweep: only these kernel families (scaled, split, quad, "
                         "quad_reg, quad_swapped); default: all")  # fmt: skip
-    parser.add_argument(
-        "--w4a8",
-        action="store_true",
-        help="also time the W4A8 path (FP8 activations) over its tiles",
-    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels moe_mxfp4: needs a CUDA GPU")
@@ -284,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     experts = random_mxfp4_experts(V4_FLASH, "cuda")
     experts.update(w13_swapped=mxfp4.swap_bit_pairs(experts["w13"]),
                    w2_swapped=mxfp4.swap_bit_pairs(experts["w2"]))  # fmt: skip
-    if args.w4a8:
-        experts.update(w13_octets=w4a8.to_octets(experts["w13"]),
-                       w2_octets=w4a8.to_octets(experts["w2"]))  # fmt: skip
     bf16 = dequantized_bf16(experts)
     results = dict(device=torch.cuda.get_device_name(), shape=V4_FLASH.__dict__, cases=[])
     for num_tokens in args.tokens:

@@ -9,7 +9,6 @@ from typing import Literal
 PREFILL_ATTENTION_BACKENDS = ("auto", "triton")
 MLA_DECODE_BACKENDS = ("auto", "triton")
 FP8_GEMM_BACKENDS = ("auto", "triton", "cublas")
-MXFP4_MOE_BACKENDS = ("auto", "w4a16", "w4a8")
 
 
 @dataclass(frozen=True)
@@ -23,10 +22,7 @@ class KernelBackends:
     fused_routing: MoE routing in one launch on CUDA (kernels/moe/moe_routing_kernel.py; the same
     experts as torch, weights within 1e-7 on an H200); False: the torch reference.
     small_batch_moe: the fused MoE of a few slots in two launches (kernels/moe/fused_moe_small.py;
-    correct on an H200, not yet faster there than the general path, hence off).
-    mxfp4_moe: MXFP4 experts' activations on GPUs: "w4a16" (bf16, kernels/moe/fused_moe_mxfp4.py),
-    "w4a8" (quantized to FP8 per token and 128 channels, on FP8 tensor cores: sm_89 and later;
-    kernels/moe/fused_moe_mxfp4_w4a8.py) or "auto" (w4a16)."""
+    correct on an H200, not yet faster there than the general path, hence off)."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -37,7 +33,6 @@ class KernelBackends:
     fp8_gemm: Literal[FP8_GEMM_BACKENDS] = "auto"
     fused_routing: bool = True
     small_batch_moe: bool = False
-    mxfp4_moe: Literal[MXFP4_MOE_BACKENDS] = "auto"
 
     def __post_init__(self):
         for key, allowed in (
@@ -46,7 +41,6 @@ class KernelBackends:
             ("fp8_gemm", FP8_GEMM_BACKENDS),
             ("fused_routing", (True, False)),
             ("small_batch_moe", (False, True)),
-            ("mxfp4_moe", MXFP4_MOE_BACKENDS),
         ):
             value = getattr(self, key)
             if not any(value is c or (type(value) is str and value == c) for c in allowed):

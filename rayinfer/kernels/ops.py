@@ -50,7 +50,6 @@ from rayinfer.kernels.moe.fused_moe_mxfp4 import (
     fused_moe_mxfp4_reference,
     is_mxfp4,
 )
-from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import fused_moe_mxfp4_w4a8
 from rayinfer.kernels.moe.fused_moe_small import fits_small_batch, fused_moe_small_batch
 from rayinfer.kernels.moe.moe_combine import moe_combine as moe_combine_triton
 from rayinfer.kernels.moe.moe_combine import moe_combine_reference
@@ -109,8 +108,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
     (kernels/moe/fused_moe_mxfp4.py; the weights stay packed on the GPU).
     swiglu_limit (DeepSeek-V4): the experts' activation is silu(min(gate, l)) * clamp(up, -l, l).
     mxfp4_small_scales: every UE8M0 byte is at most 128 (the kernel multiplies once).
-    mxfp4_layout: how the packed bytes are kept (kernels/moe/mxfp4_layouts.py): "octets" runs
-    the W4A8 kernel, "shipped" and "swapped" the W4A16 one.
+    mxfp4_layout: how the packed bytes are kept (kernels/moe/mxfp4_layouts.py): "shipped" or
+    "swapped" (the four-lane kernel's shorter lookup).
     On CUDA with backends.small_batch_moe, a few slots take the two-launch kernel
     (fused_moe_small.py; correct on an H200, not yet faster there than the general path)."""
     limit = {"swiglu_limit": swiglu_limit}
@@ -118,8 +117,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
         # float32 activations (parity runs) and CPUs take the float32 dequantized reference
         if _on_cuda(x) and x.dtype != torch.float32:
             args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-            if mxfp4_layout == "octets":
-                return fused_moe_mxfp4_w4a8(*args, **limit)
             return fused_moe_mxfp4(*args, small_scales=mxfp4_small_scales,
                                    bits_swapped=mxfp4_layout == "swapped", **limit)  # fmt: skip
         w13, w2 = to_shipped(w13, mxfp4_layout), to_shipped(w2, mxfp4_layout)

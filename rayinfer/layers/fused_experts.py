@@ -12,17 +12,15 @@ ceil(H/128)] and `w2_scale` [E_local, ceil(H/128), I/128] block scales (I must b
 MXFP4 weights (`weight_format="mxfp4"`, DeepSeek-V4-Flash): packed e2m1 bytes and one UE8M0
 exponent byte per 32 values along K, kept packed (kernels/moe/fused_moe_mxfp4.py); the packed tensor
 and its scale load through the same call (`is_scale=True` for the scale), shapes checked. On a
-GPU the packed bytes are kept in the layout of the kernel that reads them
-(kernels/moe/mxfp4_layouts.py, `mxfp4_layout`): "swapped" for W4A16, "octets" for W4A8
-(`KernelBackends.mxfp4_moe`, chosen once the kernels are set, after loading); a load converts
-what it copies.
+GPU the packed bytes are kept with their bit pairs swapped, the four-lane kernel's layout
+(kernels/moe/mxfp4_layouts.py, `mxfp4_layout`); a load converts what it copies, and experts moved
+to a GPU after loading convert when their kernels are set.
 
 Expert parallelism: rank r holds experts [r * E_local, (r + 1) * E_local) of E = ep_size * E_local.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import NamedTuple
 
@@ -33,7 +31,6 @@ from rayinfer.config import ConfigError
 from rayinfer.kernels import ops
 from rayinfer.kernels.backends import DEFAULT_BACKENDS, KernelBackends
 from rayinfer.kernels.moe.fused_moe_mxfp4 import scales_fold
-from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import fits_w4a8
 from rayinfer.kernels.moe.mxfp4_layouts import from_shipped, relayout_
 from rayinfer.layers.layer_options import UsesKernelBackends
 from rayinfer.layers.linear import FP8_BLOCK
@@ -45,7 +42,6 @@ _MXFP4_BYTES = (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", torc
 _UE8M0_BYTES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 DEFAULT_EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MIXTRAL_EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
-logger = logging.getLogger(__name__)
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -209,28 +205,10 @@ class FusedExperts(UsesKernelBackends, nn.Module):
     @kernels.setter
     def kernels(self, kernels: KernelBackends) -> None:
         """The backends (layer_options.configure_layers, after loading): MXFP4 experts on a GPU
-        move to the layout of the kernel `mxfp4_moe` picks."""
+        move to the four-lane kernel's layout (a no-op where they already are in it)."""
         self._kernels = kernels
         if self.weight_format == "mxfp4" and self.w13.is_cuda:
-            self.use_mxfp4_layout(self._mxfp4_layout_for(kernels.mxfp4_moe))
-
-    def _mxfp4_layout_for(self, choice: str) -> str:
-        """ "octets" where W4A8 is asked for and can be exact here, else "swapped"."""
-        if choice != "w4a8":  # "auto" is W4A16 (benchmarks/RESULTS.md, kernels: MXFP4)
-            return "swapped"
-        if torch.cuda.get_device_capability(self.w13.device) < (8, 9):
-            raise ConfigError(
-                "kernels.mxfp4_moe='w4a8' needs FP8 tensor cores (sm_89 or later), not "
-                f"{torch.cuda.get_device_name(self.w13.device)}; use one of auto, w4a16"
-            )
-        hidden, inter = self.w2.shape[1], self.intermediate_size
-        if hidden % 128 or inter % 128 or not fits_w4a8(self.w13_scale, self.w2_scale):
-            logger.warning(
-                "MXFP4 experts (H=%d, I=%d) keep W4A16: W4A8 needs H and I multiples of 128 "
-                "and each row's scales within 11 binades", hidden, inter,
-            )  # fmt: skip
-            return "swapped"
-        return "octets"
+            self.use_mxfp4_layout("swapped")
 
     def use_mxfp4_layout(self, layout: str) -> None:
         """Keep the packed experts in this layout from now on (the stored bytes rewritten)."""

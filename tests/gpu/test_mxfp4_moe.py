@@ -12,7 +12,7 @@ import torch
 
 from rayinfer.bench.kernels_moe_mxfp4 import dequantized_bf16, float32_reference
 from rayinfer.bench.moe_cases import MoeShape, random_routing, relative_error
-from rayinfer.kernels.backends import KernelBackends
+from rayinfer.kernels.backends import DEFAULT_BACKENDS
 from rayinfer.kernels.moe.fused_moe import fused_moe
 from rayinfer.kernels.moe.fused_moe_mxfp4 import fused_moe_mxfp4, swap_bit_pairs
 from rayinfer.layers.fused_experts import FusedExperts
@@ -85,7 +85,7 @@ def test_mxfp4_kernel_is_as_close_to_float32_as_bf16_experts(kernel, num_tokens,
 
 def test_experts_loaded_into_the_gpu_keep_the_kernels_layout_and_run_as_shipped():
     """FusedExperts made on a GPU keeps its packed bytes swapped for the W4A16 kernel as it
-    loads them, octets once kernels.mxfp4_moe asks for W4A8; each kernel (bf16) and the float32
+    loads them (and keeps them when its kernels are set); the kernel (bf16) and the float32
     reference (float32 activations) read them as the bytes shipped."""
     experts = experts_with_scales(116, 120)
     with torch.device("cuda"):
@@ -111,8 +111,6 @@ def test_experts_loaded_into_the_gpu_keep_the_kernels_layout_and_run_as_shipped(
     w13_bf16, w2_bf16 = dequantized_bf16(experts)
     ref = float32_reference(x, w13_bf16, w2_bf16, weights, ids, LIMIT)
     torch.testing.assert_close(layer(x.float(), weights, ids), ref, rtol=1e-4, atol=1e-4)
-    if torch.cuda.get_device_capability() < (8, 9):
-        return
-    # SHAPE's I = 544 is no multiple of 128: W4A8 is asked for but the layer keeps W4A16
-    layer.kernels = KernelBackends(mxfp4_moe="w4a8")
+    layer.kernels = DEFAULT_BACKENDS  # as configure_layers sets them: already in its layout
     assert layer.mxfp4_layout == "swapped"
+    assert torch.equal(layer(x, weights, ids), shipped)

@@ -5,7 +5,6 @@ scales as shipped, only the bits within a byte or a 4-byte word rearranged.
                reference and the W4A16 kernels that read them so
     "swapped"  each byte's bit pairs 2-3 and 4-5 swapped (`swap_bit_pairs`): the four-lane
                W4A16 kernel's shorter lookup (fused_moe_mxfp4_quad.py)
-    "octets"   the W4A8 kernel's words (`to_octets`, fused_moe_mxfp4_w4a8.py)
 """
 
 from __future__ import annotations
@@ -13,17 +12,14 @@ from __future__ import annotations
 import torch
 
 from rayinfer.kernels.moe.fused_moe_mxfp4 import swap_bit_pairs
-from rayinfer.kernels.moe.fused_moe_mxfp4_w4a8 import from_octets, to_octets
 
-MXFP4_LAYOUTS = ("shipped", "swapped", "octets")
+MXFP4_LAYOUTS = ("shipped", "swapped")
 
 
 def from_shipped(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """Bytes as shipped -> the layout's (a new tensor; the same one for "shipped")."""
     if layout == "swapped":
         return swap_bit_pairs(packed)
-    if layout == "octets":
-        return to_octets(packed)
     _check(layout)
     return packed
 
@@ -32,8 +28,6 @@ def to_shipped(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The layout's bytes -> as shipped (a new tensor; the same one for "shipped")."""
     if layout == "swapped":
         return swap_bit_pairs(packed)  # its own inverse
-    if layout == "octets":
-        return from_octets(packed)
     _check(layout)
     return packed
 

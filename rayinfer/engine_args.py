@@ -89,6 +89,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     two_batch_overlap: bool | None = None
     cuda_graphs: bool | None = None
@@ -150,9 +152,13 @@ class EngineArgs:
         return self.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            self.max_num_seqs, max(self.max_num_batched_tokens, 1), max_model_len
-        )
+        try:
+            return SchedulerConfig(
+                self.max_num_seqs, max(self.max_num_batched_tokens, 1), max_model_len,
+                self.waiting_served_ratio, self.max_waiting_steps,
+            )  # fmt: skip
+        except ConfigError as error:
+            raise ConfigError(f"{self.key_prefix}{error}") from None
 
     def cache_config(self, max_model_len: int, window_span: int = 0) -> CacheConfig:
         """num_kv_blocks when given, else room for max(4 x max_model_len, 16384) tokens (what

@@ -41,6 +41,9 @@ class LLM:
     {"use_fp8": True}, {"dedup": True/False}, {"local_first": True/False}, {"host": {"protocol":
     "cpu"}} (rayinfer/exchange_config.py). overlap (OverlapConfig), kernels (KernelBackends) and
     process (ProcessConfig) likewise; docs/configuration.md lists every field.
+    waiting_served_ratio, max_waiting_steps: while sequences decode, hold new prompts back until
+    they number waiting_served_ratio x the decodes or the oldest has waited max_waiting_steps
+    steps (engine_config.SchedulerConfig; 0, the default, admits them at once).
     kv_handoff: how `prefill`'s KV leaves a multi-worker plan's workers (KVHandoffConfig, or a
     mapping: {"path": "object_store"}; the default "auto" copies it into each worker's
     shared-memory arena, which an importer on the same Ray node maps).
@@ -84,6 +87,8 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        waiting_served_ratio: float = 0.0,
+        max_waiting_steps: int = 20,
         enable_prefix_caching: bool = True,
         parallel: ParallelPlan | None = None,
         two_batch_overlap: bool | None = None,
@@ -114,6 +119,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            waiting_served_ratio=waiting_served_ratio,
+            max_waiting_steps=max_waiting_steps,
             parallel=parallel or ParallelPlan(),
             two_batch_overlap=two_batch_overlap,
             cuda_graphs=cuda_graphs,

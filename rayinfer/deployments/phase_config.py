@@ -74,6 +74,16 @@ class PhaseConfig(Strict):
     )
     max_num_seqs: int = Field(64, ge=1, description="sequences batched in one engine step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    waiting_served_ratio: float = Field(
+        0.0,
+        ge=0,
+        description="while sequences decode, hold new prompts back until they number this many "
+        "times the decodes (or the oldest waited max_waiting_steps steps), so that they share "
+        "their mixed steps and decode is interrupted less often; 0: admit at once",
+    )
+    max_waiting_steps: int = Field(
+        20, ge=1, description="steps a prompt held back by waiting_served_ratio waits at most"
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks per replica")
     gpu_memory_utilization: float | None = Field(
         None,

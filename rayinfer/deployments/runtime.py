@@ -116,6 +116,8 @@ def phase_fields(phase_config: PhaseConfig, phase: str, use_gpus: bool) -> dict[
         gpu_share=phase_config.gpus_per_worker or 1.0,
         max_num_seqs=phase_config.max_num_seqs,
         max_num_batched_tokens=phase_config.max_num_batched_tokens,
+        waiting_served_ratio=phase_config.waiting_served_ratio,
+        max_waiting_steps=phase_config.max_waiting_steps,
         parallel=phase_config.plan,
         two_batch_overlap=phase_config.two_batch_overlap,
         cuda_graphs=None if phase_config.cuda_graphs == "auto" else phase_config.cuda_graphs,

@@ -11,7 +11,11 @@ blocks: a sequence is placed in a partition when first admitted and stays there 
 sampling state live on that replica). Each replica runs its own batch, so the token budget and
 the sequence limit hold per partition, as in vLLM's and SGLang's data-parallel attention: two
 16k-token prompts on dp=2 are prefilled in one step, one per replica. A new sequence goes to the
-partition with budget and seats left that has the most free blocks. Plain Python, no torch.
+partition with budget and seats left that has the most free blocks.
+
+With `waiting_served_ratio` set, a step that would only decode admits no new prompt until enough
+are waiting or the oldest has waited `max_waiting_steps` steps (SchedulerConfig). Plain Python,
+no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.held_steps = 0  # steps in a row that held waiting prompts back (waiting_served_ratio)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -88,6 +93,10 @@ class Scheduler:
                 samples = computed + num_new == num_tokens
                 scheduled.append(ScheduledSequence(seq, num_new, samples))
                 budgets[partition] -= num_new
+        if self.waiting and self._holds_prompts(scheduled):
+            self.held_steps += 1
+            return scheduled
+        self.held_steps = 0
         while self.waiting:
             seq = self.waiting[0]
             partition = self._partition_for(seq, budgets, seats)
@@ -101,6 +110,16 @@ class Scheduler:
             budgets[partition] -= admitted.num_new_tokens
             seats[partition] -= 1
         return scheduled
+
+    def _holds_prompts(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Whether this step keeps the waiting prompts waiting: it would decode and nothing else,
+        too few prompts wait for their ratio to the decodes, and none has waited its limit."""
+        ratio = self.config.waiting_served_ratio
+        if ratio <= 0 or not scheduled or self.held_steps >= self.config.max_waiting_steps:
+            return False
+        if any(s.num_new_tokens != 1 or not s.seq.output_token_ids for s in scheduled):
+            return False  # a prompt's chunk runs this step anyway: the waiting ones may join it
+        return len(self.waiting) < ratio * len(scheduled)
 
     def roomiest_partition(self) -> int:
         """The partition with the most free blocks (the first of equals)."""

@@ -36,12 +36,16 @@ def test_batch_equals_each_prompt_alone(checkpoint, prompts, alone):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in outputs)
 
 
-def test_requests_joining_mid_flight_give_their_alone_tokens(checkpoint, prompts, alone):
-    llm = rayinfer.LLM(str(checkpoint), device="cpu", max_num_batched_tokens=16)
+@pytest.mark.parametrize("held", [False, True], ids=["admitted_at_once", "held_back"])
+def test_requests_joining_mid_flight_give_their_alone_tokens(checkpoint, prompts, alone, held):
+    """Also with prompts held back while others decode (waiting_served_ratio): they wait, then
+    join, and every request still gets the tokens it gets alone."""
+    hold = dict(waiting_served_ratio=2.0, max_waiting_steps=4) if held else {}
+    llm = rayinfer.LLM(str(checkpoint), device="cpu", max_num_batched_tokens=16, **hold)
     engine = llm.engine
     finished = {}
     pending = list(enumerate(prompts))
-    steps = 0
+    steps = held_steps = 0
     while pending or engine.has_unfinished_requests():
         if pending and steps % 3 == 0:  # a new request every third step, others mid-decode
             index, prompt = pending.pop(0)
@@ -49,8 +53,10 @@ def test_requests_joining_mid_flight_give_their_alone_tokens(checkpoint, prompts
         for output in engine.step():
             if output.finished:
                 finished[int(output.request_id)] = output.token_ids
+        held_steps += engine.scheduler.held_steps > 0
         steps += 1
     assert [finished[i] for i in range(len(prompts))] == alone
+    assert (held_steps > 0) == held
 
 
 def test_preemption_under_a_tiny_cache_gives_the_same_tokens(checkpoint, prompts, alone):

@@ -1,5 +1,8 @@
 """Scheduler: token budget, chunked prefill, admission limits and preemption, without torch."""
 
+import pytest
+
+from rayinfer.config import ConfigError
 from rayinfer.engine.block_manager import BlockManager
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine.scheduler import Scheduler
@@ -135,3 +138,92 @@ def test_each_partition_has_its_own_token_budget_and_sequence_limit():
     assert sorted(s.seq.request_id for s in scheduled) == ["long0", "long1", "short0", "short1"]
     assert sorted(s.kv_partition for s in short[:2]) == [0, 1]
     assert [s.request_id for s in scheduler.waiting] == ["short2"]  # both replicas hold 2 seqs
+
+
+def _decoding(scheduler: Scheduler, names: str) -> list[Sequence]:
+    """Sequences of 3-token prompts admitted and past their prefill: the next steps decode."""
+    seqs = [Sequence(name, [1, 2, 3], SamplingParams()) for name in names]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler)
+    return seqs
+
+
+def held_scheduler(ratio: float, max_steps: int = 20, budget: int = 16) -> Scheduler:
+    config = SchedulerConfig(8, budget, 64, waiting_served_ratio=ratio, max_waiting_steps=max_steps)
+    return Scheduler(config, BlockManager(64, 4))
+
+
+def test_prompts_wait_while_too_few_for_the_ratio_and_join_together():
+    scheduler = held_scheduler(ratio=0.5)
+    _decoding(scheduler, "abcd")
+    scheduler.add(Sequence("e", [5, 6, 7], SamplingParams()))
+    for _ in range(3):  # 1 waiting < 0.5 x 4 decodes: decode-only steps
+        assert [s.num_new_tokens for s in run_step(scheduler)] == [1, 1, 1, 1]
+    assert scheduler.held_steps == 3
+    scheduler.add(Sequence("f", [5, 6, 7, 8], SamplingParams()))
+    scheduled = run_step(scheduler)  # 2 waiting >= 0.5 x 4: both admitted in one step
+    assert [(s.seq.request_id, s.num_new_tokens) for s in scheduled][-2:] == [("e", 3), ("f", 4)]
+    assert scheduler.held_steps == 0 and not scheduler.waiting
+
+
+def test_a_held_prompt_is_admitted_after_max_waiting_steps():
+    scheduler = held_scheduler(ratio=10.0, max_steps=3)
+    _decoding(scheduler, "ab")
+    scheduler.add(Sequence("c", [5, 6, 7], SamplingParams()))
+    counts = [len(run_step(scheduler)) for _ in range(4)]
+    assert counts == [2, 2, 2, 3]  # held three steps, then admitted
+
+
+def test_prompts_are_not_held_without_decodes_or_beside_a_prompt_chunk():
+    scheduler = held_scheduler(ratio=10.0, max_steps=1, budget=12)
+    scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
+    assert [s.num_new_tokens for s in run_step(scheduler)] == [3]  # no decodes: admitted at once
+    scheduler.add(Sequence("long", list(range(20)), SamplingParams()))
+    assert [s.seq.request_id for s in run_step(scheduler)] == ["a"]  # held: "a" only decodes
+    assert [(s.seq.request_id, s.num_new_tokens) for s in run_step(scheduler)] == [
+        ("a", 1),
+        ("long", 11),
+    ]  # admitted after max_waiting_steps
+    scheduler.add(Sequence("late", [5, 6], SamplingParams()))
+    # "long" is mid-prefill, so this step is mixed anyway: "late" joins it in the budget left
+    scheduled = run_step(scheduler)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in scheduled] == [
+        ("a", 1),
+        ("long", 9),
+        ("late", 2),
+    ]
+    assert scheduler.held_steps == 0
+
+
+def test_holding_prompts_back_changes_no_sequence_and_drops_none():
+    """The same sequences finish with the same tokens with prompts held back as without."""
+
+    def finished(ratio):
+        scheduler = held_scheduler(ratio=ratio, max_steps=4)
+        seqs = [Sequence(f"r{i}", list(range(i, i + 5)), SamplingParams()) for i in range(10)]
+        done, step = [], 0
+        while len(done) < len(seqs):
+            if step < len(seqs):
+                scheduler.add(seqs[step])  # one arrives each step
+            for item in run_step(scheduler, next_token=step):
+                if len(item.seq.output_token_ids) == 3 and item.seq not in done:
+                    scheduler.finish(item.seq, "length")
+                    done.append(item.seq)
+            step += 1
+        return sorted(s.request_id for s in done), step
+
+    (plain, plain_steps), (held, held_steps) = finished(0.0), finished(1.0)
+    assert plain == held == sorted(f"r{i}" for i in range(10))
+    assert held_steps >= plain_steps
+
+
+def test_waiting_served_ratio_and_max_waiting_steps_are_checked():
+    for kwargs, key in (
+        (dict(waiting_served_ratio=-1.0), "waiting_served_ratio"),
+        (dict(waiting_served_ratio="high"), "waiting_served_ratio"),
+        (dict(max_waiting_steps=0), "max_waiting_steps"),
+        (dict(max_waiting_steps=2.5), "max_waiting_steps"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            SchedulerConfig(8, 16, 64, **kwargs)

@@ -207,6 +207,8 @@ def test_the_colocated_engine_defaults_to_mixed_batches_with_every_kind_of_graph
         ({"disaggregate": "maybe"}, "disaggregate='maybe': use true, false or auto"),
         ({"engine.max_num_seq": "4"}, "engine.max_num_seq: unknown key"),
         ({"load_format": "pt"}, "load_format='pt'"),
+        ({"engine.waiting_served_ratio": "-1"}, "engine.waiting_served_ratio='-1'"),
+        ({"engine.max_waiting_steps": "0"}, "engine.max_waiting_steps='0'"),
         (
             {"disaggregate": "false", "engine.cuda_graphs": "true", "engine.dp": "2",
              "engine.ep": "2", "engine.all_to_all.dedup": "true"},
@@ -295,3 +297,15 @@ def test_typed_sections_reach_the_engine_args_as_given():
     assert args.process.gil_switch_interval_ms == 0.5
     assert args.all_to_all is config.decode.all_to_all and args.all_to_all.host.protocol == "cpu"
     assert args.key_prefix == "decode."
+
+
+def test_held_prompts_reach_the_engines_scheduler():
+    from rayinfer.deployments.runtime import ModelSource, phase_engine_args
+
+    config = AppConfig.from_args(
+        {"engine.waiting_served_ratio": "0.5", "engine.max_waiting_steps": "8"}
+    )
+    args = phase_engine_args(config, ModelSource.resolve(config), "engine", use_gpus=False)
+    scheduler = args.scheduler_config(max_model_len=256)
+    assert (scheduler.waiting_served_ratio, scheduler.max_waiting_steps) == (0.5, 8)
+    assert AppConfig.from_args({}).engine.waiting_served_ratio == 0.0  # admitted at once

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -103,6 +104,8 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.fatal_error: BaseException | None = None
+        # (seconds, prompt tokens) of each model step since the last take_step_times
+        self.step_times: list[tuple[float, int]] = []
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -164,7 +167,12 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._take_commands(block=not self._has_work())
                 if self._has_work():
-                    self._deliver(self.engine.step())
+                    start = time.perf_counter()
+                    outputs = self.engine.step()
+                    prompt_tokens = self.engine.last_step_prompt_tokens
+                    if prompt_tokens is not None:  # it ran the model
+                        self.step_times.append((time.perf_counter() - start, prompt_tokens))
+                    self._deliver(outputs)
                 self.on_tick()
         except BaseException as error:  # noqa: BLE001  (reported to every open request)
             logger.exception("engine loop failed")
@@ -228,6 +236,11 @@ class EngineLoop:
             stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
         except RuntimeError:  # the caller's event loop is closed
             self.streams.pop(request_id, None)
+
+    def take_step_times(self) -> list[tuple[float, int]]:
+        """The (seconds, prompt tokens) of the steps since the last call (on the loop thread)."""
+        times, self.step_times = self.step_times, []
+        return times
 
     def stats(self) -> dict[str, Any]:
         """Engine counters for metrics (read from the loop thread, in on_tick)."""

@@ -11,6 +11,8 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TRANSFER_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5]
+STEP_BUCKETS_S = [0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                  0.15, 0.25, 0.5, 1, 2.5]  # fmt: skip
 
 
 # attribute -> (kind, metric name, description, extra tag keys besides phase)
@@ -60,6 +62,13 @@ METRICS = {
         "Hand-offs whose KV was lost, so decode recomputed the prompt.",
         (),
     ),
+    "engine_step_seconds": (
+        "step",
+        "rayinfer_engine_step_seconds",
+        "Wall seconds of one engine step (schedule, the model on the workers, outputs), by "
+        "kind=decode (decodes alone) or kind=prompt (a prompt's tokens beside any decodes).",
+        ("kind",),
+    ),
     "engine_steps": (
         "counter",
         "rayinfer_engine_steps",
@@ -76,7 +85,7 @@ def _make_metric(kind: str, name: str, description: str, tag_keys: tuple[str, ..
         return Counter(name, description=description, tag_keys=tag_keys)
     if kind == "gauge":
         return Gauge(name, description=description, tag_keys=tag_keys)
-    buckets = LATENCY_BUCKETS_S if kind == "latency" else TRANSFER_BUCKETS_S
+    buckets = {"latency": LATENCY_BUCKETS_S, "step": STEP_BUCKETS_S}.get(kind, TRANSFER_BUCKETS_S)
     return Histogram(name, description=description, boundaries=buckets, tag_keys=tag_keys)
 
 
@@ -108,6 +117,12 @@ class ServeMetrics:
         by the path its KV took."""
         tags = {**self.tags, "phase": phase or self.tags["phase"], "path": path}
         self.kv_handoff_seconds.observe(seconds, tags=tags)
+
+    def observe_steps(self, step_times: list[tuple[float, int]]) -> None:
+        """Engine steps' (seconds, prompt tokens), from EngineLoop.take_step_times."""
+        for seconds, prompt_tokens in step_times:
+            kind = "prompt" if prompt_tokens else "decode"
+            self.engine_step_seconds.observe(seconds, tags={**self.tags, "kind": kind})
 
     def add_steps(self, mode: str, count: int) -> None:
         if count:

@@ -23,10 +23,12 @@ from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineLoop, EngineStoppedError
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.runtime import ModelSource, build_engine, kv_capacity
+from rayinfer.workers.gil_switch import set_switch_interval
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
 GAUGE_REFRESH_S = 0.5
+STEP_LOG_S = 10.0  # a busy replica logs its steps' times this often
 # How long a request that met this replica's failure waits for the replica's own kill (it lands
 # in well under a second) before it answers EngineStoppedError instead.
 EXIT_WAIT_S = 10.0
@@ -50,6 +52,9 @@ class PhaseReplica:
     def __init__(self, config: dict, source: ModelSource):
         self.config = AppConfig.model_validate(config)
         self.source = source
+        # the engine loop's thread takes the GIL back from the asyncio thread streaming tokens
+        # after each step's wait for the workers (workers/gil_switch.py)
+        set_switch_interval(getattr(self.config, self.phase).process.gil_switch_interval_ms)
         self.metrics = ServeMetrics(self.phase)
         name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
         self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)
@@ -58,6 +63,7 @@ class PhaseReplica:
         self._num_kv_recomputes = 0
         self._steps_reported = dict(self.workers.step_counts)  # mode -> steps already counted
         self._last_report = 0.0
+        self._step_log = StepLog(self.phase)
         self.failure: str | None = None  # why this replica is leaving; None while it serves
         self.loop = EngineLoop(
             self.engine, name_prefix, on_tick=self._report_engine, on_fatal=self._engine_failed,
@@ -110,6 +116,9 @@ class PhaseReplica:
         if new_recomputes:
             self.metrics.kv_recomputes.inc(new_recomputes, tags=self.metrics.tags)
             self._num_kv_recomputes = stats["num_kv_recomputes"]
+        step_times = self.loop.take_step_times()
+        self.metrics.observe_steps(step_times)
+        self._step_log.add(step_times, now)
         for mode, count in self.workers.step_counts.items():  # the loop thread counts them too
             self.metrics.add_steps(mode, count - self._steps_reported.get(mode, 0))
             self._steps_reported[mode] = count
@@ -147,3 +156,39 @@ class PhaseReplica:
         """Engine steps the workers ran from decode CUDA graphs ("graph"), from prefill graphs
         ("prefill_graph") or eagerly."""
         return dict(self.workers.step_counts)
+
+
+class StepLog:
+    """A log line every STEP_LOG_S of a busy replica: its steps' count and median seconds, apart
+    for steps of decodes alone and steps with a prompt's tokens (what a stream's time per output
+    token is made of)."""
+
+    def __init__(self, phase: str):
+        self.phase = phase
+        self.since = time.monotonic()
+        self.decode: list[float] = []
+        self.prompt: list[tuple[float, int]] = []
+
+    def add(self, step_times: list[tuple[float, int]], now: float) -> None:
+        for seconds, prompt_tokens in step_times:
+            if prompt_tokens:
+                self.prompt.append((seconds, prompt_tokens))
+            else:
+                self.decode.append(seconds)
+        if now - self.since < STEP_LOG_S:
+            return
+        if self.decode or self.prompt:
+            logger.info("%s", self.describe(now - self.since))
+        self.since, self.decode, self.prompt = now, [], []
+
+    def describe(self, span_s: float) -> str:
+        def median(values):
+            return sorted(values)[len(values) // 2] if values else float("nan")
+
+        prompt_s = median([seconds for seconds, _ in self.prompt])
+        prompt_tokens = median([tokens for _, tokens in self.prompt])
+        return (
+            f"{self.phase} steps in {span_s:.0f} s: {len(self.decode)} of decodes alone, median "
+            f"{1e3 * median(self.decode):.1f} ms; {len(self.prompt)} with prompt tokens, median "
+            f"{1e3 * prompt_s:.1f} ms for {prompt_tokens:.0f} tokens"
+        )

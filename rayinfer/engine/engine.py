@@ -78,6 +78,8 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         self.handoffs_ready: dict[str, RequestState] = {}
         self.ready_outputs: list[RequestOutput] = []  # finished outside a step, reported next
+        # the last step's prompt tokens beside its decodes; None: it ran no model batch
+        self.last_step_prompt_tokens: int | None = None
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
         self._arrivals = 0
         # Finished requests whose per-request executor state (sampling generators) is freed in
@@ -172,6 +174,10 @@ class LLMEngine:
         self.handoffs.finish_transfers()
         self.handoffs.admit_pending_imports()
         scheduled = self.scheduler.schedule()
+        # prompt tokens (prefill chunks, recomputes) beside the decodes' one token each
+        self.last_step_prompt_tokens = (
+            sum(s.num_new_tokens for s in scheduled if not s.is_decode) if scheduled else None
+        )
         ready, self.ready_outputs = self.ready_outputs, []
         if not scheduled:
             if not ready:  # only copies in flight (or nothing that fits yet): wait for one

@@ -38,6 +38,11 @@ class ScheduledSequence:
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token after generated ones; else a prompt's chunk (or a recompute's)."""
+        return self.num_new_tokens == 1 and bool(self.seq.output_token_ids)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_managers: BlockManager | list[BlockManager]):
@@ -117,7 +122,7 @@ class Scheduler:
         ratio = self.config.waiting_served_ratio
         if ratio <= 0 or not scheduled or self.held_steps >= self.config.max_waiting_steps:
             return False
-        if any(s.num_new_tokens != 1 or not s.seq.output_token_ids for s in scheduled):
+        if not all(s.is_decode for s in scheduled):
             return False  # a prompt's chunk runs this step anyway: the waiting ones may join it
         return len(self.waiting) < ratio * len(scheduled)
 

@@ -104,8 +104,9 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.fatal_error: BaseException | None = None
-        # (seconds, prompt tokens) of each model step since the last take_step_times
-        self.step_times: list[tuple[float, int]] = []
+        # (start on time.monotonic(), seconds, prompt tokens) of each model step since the last
+        # take_step_times
+        self.step_times: list[tuple[float, float, int]] = []
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -167,11 +168,12 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._take_commands(block=not self._has_work())
                 if self._has_work():
-                    start = time.perf_counter()
+                    start = time.monotonic()
                     outputs = self.engine.step()
                     prompt_tokens = self.engine.last_step_prompt_tokens
                     if prompt_tokens is not None:  # it ran the model
-                        self.step_times.append((time.perf_counter() - start, prompt_tokens))
+                        seconds = time.monotonic() - start
+                        self.step_times.append((start, seconds, prompt_tokens))
                     self._deliver(outputs)
                 self.on_tick()
         except BaseException as error:  # noqa: BLE001  (reported to every open request)
@@ -237,8 +239,9 @@ class EngineLoop:
         except RuntimeError:  # the caller's event loop is closed
             self.streams.pop(request_id, None)
 
-    def take_step_times(self) -> list[tuple[float, int]]:
-        """The (seconds, prompt tokens) of the steps since the last call (on the loop thread)."""
+    def take_step_times(self) -> list[tuple[float, float, int]]:
+        """The (start, seconds, prompt tokens) of the steps since the last call (on the loop
+        thread)."""
         times, self.step_times = self.step_times, []
         return times
 

@@ -118,9 +118,9 @@ class ServeMetrics:
         tags = {**self.tags, "phase": phase or self.tags["phase"], "path": path}
         self.kv_handoff_seconds.observe(seconds, tags=tags)
 
-    def observe_steps(self, step_times: list[tuple[float, int]]) -> None:
-        """Engine steps' (seconds, prompt tokens), from EngineLoop.take_step_times."""
-        for seconds, prompt_tokens in step_times:
+    def observe_steps(self, step_times: list[tuple[float, float, int]]) -> None:
+        """Engine steps' (start, seconds, prompt tokens), from EngineLoop.take_step_times."""
+        for _, seconds, prompt_tokens in step_times:
             kind = "prompt" if prompt_tokens else "decode"
             self.engine_step_seconds.observe(seconds, tags={**self.tags, "kind": kind})
 

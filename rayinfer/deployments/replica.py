@@ -23,12 +23,12 @@ from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.engine_loop import EngineLoop, EngineStoppedError
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.runtime import ModelSource, build_engine, kv_capacity
+from rayinfer.deployments.step_log import StepLog
 from rayinfer.workers.gil_switch import set_switch_interval
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
 GAUGE_REFRESH_S = 0.5
-STEP_LOG_S = 10.0  # a busy replica logs its steps' times this often
 # How long a request that met this replica's failure waits for the replica's own kill (it lands
 # in well under a second) before it answers EngineStoppedError instead.
 EXIT_WAIT_S = 10.0
@@ -63,7 +63,7 @@ class PhaseReplica:
         self._num_kv_recomputes = 0
         self._steps_reported = dict(self.workers.step_counts)  # mode -> steps already counted
         self._last_report = 0.0
-        self._step_log = StepLog(self.phase)
+        self._step_log = StepLog(self.phase, self.workers.drain_step_timelines)
         self.failure: str | None = None  # why this replica is leaving; None while it serves
         self.loop = EngineLoop(
             self.engine, name_prefix, on_tick=self._report_engine, on_fatal=self._engine_failed,
@@ -156,39 +156,3 @@ class PhaseReplica:
         """Engine steps the workers ran from decode CUDA graphs ("graph"), from prefill graphs
         ("prefill_graph") or eagerly."""
         return dict(self.workers.step_counts)
-
-
-class StepLog:
-    """A log line every STEP_LOG_S of a busy replica: its steps' count and median seconds, apart
-    for steps of decodes alone and steps with a prompt's tokens (what a stream's time per output
-    token is made of)."""
-
-    def __init__(self, phase: str):
-        self.phase = phase
-        self.since = time.monotonic()
-        self.decode: list[float] = []
-        self.prompt: list[tuple[float, int]] = []
-
-    def add(self, step_times: list[tuple[float, int]], now: float) -> None:
-        for seconds, prompt_tokens in step_times:
-            if prompt_tokens:
-                self.prompt.append((seconds, prompt_tokens))
-            else:
-                self.decode.append(seconds)
-        if now - self.since < STEP_LOG_S:
-            return
-        if self.decode or self.prompt:
-            logger.info("%s", self.describe(now - self.since))
-        self.since, self.decode, self.prompt = now, [], []
-
-    def describe(self, span_s: float) -> str:
-        def median(values):
-            return sorted(values)[len(values) // 2] if values else float("nan")
-
-        prompt_s = median([seconds for seconds, _ in self.prompt])
-        prompt_tokens = median([tokens for _, tokens in self.prompt])
-        return (
-            f"{self.phase} steps in {span_s:.0f} s: {len(self.decode)} of decodes alone, median "
-            f"{1e3 * median(self.decode):.1f} ms; {len(self.prompt)} with prompt tokens, median "
-            f"{1e3 * prompt_s:.1f} ms for {prompt_tokens:.0f} tokens"
-        )

@@ -1,0 +1,49 @@
+"""The replica's step log: decode and prompt steps apart, and a decode step's time split between
+the replica and its workers from their step timelines."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rayinfer.deployments.step_log import STEP_LOG_S, StepLog, decode_step_phases
+
+# (start, seconds, prompt tokens): a prompt step, then two decode steps of 10 and 14 ms
+STEPS = [(100.0, 0.100, 8192), (100.2, 0.010, 0), (100.3, 0.014, 0)]
+TIMELINES = {
+    "driver": [  # the group's calls: sent, results back
+        {"sent": 100.001, "results": 100.098},
+        {"sent": 100.201, "results": 100.209},
+        {"sent": 100.302, "results": 100.313},
+    ],
+    "ranks": [[  # rank 0's runs of them
+        {"received": 100.0015, "queued": 100.05, "finished": 100.097, "gpu_ms": 90.0},
+        {"received": 100.2015, "queued": 100.203, "finished": 100.2085, "gpu_ms": 6.0},
+        {"received": 100.3025, "queued": 100.305, "finished": 100.312, "gpu_ms": 8.0},
+    ]],
+}  # fmt: skip
+
+
+def test_decode_phases_pair_each_step_with_its_call_and_run():
+    phases = decode_step_phases(STEPS, TIMELINES)
+    # the medians of two decode steps (the upper one): engine 14 - 11, send 0.5, host 2.5,
+    # wait 7, return 1, gpu 8
+    expected = {"engine": 3.0, "send": 0.5, "host": 2.5, "wait": 7.0, "gpu": 8.0, "return": 1.0}
+    assert phases == pytest.approx(expected, abs=1e-6)
+    assert decode_step_phases(STEPS, {}) == {}  # an executor without timelines
+
+
+def test_a_line_every_step_log_s_with_both_kinds_and_the_phases(caplog):
+    log = StepLog("engine", drain_timelines=lambda: TIMELINES)
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        log.add(STEPS[:1], log.since + 1)  # within STEP_LOG_S: kept
+        assert not caplog.records
+        log.add(STEPS[1:], log.since + STEP_LOG_S)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "engine steps in 10 s: 2 of decodes alone, median 14.0 ms; 1 with prompt tokens, "
+        "median 100.0 ms for 8192 tokens; a decode step's ms: engine 3.0, send 0.5, host 2.5, "
+        "wait 7.0, gpu 8.0, return 1.0"
+    )
+    assert log.steps == []

@@ -23,8 +23,7 @@ class ProcessConfig:
     unprofiled), "stack" operators and Python frames, "python" the host's Python alone through
     cProfile (no GPU activity).
     gil_switch_interval_ms: how long a worker's thread waits at most for the GIL while another
-    runs Python (workers/gil_switch.py: the KV hand-off's copy thread beside the engine step's;
-    in a Serve replica, its engine loop's thread beside the asyncio thread streaming tokens);
+    runs Python (workers/gil_switch.py: the KV hand-off's copy thread beside the engine step's);
     None keeps Python's 5 ms. 0.5 ms: a 115 MB hand-off's copies beside a thread running Python
     took 3.2 ms against 8.1 at 5 ms (2.4 ms idle), and in `serve run` the import's P95 fell to
     11 ms (benchmarks/RESULTS.md, C49 and C39)."""

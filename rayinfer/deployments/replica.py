@@ -24,7 +24,6 @@ from rayinfer.deployments.engine_loop import EngineLoop, EngineStoppedError
 from rayinfer.deployments.metrics import ServeMetrics
 from rayinfer.deployments.runtime import ModelSource, build_engine, kv_capacity
 from rayinfer.deployments.step_log import StepLog
-from rayinfer.workers.gil_switch import set_switch_interval
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -52,9 +51,6 @@ class PhaseReplica:
     def __init__(self, config: dict, source: ModelSource):
         self.config = AppConfig.model_validate(config)
         self.source = source
-        # the engine loop's thread takes the GIL back from the asyncio thread streaming tokens
-        # after each step's wait for the workers (workers/gil_switch.py)
-        set_switch_interval(getattr(self.config, self.phase).process.gil_switch_interval_ms)
         self.metrics = ServeMetrics(self.phase)
         name_prefix = f"rayinfer-{self.phase}-{replica_suffix()}"
         self.engine, self.workers = build_engine(self.config, source, self.phase, name_prefix)

@@ -10,13 +10,8 @@ took 16 ms beside a thread spinning in Python, and 3.3 ms at a 0.5 ms interval
 benchmarks/RESULTS.md). A shorter interval bounds each wait; the threads switch more often only
 while both want the GIL, so a lone thread loses nothing.
 
-A Serve replica's process has the same contest: its engine loop's thread waits for the workers'
-step results with the GIL let go, then takes it back from the asyncio thread that streams the
-tokens of every request to Serve.
-
-Only a Ray worker and a Serve replica call this, at their startup: the interval is the whole
-interpreter's, and a process that is not rayinfer's own (the offline `LLM` in a notebook) keeps
-the user's.
+Only a Ray worker calls this, at its startup: the interval is the whole interpreter's, and a
+process that is not rayinfer's own (the offline `LLM` in a notebook) keeps the user's.
 ProcessConfig.gil_switch_interval_ms sets it (0.5 ms unless told); None leaves Python's.
 """
 

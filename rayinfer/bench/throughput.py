@@ -20,6 +20,8 @@ from rayinfer.bench.serve import strict_json
 from rayinfer.bench.serve_client import RequestResult, mark_token
 from rayinfer.bench.serve_dataset import add_dataset_args, build_requests, check_dataset_args
 from rayinfer.bench.serve_metrics import format_report, summarize
+from rayinfer.deployments.runtime import DEFAULT_GPU_MEMORY_UTILIZATION
+from rayinfer.engine.model_source import resolve_device
 from rayinfer.engine.structured_output import StructuredOutput
 from rayinfer.workers.runner.step_timeline import KEPT_STEPS
 
@@ -38,7 +40,13 @@ def parse_args(argv):
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="on a GPU, fill this share of its memory with KV cache (default: 0.9 as `serve "
+        "run` sizes its cache, unless --num-kv-blocks is given; LLM's own default, a cache of "
+        "max(4 x max_model_len, 16384) tokens, held 8 of 16 V2-Lite requests of 3.8k tokens, "
+        "so the rest waited in the queue)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-graph-piecewise-tokens", type=int, default=None,
         help="LLM's max_graph_piecewise_tokens (0: mixed steps run eagerly; default: LLM's)",
@@ -66,9 +74,18 @@ def parse_args(argv):
     return args
 
 
+def gpu_memory_utilization(args, on_gpu: bool) -> float | None:
+    """The cache's share of GPU memory: as asked, else as `serve run` sizes a replica's cache on
+    GPUs, so an offline run and a served one hold as many requests (None: LLM's rule)."""
+    if args.gpu_memory_utilization is not None or args.num_kv_blocks is not None or not on_gpu:
+        return args.gpu_memory_utilization
+    return DEFAULT_GPU_MEMORY_UTILIZATION
+
+
 def make_llm(args) -> LLM:
     piecewise = args.max_graph_piecewise_tokens
     options = {} if piecewise is None else {"max_graph_piecewise_tokens": piecewise}
+    on_gpu = resolve_device(args.device).type == "cuda"
     return LLM(
         args.model,
         device=args.device,
@@ -78,7 +95,7 @@ def make_llm(args) -> LLM:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization(args, on_gpu),
         load_format=args.load_format,
         **options,
     )

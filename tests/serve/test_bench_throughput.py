@@ -56,3 +56,15 @@ def test_the_command_writes_its_summary(tmp_path):
     record = json.loads(out.read_text())
     assert record["args"]["max_concurrency"] == 3
     assert record["summary"]["completed"] == 6 and record["summary"]["failed"] == 0
+
+
+def test_on_a_gpu_the_cache_is_sized_as_serve_sizes_it():
+    """A served replica fills 0.9 of its GPU with cache; the offline baseline does the same
+    unless told otherwise, so both hold as many requests at once."""
+    args = throughput.parse_args(ARGS)
+    assert throughput.gpu_memory_utilization(args, on_gpu=True) == 0.9
+    assert throughput.gpu_memory_utilization(args, on_gpu=False) is None  # LLM's CPU rule
+    given = throughput.parse_args([*ARGS, "--gpu-memory-utilization", "0.5"])
+    assert throughput.gpu_memory_utilization(given, on_gpu=True) == 0.5
+    blocks = throughput.parse_args([*ARGS, "--num-kv-blocks", "64"])
+    assert throughput.gpu_memory_utilization(blocks, on_gpu=True) is None  # the count wins

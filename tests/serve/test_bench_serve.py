@@ -16,7 +16,6 @@ import pytest
 from rayinfer.bench import serve as bench_serve
 from rayinfer.bench.serve import arrival_times, strict_json
 from rayinfer.bench.serve_client import RequestResult, finish, record_event, request_body
-from rayinfer.bench.serve_cluster import ServeCluster
 from rayinfer.bench.serve_dataset import (
     SampleRequest,
     load_tokenizer,
@@ -275,9 +274,9 @@ def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServeCluster(["max_model_len=512"]) as cluster:
-        yield cluster
+def server(disaggregated_server):
+    """The shared `serve run` (disaggregated, max_model_len=512; tests/serve/conftest.py)."""
+    return disaggregated_server
 
 
 async def first_texts(url: str, prompts: list[list[int]]) -> list[str]:

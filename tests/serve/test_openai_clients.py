@@ -2,7 +2,8 @@
 cluster: the openai SDK, raw httpx (vLLM's /tokenize and /detokenize too), lm-eval's
 `local-completions` with batched prompts, and a schemathesis run over `/openapi.json`.
 
-One server for the module (starting one costs ~40 s on 2 cores).
+The server (disaggregated, max_model_len=512) is shared with test_bench_serve.py and
+test_structured_outputs.py (tests/serve/conftest.py): starting one costs ~45 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ import httpx
 import openai
 import pytest
 
-from rayinfer.bench.serve_cluster import ServeCluster
-
 pytestmark = pytest.mark.slow
 
-APP_ARGS = ["disaggregate=true", "max_model_len=256"]
+MAX_MODEL_LEN = 512  # the shared server's
 PROMPTS = ["The quick brown fox", "Tell me about the river.", "Once upon a time", "a b c"]
 GREEDY = dict(model="tiny", max_tokens=6, temperature=0)
 GREEDY_PARAMS = dict(max_tokens=6, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServeCluster(APP_ARGS) as cluster:
-        yield cluster
+def server(disaggregated_server):
+    return disaggregated_server
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +215,7 @@ def test_vllm_sampling_extensions_answer_as_the_offline_engine(client, server):
     and its stop_reason."""
     import rayinfer
 
-    llm = rayinfer.LLM("tiny", max_model_len=256)
+    llm = rayinfer.LLM("tiny", max_model_len=MAX_MODEL_LEN)
     extensions = dict(repetition_penalty=1.5, min_tokens=3, skip_special_tokens=False)
     tokens = llm.generate(PROMPTS[0], rayinfer.SamplingParams(**GREEDY_PARAMS, **extensions))[0]
     tokens = list(tokens.token_ids)
@@ -243,7 +241,7 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, tokenizer):
     assert reply.status_code == 200, reply.text
     tokens = reply.json()["tokens"]
     assert tokens == tokenizer.encode(PROMPTS[1])
-    assert reply.json() == {"count": len(tokens), "max_model_len": 256, "tokens": tokens,
+    assert reply.json() == {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens,
                             "token_strs": tokenizer.token_strings(tokens)}  # fmt: skip
     back = post(server, "/detokenize", {"model": "tiny", "tokens": tokens[1:]})
     assert back.status_code == 200 and back.json() == {"prompt": PROMPTS[1]}

@@ -5,7 +5,8 @@ tool call, streamed tool-call deltas that reassemble to the whole reply's call (
 whose text a regex makes the model write, streams its name first and then its arguments as
 they are written), and the 400s.
 
-One server for the module (starting one costs ~40 s on 2 cores).
+The server (disaggregated, max_model_len=512) is shared with test_bench_serve.py and
+test_openai_clients.py (tests/serve/conftest.py): starting one costs ~45 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import jsonschema
 import openai
 import pytest
 
-from rayinfer.bench.serve_cluster import ServeCluster
 from tests.serve.streamed_calls import read_stream
 
 pytestmark = pytest.mark.slow
 
-APP_ARGS = ["disaggregate=true", "max_model_len=512"]
 MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
 PERSON = {
     "type": "object",
@@ -53,9 +52,9 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"ty
 
 
 @pytest.fixture(scope="module")
-def client():
-    with ServeCluster(APP_ARGS) as cluster:
-        yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
+def client(disaggregated_server):
+    url = disaggregated_server.http_url + "/v1"
+    return openai.OpenAI(base_url=url, api_key="unused", timeout=120)
 
 
 def _chat(client, **fields):

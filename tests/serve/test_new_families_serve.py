@@ -23,6 +23,7 @@ from rayinfer.bench.serve_cluster import ServeCluster
 from rayinfer.engine.tokenizer import Tokenizer
 from rayinfer.models.tiny import VOCAB_SIZE, ensure_tiny_model
 from tests.models.harness import make_dsa_checkpoint, make_v4_checkpoint
+from tests.serve.conftest import serve_run_again
 from tests.serve.streamed_calls import read_stream
 
 pytestmark = pytest.mark.slow
@@ -82,10 +83,26 @@ def folder(family, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(folder):
+def cluster_holder():
+    """One private cluster for both families: the first family's `serve run` starts it, the
+    second's replaces the app on it (conftest.serve_run_again)."""
+    holder: list[ServeCluster] = []
+    yield holder
+    for cluster in holder:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(folder, cluster_holder):
     app_args = [f"model={folder}", "served_model_name=tiny-new", f"max_model_len={MAX_MODEL_LEN}"]
-    with ServeCluster(app_args) as cluster:
-        yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
+    if cluster_holder:
+        serve_run_again(cluster_holder[0], app_args)
+    else:
+        cluster = ServeCluster(app_args)
+        cluster_holder.append(cluster)
+        cluster.start()
+    url = cluster_holder[0].http_url + "/v1"
+    return openai.OpenAI(base_url=url, api_key="unused", timeout=120)
 
 
 def test_completions_equal_the_offline_engine(client, folder):

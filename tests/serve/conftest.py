@@ -1,11 +1,19 @@
-"""Fixtures of the end-to-end serve tests.
+"""Fixtures of the end-to-end serve tests. Starting a private cluster and its `serve run` costs
+~45 s on 2 cores (`ray start` ~11 s, `serve start` ~8 s, the app ~25 s), stopping it ~5 s.
 
-`disaggregated_server`: one real `serve run rayinfer.app:build disaggregate=true
-max_model_len=512` on a private cluster, shared by the modules that only send it requests
-(test_bench_serve.py, test_openai_clients.py, test_structured_outputs.py): starting one costs
-~45 s on 2 cores, stopping it ~5 s. No test using it kills a replica or a worker or changes its
-deployments. At collection the tests using it are moved next to each other (each module's keep
-their order), and the server is stopped after the last of them, so that it does not idle beside
+- `disaggregated_server`: one real `serve run rayinfer.app:build disaggregate=true
+  max_model_len=512`, shared by the modules that only send it requests (test_bench_serve.py,
+  test_openai_clients.py, test_structured_outputs.py). No test using it kills a replica or a
+  worker or changes its deployments.
+- `serve_app`: one private cluster (4 CPUs) whose app each module using it replaces with its own
+  real `serve run` (`serve_app(app_args)`, see `serve_run_again`): test_colocated_serve.py first
+  (on the fresh cluster: it reads the capacity gauge and the logs), then
+  test_new_families_serve.py (one app per family) and test_overload.py (which floods its app).
+  Each module gets a fresh app, its replicas and workers new; only the Ray cluster and Serve's
+  controller and proxy are shared.
+
+At collection the tests using each of them are moved next to each other (each module's keep
+their order), and the cluster is stopped after the last of them, so that it does not idle beside
 the clusters the other modules start.
 """
 
@@ -18,45 +26,70 @@ import pytest
 
 from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster
 
-SHARED = "disaggregated_server"
+SHARED = ("disaggregated_server", "serve_app")
 DISAGGREGATED_APP_ARGS = ["disaggregate=true", "max_model_len=512"]
-_running: list[ServeCluster] = []
+_running: dict[str, list[ServeCluster]] = {name: [] for name in SHARED}
 
 
-def _uses_shared(item) -> bool:
-    return SHARED in getattr(item, "fixturenames", ())
+def _uses(item, name: str) -> bool:
+    return name in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    users = [item for item in items if _uses_shared(item)]
-    if not users:
-        return
-    first = items.index(users[0])
-    others = [item for item in items if not _uses_shared(item)]
-    items[:] = others[:first] + users + others[first:]
+    for name in SHARED:
+        users = [item for item in items if _uses(item, name)]
+        if not users:
+            continue
+        first = items.index(users[0])
+        others = [item for item in items if not _uses(item, name)]
+        items[:] = others[:first] + users + others[first:]
 
 
 @pytest.fixture(scope="session")
 def disaggregated_server():
     with ServeCluster(DISAGGREGATED_APP_ARGS) as cluster:
-        _running.append(cluster)
+        _running["disaggregated_server"].append(cluster)
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """serve_app(app_args) -> the shared cluster, now serving `serve run rayinfer.app:build
+    *app_args` (started with it on the first call, the app replaced on every later one)."""
+    clusters = _running["serve_app"]
+    started: list[ServeCluster] = []
+
+    def serve(app_args: list[str]) -> ServeCluster:
+        if clusters:
+            serve_run_again(clusters[0], app_args)
+            return clusters[0]
+        cluster = ServeCluster(list(app_args))
+        clusters.append(cluster)
+        started.append(cluster)
+        cluster.start()
+        return cluster
+
+    yield serve
+    for cluster in started:
+        cluster.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if _running and _uses_shared(item) and (nextitem is None or not _uses_shared(nextitem)):
-        # Its last user is done; the session's teardown stops it again, a no-op.
-        _running.pop().stop()
+    for name, clusters in _running.items():
+        if clusters and _uses(item, name) and (nextitem is None or not _uses(nextitem, name)):
+            # Its last user is done; the session's teardown stops it again, a no-op.
+            clusters.pop().stop()
 
 
 def serve_run_again(cluster: ServeCluster, app_args: list[str], timeout_s: float = 240) -> None:
     """Replace the app of a started `ServeCluster` with a new real `serve run rayinfer.app:build
     *app_args` on the same Ray cluster and Serve instance (same HTTP port), as a user redeploys:
     the old `serve run` is ended (SIGTERM: no `serve shutdown`), the new one updates the app and
-    is waited for until its "is ready at" line (the app RUNNING at the new version). Saves a fresh cluster's `ray start`, `serve start` and
-    stop (~25 s on 2 cores)."""
+    is waited for until its "is ready at" line (the app RUNNING at the new version). Saves a
+    fresh cluster's `ray start`, `serve start` and stop (~25 s on 2 cores)."""
     cluster.serve_process.terminate()
     cluster.serve_process.wait(timeout=20)
     cluster.log_path.rename(cluster.temp_dir / f"serve_run-{uuid.uuid4().hex[:8]}.log")

@@ -31,9 +31,10 @@ CAPACITY = "ray_rayinfer_kv_cache_capacity_tokens"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServeCluster(APP_ARGS) as cluster:
-        yield cluster
+def server(serve_app):
+    """The first app on the cluster that test_new_families_serve.py and test_overload.py then
+    redeploy theirs on (tests/serve/conftest.py): fresh, for the gauge and log checks below."""
+    return serve_app(APP_ARGS)
 
 
 def test_one_engine_deployment_serves(server):

@@ -19,11 +19,9 @@ import openai
 import pytest
 
 import rayinfer
-from rayinfer.bench.serve_cluster import ServeCluster
 from rayinfer.engine.tokenizer import Tokenizer
 from rayinfer.models.tiny import VOCAB_SIZE, ensure_tiny_model
 from tests.models.harness import make_dsa_checkpoint, make_v4_checkpoint
-from tests.serve.conftest import serve_run_again
 from tests.serve.streamed_calls import read_stream
 
 pytestmark = pytest.mark.slow
@@ -83,26 +81,12 @@ def folder(family, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster_holder():
-    """One private cluster for both families: the first family's `serve run` starts it, the
-    second's replaces the app on it (conftest.serve_run_again)."""
-    holder: list[ServeCluster] = []
-    yield holder
-    for cluster in holder:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(folder, cluster_holder):
+def client(folder, serve_app):
+    """Each family's app is a new `serve run` on the cluster shared through
+    tests/serve/conftest.py."""
     app_args = [f"model={folder}", "served_model_name=tiny-new", f"max_model_len={MAX_MODEL_LEN}"]
-    if cluster_holder:
-        serve_run_again(cluster_holder[0], app_args)
-    else:
-        cluster = ServeCluster(app_args)
-        cluster_holder.append(cluster)
-        cluster.start()
-    url = cluster_holder[0].http_url + "/v1"
-    return openai.OpenAI(base_url=url, api_key="unused", timeout=120)
+    cluster = serve_app(app_args)
+    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120)
 
 
 def test_completions_equal_the_offline_engine(client, folder):

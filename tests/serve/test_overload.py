@@ -14,8 +14,6 @@ import time
 import httpx
 import pytest
 
-from rayinfer.bench.serve_cluster import ServeCluster
-
 pytestmark = pytest.mark.slow
 
 MAX_QUEUE_WAIT_S = 1
@@ -30,9 +28,9 @@ CLIENT_TIMEOUT_S = 40
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServeCluster(APP_ARGS) as cluster:
-        yield cluster
+def server(serve_app):
+    """Its own app (a new `serve run`) on the cluster shared through tests/serve/conftest.py."""
+    return serve_app(APP_ARGS)
 
 
 def body(index: int, stream: bool) -> dict:

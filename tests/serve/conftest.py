@@ -5,10 +5,11 @@
   max_model_len=512`, shared by the modules that only send it requests (test_bench_serve.py,
   test_openai_clients.py, test_structured_outputs.py). No test using it kills a replica or a
   worker or changes its deployments.
-- `serve_app`: one private cluster (4 CPUs) whose app each module using it replaces with its own
+- `serve_app`: one private cluster (6 CPUs) whose app each module using it replaces with its own
   real `serve run` (`serve_app(app_args)`, see `serve_run_again`): test_colocated_serve.py first
   (on the fresh cluster: it reads the capacity gauge and the logs), then
-  test_new_families_serve.py (one app per family) and test_overload.py (which floods its app).
+  test_new_families_serve.py (one app per family), test_overload.py (which floods its app) and
+  test_parallel_serve.py (whose workers need the 6 CPUs; the apps' replica counts are fixed).
   Each module gets a fresh app, its replicas and workers new; only the Ray cluster and Serve's
   controller and proxy are shared.
 
@@ -64,7 +65,7 @@ def serve_app():
         if clusters:
             serve_run_again(clusters[0], app_args)
             return clusters[0]
-        cluster = ServeCluster(list(app_args))
+        cluster = ServeCluster(list(app_args), num_cpus=6)
         clusters.append(cluster)
         started.append(cluster)
         cluster.start()

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import rayinfer
-from rayinfer.bench.serve_cluster import ServeCluster, wait_for
+from rayinfer.bench.serve_cluster import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,12 @@ APP_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServeCluster(APP_ARGS, num_cpus=6) as cluster:
-        yield cluster
+def server(serve_app):
+    """Its own app (a new `serve run`) on the cluster shared through tests/serve/conftest.py,
+    which has the 6 CPUs that two prefill workers, two decode workers and the replicas take.
+    The apps before it (colocated, new families, overload) run one worker a replica: no
+    all-to-all is metered before this one's."""
+    return serve_app(APP_ARGS)
 
 
 def test_parallel_plans_answer_like_the_offline_engine(server):

@@ -1,8 +1,8 @@
 """What a worker group's decode step costs to send on the host: the requests as sent
-(`WorkerGroup._as_sent`), pickled and unpickled as Ray does, and completed on the worker
-(`Worker._complete_requests`), for 256 decodes with 512-block tables and sampling params, with
-each request's SamplingParams sent once (today) against sent every step (before), medians of 30
-alternating runs on this CPU.
+(`SentState.as_sent`, workers/step_wire.py), pickled and unpickled as Ray does, and completed on
+the worker (`Worker._complete_requests`), for 256 decodes with 512-block tables and sampling
+params, with each request's SamplingParams sent once (today) against sent every step (before),
+medians of 30 alternating runs on this CPU.
 
     python benchmarks/step_wire.py [--batch 256] [--blocks 512]
 """
@@ -21,20 +21,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest  # noqa: E402
 from rayinfer.engine.sampling_params import SamplingParams  # noqa: E402
-from rayinfer.workers.group import WorkerGroup  # noqa: E402
+from rayinfer.workers.step_wire import SentState  # noqa: E402
 from rayinfer.workers.worker import Worker  # noqa: E402
 
 
 def step_seconds(requests, params_once: bool) -> float:
     """One later decode step's trip, after a first step that sent everything."""
-    group = SimpleNamespace(_tables_sent={}, _params_sent={})
+    sent = SentState()
     worker = SimpleNamespace(block_tables={}, window_tables={}, params={})
-    first = ModelBatch(WorkerGroup._as_sent(group, 0, requests))
+    first = ModelBatch(sent.as_sent(0, requests))
     Worker._complete_requests(worker, pickle.loads(pickle.dumps(first)))
     if not params_once:
-        group._params_sent.clear()
+        sent.params.clear()
     start = time.perf_counter()
-    batch = pickle.loads(pickle.dumps(ModelBatch(WorkerGroup._as_sent(group, 0, requests))))
+    batch = pickle.loads(pickle.dumps(ModelBatch(sent.as_sent(0, requests))))
     Worker._complete_requests(worker, batch)
     return time.perf_counter() - start
 

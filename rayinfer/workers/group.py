@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
@@ -27,7 +27,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayinfer import envs
 from rayinfer.engine.batch import ModelBatch, SampledTokens, ScheduledRequest
 from rayinfer.engine.executor import Executor, KVLostError
-from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.layers.forward_context import IDLE_FORWARD_TOKENS
 from rayinfer.workers.death_watch import DeathWatch, WorkerLost
 from rayinfer.workers.export_holds import ExportHolds
@@ -37,6 +36,7 @@ from rayinfer.workers.runner.graph_buckets import graph_batch_sizes
 from rayinfer.workers.runner.kv_transfer import KVPayload
 from rayinfer.workers.runner.prefill_graphs import shared_prefill_bucket
 from rayinfer.workers.runner.step_timeline import KEPT_STEPS
+from rayinfer.workers.step_wire import SentState
 from rayinfer.workers.worker import KV_IO, WATCH, Worker, WorkerSpec
 
 REPLICA_CPUS = 0.1  # the Serve replica only drives the engine loop; workers do the math
@@ -123,15 +123,7 @@ class WorkerGroup(Executor):
         # steps run from decode graphs, from prefill graphs, or eagerly
         self.step_counts = {"graph": 0, "prefill_graph": 0, "eager": 0}
         self.step_calls: deque[dict] = deque(maxlen=KEPT_STEPS)  # when each step went and came
-        # request id -> (DP replica, the sequence's block table list, blocks sent): a table only
-        # grows while it is the same list (a freed or preempted sequence gets a new one), so each
-        # step sends the blocks added since (256 decodes' 512-block tables pickled to 557 KB per
-        # worker call, past Ray's 100 KB inline limit)
-        self._tables_sent: dict[str, tuple[int, list[int], int]] = {}
-        # request id -> (DP replica, the SamplingParams object sent): its workers keep it, so
-        # later steps send none (64 decodes' params were 0.8 of 1.2 ms pickling a step's
-        # requests and back, `cpu`)
-        self._params_sent: dict[str, tuple[int, SamplingParams]] = {}
+        self.sent = SentState()  # what the workers hold of each request (step_wire.py)
         self._num_kv_blocks = None
         self._death_watch: DeathWatch | None = None
         if spec.kv_memory is not None:
@@ -210,7 +202,7 @@ class WorkerGroup(Executor):
             max(sum(len(r.token_ids) for r in share), IDLE_FORWARD_TOKENS) for share in shares
         ]
         calls, sent = [], time.monotonic()
-        wire = [self._as_sent(replica, share) for replica, share in enumerate(shares)]
+        wire = [self.sent.as_sent(replica, share) for replica, share in enumerate(shares)]
         for worker, placement in zip(self.workers, self.placements):
             ep_tokens = None
             if placement.tokens_differ_across_ep:
@@ -233,29 +225,6 @@ class WorkerGroup(Executor):
         tokens = [tokens_of[request_id] for request_id in order]
         logprobs = [logprobs_of.get(request_id) for request_id in order] if logprobs_of else None
         return SampledTokens(tokens, logprobs, prompt_logprobs or None, errors or None)
-
-    def _as_sent(self, replica: int, requests: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """The replica's requests as sent: a request whose table its workers already hold (the
-        same list, on the same replica) carries only the blocks added since, and one whose
-        SamplingParams they hold (the same object) carries none (`params` None)."""
-        wire = []
-        for request in requests:
-            table = request.block_table
-            known = self._tables_sent.get(request.request_id)
-            held = known[2] if known and known[0] == replica and known[1] is table else 0
-            self._tables_sent[request.request_id] = (replica, table, len(table))
-            changes = {}
-            if held:
-                windows = request.window_table
-                windows = None if windows is None else windows[held:]
-                changes = dict(block_table=table[held:], block_table_from=held,
-                               window_table=windows)  # fmt: skip
-            sent = self._params_sent.get(request.request_id)
-            if sent and sent[0] == replica and sent[1] is request.params:
-                changes["params"] = None
-            self._params_sent[request.request_id] = (replica, request.params)
-            wire.append(replace(request, **changes) if changes else request)
-        return wire
 
     @property
     def num_kv_partitions(self) -> int:
@@ -353,9 +322,7 @@ class WorkerGroup(Executor):
         return [i for i, p in enumerate(self.placements) if p.dp_rank == partition]
 
     def free_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._tables_sent.pop(request_id, None)
-            self._params_sent.pop(request_id, None)
+        self.sent.forget(request_ids)
         self.export_holds.drop_done()
         for worker in self.workers:
             worker.free_requests.remote(request_ids)

@@ -136,7 +136,7 @@ class Worker:
 
     def _complete_requests(self, batch: ModelBatch) -> None:
         """Each request's whole block table, from what earlier steps sent and this one's new
-        blocks, and its SamplingParams where this step sent none (WorkerGroup._as_sent)."""
+        blocks, and its SamplingParams where this step sent none (workers/step_wire.py)."""
         for request in batch.requests:
             if request.params is not None:
                 self.params[request.request_id] = request.params

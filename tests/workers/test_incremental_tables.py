@@ -10,7 +10,7 @@ import pytest
 
 from rayinfer.engine.batch import ModelBatch, ScheduledRequest
 from rayinfer.engine.sampling_params import SamplingParams
-from rayinfer.workers.group import WorkerGroup
+from rayinfer.workers.step_wire import SentState
 from rayinfer.workers.worker import Worker
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0)
@@ -24,13 +24,13 @@ class Driver:
     """The group's side of the protocol, with one worker per replica (pickled as by Ray)."""
 
     def __init__(self, replicas: int):
-        self.group = SimpleNamespace(_tables_sent={}, _params_sent={})
+        self.sent = SentState()
         self.workers = [SimpleNamespace(block_tables={}, params={}) for _ in range(replicas)]
 
     def step(self, shares: list[list[ScheduledRequest]]) -> list[list[ScheduledRequest]]:
         seen, self.wire = [], []
         for replica, share in enumerate(shares):
-            wire = WorkerGroup._as_sent(self.group, replica, share)
+            wire = self.sent.as_sent(replica, share)
             batch = pickle.loads(pickle.dumps(ModelBatch(wire)))
             self.wire.append([r.params for r in batch.requests])
             Worker._complete_requests(self.workers[replica], batch)
@@ -38,9 +38,8 @@ class Driver:
         return seen
 
     def free(self, request_ids):
+        self.sent.forget(request_ids)
         for request_id in request_ids:
-            self.group._tables_sent.pop(request_id, None)
-            self.group._params_sent.pop(request_id, None)
             for worker in self.workers:
                 worker.block_tables.pop(request_id, None)
                 worker.params.pop(request_id, None)
@@ -52,8 +51,9 @@ def test_workers_rebuild_the_tables_from_the_new_blocks():
     (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
     assert got_a[0].block_table == [3, 9] and got_b[0].block_table == [4]
     a.append(11)  # a grows by a block; b does not
-    sent = [WorkerGroup._as_sent(SimpleNamespace(_tables_sent=dict(driver.group._tables_sent),
-            _params_sent=dict(driver.group._params_sent)), 0, [request("a", a)])]  # fmt: skip
+    copy = SentState()
+    copy.tables, copy.params = dict(driver.sent.tables), dict(driver.sent.params)
+    sent = [copy.as_sent(0, [request("a", a)])]
     assert sent[0][0].block_table == [11] and sent[0][0].block_table_from == 2
     (got_a, got_b) = driver.step([[request("a", a)], [request("b", b)]])
     assert got_a[0].block_table == [3, 9, 11] and got_b[0].block_table == [4]
@@ -102,9 +102,9 @@ def test_decode_payload_shrinks_to_the_new_blocks():
     driver = Driver(replicas=1)
     tables = [list(range(i * 600, i * 600 + 512)) for i in range(256)]
     first = [request(f"r{i}", t) for i, t in enumerate(tables)]
-    whole = len(pickle.dumps(ModelBatch(WorkerGroup._as_sent(driver.group, 0, first))))
+    whole = len(pickle.dumps(ModelBatch(driver.sent.as_sent(0, first))))
     for t in tables[:8]:
         t.append(t[-1] + 1)
     later = [request(f"r{i}", t) for i, t in enumerate(tables)]
-    step = len(pickle.dumps(ModelBatch(WorkerGroup._as_sent(driver.group, 0, later))))
+    step = len(pickle.dumps(ModelBatch(driver.sent.as_sent(0, later))))
     assert whole > 500_000 and step < 40_000

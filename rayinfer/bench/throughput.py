@@ -169,6 +169,14 @@ def step_times(timelines: dict, max_num_seqs: int) -> dict:
     }
 
 
+def requests_the_cache_holds(llm: LLM, requests) -> int:
+    """How many of the longest of `requests` (prompt and output) the engine's KV cache holds at
+    once: past it the rest wait, whatever --max-concurrency says."""
+    cache_tokens = sum(len(m.blocks) * m.block_size for m in llm.engine.block_managers)
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    return cache_tokens // max(longest, 1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     llm = make_llm(args)
@@ -179,6 +187,10 @@ def main(argv=None) -> int:
     if args.json_schema is not None:
         structured = StructuredOutput.json_schema(json.loads(args.json_schema))
     concurrency = args.max_concurrency
+    held = requests_the_cache_holds(llm, requests)
+    if held < min(concurrency or len(requests), len(requests)):
+        print(f"note: the KV cache holds {held} of these requests at once; the rest wait "
+              "(--gpu-memory-utilization or --num-kv-blocks)")  # fmt: skip
     run_all(llm, warmup, "warmup", structured, concurrency)  # compiles, captures graphs
     llm.engine.executor.drain_step_timelines()
     results, duration_s = run_all(llm, requests, "timed", structured, concurrency)
@@ -190,7 +202,8 @@ def main(argv=None) -> int:
         print(f"{kind} steps (last {KEPT_STEPS} at most), median ms: " + ", ".join(
             f"{name} {value:.1f}" for name, value in times.items()))  # fmt: skip
     if args.json:
-        record = {"model": args.model, "args": vars(args), "summary": summary, "steps": steps}
+        record = {"model": args.model, "args": vars(args), "summary": summary, "steps": steps,
+                  "cache_holds_requests": held}  # fmt: skip
         with open(args.json, "w") as out:
             json.dump(strict_json(record), out, indent=1)
     return 0 if summary["failed"] == 0 else 1

@@ -49,13 +49,18 @@ def test_requests_in_flight_never_exceed_the_cap(llm, max_concurrency):
         assert results[-1].sent_s >= min(r.latency_s for r in results[:2])
 
 
-def test_the_command_writes_its_summary(tmp_path):
+def test_the_command_writes_its_summary_and_says_what_the_cache_holds(tmp_path, capsys):
+    """Two blocks of 16 tokens hold one request of 21 tokens at a time: of 3 in flight 2 wait,
+    which the run says (and records) rather than calling them concurrent."""
     out = tmp_path / "offline.json"
     assert throughput.main([*ARGS, "--max-concurrency", "3", "--warmup-prompts", "1",
-                            "--json", str(out)]) == 0  # fmt: skip
+                            "--num-kv-blocks", "2", "--max-model-len", "32", "--json",
+                            str(out)]) == 0  # fmt: skip
     record = json.loads(out.read_text())
     assert record["args"]["max_concurrency"] == 3
     assert record["summary"]["completed"] == 6 and record["summary"]["failed"] == 0
+    assert record["cache_holds_requests"] == 1
+    assert "note: the KV cache holds 1 of these requests at once" in capsys.readouterr().out
 
 
 def test_on_a_gpu_the_cache_is_sized_as_serve_sizes_it():

@@ -34,16 +34,32 @@ def test_decode_phases_pair_each_step_with_its_call_and_run():
     assert decode_step_phases(STEPS, {}) == {}  # an executor without timelines
 
 
-def test_a_line_every_step_log_s_with_both_kinds_and_the_phases(caplog):
-    log = StepLog("engine", drain_timelines=lambda: TIMELINES)
-    with caplog.at_level(logging.INFO, logger="ray.serve"):
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_line_every_step_log_s_with_both_kinds_and_the_phases():
+    # on the logger itself: once ray.serve is imported it no longer propagates to the root
+    lines, serve_logger = _Lines(), logging.getLogger("ray.serve")
+    level = serve_logger.level
+    serve_logger.addHandler(lines)
+    serve_logger.setLevel(logging.INFO)
+    try:
+        log = StepLog("engine", drain_timelines=lambda: TIMELINES)
         log.add(STEPS[:1], log.since + 1)  # within STEP_LOG_S: kept
-        assert not caplog.records
+        assert lines.lines == []
         log.add(STEPS[1:], log.since + STEP_LOG_S)
-    (record,) = caplog.records
-    assert record.getMessage() == (
+    finally:
+        serve_logger.removeHandler(lines)
+        serve_logger.setLevel(level)
+    assert lines.lines == [
         "engine steps in 10 s: 2 of decodes alone, median 14.0 ms; 1 with prompt tokens, "
         "median 100.0 ms for 8192 tokens; a decode step's ms: engine 3.0, send 0.5, host 2.5, "
         "wait 7.0, gpu 8.0, return 1.0"
-    )
+    ]
     assert log.steps == []

@@ -13,6 +13,7 @@ workers (the workers' step timelines, workers/runner/step_timeline.py):
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
@@ -22,27 +23,33 @@ DECODE_PHASES = ("engine", "send", "host", "wait", "gpu", "return")
 
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else float("nan")
+    return statistics.median_high(values) if values else float("nan")
 
 
 def decode_step_phases(steps: list[tuple[float, float, int]], timelines: dict) -> dict[str, float]:
     """Median milliseconds of each phase of DECODE_PHASES over the decode steps.
 
     steps: the loop's (start, seconds, prompt tokens) on time.monotonic(); timelines: what
-    Executor.drain_step_timelines returned (its driver's calls and rank 0's steps)."""
-    calls = timelines.get("driver") or []
-    ranks = timelines.get("ranks") or [[]]
-    runs = sorted(ranks[0], key=lambda run: run["received"])
+    Executor.drain_step_timelines returned (its driver's calls and rank 0's steps). All three
+    are in time order, so one pass pairs each step with its call and rank 0's run of it (this
+    runs on the engine loop's thread, between two steps)."""
+    calls = iter(timelines.get("driver") or [])
+    runs = iter(sorted((timelines.get("ranks") or [[]])[0], key=lambda run: run["received"]))
+    call = next(calls, None)
+    run = next(runs, None)
     phases: dict[str, list[float]] = {name: [] for name in DECODE_PHASES}
     for start, seconds, prompt_tokens in steps:
-        if prompt_tokens:
-            continue
-        end = start + seconds
-        call = next((c for c in calls if start <= c["sent"] <= end), None)
+        while call is not None and call["sent"] < start:
+            call = next(calls, None)
         if call is None:
-            continue
-        run = next((r for r in runs if call["sent"] <= r["received"] <= call["results"]), None)
+            break
+        if call["sent"] > start + seconds:
+            continue  # no call inside this step (kept calls begin later)
+        while run is not None and run["received"] < call["sent"]:
+            run = next(runs, None)
         if run is None:
+            break
+        if prompt_tokens or run["received"] > call["results"]:
             continue
         phases["engine"].append(seconds - (call["results"] - call["sent"]))
         phases["send"].append(run["received"] - call["sent"])

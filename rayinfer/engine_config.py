@@ -129,7 +129,11 @@ class KVHandoffConfig:
     reads the KV as lost and recomputes the prompt). The exporting group holds each hand-off's
     references as long (workers/export_holds.py), or until the importer released its spans;
     those of exports through the object store, whose import it cannot see, at most arena_bytes
-    of them."""
+    of them.
+    layer_by_layer: with "auto", copy a request's KV into the arena layer by layer during the
+    step that ends its prompt, each layer once it is cached, so the export after the step only
+    waits for the last layers (workers/runner/layer_export.py); False: the whole request after
+    the step."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -138,6 +142,7 @@ class KVHandoffConfig:
     path: Literal[KV_HANDOFF_PATHS] = "auto"
     arena_bytes: int = DEFAULT_ARENA_BYTES
     lease_s: float = 60.0
+    layer_by_layer: bool = True
 
     def __post_init__(self):
         if self.path not in KV_HANDOFF_PATHS:
@@ -153,6 +158,10 @@ class KVHandoffConfig:
         lease = self.lease_s
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0:
             raise ConfigError(f"kv_handoff.lease_s={lease!r} must be a positive number of seconds")
+        if not isinstance(self.layer_by_layer, bool):
+            raise ConfigError(
+                f"kv_handoff.layer_by_layer={self.layer_by_layer!r} must be true or false"
+            )
 
 
 DEFAULT_KV_HANDOFF = KVHandoffConfig()

@@ -38,6 +38,9 @@ class ScheduledRequest:
     # A model with a window pool: the window block of each block_table entry (-1: none held),
     # sent from the same index on as block_table (engine/block_manager.py)
     window_table: list[int] | None = None
+    # A prefill-only request whose prompt this step ends: its KV is exported after the step, so
+    # a worker may copy it out layer by layer during it (workers/runner/layer_export.py).
+    exports_kv: bool = False
 
     @property
     def seq_len(self) -> int:

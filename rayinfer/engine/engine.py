@@ -362,6 +362,7 @@ class LLMEngine:
                     ),
                     prompt_logprob_targets=_prompt_logprob_targets(seq, start, item.num_new_tokens),
                     suppressed_token_ids=self._suppressed(seq) if item.samples else None,
+                    exports_kv=seq.prefill_only and item.samples,
                 )
             )
             if item.samples and seq.request_id not in self._sampled_here:

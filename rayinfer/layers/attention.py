@@ -59,8 +59,12 @@ class PagedAttention(UsesKernelBackends, nn.Module):
                 False, rotary.attention_factor,
             )  # fmt: skip
         if ctx.pieces is None:
-            return self._attention(ctx, q, k, v)
-        operands = attend_outside_graphs(ctx, self._attend, q, k, v, q.new_zeros(q.shape))
+            out = self._attention(ctx, q, k, v)
+            ctx.layer_cached(self.layer_idx)
+            return out
+        operands = attend_outside_graphs(
+            ctx, self._attend, q, k, v, q.new_zeros(q.shape), layer=self.layer_idx
+        )
         return operands[-1]
 
     def _attend(self, ctx: ForwardContext, q, k, v, out) -> None:

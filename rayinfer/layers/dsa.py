@@ -111,6 +111,7 @@ class DSAAttention(MLAAttention):
         index = self.indexer(positions, hidden, q_resid) if self.indexer else None
         key = index[2] if index else None
         ops.dsa_write_cache(kv_cache, attn.slot_mapping, kv_c, k_pe, key, self.index_fp8)
+        ctx.layer_cached(self.layer_idx)
         out = q_nope.new_empty(hidden.shape[0], self.num_local_heads, self.v_head_dim)
         dense = self._dense_seqs(attn)
         if len(dense) == attn.num_seqs:  # new prompts no longer than index_topk: dense

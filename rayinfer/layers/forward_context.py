@@ -7,6 +7,7 @@ attends causally to the whole context before it, read from the paged cache throu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -67,6 +68,16 @@ class ForwardContext:
     # A forward captured in pieces: what each layer's attention does at its cut (see
     # layers/graph_pieces.py); None runs attention inline.
     pieces: Pieces | None = None
+    # Told each layer's index once that layer's cache writes of the step are queued on the
+    # current stream (after its attention), so the hand-off's export copies the layer out while
+    # later layers compute (workers/runner/layer_export.py); None: nobody listens. A forward
+    # may leave layers untold (a step replayed whole from a graph; micro-batch halves, which
+    # make contexts of their own): the listener copies those after the forward.
+    on_layer_cached: Callable[[int], None] | None = None
+
+    def layer_cached(self, layer: int | None) -> None:
+        if self.on_layer_cached is not None and layer is not None:
+            self.on_layer_cached(layer)
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> np.ndarray:

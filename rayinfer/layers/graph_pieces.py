@@ -34,17 +34,22 @@ class Pieces(Protocol):
     """What a forward in pieces does at a layer's attention (see the module docstring)."""
 
     def cut(
-        self, attend: Attend, operands: tuple[torch.Tensor, ...]
+        self, attend: Attend, operands: tuple[torch.Tensor, ...], layer: int | None = None
     ) -> tuple[torch.Tensor, ...]: ...
 
 
-def attend_outside_graphs(ctx: ForwardContext, attend: Attend, *operands: torch.Tensor):
+def attend_outside_graphs(
+    ctx: ForwardContext, attend: Attend, *operands: torch.Tensor, layer: int | None = None
+):
     """Run `attend(ctx, *operands)` now, or, in a forward captured in pieces, outside the graphs;
-    returns the operands the layer goes on with (the staged copies within pieces)."""
+    returns the operands the layer goes on with (the staged copies within pieces). layer: the
+    attention's layer, whose cache writes precede its cut: once it has attended the step's
+    context is told (`ForwardContext.layer_cached`), in a replay too."""
     if ctx.pieces is None:
         attend(ctx, *operands)
+        ctx.layer_cached(layer)
         return operands
-    return ctx.pieces.cut(attend, operands)
+    return ctx.pieces.cut(attend, operands, layer)
 
 
 def cuts_every_attention(model: torch.nn.Module) -> bool:
@@ -83,13 +88,14 @@ class StagingBuffers:
 
 
 class RecordedCut:
-    """One attention between two pieces: the call and its staged operands [T, ...]."""
+    """One attention between two pieces: the call, its staged operands [T, ...] and its layer."""
 
-    def __init__(self, attend: Attend, operands: tuple[torch.Tensor, ...]):
-        self.attend, self.operands = attend, operands
+    def __init__(self, attend: Attend, operands: tuple[torch.Tensor, ...], layer: int | None):
+        self.attend, self.operands, self.layer = attend, operands, layer
 
     def run(self, step_ctx: ForwardContext, num_tokens: int) -> None:
         self.attend(step_ctx, *(tensor[:num_tokens] for tensor in self.operands))
+        step_ctx.layer_cached(self.layer)
 
 
 class EagerPieces:
@@ -99,9 +105,9 @@ class EagerPieces:
     def __init__(self, staging: StagingBuffers, step_ctx: ForwardContext, num_tokens: int):
         self.staging, self.step_ctx, self.num_tokens = staging, step_ctx, num_tokens
 
-    def cut(self, attend: Attend, operands):
+    def cut(self, attend: Attend, operands, layer: int | None = None):
         staged = self.staging.stage(operands)
-        RecordedCut(attend, staged).run(self.step_ctx, self.num_tokens)
+        RecordedCut(attend, staged, layer).run(self.step_ctx, self.num_tokens)
         return staged
 
 
@@ -123,10 +129,10 @@ class CapturedPieces:
     def end(self) -> None:
         self.graphs[-1].capture_end()
 
-    def cut(self, attend: Attend, operands):
+    def cut(self, attend: Attend, operands, layer: int | None = None):
         staged = self.staging.stage(operands)  # inside the running piece
         self.end()
-        self.cuts.append(RecordedCut(attend, staged))
+        self.cuts.append(RecordedCut(attend, staged, layer))
         self.begin()
         return staged
 

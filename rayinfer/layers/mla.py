@@ -119,7 +119,9 @@ class MLAAttention(UsesKernelBackends, nn.Module):
         shape = (hidden.shape[0], self.num_local_heads, self.v_head_dim)
         # within pieces the padding rows' output stays zero (attention writes the real rows)
         out = q_nope.new_empty(shape) if ctx.pieces is None else q_nope.new_zeros(shape)
-        operands = attend_outside_graphs(ctx, self._attend, q_nope, q_pe, kv_c, k_pe, out)
+        operands = attend_outside_graphs(
+            ctx, self._attend, q_nope, q_pe, kv_c, k_pe, out, layer=self.layer_idx
+        )
         return self.o_proj(operands[-1].flatten(1))  # [T, H]
 
     def _attend(self, ctx: ForwardContext, q_nope, q_pe, kv_c, k_pe, out) -> None:

@@ -3,7 +3,9 @@
 Export (`KVHandoffConfig.path`):
 - "auto": into this worker's shared-memory arena (workers/runner/kv_arena.py), one device ->
   host copy; the payload returned carries only the span's name. When the arena has no room,
-  as "object_store".
+  as "object_store". A request whose prompt ends in a step of this worker is copied there layer
+  by layer during that step (`start_layer_exports`, workers/runner/layer_export.py): its export
+  then only waits for the last layers.
 - "object_store": chunk by chunk into pinned memory and the object store (one `ray.put` each,
   while the next chunk copies); the payload carries the chunks' ObjectRefs.
 Import, whatever form arrives: an arena on this Ray node is mapped and copied from directly
@@ -12,15 +14,16 @@ asked (`kv_from_arena`, a method every exporting actor offers) and pulled from t
 in the object store are pulled. The import releases the arena span once its copy has landed;
 `discard` releases the spans of a hand-off that will not be imported.
 
-Timings (seconds) travel with the payload: the export's "copy_s", "put_s", "export_s" and
-"path"; the import adds "get_s" (headers, mappings, and for object-store chunks their get),
-"copy_s" and its own "path" ("shm", "object_store", or "arena_via_object_store": from an arena
-on another node).
+Timings (seconds) travel with the payload: the export's "copy_s", "put_s", "export_s" (from
+the export's call on: what it adds after the step) and "path"; the import adds "get_s"
+(headers, mappings, and for object-store chunks their get), "copy_s" and its own "path"
+("shm", "object_store", or "arena_via_object_store": from an arena on another node).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -32,7 +35,13 @@ from rayinfer.engine_config import DEFAULT_KV_HANDOFF, KVHandoffConfig
 from rayinfer.workers.runner.kv_arena import KVArena
 from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 from rayinfer.workers.runner.kv_cache import KVCache
-from rayinfer.workers.runner.kv_transfer import KVPayload, arena_chunks, fetch_payloads
+from rayinfer.workers.runner.kv_transfer import (
+    KVPayload,
+    arena_chunks,
+    fetch_payloads,
+    token_slots,
+)
+from rayinfer.workers.runner.layer_export import LayerExport, LayerExporter, StepCopies, chunk_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +83,62 @@ class HandoffIO:
         self.arena: KVArena | None = None
         self._arena_failed = False  # the arena could not be made: every export goes by store
         self.maps = ArenaMaps(pin=is_cuda)
+        # Spans are taken by the step's thread (layer exports) and the KV transfer thread.
+        self._arena_lock = threading.Lock()
+        self.layer_exports: dict[str, LayerExport] = {}  # request id -> copied during its step
+        self._layer_exporter: LayerExporter | None = None
 
     # --- export ------------------------------------------------------------------------------
+    def start_layer_exports(self, cache: KVCache, requests: list) -> StepCopies | None:
+        """Before a step's forward: spans for the requests (ScheduledRequests whose prompt this
+        step ends, prefill-only) that the step copies out layer by layer as it caches them; the
+        step's copies (None: none goes that way). A request goes the usual way instead where
+        exports do not go to the arena, the cache keeps window state, the arena has no room,
+        or (CUDA) its slots lie in runs too short for row copies (kv_copy.DIRECT_MIN_COPY_BYTES)."""
+        config = self.config
+        if config.path != "auto" or not config.layer_by_layer or cache.window_layers:
+            return None
+        arena = self._arena()
+        if arena is None:
+            return None
+        copier, exports = cache.copier, []
+        for request in requests:
+            self.drop_layer_exports([request.request_id])  # a stale one (a recomputed prompt)
+            num_tokens = request.seq_len
+            slots = token_slots(request.block_table, num_tokens, cache.block_size)
+            if copier.is_cuda and not copier.copies_directly(slots):
+                continue
+            header = replace(cache.export_header(num_tokens, None),
+                             arena_chunk_tokens=copier.chunk_tokens)  # fmt: skip
+            with self._arena_lock:
+                span = arena.allocate(header.num_bytes)
+            if span is None:
+                break
+            slots = slots.numpy()
+            export = LayerExport(
+                request.request_id, header, span,
+                [slots[start:end] for start, end in copier.chunk_bounds(num_tokens)],
+                chunk_rows(arena_chunks(arena.view(span), header), copier.layer_bytes),
+            )  # fmt: skip
+            self.layer_exports[request.request_id] = export
+            exports.append(export)
+        if not exports:
+            return None
+        if self._layer_exporter is None:
+            self._layer_exporter = LayerExporter(copier.rows)
+        return self._layer_exporter.step(exports)
+
+    def drop_layer_exports(self, request_ids: list[str]) -> None:
+        """Forget the layer exports of these requests that no export took (a request that ended
+        at its first token, or was aborted): their spans are freed once their copies end."""
+        for request_id in request_ids:
+            export = self.layer_exports.pop(request_id, None)
+            if export is not None:
+                export.wait()
+                with self._arena_lock:
+                    if self.arena is not None:
+                        self.arena.free(export.span)
+
     def export(
         self,
         cache: KVCache,
@@ -83,19 +146,31 @@ class HandoffIO:
         num_tokens: int,
         generator_state: torch.Tensor | None,
         window_table: list[int] | None = None,
+        request_id: str | None = None,
     ) -> KVPayload:
         """The request's first num_tokens tokens of KV, out of the cache before this returns:
         in the arena (a header naming its span) or in the object store (chunk ObjectRefs);
-        window state (a window pool's, window_table) travels whole in the header."""
+        window state (a window pool's, window_table) travels whole in the header. A request
+        copied out during its step (request_id's layer export) only waits for its last copies."""
         start = time.perf_counter()
+        started = self.layer_exports.pop(request_id, None) if request_id is not None else None
+        if started is not None:
+            if started.header.num_tokens == num_tokens:
+                return self._finish_layer_export(started, generator_state, start)
+            self.layer_exports[request_id] = started
+            self.drop_layer_exports([request_id])
         header = cache.export_header(num_tokens, generator_state, window_table)
         arena = self._arena() if self.config.path == "auto" else None
-        span = arena.allocate(header.num_bytes) if arena is not None else None
+        span = None
+        if arena is not None:
+            with self._arena_lock:
+                span = arena.allocate(header.num_bytes)
         if span is not None:
             try:
                 header = cache.export_into(block_table, header, arena.view(span))
             except BaseException:
-                arena.free(span)
+                with self._arena_lock:
+                    arena.free(span)
                 raise
             header.arena = span
             header.timings.update(path="shm", put_s=0.0)
@@ -103,6 +178,13 @@ class HandoffIO:
             header = self._export_to_store(
                 cache, block_table, num_tokens, generator_state, window_table
             )
+        header.timings["export_s"] = time.perf_counter() - start
+        return header
+
+    def _finish_layer_export(self, export: LayerExport, generator_state, start: float):
+        waited = export.wait()
+        header = replace(export.header, generator_state=generator_state, arena=export.span)
+        header.timings.update(path="shm", put_s=0.0, copy_s=waited, way="layers")
         header.timings["export_s"] = time.perf_counter() - start
         return header
 
@@ -234,7 +316,8 @@ class HandoffIO:
     def release_own_span(self, span) -> None:
         """Free a span of this worker's arena (an importer on another node is done with it)."""
         if self.arena is not None:
-            self.arena.free(span)
+            with self._arena_lock:
+                self.arena.free(span)
 
     def _release(self, spans: list) -> None:
         """Tell the spans' owners they may reuse them: through the arena's header on this node,

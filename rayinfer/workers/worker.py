@@ -132,7 +132,14 @@ class Worker:
     @ray.method(**HOT_PATH)
     def execute(self, batch: ModelBatch) -> SampledTokens:
         self._complete_requests(batch)
-        return self.runner.execute(batch)
+        ending = [request for request in batch.requests if request.exports_kv]
+        copies = self.handoff.start_layer_exports(self.runner.kv_cache, ending) if ending else None
+        if copies is None:
+            return self.runner.execute(batch)
+        try:
+            return self.runner.execute(batch, on_layer_cached=copies.layer_cached)
+        finally:
+            copies.finish()
 
     def _complete_requests(self, batch: ModelBatch) -> None:
         """Each request's whole block table, from what earlier steps sent and this one's new
@@ -203,7 +210,7 @@ class Worker:
         payload names the span) or into the object store (it holds the chunks' ObjectRefs)."""
         state = self.runner.sampler.generator_state(request_id)
         return self.handoff.export(
-            self.runner.kv_cache, block_table, num_tokens, state, window_table
+            self.runner.kv_cache, block_table, num_tokens, state, window_table, request_id
         )
 
     @ray.method(concurrency_group=KV_IO, **HOT_PATH)
@@ -264,6 +271,7 @@ class Worker:
             self.block_tables.pop(request_id, None)
             self.window_tables.pop(request_id, None)
             self.params.pop(request_id, None)
+        self.handoff.drop_layer_exports(request_ids)
         self.runner.free_requests(request_ids)
 
     def _wants(self, payload: KVPayload) -> bool:

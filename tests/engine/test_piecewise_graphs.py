@@ -136,7 +136,7 @@ def test_runner_sends_other_steps_to_the_pieces_and_pure_decodes_to_decode_graph
     monkeypatch.setattr(
         runner.piecewise_graphs,
         "run",
-        lambda reqs, bucket: calls.append((len(reqs), bucket)) or run(reqs, bucket),
+        lambda reqs, bucket, *hook: calls.append((len(reqs), bucket)) or run(reqs, bucket, *hook),
     )
     two = [request("a", [1, 2, 3], [0]), request("b", [4, 5], [1])]
     assert len(runner.execute(ModelBatch(two))) == 2
@@ -166,7 +166,7 @@ def test_llm_with_piecewise_graphs_generates_the_eager_tokens(family, tmp_path, 
         assert (graphs is not None) == cuda_graphs
         if graphs is not None:
             assert graphs.sizes == [8]  # capped by the step's budget
-            counted = lambda r, b, run=graphs.run: pieces.append(b) or run(r, b)  # noqa: E731
+            counted = lambda r, b, *h, run=graphs.run: pieces.append(b) or run(r, b, *h)  # noqa: E731
             monkeypatch.setattr(graphs, "run", counted)
         outputs[cuda_graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]

@@ -2,7 +2,9 @@
 at DeepSeek-V2-Lite's row (576 bf16) and GLM-5's (704 bf16), across chunk boundaries, with chunks
 longer than the importer's staging, and while the compute stream keeps writing other blocks;
 and so is the same-node path through a page-locked shared-memory arena (export into the arena,
-import from another mapping of it, page-locked too: workers/handoff_io.py):
+import from another mapping of it, page-locked too: workers/handoff_io.py), including the copy
+made layer by layer during the prefill step, which waits for each layer's writes
+(workers/runner/layer_export.py):
 
     python -m pytest -q -m gpu tests/gpu/test_kv_copy.py
 """
@@ -10,11 +12,13 @@ import from another mapping of it, page-locked too: workers/handoff_io.py):
 import pytest
 import torch
 
+from rayinfer.engine.batch import ScheduledRequest
+from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.kernels.cache_rows import CacheRowsTable, cache_rows, cache_rows_reference
 from rayinfer.workers.handoff_io import HandoffIO
 from rayinfer.workers.runner.kv_cache import KVCache
 from rayinfer.workers.runner.kv_copy import KVCopier
-from rayinfer.workers.runner.kv_transfer import layer_rows, pack_kv, token_slots
+from rayinfer.workers.runner.kv_transfer import arena_chunks, layer_rows, pack_kv, token_slots
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,6 +101,41 @@ def test_gpu_arena_export_import_exact(row, num_tokens):
     finally:
         exporter.close()
         importer.close()
+
+
+@pytest.mark.parametrize("num_tokens", [1000, 3700])
+def test_gpu_layer_export_copies_each_layer_after_its_writes(num_tokens):
+    """A "forward" on the compute stream writes each layer late (a sleep kernel first) and
+    announces it; a copy that did not wait for the writes would read the rows from before. One
+    layer goes unannounced (a forward that leaves layers to `finish`)."""
+    layers, block_size, row, dtype = 5, 64, 576, torch.bfloat16
+    blocks = -(-num_tokens // block_size)
+    source = random_caches(layers, 2 * blocks + 3, block_size, row, dtype, seed=1)
+    written = random_caches(layers, 2 * blocks + 3, block_size, row, dtype, seed=3)
+    table = list(range(2 * blocks + 2, 2 * blocks + 2 - 2 * blocks, -2))  # scattered
+    cache = KVCache(source, block_size, None, chunk_bytes=layers * row * 2 * 1500)
+    handoff = HandoffIO(is_cuda=True)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    request = ScheduledRequest("r", [0] * num_tokens, 0, table, True, greedy, exports_kv=True)
+    try:
+        copies = handoff.start_layer_exports(cache, [request])
+        assert copies is not None
+        for layer in range(layers):
+            torch.cuda._sleep(5_000_000)  # a few ms of the compute stream before the write
+            source[layer].copy_(written[layer])
+            if layer != 3:
+                copies.layer_cached(layer)
+        copies.finish()
+        header = handoff.export(cache, table, num_tokens, None, request_id="r")
+        assert header.timings["way"] == "layers" and header.arena is not None
+        chunks = arena_chunks(handoff.arena.view(header.arena), header)
+        parts = [layer_rows(chunk, cache.copier.layer_bytes) for chunk in chunks]
+        got = [torch.cat(layer) for layer in zip(*parts)]
+        expected = pack_kv(written, token_slots(table, num_tokens, block_size))
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b.view(torch.uint8).reshape(num_tokens, -1))
+    finally:
+        handoff.close()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 300])

@@ -2,7 +2,8 @@
 decode steps of other requests, and joins the batch once the KV lands; an export returns before
 its copy ends and frees its blocks only after. Bytes stay exact through export -> put -> get ->
 import, and through export -> header -> mapped import (the same-node arena), into a cache of
-another block size. Both paths, between real worker groups."""
+another block size; a prefill worker copies the KV into its arena during the step that ends the
+prompt (layer by layer). Both paths, between real worker groups."""
 
 from __future__ import annotations
 
@@ -177,6 +178,7 @@ def test_export_frees_its_blocks_once_copied(ray_cluster, expected, prefill, dec
     timings = decode_group.stats.handoff_timings["h"]
     assert {"get_s", "copy_s", "path"} <= timings.keys()
     assert {"export_s", "put_s", "copy_s", "path"} <= timings["export"].keys()
+    assert timings["export"]["way"] == "layers"  # copied out during the step that ended the prompt
 
 
 @pytest.mark.parametrize("path", ["object_store", "auto"])
@@ -195,6 +197,8 @@ def test_bytes_survive_export_then_import(ray_cluster, prefill, decode_of, path)
         [shard] = handoff.payload.shards
         sent = ray.get(shard)
         assert (sent.arena is not None) == (path == "auto")
+        # the prefill step copied it out layer by layer where it went to the arena
+        assert sent.timings["way"] == ("layers" if path == "auto" else "host")
         before = payload_bytes(ray, sent)  # read now: the import releases the span
         # Into the decode cache (block size 8, blocks 43, 40, 45: past what the engine's own
         # requests take), then exported again from there.
@@ -207,6 +211,7 @@ def test_bytes_survive_export_then_import(ray_cluster, prefill, decode_of, path)
         assert came_by == {"auto": "shm"}.get(path, path)
         [back] = decode_group.export_kv(request_id, table, len(PROMPT_IDS)).shards
         received = ray.get(back)
+        assert received.timings["way"] == "host"  # no step of this group ended its prompt
         assert received.shape == sent.shape and received.dtype == sent.dtype
         after = payload_bytes(ray, received)
         assert before.shape[1] == len(PROMPT_IDS) and np.array_equal(before, after)

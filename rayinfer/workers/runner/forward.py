@@ -9,6 +9,7 @@ compute overlap, where that pays (layers/two_batch_overlap.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate, chain
 
 import numpy as np
@@ -55,10 +56,11 @@ class StepForward:
         kv_caches: list[torch.Tensor],
         ep_tokens: list[int] | None,
         timeline: StepTimeline,
+        on_layer_cached: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, H] of the step's tokens and the row of each sampling request's last
         token. ep_tokens: every EP rank's token count, when known. timeline: the step's, marked
-        as its inputs and forward are queued."""
+        as its inputs and forward are queued. on_layer_cached: ForwardContext's."""
         query_lens = [len(r.token_ids) for r in requests]
         seq_lens = [r.seq_len for r in requests]
         positions = token_positions(query_lens, seq_lens)  # [T] int64, numpy
@@ -71,7 +73,7 @@ class StepForward:
             positions,
             [r.window_table for r in requests] if self.windowed else None,
         )
-        ctx = ForwardContext(attn=metadata, kv_caches=kv_caches)
+        ctx = ForwardContext(attn=metadata, kv_caches=kv_caches, on_layer_cached=on_layer_cached)
         tokens = chain.from_iterable(r.token_ids for r in requests)
         input_ids = np.fromiter(tokens, dtype=np.int64, count=positions.shape[0])
         input_ids = device_ints(torch.from_numpy(input_ids), torch.int64, self.device)

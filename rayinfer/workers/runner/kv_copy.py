@@ -141,7 +141,7 @@ class KVCopier:
             self._record_way("host", timings)
             for (start, end), chunk in zip(bounds, chunks):
                 self._gather(slots[start:end], chunk)
-        elif self._copies_directly(slots) and self._directly(self._export_by_runs, slots, chunks):
+        elif self.copies_directly(slots) and self._directly(self._export_by_runs, slots, chunks):
             self._record_way("batched", timings)
         else:
             self._record_way("staged", timings)
@@ -181,7 +181,7 @@ class KVCopier:
                     rows[slots[start : start + num_tokens]] = host
                 start += num_tokens
             return
-        if pinned and self._copies_directly(slots):
+        if pinned and self.copies_directly(slots):
             chunks = list(chunks)
             if self._directly(self._import_by_runs, slots, chunks):
                 self.last_way = "batched"
@@ -239,7 +239,7 @@ class KVCopier:
             self._row_copies = None
             return False
 
-    def _copies_directly(self, slots: torch.Tensor) -> bool:
+    def copies_directly(self, slots: torch.Tensor) -> bool:
         """Whether page-locked chunks of the rows at `slots` (CPU) move by batched row copies
         (DIRECT_MIN_COPY_BYTES)."""
         if self._row_copies is None or slots.device.type != "cpu":

@@ -15,7 +15,7 @@ worker's cache with the smallest count any worker found (`allocate_kv=False`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import accumulate
 
@@ -280,16 +280,20 @@ class ModelRunner:
         return caches
 
     @torch.inference_mode()
-    def execute(self, batch: ModelBatch) -> SampledTokens:
+    def execute(
+        self, batch: ModelBatch, on_layer_cached: Callable[[int], None] | None = None
+    ) -> SampledTokens:
         """Run one step; returns the next token of every request with `samples`, in order (and
-        their log-probabilities where asked)."""
+        their log-probabilities where asked). on_layer_cached: told each layer's index once its
+        cache writes are queued, where the forward runs its attentions eagerly (eager, in
+        pieces; ForwardContext.on_layer_cached)."""
         timeline = self.timelines.begin(batch.num_tokens)
         try:
-            return self._execute(batch, timeline)
+            return self._execute(batch, timeline, on_layer_cached)
         finally:
             self.timelines.end(timeline)
 
-    def _execute(self, batch: ModelBatch, timeline: StepTimeline) -> SampledTokens:
+    def _execute(self, batch: ModelBatch, timeline: StepTimeline, on_layer_cached=None):
         requests = batch.requests
         replay = self.graphs.choose(batch)
         if not requests and replay is None:
@@ -300,7 +304,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(requests, bucket)  # [n, H]
             last_rows = [hidden.shape[0] - 1] if requests and requests[0].samples else []
         elif kind == "piecewise":  # any other step, from graphs cut at each attention
-            hidden = self.piecewise_graphs.run(requests, bucket)  # [n, H]
+            hidden = self.piecewise_graphs.run(requests, bucket, on_layer_cached)  # [n, H]
             ends = accumulate(len(r.token_ids) for r in requests)
             last_rows = [end - 1 for r, end in zip(requests, ends) if r.samples]
         elif kind == "decode":  # pure decodes, from a graph: one row per request
@@ -308,7 +312,7 @@ class ModelRunner:
             last_rows = [row for row, r in enumerate(requests) if r.samples]
         else:
             hidden, last_rows = self.forward.eager(
-                requests, self.kv_caches, batch.ep_tokens, timeline
+                requests, self.kv_caches, batch.ep_tokens, timeline, on_layer_cached
             )
         if kind is not None:
             timeline.inputs_ready = timeline.received  # the replay copies its own inputs

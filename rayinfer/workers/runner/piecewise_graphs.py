@@ -189,10 +189,17 @@ class PiecewiseGraphs:
             len(self.sizes), len(pieces.graphs), self.sizes, self.capture_seconds,
         )  # fmt: skip
 
-    def run(self, requests: list[ScheduledRequest], bucket: int) -> torch.Tensor:
+    def run(
+        self,
+        requests: list[ScheduledRequest],
+        bucket: int,
+        on_layer_cached: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Hidden states [n, H] of the step's n tokens; valid until the next `run` (a view of
-        the last piece's static output on CUDA)."""
+        the last piece's static output on CUDA). on_layer_cached: told at each layer's cut
+        (ForwardContext's)."""
         (input_ids, positions, ctx), step_ctx = self.inputs.fill(requests, bucket)
+        step_ctx.on_layer_cached = on_layer_cached
         num_tokens = sum(step_ctx.attn.query_lens_cpu)
         captured = self.pieces.get(bucket)
         if captured is None:  # the CPU, or before capture

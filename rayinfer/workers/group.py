@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
@@ -203,11 +203,12 @@ class WorkerGroup(Executor):
         ]
         calls, sent = [], time.monotonic()
         wire = [self.sent.as_sent(replica, share) for replica, share in enumerate(shares)]
-        for worker, placement in zip(self.workers, self.placements):
+        for rank, (worker, placement) in enumerate(zip(self.workers, self.placements)):
             ep_tokens = None
             if placement.tokens_differ_across_ep:
                 ep_tokens = [tokens[replica] for replica in placement.ep_peer_replicas]
-            share = ModelBatch(wire[placement.dp_rank], ep_tokens, bucket, prefill_bucket)
+            requests = self._exporting_here(rank, wire[placement.dp_rank])
+            share = ModelBatch(requests, ep_tokens, bucket, prefill_bucket)
             calls.append(worker.execute.remote(share))
         leaders = [i for i, placement in enumerate(self.placements) if placement.is_dp_leader]
         results: list[SampledTokens] = ray.get(calls)
@@ -316,6 +317,16 @@ class WorkerGroup(Executor):
         slowest = max(results, key=lambda timings: timings["get_s"] + timings["copy_s"])
         self.stats.import_seconds[request_id] = slowest["get_s"] + slowest["copy_s"]
         self.stats.handoff_timings[request_id] = slowest
+
+    def _exporting_here(self, rank: int, requests: list[ScheduledRequest]) -> list:
+        """A replica's requests for one of its workers: where every rank caches the same rows,
+        only the first exports them (`export_kv`), so the others do not copy them out during
+        the step either (workers/runner/layer_export.py)."""
+        if not self.kv_is_replicated or not any(r.exports_kv for r in requests):
+            return requests
+        if self._holders(self.placements[rank].dp_rank)[0] == rank:
+            return requests
+        return [replace(r, exports_kv=False) if r.exports_kv else r for r in requests]
 
     def _holders(self, partition: int) -> list[int]:
         """Ranks of the workers caching a partition's KV (its DP replica's TP group)."""

@@ -103,11 +103,13 @@ def test_gpu_arena_export_import_exact(row, num_tokens):
         importer.close()
 
 
+@pytest.mark.parametrize("announced", [(0, 1, 2, 4), ()])
 @pytest.mark.parametrize("num_tokens", [1000, 3700])
-def test_gpu_layer_export_copies_each_layer_after_its_writes(num_tokens):
+def test_gpu_layer_export_copies_each_layer_after_its_writes(num_tokens, announced):
     """A "forward" on the compute stream writes each layer late (a sleep kernel first) and
-    announces it; a copy that did not wait for the writes would read the rows from before. One
-    layer goes unannounced (a forward that leaves layers to `finish`)."""
+    announces the `announced` ones; a copy that did not wait for the writes would read the rows
+    from before. `finish` copies the rest (all of them in one batch where none was announced,
+    as after a step replayed from a graph)."""
     layers, block_size, row, dtype = 5, 64, 576, torch.bfloat16
     blocks = -(-num_tokens // block_size)
     source = random_caches(layers, 2 * blocks + 3, block_size, row, dtype, seed=1)
@@ -123,7 +125,7 @@ def test_gpu_layer_export_copies_each_layer_after_its_writes(num_tokens):
         for layer in range(layers):
             torch.cuda._sleep(5_000_000)  # a few ms of the compute stream before the write
             source[layer].copy_(written[layer])
-            if layer != 3:
+            if layer in announced:
                 copies.layer_cached(layer)
         copies.finish()
         header = handoff.export(cache, table, num_tokens, None, request_id="r")

@@ -153,3 +153,24 @@ def test_layer_by_layer_off_or_another_path_copies_after_the_step():
             assert handoff.start_layer_exports(cache, [request]) is None
         finally:
             handoff.close()
+
+
+def test_where_ranks_cache_the_same_rows_only_the_exporting_one_copies_them_out():
+    """MLA under tensor parallelism: every rank of a replica caches the same latent rows and the
+    first alone exports them (WorkerGroup.export_kv), so the others get exports_kv off; ranks
+    caching their own heads all export."""
+    from types import SimpleNamespace
+
+    from rayinfer.workers.group import WorkerGroup
+
+    group = WorkerGroup.__new__(WorkerGroup)  # the wire's choice alone, no workers
+    group.placements = [SimpleNamespace(dp_rank=rank // 2) for rank in range(4)]  # tp=2, dp=2
+    ending = ScheduledRequest("e", PROMPT, 0, TABLE, True, GREEDY, exports_kv=True)
+    other = ScheduledRequest("o", [1], 9, TABLE, True, GREEDY)
+    group.kv_is_replicated = True
+    flags = [
+        [r.exports_kv for r in group._exporting_here(rank, [ending, other])] for rank in range(4)
+    ]
+    assert flags == [[True, False], [False, False], [True, False], [False, False]]
+    group.kv_is_replicated = False
+    assert all(group._exporting_here(rank, [ending])[0].exports_kv for rank in range(4))

@@ -58,8 +58,10 @@ class LayerExporter:
         self.device = cache_rows[0].device
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        # One batch of row copies per layer and chunk: per layer its own cache pointers.
+        # One batch of row copies per layer and chunk: per layer its own cache pointers; every
+        # layer in one batch where the forward announced none (a step replayed from a graph).
         self.per_layer = [RowCopies([rows]) for rows in cache_rows] if self.is_cuda else None
+        self.all_layers = RowCopies(cache_rows) if self.is_cuda else None
 
     def step(self, exports: list[LayerExport]) -> StepCopies:
         return StepCopies(self, exports)
@@ -85,9 +87,7 @@ class StepCopies:
                 for slots, rows in zip(export.slots, export.rows):
                     torch.index_select(source, 0, torch.from_numpy(slots), out=rows[layer])
             return
-        cached = torch.cuda.Event()
-        cached.record(torch.cuda.current_stream(exporter.device))
-        exporter.stream.wait_event(cached)
+        self._after_current_stream()
         copies = exporter.per_layer[layer]
         for export in self.exports:
             for slots, rows in zip(export.slots, export.rows):
@@ -96,13 +96,27 @@ class StepCopies:
     def finish(self) -> None:
         """After the forward: copy the layers it did not announce; each export's `done` then
         marks the end of its copies."""
+        exporter = self.exporter
+        if exporter.is_cuda and not any(self.copied):
+            self.copied = [True] * len(self.copied)
+            self._after_current_stream()
+            for export in self.exports:
+                for slots, rows in zip(export.slots, export.rows):
+                    exporter.all_layers.issue(rows, slots, False, exporter.stream)
         for layer in range(len(self.copied)):
             self.layer_cached(layer)
-        if self.exporter.is_cuda:
+        if exporter.is_cuda:
             done = torch.cuda.Event()
             done.record(self.exporter.stream)
             for export in self.exports:
                 export.done = done
+
+    def _after_current_stream(self) -> None:
+        """The copy stream's next copies wait for what the current stream has queued."""
+        exporter = self.exporter
+        cached = torch.cuda.Event()
+        cached.record(torch.cuda.current_stream(exporter.device))
+        exporter.stream.wait_event(cached)
 
 
 def chunk_rows(chunks: list[torch.Tensor], layer_bytes: tuple[int, ...]) -> list[list]:

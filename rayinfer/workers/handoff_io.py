@@ -155,7 +155,7 @@ class HandoffIO:
         start = time.perf_counter()
         started = self.layer_exports.pop(request_id, None) if request_id is not None else None
         if started is not None:
-            if started.header.num_tokens == num_tokens:
+            if started.header.num_tokens == num_tokens and not started.failed:
                 return self._finish_layer_export(started, generator_state, start)
             self.layer_exports[request_id] = started
             self.drop_layer_exports([request_id])

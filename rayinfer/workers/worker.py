@@ -133,13 +133,23 @@ class Worker:
     def execute(self, batch: ModelBatch) -> SampledTokens:
         self._complete_requests(batch)
         ending = [request for request in batch.requests if request.exports_kv]
-        copies = self.handoff.start_layer_exports(self.runner.kv_cache, ending) if ending else None
+        copies = self._start_layer_exports(ending) if ending else None
         if copies is None:
             return self.runner.execute(batch)
         try:
             return self.runner.execute(batch, on_layer_cached=copies.layer_cached)
         finally:
             copies.finish()
+
+    def _start_layer_exports(self, ending: list):
+        """The step's layer-by-layer exports (workers/runner/layer_export.py), or None; one
+        that cannot start leaves the exports to copy after the step, never fails the step."""
+        try:
+            return self.handoff.start_layer_exports(self.runner.kv_cache, ending)
+        except Exception:  # noqa: BLE001 - an optimization's failure: the usual way then
+            logger.exception("layer exports not started; the exports copy after the step")
+            self.handoff.drop_layer_exports([request.request_id for request in ending])
+            return None
 
     def _complete_requests(self, batch: ModelBatch) -> None:
         """Each request's whole block table, from what earlier steps sent and this one's new

@@ -174,3 +174,25 @@ def test_where_ranks_cache_the_same_rows_only_the_exporting_one_copies_them_out(
     assert flags == [[True, False], [False, False], [True, False], [False, False]]
     group.kv_is_replicated = False
     assert all(group._exporting_here(rank, [ending])[0].exports_kv for rank in range(4))
+
+
+def test_a_copy_that_cannot_be_issued_leaves_the_export_to_after_the_step(monkeypatch):
+    """A refused copy (on GPUs the driver's batch copy) fails the layer export, not the step:
+    the export after it copies the whole request."""
+    from rayinfer.workers.runner import layer_export
+
+    def refused(self, layer):
+        raise RuntimeError("cuMemcpyBatchAsync failed (CUresult 1)")
+
+    monkeypatch.setattr(layer_export.StepCopies, "_copy", refused)
+    cache = random_cache()
+    handoff = HandoffIO(is_cuda=False, config=KVHandoffConfig(arena_bytes=1 << 20))
+    try:
+        request = ScheduledRequest("r", PROMPT, 0, TABLE, True, GREEDY, exports_kv=True)
+        copies = handoff.start_layer_exports(cache, [request])
+        copies.layer_cached(0)
+        copies.finish()
+        header = handoff.export(cache, TABLE, len(PROMPT), None, request_id="r")
+        assert header.timings["way"] == "host" and handoff.arena.num_held == 1
+    finally:
+        handoff.close()

@@ -17,6 +17,7 @@ holding its layers back to back), so the import cannot tell the two apart.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ import torch
 
 from rayinfer.workers.runner.copy_batches import RowCopies
 from rayinfer.workers.runner.kv_transfer import KVPayload, layer_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class LayerExport:
     rows: list[list[torch.Tensor]]  # per chunk, per layer [tokens, row bytes] uint8 span views
     started: float = field(default_factory=time.perf_counter)
     done: torch.cuda.Event | None = None  # CUDA: recorded on the copy stream after the last copy
+    failed: bool = False  # a copy could not be issued: the export copies the whole request
 
     def wait(self) -> float:
         """Block until every layer is in the span; the seconds it waited."""
@@ -74,12 +78,22 @@ class StepCopies:
         self.exporter = exporter
         self.exports = exports
         self.copied = [False] * exporter.num_layers
+        self.failed = False
 
     def layer_cached(self, layer: int) -> None:
-        """Copy `layer`'s rows of every export out, after what the current stream has queued."""
-        if not 0 <= layer < len(self.copied) or self.copied[layer]:
+        """Copy `layer`'s rows of every export out, after what the current stream has queued.
+        A copy that cannot be issued (the driver refused it) fails these exports, never the
+        step: each then copies the whole request after it."""
+        if self.failed or not 0 <= layer < len(self.copied) or self.copied[layer]:
             return
         self.copied[layer] = True
+        try:
+            self._copy(layer)
+        except RuntimeError as error:
+            logger.warning("KV rows not copied during the step (%s); exported after it", error)
+            self.failed = True
+
+    def _copy(self, layer: int) -> None:
         exporter = self.exporter
         if not exporter.is_cuda:
             source = exporter.cache_rows[layer]
@@ -99,17 +113,22 @@ class StepCopies:
         exporter = self.exporter
         if exporter.is_cuda and not any(self.copied):
             self.copied = [True] * len(self.copied)
-            self._after_current_stream()
-            for export in self.exports:
-                for slots, rows in zip(export.slots, export.rows):
-                    exporter.all_layers.issue(rows, slots, False, exporter.stream)
+            try:
+                self._after_current_stream()
+                for export in self.exports:
+                    for slots, rows in zip(export.slots, export.rows):
+                        exporter.all_layers.issue(rows, slots, False, exporter.stream)
+            except RuntimeError as error:
+                logger.warning("KV rows not copied after the step (%s); exported later", error)
+                self.failed = True
         for layer in range(len(self.copied)):
             self.layer_cached(layer)
+        done = None
         if exporter.is_cuda:
             done = torch.cuda.Event()
             done.record(self.exporter.stream)
-            for export in self.exports:
-                export.done = done
+        for export in self.exports:
+            export.done, export.failed = done, self.failed
 
     def _after_current_stream(self) -> None:
         """The copy stream's next copies wait for what the current stream has queued."""

@@ -24,6 +24,7 @@ from rayinfer.layers.parallel import SINGLE, LayerGroup, ParallelContext
 from rayinfer.workers.gc_freeze import freeze_after_startup
 from rayinfer.workers.gil_switch import set_switch_interval
 from rayinfer.workers.handoff_io import HandoffIO, KVLost
+from rayinfer.workers.kernel_compiles import CompileWatch
 from rayinfer.workers.numa import bind_to_gpu_node
 from rayinfer.workers.placement import WorkerPlacement
 from rayinfer.workers.runner.kv_transfer import KVPayload
@@ -57,6 +58,9 @@ class Worker:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
         # Before weights and staging memory exist: their pages land on the GPU's NUMA node.
+        self.compiles = CompileWatch()
+        if self.device.type == "cuda":
+            self.compiles.install()
         self.numa = None
         if self.device.type == "cuda":
             self.numa = bind_to_gpu_node(enabled=spec.process.numa_bind)
@@ -84,7 +88,7 @@ class Worker:
         self.handoff = HandoffIO(is_cuda, spec.kv_handoff, spec.import_timeout_s)
         if self.runner.kv_memory is None:  # else the group sizes every worker's cache alike
             self.runner.allocate_kv(spec.cache_config.num_blocks)
-            freeze_after_startup(self.device, spec.process.gc_freeze)  # the last of its startup
+            self._started()
 
     def _join_groups(self, prefix: str) -> ParallelContext:
         """Form this worker's tensor- and expert-parallel collective groups with its peers (every
@@ -199,7 +203,12 @@ class Worker:
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
-        freeze_after_startup(self.device, self.spec.process.gc_freeze)  # the last of its startup
+        self._started()
+
+    def _started(self) -> None:
+        """The last of its startup (the cache allocated, graphs captured)."""
+        freeze_after_startup(self.device, self.spec.process.gc_freeze)
+        self.compiles.serving = True  # kernels compiled from now on are logged
 
     def start_profile(self, path: str) -> None:
         self.profiler = StepProfiler(self.device, self.spec.process.profile_cpu)

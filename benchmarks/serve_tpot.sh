@@ -63,4 +63,7 @@ except Exception as error:  # noqa: BLE001
     print("   no summary:", error)
 PY
   grep -o "engine steps in.*" "$OUT/$name/serve_vs_offline_serve.log" | tail -2
+  # kernels the workers compiled after startup (workers/kernel_compiles.py): steps that waited
+  echo "   compiles after startup: $(grep -c "compiled Triton kernel" "$OUT/$name/serve_vs_offline_serve.log")"
+  grep -o "compiled Triton kernel.*" "$OUT/$name/serve_vs_offline_serve.log" | tail -1
 done

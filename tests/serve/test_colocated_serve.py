@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 
-from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster, wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT, wait_for
 from tests.serve.offline_reference import (
     PROMPTS,
     metric_samples,
@@ -108,9 +108,10 @@ def logged(server, text: str) -> bool:
     return False
 
 
-def test_random_weights_serve_from_a_folder_with_only_config_json(tmp_path):
+def test_random_weights_serve_from_a_folder_with_only_config_json(serve_app, tmp_path):
     """load_format=dummy: the workers draw the weights (seeded), so the server answers what the
-    offline engine with the same random weights does; the tokenizer comes from elsewhere."""
+    offline engine with the same random weights does; the tokenizer comes from elsewhere. Its
+    app replaces the one above on the shared cluster (a new serve run, replicas and workers)."""
     from rayinfer.engine.model_source import resolve_model_path
 
     tiny = resolve_model_path("tiny")
@@ -119,13 +120,13 @@ def test_random_weights_serve_from_a_folder_with_only_config_json(tmp_path):
     shutil.copy(tiny / "config.json", folder / "config.json")
     args = [f"model={folder}", "load_format=dummy", f"tokenizer={tiny}", "max_model_len=256",
             "disaggregate=false", "engine.num_kv_blocks=64"]  # fmt: skip
-    with ServeCluster(args) as cluster:
-        served = served_replies(cluster.http_url, model="shapes-only")
-        expected = offline_replies(str(folder), load_format="dummy", tokenizer=str(tiny))
-        assert served == expected
-        assert served["completions"][0][0]  # the tiny tokenizer decodes the random tokens
-        wait_for(
-            lambda: metric_samples(cluster.metrics_text(), CAPACITY, phase="engine") == [1024.0],
-            timeout_s=60,
-            what="a capacity of engine.num_kv_blocks=64 x 16 tokens",
-        )
+    cluster = serve_app(args)
+    served = served_replies(cluster.http_url, model="shapes-only")
+    expected = offline_replies(str(folder), load_format="dummy", tokenizer=str(tiny))
+    assert served == expected
+    assert served["completions"][0][0]  # the tiny tokenizer decodes the random tokens
+    wait_for(
+        lambda: metric_samples(cluster.metrics_text(), CAPACITY, phase="engine") == [1024.0],
+        timeout_s=60,
+        what="a capacity of engine.num_kv_blocks=64 x 16 tokens",
+    )

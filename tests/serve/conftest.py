@@ -7,7 +7,8 @@
   worker or changes its deployments.
 - `serve_app`: one private cluster (6 CPUs) whose app each module using it replaces with its own
   real `serve run` (`serve_app(app_args)`, see `serve_run_again`): test_colocated_serve.py first
-  (on the fresh cluster: it reads the capacity gauge and the logs), then
+  (on the fresh cluster: it reads the capacity gauge and the logs; its random-weights test
+  then serves an app of its own), then
   test_new_families_serve.py (one app per family), test_overload.py (which floods its app) and
   test_parallel_serve.py (whose workers need the 6 CPUs; the apps' replica counts are fixed).
   Each module gets a fresh app, its replicas and workers new; only the Ray cluster and Serve's

@@ -1,6 +1,12 @@
 """One model across several CPU workers (Ray actors, gloo through rayinfer's collective backend):
 every parallel plan gives the single-worker greedy tokens, and a prefill under one plan hands its
-KV off to a decode under another."""
+KV off to a decode under another.
+
+Starting a worker group costs ~6 s on 2 cores (~13 s for 4 workers: each worker process imports
+torch), its steps here well under a second. So the checks that need the same group share it: a
+class-scoped fixture starts it once for the tests of its class and shuts it down after the last.
+Those groups run with enable_prefix_caching=False, so that each test's prompts are prefilled
+whole, as on a fresh engine (prefix caching is the driver's bookkeeping: no plan changes it)."""
 
 import re
 
@@ -61,10 +67,8 @@ def single_worker_tokens(checkpoints, prompts):
     }
 
 
-def run_plan(
-    path, plan, prompts, overlap=False, all_to_all=None, cuda_graphs=None, steps=None, **options
-) -> list[list[int]]:
-    llm = rayinfer.LLM(
+def make_llm(path, plan, overlap=False, all_to_all=None, cuda_graphs=None, **options):
+    return rayinfer.LLM(
         str(path),
         device="cpu",
         parallel=plan,
@@ -73,6 +77,21 @@ def run_plan(
         cuda_graphs=cuda_graphs,
         **options,
     )
+
+
+@pytest.fixture(scope="class")
+def shared_group(request, ray_cluster, checkpoints):
+    """The LLM of the class's GROUP = (family, plan, options), started once for its tests."""
+    family, plan, options = request.cls.GROUP
+    llm = make_llm(checkpoints[family], plan, enable_prefix_caching=False, **options)
+    yield llm
+    llm.shutdown()
+
+
+def run_plan(
+    path, plan, prompts, overlap=False, all_to_all=None, cuda_graphs=None, steps=None, **options
+) -> list[list[int]]:
+    llm = make_llm(path, plan, overlap, all_to_all, cuda_graphs, **options)
     try:
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         if steps is not None:
@@ -85,15 +104,13 @@ def run_plan(
 @pytest.mark.parametrize(
     "family, plan",
     [
-        ("deepseek_v3", ParallelPlan(tp=2)),  # heads split, latent replicated, experts all-reduced
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2)),  # DP attention, experts by dispatch/combine
+        # deepseek_v3, glm_moe_dsa and deepseek_v4 under tp=2: TestTensorParallelPrefill;
+        # deepseek_v3 under dp=2 ep=2: TestDataParallelGroup
         ("qwen3_moe", ParallelPlan(tp=2, ep=2)),  # GQA heads split, experts split in the TP group
         ("qwen3_moe", ParallelPlan(dp=2)),  # two replicas inside one group, no communication
         ("deepseek_v3", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers: EP spans both DP replicas
         ("qwen3_moe", ParallelPlan(tp=4, ep=2)),  # 4 workers: two EP groups inside one TP group
-        ("glm_moe_dsa", ParallelPlan(tp=2)),  # every rank runs the (replicated) indexer
         ("glm_moe_dsa", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers, DP attention with DSA
-        ("deepseek_v4", ParallelPlan(tp=2)),  # one K/V head: attention replicated, vocab split
         ("deepseek_v4", ParallelPlan(tp=2, dp=2, ep=4)),  # 4 workers: DP attention, EP experts
     ],
     ids=str,
@@ -107,7 +124,7 @@ def test_plan_gives_the_single_worker_tokens(
 @pytest.mark.parametrize(
     "family, plan",
     [
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2)),  # dispatch/combine overlapped with attention
+        # deepseek_v3 under dp=2 ep=2: TestOverlappedDataParallelGroup
         ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4)),
         ("deepseek_v3", ParallelPlan()),  # one worker: micro-batches without communication
         ("glm_moe_dsa", ParallelPlan(dp=2, ep=2)),  # each half keeps its indexer selection
@@ -179,14 +196,11 @@ def test_local_first_experts_give_the_same_tokens(
 
 @pytest.mark.parametrize(
     "family, plan, chosen, prefill",
-    [
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(None), "eager"),  # exchange captured
-        # an idle replica replays padding (also the prefill's: one prompt, so a prefill graph)
-        ("deepseek_v3", ParallelPlan(dp=2, ep=2), slice(1, 2), "prefill_graph"),
+    [  # deepseek_v3 under dp=2 ep=2: TestDecodeGraphsAcrossDataParallelReplicas
         ("qwen3_moe", ParallelPlan(tp=2, ep=2), slice(None), "eager"),  # all-reduces captured
         ("qwen3_moe", ParallelPlan(tp=2, dp=2, ep=4), slice(None), "eager"),  # TP pairs share
     ],
-    ids=["dp2-ep2", "dp2-ep2-idle-replica", "tp2-ep2", "tp2-dp2-ep4"],
+    ids=["tp2-ep2", "tp2-dp2-ep4"],
 )
 def test_decode_graphs_across_workers_give_the_same_tokens(
     ray_cluster, checkpoints, prompts, single_worker_tokens, family, plan, chosen, prefill
@@ -237,9 +251,7 @@ def test_bad_all_to_all_option_is_named_before_any_worker_starts(checkpoints, op
     [
         ("qwen3_moe", ParallelPlan(tp=2), ParallelPlan(tp=1)),  # merge K/V heads
         ("qwen3_moe", ParallelPlan(tp=1), ParallelPlan(tp=2, ep=2)),  # split K/V heads
-        ("deepseek_v3", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # latent, any layout
-        ("glm_moe_dsa", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # indexer keys travel
-        ("deepseek_v4", ParallelPlan(tp=2), ParallelPlan(dp=2, ep=2)),  # pooled entries travel
+        # deepseek_v3, glm_moe_dsa, deepseek_v4 from tp=2 to dp=2 ep=2: TestTensorParallelPrefill
     ],
     ids=str,
 )
@@ -273,8 +285,12 @@ def test_plan_that_does_not_fit_the_model_names_the_key(checkpoints):
         )
 
 
-@pytest.mark.parametrize("dedup", [None, False], ids=["default", "all-tokens"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+# dedup=None (the default): TestDataParallelGroup and TestOverlappedDataParallelGroup
+@pytest.mark.parametrize(
+    "overlap, dedup",
+    [(False, False), (True, False)],
+    ids=["plain-all-tokens", "overlap-all-tokens"],
+)
 def test_idle_data_parallel_rank_still_joins_the_exchange(
     ray_cluster, checkpoints, prompts, single_worker_tokens, overlap, dedup
 ):
@@ -308,74 +324,170 @@ def test_each_data_parallel_replica_has_its_own_cache(ray_cluster, checkpoints, 
         llm.shutdown()
 
 
-def test_a_worker_group_reports_the_single_worker_logprobs(ray_cluster, checkpoints, prompts):
-    """Generated and prompt log-probabilities come back from the replicas' leaders, merged into
-    batch order: equal to one in-process worker's."""
-    path = str(checkpoints["deepseek_v3"])
-    params = [  # every other request asks: the merge must keep the others' None
-        rayinfer.SamplingParams(
-            max_tokens=4,
-            temperature=0,
-            ignore_eos=True,
-            logprobs=2 if i % 2 == 0 else None,
-            prompt_logprobs=1 if i % 2 == 0 else None,
-        )  # fmt: skip
-        for i in range(len(prompts))
-    ]
-    single = rayinfer.LLM(path, device="cpu").generate(prompts, params)
-    llm = rayinfer.LLM(path, device="cpu", parallel=ParallelPlan(dp=2, ep=2))
-    try:
-        grouped = llm.generate(prompts, params)
-    finally:
-        llm.shutdown()
-    for ours, theirs in zip(grouped, single):
-        assert ours.token_ids == theirs.token_ids
-        if theirs.logprobs is None:
-            assert ours.logprobs is None and ours.prompt_logprobs is None
-            continue
-        for mine, expected in zip(ours.logprobs + ours.prompt_logprobs[1:],
-                                  theirs.logprobs + theirs.prompt_logprobs[1:]):  # fmt: skip
-            assert mine.chosen.token_id == expected.chosen.token_id
-            assert mine.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
-            assert [t.token_id for t in mine.top] == [t.token_id for t in expected.top]
+class TestDataParallelGroup:
+    """deepseek_v3 under dp=2 ep=2 (DP attention, experts by dispatch/combine), one group."""
 
+    GROUP = ("deepseek_v3", ParallelPlan(dp=2, ep=2), {})
 
-def test_step_timelines_split_a_generate_call_in_order(ray_cluster, checkpoints, prompts):
-    """Each worker's step timeline and the driver's send / results times line up on one clock:
-    the breakdown of a one-step call has every phase non-negative and summing to the call."""
-    import time
+    def test_plan_gives_the_single_worker_tokens(self, shared_group, prompts, single_worker_tokens):
+        tokens = [o.token_ids for o in shared_group.generate(prompts, GREEDY)]
+        assert tokens == single_worker_tokens["deepseek_v3"]
 
-    from rayinfer.bench.step_breakdown import breakdown, summary_line
+    def test_idle_data_parallel_rank_still_joins_the_exchange(
+        self, shared_group, prompts, single_worker_tokens
+    ):
+        """One request for two DP replicas: the idle replica runs a placeholder token through
+        every layer so that its expert exchanges pair with the busy one's."""
+        tokens = [o.token_ids for o in shared_group.generate(prompts[1:2], GREEDY)]
+        assert tokens == single_worker_tokens["deepseek_v3"][1:2]
 
-    llm = rayinfer.LLM(
-        str(checkpoints["deepseek_v3"]),
-        device="cpu",
-        parallel=ParallelPlan(dp=2, ep=2),
-        enable_prefix_caching=False,  # the second call prefills the whole prompts again
-    )
-    try:
-        llm.generate(prompts[:2], GREEDY)
-        assert len(llm.engine.executor.drain_step_timelines()["driver"]) == 8  # one per token
+    def test_a_worker_group_reports_the_single_worker_logprobs(
+        self, shared_group, checkpoints, prompts
+    ):
+        """Generated and prompt log-probabilities come back from the replicas' leaders, merged
+        into batch order: equal to one in-process worker's."""
+        params = [  # every other request asks: the merge must keep the others' None
+            rayinfer.SamplingParams(
+                max_tokens=4,
+                temperature=0,
+                ignore_eos=True,
+                logprobs=2 if i % 2 == 0 else None,
+                prompt_logprobs=1 if i % 2 == 0 else None,
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
+        single = rayinfer.LLM(str(checkpoints["deepseek_v3"]), device="cpu").generate(
+            prompts, params
+        )
+        grouped = shared_group.generate(prompts, params)
+        for ours, theirs in zip(grouped, single):
+            assert ours.token_ids == theirs.token_ids
+            if theirs.logprobs is None:
+                assert ours.logprobs is None and ours.prompt_logprobs is None
+                continue
+            for mine, expected in zip(ours.logprobs + ours.prompt_logprobs[1:],
+                                      theirs.logprobs + theirs.prompt_logprobs[1:]):  # fmt: skip
+                assert mine.chosen.token_id == expected.chosen.token_id
+                assert mine.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
+                assert [t.token_id for t in mine.top] == [t.token_id for t in expected.top]
+
+    def test_step_timelines_split_a_generate_call_in_order(self, shared_group, prompts):
+        """Each worker's step timeline and the driver's send / results times line up on one
+        clock: the breakdown of a one-step call has every phase non-negative and summing to the
+        call. (Prefix caching is off: the second call prefills the whole prompts again.)"""
+        import time
+
+        from rayinfer.bench.step_breakdown import breakdown, summary_line
+
+        executor = shared_group.engine.executor
+        executor.drain_step_timelines()  # the earlier tests' steps
+        shared_group.generate(prompts[:2], GREEDY)
+        assert len(executor.drain_step_timelines()["driver"]) == 8  # one per token
         start = time.monotonic()
-        llm.generate(prompts[:2], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        shared_group.generate(prompts[:2], one_token)
         span = (start, time.monotonic())
-        timelines = llm.engine.executor.drain_step_timelines()
-    finally:
+        timelines = executor.drain_step_timelines()
+        assert len(timelines["ranks"]) == 2 and len(timelines["driver"]) == 1
+        for rank in timelines["ranks"]:
+            (step,) = rank
+            assert step["num_tokens"] in (len(prompts[0]), len(prompts[1]))  # one per replica
+            times = [step[k] for k in ("received", "inputs_ready", "queued", "finished")]
+            assert times == sorted(times) and step["gpu_ms"] is None  # no GPU here
+            # the thread's CPU time in the queueing can't exceed its wall time
+            assert 0 <= step["queue_cpu_ms"] <= 1e3 * (step["queued"] - step["received"]) + 1
+        parts = breakdown(span, timelines)
+        phases = ["engine", "send", "inputs", "queue", "wait", "return"]
+        assert all(parts[phase] >= 0 for phase in phases), parts
+        # the slowest rank's phases and the engine's own time cover the call (ranks overlap)
+        assert sum(parts[phase] for phase in phases) >= parts["total"] - parts["skew"] - 1e-6
+        assert "step ms (median): engine" in summary_line([parts])
+
+
+class TestOverlappedDataParallelGroup:
+    """deepseek_v3 under dp=2 ep=2 with two-batch overlap: dispatch/combine overlapped with
+    attention, one group."""
+
+    GROUP = ("deepseek_v3", ParallelPlan(dp=2, ep=2), {"overlap": True})
+
+    def test_two_batch_overlap_gives_the_same_tokens(
+        self, shared_group, prompts, single_worker_tokens
+    ):
+        tokens = [o.token_ids for o in shared_group.generate(prompts, GREEDY)]
+        assert tokens == single_worker_tokens["deepseek_v3"]
+
+    def test_idle_data_parallel_rank_still_joins_the_exchange(
+        self, shared_group, prompts, single_worker_tokens
+    ):
+        """One request for two DP replicas under two-batch overlap: the idle replica's empty
+        micro-batches run a placeholder token so that its exchanges pair with the busy one's."""
+        tokens = [o.token_ids for o in shared_group.generate(prompts[1:2], GREEDY)]
+        assert tokens == single_worker_tokens["deepseek_v3"][1:2]
+
+
+class TestDecodeGraphsAcrossDataParallelReplicas:
+    """As test_decode_graphs_across_workers_give_the_same_tokens, for deepseek_v3 under
+    dp=2 ep=2, one group: the step counts are this test's calls' (the group's counts go up)."""
+
+    GROUP = ("deepseek_v3", ParallelPlan(dp=2, ep=2), {"cuda_graphs": True})
+
+    def run(self, llm, prompts) -> tuple[list[list[int]], dict[str, int]]:
+        before = dict(llm.engine.executor.step_counts)
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        after = llm.engine.executor.step_counts
+        return tokens, {kind: after[kind] - before[kind] for kind in after}
+
+    def test_every_replica_pads_to_the_agreed_bucket(
+        self, shared_group, prompts, single_worker_tokens
+    ):
+        """The exchange is captured; the prompts' prefill runs eagerly."""
+        tokens, steps = self.run(shared_group, prompts)
+        assert tokens == single_worker_tokens["deepseek_v3"]
+        assert steps["graph"] >= GREEDY.max_tokens - 1 and steps["eager"] >= 1
+
+    def test_an_idle_replica_replays_padding(self, shared_group, prompts, single_worker_tokens):
+        """One prompt: the idle replica replays the bucket on padding, in decode and in the
+        prefill (one prompt, so a prefill graph)."""
+        tokens, steps = self.run(shared_group, prompts[1:2])
+        assert tokens == single_worker_tokens["deepseek_v3"][1:2]
+        assert steps["graph"] >= GREEDY.max_tokens - 1 and steps["prefill_graph"] >= 1
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "deepseek_v3",  # heads split, latent replicated, experts all-reduced; latent, any layout
+        "glm_moe_dsa",  # every rank runs the (replicated) indexer; indexer keys travel
+        "deepseek_v4",  # one K/V head: attention replicated, vocab split; pooled entries travel
+    ],
+    scope="class",
+)
+class TestTensorParallelPrefill:
+    """A tp=2 group gives the single-worker tokens, and its prefill hands off to a dp=2 ep=2
+    decode (as test_prefill_plan_hands_off_to_a_different_decode_plan)."""
+
+    @pytest.fixture(scope="class")
+    def shared_group(self, ray_cluster, checkpoints, family):
+        llm = make_llm(checkpoints[family], ParallelPlan(tp=2), enable_prefix_caching=False)
+        yield llm
         llm.shutdown()
-    assert len(timelines["ranks"]) == 2 and len(timelines["driver"]) == 1
-    for rank in timelines["ranks"]:
-        (step,) = rank
-        assert step["num_tokens"] in (len(prompts[0]), len(prompts[1]))  # one per DP replica
-        times = [step[k] for k in ("received", "inputs_ready", "queued", "finished")]
-        assert times == sorted(times) and step["gpu_ms"] is None  # no GPU here
-        # the thread's CPU time in the queueing can't exceed its wall time
-        assert 0 <= step["queue_cpu_ms"] <= 1e3 * (step["queued"] - step["received"]) + 1
-    parts = breakdown(span, timelines)
-    phases = ["engine", "send", "inputs", "queue", "wait", "return"]
-    assert all(parts[phase] >= 0 for phase in phases), parts
-    # the slowest rank's phases and the engine's own time cover the call (ranks overlap)
-    assert sum(parts[phase] for phase in phases) >= parts["total"] - parts["skew"] - 1e-6
-    assert "step ms (median): engine" in summary_line([parts])
+
+    def test_plan_gives_the_single_worker_tokens(
+        self, shared_group, prompts, single_worker_tokens, family
+    ):
+        tokens = [o.token_ids for o in shared_group.generate(prompts, GREEDY)]
+        assert tokens == single_worker_tokens[family]
+
+    def test_prefill_hands_off_to_a_data_parallel_decode(
+        self, shared_group, checkpoints, prompts, single_worker_tokens, family
+    ):
+        path = str(checkpoints[family])
+        decode = rayinfer.LLM(path, device="cpu", parallel=ParallelPlan(dp=2, ep=2), block_size=8)
+        try:
+            outputs = decode.decode(shared_group.prefill(prompts, GREEDY), GREEDY)
+        finally:
+            decode.shutdown()
+        assert [o.token_ids for o in outputs] == single_worker_tokens[family]
 
 
 def test_preempted_requests_on_a_worker_group_give_the_single_worker_tokens(

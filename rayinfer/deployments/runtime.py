@@ -4,25 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.phase_config import PhaseConfig
-from rayinfer.engine.engine import LLMEngine
-from rayinfer.engine.model_source import DTYPES, resolve_dtype, resolve_model_path
+from rayinfer.engine.model_source import resolve_dtype, resolve_model_path
 from rayinfer.engine.tokenizer import Tokenizer, TokenizerError
-from rayinfer.engine_args import MAX_DEFAULT_MODEL_LEN, EngineArgs
-from rayinfer.engine_config import KVMemoryConfig
 from rayinfer.graph_config import (
     DEFAULT_MAX_PIECEWISE_GRAPH_TOKENS,
     DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
     CudaGraphConfig,
 )
-from rayinfer.workers.group import WorkerGroup
-from rayinfer.workers.spec import WorkerSpec
+
+if TYPE_CHECKING:  # torch and the engine are imported where used: an ingress replica needs none
+    from rayinfer.engine.engine import LLMEngine
+    from rayinfer.engine_args import EngineArgs
+    from rayinfer.engine_config import KVMemoryConfig
+    from rayinfer.workers.group import WorkerGroup
+    from rayinfer.workers.spec import WorkerSpec
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of each worker's GPU (share), as vLLM's default
 
@@ -42,6 +42,8 @@ class ModelSource:
 
     @classmethod
     def resolve(cls, config: AppConfig) -> ModelSource:
+        from rayinfer.engine_args import MAX_DEFAULT_MODEL_LEN
+
         path = resolve_model_path(config.model)
         model_config = ModelConfig.from_pretrained(path)
         limit = model_config.max_position_embeddings
@@ -136,6 +138,9 @@ def phase_engine_args(
     config: AppConfig, source: ModelSource, phase: str, use_gpus: bool
 ) -> EngineArgs:
     """What one replica of `phase` runs, as the offline LLM would take it."""
+    from rayinfer.engine.model_source import DTYPES
+    from rayinfer.engine_args import EngineArgs
+
     phase_config: PhaseConfig = getattr(config, phase)
     return EngineArgs(
         model=source.model,
@@ -156,6 +161,8 @@ def build_engine(
     config: AppConfig, source: ModelSource, phase: str, name_prefix: str
 ) -> tuple[LLMEngine, WorkerGroup]:
     """One replica's engine over a WorkerGroup scheduled into the replica's placement group."""
+    from rayinfer.workers.group import WorkerGroup
+
     phase_config: PhaseConfig = getattr(config, phase)
     use_gpus = uses_gpus(config)
     args = phase_engine_args(config, source, phase, use_gpus)
@@ -182,6 +189,8 @@ def kv_memory_config(
     """How a replica's workers size their KV cache: None keeps the CacheConfig's count
     (num_kv_blocks when given, which wins; on the CPU max(4 x max_model_len, 16384) tokens);
     on GPUs from memory (see phase_fields; workers/runner/kv_memory.py)."""
+    from rayinfer.engine_args import EngineArgs
+
     args = EngineArgs(**phase_fields(phase_config, phase, use_gpus))
     return args.kv_memory(max_model_len)
 
@@ -213,6 +222,9 @@ def kv_capacity(
     config: AppConfig, source: ModelSource, phase: str, engine: LLMEngine
 ) -> KVCapacity:
     """The capacity of a built replica's cache (the engine holds the count its workers chose)."""
+    import torch
+
+    from rayinfer.engine.model_source import DTYPES
     from rayinfer.workers.runner.kv_memory import kv_bytes_per_block
 
     phase_config: PhaseConfig = getattr(config, phase)
@@ -243,5 +255,7 @@ def phase_graphs(
     (graph_config.graph_blocker). The decode phase replays its decode steps; the prefill phase,
     whose replicas stop after the first token, its new prompts (and one decode bucket of 1); a
     colocated engine both."""
+    from rayinfer.engine_args import EngineArgs
+
     args = EngineArgs(**phase_fields(phase_config, phase, use_gpus))
     return args.graph_config(max_model_len, use_gpus, model_config)

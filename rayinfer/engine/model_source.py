@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rayinfer.config import ConfigError
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def __getattr__(name: str):
+    """DTYPES (dtype name -> torch.dtype) is made on first use: resolving a model path (a Serve
+    ingress replica does, and needs no torch otherwise) does not import torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_model_path(model: str) -> Path:
@@ -31,6 +39,8 @@ def resolve_model_path(model: str) -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device not in DEVICES and not device.startswith("cuda:"):
         raise ConfigError(f"device={device!r} is not valid; use one of {', '.join(DEVICES)}")
     if device == "auto":
@@ -42,10 +52,12 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """None picks float32 on the CPU and bfloat16 on GPUs."""
+    import torch
+
     if dtype is None or dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"dtype={dtype!r} is not valid; use one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, dtype)

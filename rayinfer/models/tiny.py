@@ -14,12 +14,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from rayinfer import envs
+
+if TYPE_CHECKING:  # torch is imported where the weights are drawn: finding the folder needs none
+    import torch
 
 TINY_VERSION = "v1"
 SEED = 1234
@@ -175,6 +177,8 @@ def generation_config() -> dict:
 
 def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     """Checkpoint tensors with the names transformers 5 `save_pretrained` gives DeepseekV3."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float = WEIGHT_STD) -> torch.Tensor:
@@ -194,6 +198,8 @@ def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
 
 
 def _attention_weights(config: dict, prefix: str, normal) -> dict[str, torch.Tensor]:
+    import torch
+
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
     nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
@@ -233,6 +239,8 @@ def _ffn_weights(prefix: str, hidden: int, inter: int, normal) -> dict[str, torc
 
 
 def write_tiny_model(folder: str | Path) -> None:
+    from safetensors.torch import save_file
+
     """Write every file of the tiny checkpoint into `folder` (which must exist)."""
     folder = Path(folder)
     tokenizer = build_tokenizer()

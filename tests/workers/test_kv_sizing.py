@@ -108,7 +108,7 @@ def test_serve_phase_setting_becomes_the_workers_kv_memory(monkeypatch):
         def __init__(self, name_prefix, spec, **kwargs):
             specs.append(spec)
 
-    monkeypatch.setattr("rayinfer.deployments.runtime.WorkerGroup", FakeGroup)
+    monkeypatch.setattr("rayinfer.workers.group.WorkerGroup", FakeGroup)  # build_engine imports it
     monkeypatch.setattr("rayinfer.deployments.runtime.uses_gpus", lambda config: True)
     config = AppConfig(
         max_model_len=128,

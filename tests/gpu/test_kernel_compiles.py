@@ -39,4 +39,5 @@ def test_gpu_compiles_after_startup_are_logged_with_their_time(caplog):
     assert x[0].item() == 12.0
     assert watch.num_after_startup == 1 and watch.seconds_after_startup > 0
     [record] = caplog.records
-    assert "compiled Triton kernel scale in" in record.getMessage()
+    message = record.getMessage()  # the kernel's qualified name: this test's local `scale`
+    assert message.startswith("compiled Triton kernel ") and "scale in " in message

@@ -194,7 +194,7 @@ def test_gpu_pinned_chunks_by_runs_exact(run_blocks):
     table = [run_blocks * g + b for g in groups for b in range(run_blocks)][:num_blocks]
     slots = token_slots(table, num_tokens, block_size)
     copier = KVCopier(source, chunk_bytes=layers * row * 2 * 300)  # 300-token chunks
-    assert copier._copies_directly(slots) == (run_blocks == 8)
+    assert copier.copies_directly(slots) == (run_blocks == 8)
     chunks = [
         torch.empty((end - start) * copier.token_bytes, dtype=torch.uint8, pin_memory=True)
         for start, end in copier.chunk_bounds(num_tokens)

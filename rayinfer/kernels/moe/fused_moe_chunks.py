@@ -15,7 +15,7 @@ from rayinfer.kernels.moe.moe_align import MoeAlignment
 from rayinfer.kernels.triton_compat import tl, triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles", "long_list_offset"])  # any count, one compile
 def _expert_chunks_kernel(
     block_expert_ids_ptr, run_first_ptr, run_last_ptr,
     chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,

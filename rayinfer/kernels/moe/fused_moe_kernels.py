@@ -36,7 +36,11 @@ def _add_rescaled(acc, product, a_scale, b_scale_ptrs, ONE_B_SCALE: tl.constexpr
     return acc
 
 
-@triton.jit
+# Integer arguments that follow the step's token count: Triton would compile a kernel per value
+# class (1, divisible by 16, other), each the first time a step met it, holding up that step and
+# every request in flight (a fresh H100 compiled 8 such variants of these kernels for 7.3 s while
+# serving: workers/kernel_compiles.py), so they are not specialized (do_not_specialize).
+@triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
@@ -240,7 +244,7 @@ def _weight_rows(pid_n, N, up_offset, GATE_UP_ONE_DOT: tl.constexpr, BLOCK_N: tl
     return rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "max_chunks"])  # as _moe_gemm_kernel
 def _moe_chunk_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr,

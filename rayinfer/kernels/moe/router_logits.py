@@ -40,7 +40,7 @@ def _split_dot(x, w, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.con
     return tl.dot(x, third, part)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for any count (kernel_compiles.py)
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts,
     stride_x, stride_w, stride_o,

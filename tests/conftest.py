@@ -9,6 +9,11 @@ import os
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch (OpenMP) thread in this process too, as in the Ray workers and Serve processes the
+# tests start: on 2 cores shared with those, two threads spin-wait on each other, and a tiny
+# model's decode step in this process ran 3-4x slower beside one busy process (tens of times
+# beside several). Set before anything imports torch; the subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if os.environ["TRITON_INTERPRET"] == "1":
     from interpreter_bounds import install

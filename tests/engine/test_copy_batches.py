@@ -36,7 +36,7 @@ def test_slot_runs_split_where_slots_stop_being_consecutive():
 def test_no_batched_copies_on_the_cpu():
     assert not batch_copies_available(torch.device("cpu"))
     copier = KVCopier([torch.zeros(4, 16, 8) for _ in range(2)])
-    assert copier._row_copies is None and not copier._copies_directly(torch.arange(64))
+    assert copier._row_copies is None and not copier.copies_directly(torch.arange(64))
 
 
 def test_row_copies_address_each_layer_and_run():
@@ -81,7 +81,7 @@ def test_kv_copier_by_runs_moves_the_right_bytes(monkeypatch, widths):
     table = [9, 10, 11, 3, 4, 20, 21, 22, 23, 0]
     slots = token_slots(table, 37, 4)
     copier = _direct_copier(caches, chunk_tokens=10)
-    assert copier._copies_directly(slots)
+    assert copier.copies_directly(slots)
     chunks = [torch.zeros((end - start) * sum(widths), dtype=torch.uint8)
               for start, end in copier.chunk_bounds(37)]  # fmt: skip
     copier.export_into(slots, chunks)
@@ -122,4 +122,4 @@ def test_a_refused_batch_stages_instead(monkeypatch):
     copier = _direct_copier(caches, chunk_tokens=32)
     monkeypatch.setattr(kv_copy, "DIRECT_MIN_COPY_BYTES", 1)
     assert not copier._directly(copier._export_by_runs, torch.arange(8), [torch.zeros(48)])
-    assert copier._row_copies is None and not copier._copies_directly(torch.arange(8))
+    assert copier._row_copies is None and not copier.copies_directly(torch.arange(8))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,7 +40,6 @@ class LayerExport:
     span: object  # the arena's ArenaSpan
     slots: list[np.ndarray]  # per chunk [tokens] int64 cache slots
     rows: list[list[torch.Tensor]]  # per chunk, per layer [tokens, row bytes] uint8 span views
-    started: float = field(default_factory=time.perf_counter)
     done: torch.cuda.Event | None = None  # CUDA: recorded on the copy stream after the last copy
     failed: bool = False  # a copy could not be issued: the export copies the whole request
 

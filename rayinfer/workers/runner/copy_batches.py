@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -80,17 +81,24 @@ def batch_copies_available(device: torch.device) -> bool:
     return device.type == "cuda" and _driver_batch_copy() is not None
 
 
-def slot_runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A request's cache slots (in token order) as runs of consecutive slots: per run its first
-    token index, its first slot and its length."""
+class SlotRuns(NamedTuple):
+    """Runs of consecutive cache slots, each [num_runs] int64."""
+
+    tokens: np.ndarray  # each run's first token index
+    first_slots: np.ndarray  # each run's first slot
+    lengths: np.ndarray  # each run's length in tokens
+
+
+def slot_runs(slots: np.ndarray) -> SlotRuns:
+    """A request's cache slots (in token order) as runs of consecutive slots."""
     slots = np.asarray(slots, dtype=np.int64)
     if slots.size == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
+        return SlotRuns(empty, empty, empty)
     starts = np.flatnonzero(np.diff(slots) != 1) + 1
     tokens = np.concatenate(([0], starts))
     lengths = np.diff(np.append(tokens, slots.size))
-    return tokens, slots[tokens], lengths
+    return SlotRuns(tokens, slots[tokens], lengths)
 
 
 def mean_copy_bytes(slots: np.ndarray, token_bytes: int, num_layers: int) -> float:
@@ -110,11 +118,12 @@ class RowCopies:
         self.device_index = cache_rows[0].device.index or 0
 
     def issue(
-        self, host_rows: list[torch.Tensor], slots: np.ndarray, to_cache: bool, stream
+        self, host_rows: list[torch.Tensor], slots: np.ndarray | SlotRuns, to_cache: bool, stream
     ) -> None:
         """host_rows (per layer [len(slots), row_bytes] uint8) -> the cache at `slots`
-        (to_cache), or the reverse, in `stream`'s order."""
-        tokens, first_slots, lengths = slot_runs(slots)
+        (to_cache), or the reverse, in `stream`'s order. `slots` may come as their runs
+        (slot_runs), for a caller that issues the same slots layer by layer."""
+        tokens, first_slots, lengths = slots if isinstance(slots, SlotRuns) else slot_runs(slots)
         host_base = _column([rows.data_ptr() for rows in host_rows])
         cache = self.cache_base + first_slots[None, :] * self.row_bytes
         host = host_base + tokens[None, :] * self.row_bytes

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayinfer.workers.runner.copy_batches import RowCopies
+from rayinfer.workers.runner.copy_batches import RowCopies, slot_runs
 from rayinfer.workers.runner.kv_transfer import KVPayload, layer_rows
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class StepCopies:
         self.exports = exports
         self.copied = [False] * exporter.num_layers
         self.failed = False
+        # per export, per chunk: its slots as runs, found once for the step's layers
+        self.runs = [[slot_runs(s) for s in e.slots] for e in exports] if exporter.is_cuda else None
 
     def layer_cached(self, layer: int) -> None:
         """Copy `layer`'s rows of every export out, after what the current stream has queued.
@@ -102,9 +104,9 @@ class StepCopies:
             return
         self._after_current_stream()
         copies = exporter.per_layer[layer]
-        for export in self.exports:
-            for slots, rows in zip(export.slots, export.rows):
-                copies.issue([rows[layer]], slots, False, exporter.stream)
+        for export, runs in zip(self.exports, self.runs):
+            for chunk_runs, rows in zip(runs, export.rows):
+                copies.issue([rows[layer]], chunk_runs, False, exporter.stream)
 
     def finish(self) -> None:
         """After the forward: copy the layers it did not announce; each export's `done` then
@@ -114,9 +116,9 @@ class StepCopies:
             self.copied = [True] * len(self.copied)
             try:
                 self._after_current_stream()
-                for export in self.exports:
-                    for slots, rows in zip(export.slots, export.rows):
-                        exporter.all_layers.issue(rows, slots, False, exporter.stream)
+                for export, runs in zip(self.exports, self.runs):
+                    for chunk_runs, rows in zip(runs, export.rows):
+                        exporter.all_layers.issue(rows, chunk_runs, False, exporter.stream)
             except RuntimeError as error:
                 logger.warning("KV rows not copied after the step (%s); exported later", error)
                 self.failed = True

@@ -59,6 +59,9 @@ try:
             s["p50_kv_export_ms"], s["p50_kv_import_ms"], s["p95_kv_export_ms"],
             s["p95_kv_import_ms"], s["p50_handoff_share_of_ttft_pct"],
             s["mean_handoff_share_of_ttft_pct"], s["kv_copies"]))
+        print("   share of TTFT at P50: export %.2f%%, import %.2f%%; P50 first ITL %.1f ms "
+              "(P50 ITL %.1f ms)" % (s["p50_kv_export_share_of_ttft_pct"],
+              s["p50_kv_import_share_of_ttft_pct"], s["p50_first_itl_ms"], s["p50_itl_ms"]))
 except Exception as error:  # noqa: BLE001
     print("   no summary:", error)
 PY

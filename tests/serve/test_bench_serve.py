@@ -225,6 +225,7 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     for result, export_s in zip(results, (0.01, 0.02)):
         result.kv_export_s, result.kv_import_s, result.kv_bytes = export_s, 0.02, 1000.0
         result.kv_parts_s = {"kv_get_s": export_s / 2}
+    results[0].itl_s[0] = 0.3  # the first gap, where a disaggregated import lands
     results[1].kv_path = "object_store"
     results[0].kv_copies = results[1].kv_copies = "batched/batched"
     summary = summarize(results, duration_s=2.0)
@@ -236,6 +237,10 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
     assert summary["mean_tpot_ms"] == pytest.approx(100.0)
     assert summary["mean_e2el_ms"] == pytest.approx(550.0)
     assert summary["mean_handoff_share_of_ttft_pct"] == pytest.approx(25.0)  # (exp + imp) / TTFT
+    assert summary["p50_kv_export_share_of_ttft_pct"] == pytest.approx(10.0)  # 10% and 10%
+    assert summary["p50_kv_import_share_of_ttft_pct"] == pytest.approx(15.0)  # 20% and 10%
+    assert summary["p50_first_itl_ms"] == pytest.approx(200.0)  # 300 and 100 ms
+    assert summary["p50_itl_ms"] == pytest.approx(100.0)
     assert summary["mean_kv_get_ms"] == pytest.approx(7.5) and "mean_kv_put_ms" not in summary
     report = format_report(summary, slos={"ttft": 100.0})
     for line in (
@@ -248,6 +253,8 @@ def test_summary_and_report_carry_the_vllm_lines_and_the_handoff_share():
         "P50 ITL (ms):",
         "P99 E2EL (ms):",
         "Mean hand-off share of TTFT (%):",
+        "Median import share of TTFT (%):",
+        "Median first ITL (ms):",
         "Mean / P50 kv_get (ms):",
     ):
         assert line in report

@@ -35,6 +35,7 @@ from rayinfer.engine_config import DEFAULT_KV_HANDOFF, KVHandoffConfig
 from rayinfer.workers.runner.kv_arena import KVArena
 from rayinfer.workers.runner.kv_arena_maps import ArenaMaps
 from rayinfer.workers.runner.kv_cache import KVCache
+from rayinfer.workers.runner.kv_copy import KVCopier
 from rayinfer.workers.runner.kv_transfer import (
     KVPayload,
     arena_chunks,
@@ -94,14 +95,14 @@ class HandoffIO:
         step ends, prefill-only) that the step copies out layer by layer as it caches them; the
         step's copies (None: none goes that way). A request goes the usual way instead where
         exports do not go to the arena, the cache keeps window state, the arena has no room,
-        or (CUDA) its slots lie in runs too short for row copies (kv_copy.DIRECT_MIN_COPY_BYTES)."""
+        or (CUDA) its slots lie in runs too short for row copies (direct_min_copy_bytes)."""
         config = self.config
         if config.path != "auto" or not config.layer_by_layer or cache.window_layers:
             return None
         arena = self._arena()
         if arena is None:
             return None
-        copier, exports = cache.copier, []
+        copier, exports = self._copier(cache), []
         for request in requests:
             self.drop_layer_exports([request.request_id])  # a stale one (a recomputed prompt)
             num_tokens = request.seq_len
@@ -159,6 +160,7 @@ class HandoffIO:
                 return self._finish_layer_export(started, generator_state, start)
             self.layer_exports[request_id] = started
             self.drop_layer_exports([request_id])
+        self._copier(cache)
         header = cache.export_header(num_tokens, generator_state, window_table)
         arena = self._arena() if self.config.path == "auto" else None
         span = None
@@ -180,6 +182,12 @@ class HandoffIO:
             )
         header.timings["export_s"] = time.perf_counter() - start
         return header
+
+    def _copier(self, cache: KVCache) -> KVCopier:
+        """The cache's copier, taking batched row copies at this config's copy size."""
+        copier = cache.copier
+        copier.direct_min_copy_bytes = self.config.direct_min_copy_bytes
+        return copier
 
     def _finish_layer_export(self, export: LayerExport, generator_state, start: float):
         waited = export.wait()
@@ -246,6 +254,7 @@ class HandoffIO:
         copy has ended, landed or not (False where other ranks read them too: whoever knows
         that all of them have ended calls `discard`)."""
         start = time.perf_counter()
+        self._copier(cache)
         try:
             payloads = fetch_payloads(shards, needs, self.import_timeout_s)
         except LOST_OBJECT_ERRORS as error:

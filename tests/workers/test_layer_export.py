@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayinfer.config import ModelConfig
+from rayinfer.config import ConfigError, ModelConfig
 from rayinfer.engine.batch import ScheduledRequest
 from rayinfer.engine.sampling_params import SamplingParams
 from rayinfer.engine_config import KVHandoffConfig
@@ -196,3 +196,24 @@ def test_a_copy_that_cannot_be_issued_leaves_the_export_to_after_the_step(monkey
         assert header.timings["way"] == "host" and handoff.arena.num_held == 1
     finally:
         handoff.close()
+
+
+def test_the_copy_size_for_batched_row_copies_comes_from_the_config():
+    """kv_handoff.direct_min_copy_bytes reaches the cache's copier before each export and
+    import (on GPUs it decides between batched row copies and the staged kernel)."""
+    cache = random_cache()
+    handoff = HandoffIO(is_cuda=False, config=KVHandoffConfig(direct_min_copy_bytes=256 << 10))
+    try:
+        header = handoff.export(cache, TABLE, len(PROMPT), None)
+        assert cache.copier.direct_min_copy_bytes == 256 << 10
+        target = KVCache([torch.zeros_like(layer) for layer in cache.layers], BLOCK_SIZE, None)
+        handoff.import_(target, TABLE, [header])
+        assert target.copier.direct_min_copy_bytes == 256 << 10
+    finally:
+        handoff.close()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "64k"])
+def test_a_bad_copy_size_names_the_key(value):
+    with pytest.raises(ConfigError, match="kv_handoff.direct_min_copy_bytes"):
+        KVHandoffConfig(direct_min_copy_bytes=value)

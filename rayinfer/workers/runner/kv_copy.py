@@ -56,12 +56,13 @@ logger = logging.getLogger(__name__)
 
 # Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
 # kernel and one driver call, where a request's copies (one per layer and run of consecutive
-# slots) average at least this many bytes; else through the device staging buffer and one
-# gather or scatter kernel. `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite
-# request): runs of 8 blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on
-# another stream, where the staged kernel takes 2.3 / 3.5, and with a Python thread contending
-# for the GIL 28 ms against 263 (every torch op and launch gives the GIL up); one-block runs
-# (18 KB copies) take 28 ms even idle against the staged 2.5.
+# slots) average at least this many bytes (the default of kv_handoff.direct_min_copy_bytes);
+# else through the device staging buffer and one gather or scatter kernel.
+# `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite request): runs of 8
+# blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on another stream, where
+# the staged kernel takes 2.3 / 3.5, and with a Python thread contending for the GIL 28 ms
+# against 263 (every torch op and launch gives the GIL up); one-block runs (18 KB copies) take
+# 28 ms even idle against the staged 2.5.
 DIRECT_MIN_COPY_BYTES = 64 * 2**10
 # Threads of the host memcpy from object-store memory into pinned memory on import: one
 # thread's memcpy runs at about 8-10 GB/s, far below the host link.
@@ -72,6 +73,7 @@ class KVCopier:
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES):
         """kv_caches: per layer [num_blocks, block_size, *kv_shape] contiguous tensors."""
         self.num_layers = len(kv_caches)
+        self.direct_min_copy_bytes = DIRECT_MIN_COPY_BYTES  # the hand-off's config may set it
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
         # Per layer [num_slots, its row bytes] byte views of the cache.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
@@ -241,11 +243,11 @@ class KVCopier:
 
     def copies_directly(self, slots: torch.Tensor) -> bool:
         """Whether page-locked chunks of the rows at `slots` (CPU) move by batched row copies
-        (DIRECT_MIN_COPY_BYTES)."""
+        (their copies average direct_min_copy_bytes or more)."""
         if self._row_copies is None or slots.device.type != "cpu":
             return False
         mean = mean_copy_bytes(slots.numpy(), self.token_bytes, self.num_layers)
-        return mean >= DIRECT_MIN_COPY_BYTES
+        return mean >= self.direct_min_copy_bytes
 
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """out [len(slots) x token_bytes] <- every layer's rows at `slots` (layer_rows)."""

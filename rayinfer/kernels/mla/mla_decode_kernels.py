@@ -221,7 +221,9 @@ def _mla_decode_split_kernel(
                  mask=head_mask)  # fmt: skip
 
 
-@triton.jit
+# tokens_per_split follows the batch's longest context: not specialized (its divisibility by 16
+# would compile a variant per class while serving, workers/kernel_compiles.py).
+@triton.jit(do_not_specialize=["tokens_per_split"])
 def _mla_combine_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, tokens_per_split,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,

@@ -134,11 +134,13 @@ class KVHandoffConfig:
     step that ends its prompt, each layer once it is cached, so the export after the step only
     waits for the last layers (workers/runner/layer_export.py); False: the whole request after
     the step.
-    direct_min_copy_bytes: on GPUs, a request whose KV (one copy per layer and run of
-    consecutive cache slots) averages at least this many bytes per copy moves by batched row
-    copies on the copy engines (workers/runner/copy_batches.py); a more scattered one through a
-    device staging buffer and one gather or scatter kernel, as short copies each cost the copy
-    engines a fixed few microseconds (benchmarks/handoff_copy_engines.py)."""
+    export_direct_min_copy_bytes, import_direct_min_copy_bytes: on GPUs, a request whose KV
+    (one copy per layer and run of consecutive cache slots) averages at least this many bytes
+    per copy leaves (enters) the cache by batched row copies on the copy engines
+    (workers/runner/copy_batches.py); a more scattered one through a device staging buffer and
+    one gather (scatter) kernel, as short copies each cost the copy engines a fixed few
+    microseconds (benchmarks/handoff_copy_engines.py). The layer-by-layer export needs the
+    batched copies."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -148,7 +150,8 @@ class KVHandoffConfig:
     arena_bytes: int = DEFAULT_ARENA_BYTES
     lease_s: float = 60.0
     layer_by_layer: bool = True
-    direct_min_copy_bytes: int = 64 * 2**10
+    export_direct_min_copy_bytes: int = 64 * 2**10
+    import_direct_min_copy_bytes: int = 64 * 2**10
 
     def __post_init__(self):
         if self.path not in KV_HANDOFF_PATHS:
@@ -168,12 +171,13 @@ class KVHandoffConfig:
             raise ConfigError(
                 f"kv_handoff.layer_by_layer={self.layer_by_layer!r} must be true or false"
             )
-        least = self.direct_min_copy_bytes
-        if isinstance(least, bool) or not isinstance(least, int) or least < 0:
-            raise ConfigError(
-                f"kv_handoff.direct_min_copy_bytes={least!r} must be an integer >= 0 (bytes); "
-                "0 sends every GPU hand-off by batched row copies"
-            )
+        for key in ("export_direct_min_copy_bytes", "import_direct_min_copy_bytes"):
+            least = getattr(self, key)
+            if isinstance(least, bool) or not isinstance(least, int) or least < 0:
+                raise ConfigError(
+                    f"kv_handoff.{key}={least!r} must be an integer >= 0 (bytes); 0 copies "
+                    "every request by batched row copies"
+                )
 
 
 DEFAULT_KV_HANDOFF = KVHandoffConfig()

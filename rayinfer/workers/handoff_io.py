@@ -95,7 +95,7 @@ class HandoffIO:
         step ends, prefill-only) that the step copies out layer by layer as it caches them; the
         step's copies (None: none goes that way). A request goes the usual way instead where
         exports do not go to the arena, the cache keeps window state, the arena has no room,
-        or (CUDA) its slots lie in runs too short for row copies (direct_min_copy_bytes)."""
+        or (CUDA) its slots lie in runs too short for row copies (export_direct_min_copy_bytes)."""
         config = self.config
         if config.path != "auto" or not config.layer_by_layer or cache.window_layers:
             return None
@@ -184,9 +184,10 @@ class HandoffIO:
         return header
 
     def _copier(self, cache: KVCache) -> KVCopier:
-        """The cache's copier, taking batched row copies at this config's copy size."""
+        """The cache's copier, taking batched row copies at this config's copy sizes."""
         copier = cache.copier
-        copier.direct_min_copy_bytes = self.config.direct_min_copy_bytes
+        copier.export_min_copy_bytes = self.config.export_direct_min_copy_bytes
+        copier.import_min_copy_bytes = self.config.import_direct_min_copy_bytes
         return copier
 
     def _finish_layer_export(self, export: LayerExport, generator_state, start: float):

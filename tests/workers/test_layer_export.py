@@ -199,21 +199,23 @@ def test_a_copy_that_cannot_be_issued_leaves_the_export_to_after_the_step(monkey
 
 
 def test_the_copy_size_for_batched_row_copies_comes_from_the_config():
-    """kv_handoff.direct_min_copy_bytes reaches the cache's copier before each export and
-    import (on GPUs it decides between batched row copies and the staged kernel)."""
+    """kv_handoff's copy sizes reach the cache's copier before each export and import (on
+    GPUs they decide between batched row copies and the staged kernels)."""
     cache = random_cache()
-    handoff = HandoffIO(is_cuda=False, config=KVHandoffConfig(direct_min_copy_bytes=256 << 10))
+    config = KVHandoffConfig(export_direct_min_copy_bytes=1, import_direct_min_copy_bytes=2)
+    handoff = HandoffIO(is_cuda=False, config=config)
     try:
         header = handoff.export(cache, TABLE, len(PROMPT), None)
-        assert cache.copier.direct_min_copy_bytes == 256 << 10
+        assert (cache.copier.export_min_copy_bytes, cache.copier.import_min_copy_bytes) == (1, 2)
         target = KVCache([torch.zeros_like(layer) for layer in cache.layers], BLOCK_SIZE, None)
         handoff.import_(target, TABLE, [header])
-        assert target.copier.direct_min_copy_bytes == 256 << 10
+        assert target.copier.import_min_copy_bytes == 2
     finally:
         handoff.close()
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "64k"])
-def test_a_bad_copy_size_names_the_key(value):
-    with pytest.raises(ConfigError, match="kv_handoff.direct_min_copy_bytes"):
-        KVHandoffConfig(direct_min_copy_bytes=value)
+@pytest.mark.parametrize("key", ["export_direct_min_copy_bytes", "import_direct_min_copy_bytes"])
+def test_a_bad_copy_size_names_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"kv_handoff.{key}="):
+        KVHandoffConfig(**{key: value})

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 # Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
 # kernel and one driver call, where a request's copies (one per layer and run of consecutive
-# slots) average at least this many bytes (the default of kv_handoff.direct_min_copy_bytes);
+# slots) average at least this many bytes (kv_handoff.{export,import}_direct_min_copy_bytes);
 # else through the device staging buffer and one gather or scatter kernel.
 # `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite request): runs of 8
 # blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on another stream, where
@@ -73,7 +73,9 @@ class KVCopier:
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES):
         """kv_caches: per layer [num_blocks, block_size, *kv_shape] contiguous tensors."""
         self.num_layers = len(kv_caches)
-        self.direct_min_copy_bytes = DIRECT_MIN_COPY_BYTES  # the hand-off's config may set it
+        # The mean copy from which exports / imports go by batched row copies (the hand-off's
+        # config sets them).
+        self.export_min_copy_bytes = self.import_min_copy_bytes = DIRECT_MIN_COPY_BYTES
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
         # Per layer [num_slots, its row bytes] byte views of the cache.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
@@ -183,7 +185,7 @@ class KVCopier:
                     rows[slots[start : start + num_tokens]] = host
                 start += num_tokens
             return
-        if pinned and self.copies_directly(slots):
+        if pinned and self.copies_directly(slots, importing=True):
             chunks = list(chunks)
             if self._directly(self._import_by_runs, slots, chunks):
                 self.last_way = "batched"
@@ -241,13 +243,14 @@ class KVCopier:
             self._row_copies = None
             return False
 
-    def copies_directly(self, slots: torch.Tensor) -> bool:
-        """Whether page-locked chunks of the rows at `slots` (CPU) move by batched row copies
-        (their copies average direct_min_copy_bytes or more)."""
+    def copies_directly(self, slots: torch.Tensor, importing: bool = False) -> bool:
+        """Whether page-locked chunks of the rows at `slots` (CPU) leave (importing: enter)
+        the cache by batched row copies: their copies average export_min_copy_bytes
+        (import_min_copy_bytes) or more."""
         if self._row_copies is None or slots.device.type != "cpu":
             return False
         mean = mean_copy_bytes(slots.numpy(), self.token_bytes, self.num_layers)
-        return mean >= self.direct_min_copy_bytes
+        return mean >= (self.import_min_copy_bytes if importing else self.export_min_copy_bytes)
 
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """out [len(slots) x token_bytes] <- every layer's rows at `slots` (layer_rows)."""

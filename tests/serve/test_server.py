@@ -172,11 +172,13 @@ def test_n_choices_each_equal_a_single_request_with_the_next_seed(client):
 
 
 def test_serve_status_and_handoff_metric(server, client):
-    def deployments() -> dict:
-        return server.serve_status()["applications"]["default"]["deployments"]
+    def deployments() -> dict:  # the dashboard's REST API, what `serve status` reads
+        return server.serve_details()["applications"]["default"]["deployments"]
 
-    assert {"Ingress", "Prefill", "Decode"} <= set(deployments())
+    listed = server.serve_status()["applications"]["default"]["deployments"]  # the CLI
+    assert {"Ingress", "Prefill", "Decode"} <= set(listed)
     # the tests before may have scaled decode up (n > 1 runs choices concurrently): wait for it
+    # (polled through the API: a `serve status` process costs ~3 s of CPU on 2 busy cores)
     wait_for(
         lambda: all(d["status"] == "HEALTHY" for d in deployments().values()),
         timeout_s=90,

@@ -128,15 +128,19 @@ metric_list:
 """
 
 
-def run_lm_eval(server, tmp_path, batch_size: int) -> list:
-    """lm-eval's CLI against the server on a 4-question local task: each choice's score."""
-    from rayinfer.models.tiny import ensure_tiny_model
-
+def write_lm_eval_task(tmp_path) -> None:
+    """A 4-question local multiple-choice task for lm-eval, in tmp_path."""
     data = tmp_path / "questions.jsonl"
     questions = [(p, ["the river", "a fox", "upon"]) for p in PROMPTS]
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": i % 3}) + "\n"
                             for i, (q, c) in enumerate(questions)))  # fmt: skip
     (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+
+
+def start_lm_eval(server, tmp_path, batch_size: int) -> subprocess.Popen:
+    """lm-eval's CLI against the server on the task of `write_lm_eval_task`, started."""
+    from rayinfer.models.tiny import ensure_tiny_model
+
     output = tmp_path / f"out-{batch_size}"
     model_args = (
         f"model=tiny,base_url={server.http_url}/v1/completions,tokenizer_backend=huggingface,"
@@ -149,17 +153,32 @@ def run_lm_eval(server, tmp_path, batch_size: int) -> list:
     ]  # fmt: skip
     env = {**server.env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop("RAY_ADDRESS")
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (samples,) = output.rglob("samples_rayinfer_tiny_choice_*.jsonl")
+    with open(tmp_path / f"lm_eval-{batch_size}.log", "wb") as log:  # no pipe to fill
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def lm_eval_scores(process: subprocess.Popen, tmp_path, batch_size: int) -> list:
+    """Each choice's score, once the lm-eval run of `start_lm_eval` has ended."""
+    process.wait(timeout=300)
+    log = (tmp_path / f"lm_eval-{batch_size}.log").read_text(errors="replace")
+    assert process.returncode == 0, log[-6000:]
+    (samples,) = (tmp_path / f"out-{batch_size}").rglob("samples_rayinfer_tiny_choice_*.jsonl")
     lines = samples.read_text().splitlines()
     return [[float(score) for ((score, _),) in json.loads(line)["resps"]] for line in lines]
 
 
 def test_lm_eval_local_completions_batch_size_4_scores_as_one_at_a_time(server, tmp_path):
+    """The two lm-eval runs go at once: each CLI spends most of its ~25 s importing (one core
+    each on 2 cores), and a score does not depend on which requests share the server's steps."""
     pytest.importorskip("lm_eval")
-    batched = run_lm_eval(server, tmp_path, batch_size=4)
-    alone = run_lm_eval(server, tmp_path, batch_size=1)
+    write_lm_eval_task(tmp_path)
+    runs = {size: start_lm_eval(server, tmp_path, size) for size in (4, 1)}
+    try:
+        batched, alone = (lm_eval_scores(runs[size], tmp_path, size) for size in (4, 1))
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
     assert len(batched) == 4 and all(len(scores) == 3 for scores in batched)
     assert all(score < 0 for scores in batched for score in scores)
     for scores, expected in zip(batched, alone):

@@ -140,7 +140,10 @@ class KVHandoffConfig:
     (workers/runner/copy_batches.py); a more scattered one through a device staging buffer and
     one gather (scatter) kernel, as short copies each cost the copy engines a fixed few
     microseconds (benchmarks/handoff_copy_engines.py). The layer-by-layer export needs the
-    batched copies."""
+    batched copies. None (the import's default): always staged, as in `serve run` with Prefill
+    and Decode on one H100 the staged import kept up with batched copies at 16 streams (5.8 ms
+    for 115 MB either way) and beat them at 64 (6.3-6.8 against 11-12 ms at P50; P90 7.6-7.9
+    against 36), whatever the copies' length (benchmarks/RESULTS.md, serving)."""
 
     # The Serve app's config (pydantic) validates this dataclass field by field and forbids
     # unknown keys; __post_init__ checks it either way.
@@ -151,7 +154,7 @@ class KVHandoffConfig:
     lease_s: float = 60.0
     layer_by_layer: bool = True
     export_direct_min_copy_bytes: int = 64 * 2**10
-    import_direct_min_copy_bytes: int = 64 * 2**10
+    import_direct_min_copy_bytes: int | None = None
 
     def __post_init__(self):
         if self.path not in KV_HANDOFF_PATHS:
@@ -173,6 +176,8 @@ class KVHandoffConfig:
             )
         for key in ("export_direct_min_copy_bytes", "import_direct_min_copy_bytes"):
             least = getattr(self, key)
+            if least is None and key.startswith("import"):
+                continue
             if isinstance(least, bool) or not isinstance(least, int) or least < 0:
                 raise ConfigError(
                     f"kv_handoff.{key}={least!r} must be an integer >= 0 (bytes); 0 copies "

@@ -214,6 +214,11 @@ def test_the_copy_size_for_batched_row_copies_comes_from_the_config():
         handoff.close()
 
 
+def test_the_import_is_staged_by_default():
+    assert KVHandoffConfig().import_direct_min_copy_bytes is None
+    assert KVHandoffConfig(import_direct_min_copy_bytes=None).export_direct_min_copy_bytes > 0
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, True, "64k"])
 @pytest.mark.parametrize("key", ["export_direct_min_copy_bytes", "import_direct_min_copy_bytes"])
 def test_a_bad_copy_size_names_the_key(key, value):

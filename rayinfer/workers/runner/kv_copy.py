@@ -74,8 +74,9 @@ class KVCopier:
         """kv_caches: per layer [num_blocks, block_size, *kv_shape] contiguous tensors."""
         self.num_layers = len(kv_caches)
         # The mean copy from which exports / imports go by batched row copies (the hand-off's
-        # config sets them).
-        self.export_min_copy_bytes = self.import_min_copy_bytes = DIRECT_MIN_COPY_BYTES
+        # config sets them; None: never).
+        self.export_min_copy_bytes: int | None = DIRECT_MIN_COPY_BYTES
+        self.import_min_copy_bytes: int | None = DIRECT_MIN_COPY_BYTES
         num_slots = kv_caches[0].shape[0] * kv_caches[0].shape[1]
         # Per layer [num_slots, its row bytes] byte views of the cache.
         self.rows = [cache.view(num_slots, -1).view(torch.uint8) for cache in kv_caches]
@@ -247,10 +248,10 @@ class KVCopier:
         """Whether page-locked chunks of the rows at `slots` (CPU) leave (importing: enter)
         the cache by batched row copies: their copies average export_min_copy_bytes
         (import_min_copy_bytes) or more."""
-        if self._row_copies is None or slots.device.type != "cpu":
+        least = self.import_min_copy_bytes if importing else self.export_min_copy_bytes
+        if self._row_copies is None or slots.device.type != "cpu" or least is None:
             return False
-        mean = mean_copy_bytes(slots.numpy(), self.token_bytes, self.num_layers)
-        return mean >= (self.import_min_copy_bytes if importing else self.export_min_copy_bytes)
+        return mean_copy_bytes(slots.numpy(), self.token_bytes, self.num_layers) >= least
 
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """out [len(slots) x token_bytes] <- every layer's rows at `slots` (layer_rows)."""

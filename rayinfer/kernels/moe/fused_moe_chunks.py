@@ -92,7 +92,11 @@ def expert_chunks(alignment: MoeAlignment, num_slots: int, num_experts: int, til
     )
     max_long = min(max_short, num_slots // (block_m + 1))
     device = alignment.block_expert_ids.device
-    first_tile = torch.empty(2, max(max_short, 1), dtype=torch.int32, device=device)
+    # Rows padded to 16 bytes: the GEMMs get row 1 as a pointer, which Triton specializes on
+    # its 16-byte alignment, so an unpadded width would compile a second variant of each GEMM
+    # whenever the width's remainder mod 4 changed (while serving: workers/kernel_compiles.py).
+    width = -(-max(max_short, 1) // 4) * 4
+    first_tile = torch.empty(2, width, dtype=torch.int32, device=device)
     chunk_tiles = torch.empty_like(first_tile)
     num_chunks = torch.empty(2, dtype=torch.int32, device=device)
     runs = torch.empty(2, max(num_experts, 1), dtype=torch.int32, device=device)  # first, last

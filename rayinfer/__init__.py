@@ -10,15 +10,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rayinfer.config import ParallelPlan
     from rayinfer.engine.outputs import RequestFailedError, RequestOutput
     from rayinfer.engine.sampling_params import InvalidRequestError, SamplingParams
     from rayinfer.llm import LLM
+    from rayinfer.parallel_plan import ParallelPlan
 
 _MODULES = {
     "LLM": "rayinfer.llm",
     "InvalidRequestError": "rayinfer.engine.sampling_params",
-    "ParallelPlan": "rayinfer.config",
+    "ParallelPlan": "rayinfer.parallel_plan",
     "RequestFailedError": "rayinfer.engine.outputs",
     "RequestOutput": "rayinfer.engine.outputs",
     "SamplingParams": "rayinfer.engine.sampling_params",

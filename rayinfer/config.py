@@ -1,9 +1,9 @@
 """Internal configuration: frozen dataclasses validated at construction.
 
-`ModelConfig` is read from a Hugging Face `config.json`; `ParallelPlan` says how one phase spreads
-it over workers. The engine's sizes are in engine_config.py, the token exchange's options in
-exchange_config.py, the overlap's in overlap_config.py; `EngineArgs` (engine_args.py) gathers
-them. Pydantic lives only at the Serve boundary.
+`ModelConfig` is read from a Hugging Face `config.json`; `ParallelPlan` (parallel_plan.py) says
+how one phase spreads it over workers. The engine's sizes are in engine_config.py, the token
+exchange's options in exchange_config.py, the overlap's in overlap_config.py; `EngineArgs`
+(engine_args.py) gathers them. Pydantic lives only at the Serve boundary.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from rayinfer.config_error import ConfigError
 from rayinfer.config_v4 import V4Config
+from rayinfer.parallel_plan import ParallelPlan as ParallelPlan  # where its users import it
 
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
@@ -354,57 +355,3 @@ def _dsa_fields(hf: dict) -> dict:
         index_topk=hf["index_topk"],
         indexer_types=tuple(indexer_types),
     )
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    """How one phase spreads a model over workers: workers = tp x dp; ep divides workers."""
-
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-
-    def __post_init__(self):
-        for key in ("tp", "dp", "ep"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.num_workers % self.ep:
-            valid = [d for d in range(1, self.num_workers + 1) if self.num_workers % d == 0]
-            raise ConfigError(
-                f"ep={self.ep} must divide tp*dp={self.num_workers}; valid ep: {valid}"
-            )
-
-    @property
-    def num_workers(self) -> int:
-        return self.tp * self.dp
-
-    @property
-    def has_collectives(self) -> bool:
-        """Whether the workers talk during a forward (so they must run every step together)."""
-        return self.tp > 1 or self.ep > 1
-
-    @property
-    def experts_exchange_tokens(self) -> bool:
-        """Whether some expert-parallel group spans several data-parallel replicas, whose tokens
-        differ, so that MoE layers send tokens between workers."""
-        return any(map(self.ep_group_spans_replicas, range(self.num_workers // self.ep)))
-
-    def ep_group_spans_replicas(self, group: int) -> bool:
-        """Whether EP group `group` holds workers of several DP replicas (workers are numbered
-        dp_rank * tp + tp_rank; an EP group is `ep` consecutive workers)."""
-        first = group * self.ep
-        return first // self.tp != (first + self.ep - 1) // self.tp
-
-    def check_fits(self, model: ModelConfig, key: str = "parallel") -> None:
-        """Fail, naming the key and the sizes that work, when the model cannot be split so."""
-        limits = [("tp", self.tp, "num_attention_heads", model.num_attention_heads)]
-        if not model.kv_is_replicated:
-            limits.append(("tp", self.tp, "num_key_value_heads", model.num_kv_heads))
-        if model.is_moe:
-            limits.append(("ep", self.ep, "num_experts", model.num_experts))
-        for name, size, what, total in limits:
-            if total % size:
-                valid = [d for d in range(1, total + 1) if total % d == 0]
-                raise ConfigError(
-                    f"{key}.{name}={size} does not divide {what}={total}; use one of {valid}"
-                )

@@ -113,6 +113,17 @@ KV_HANDOFF_PATHS = ("auto", "object_store")
 # Each exporting worker's arena: room for ~18 V2-Lite requests of 3.7k tokens (115 MB) waiting
 # for decode; page-locked on CUDA, reserved as it is used on the CPU.
 DEFAULT_ARENA_BYTES = 2 << 30
+# Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
+# kernel and one driver call, where a request's copies (one per layer and run of consecutive
+# slots) average at least this many bytes (the export's default, and a KVCopier's own:
+# workers/runner/kv_copy.py); else through the device staging buffer and one gather or scatter
+# kernel.
+# `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite request): runs of 8
+# blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on another stream, where
+# the staged kernel takes 2.3 / 3.5, and with a Python thread contending for the GIL 28 ms
+# against 263 (every torch op and launch gives the GIL up); one-block runs (18 KB copies) take
+# 28 ms even idle against the staged 2.5.
+DIRECT_MIN_COPY_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -153,7 +164,7 @@ class KVHandoffConfig:
     arena_bytes: int = DEFAULT_ARENA_BYTES
     lease_s: float = 60.0
     layer_by_layer: bool = True
-    export_direct_min_copy_bytes: int = 64 * 2**10
+    export_direct_min_copy_bytes: int = DIRECT_MIN_COPY_BYTES
     import_direct_min_copy_bytes: int | None = None
 
     def __post_init__(self):

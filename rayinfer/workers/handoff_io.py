@@ -102,7 +102,7 @@ class HandoffIO:
         arena = self._arena()
         if arena is None:
             return None
-        copier, exports = self._copier(cache), []
+        copier, exports = self._configured_copier(cache), []
         for request in requests:
             self.drop_layer_exports([request.request_id])  # a stale one (a recomputed prompt)
             num_tokens = request.seq_len
@@ -160,7 +160,7 @@ class HandoffIO:
                 return self._finish_layer_export(started, generator_state, start)
             self.layer_exports[request_id] = started
             self.drop_layer_exports([request_id])
-        self._copier(cache)
+        self._configured_copier(cache)
         header = cache.export_header(num_tokens, generator_state, window_table)
         arena = self._arena() if self.config.path == "auto" else None
         span = None
@@ -183,7 +183,7 @@ class HandoffIO:
         header.timings["export_s"] = time.perf_counter() - start
         return header
 
-    def _copier(self, cache: KVCache) -> KVCopier:
+    def _configured_copier(self, cache: KVCache) -> KVCopier:
         """The cache's copier, taking batched row copies at this config's copy sizes."""
         copier = cache.copier
         copier.export_min_copy_bytes = self.config.export_direct_min_copy_bytes
@@ -255,7 +255,7 @@ class HandoffIO:
         copy has ended, landed or not (False where other ranks read them too: whoever knows
         that all of them have ended calls `discard`)."""
         start = time.perf_counter()
-        self._copier(cache)
+        self._configured_copier(cache)
         try:
             payloads = fetch_payloads(shards, needs, self.import_timeout_s)
         except LOST_OBJECT_ERRORS as error:

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from rayinfer.engine_config import DIRECT_MIN_COPY_BYTES
 from rayinfer.kernels import ops
 from rayinfer.kernels.cache_rows import CacheRowsTable
 from rayinfer.workers.runner.copy_batches import RowCopies, batch_copies_available, mean_copy_bytes
@@ -54,16 +55,6 @@ from rayinfer.workers.runner.kv_transfer import layer_rows
 CHUNK_BYTES = 128 * 2**20
 logger = logging.getLogger(__name__)
 
-# Page-locked chunks (an arena's) move by batched row copies on the copy engines, with no
-# kernel and one driver call, where a request's copies (one per layer and run of consecutive
-# slots) average at least this many bytes (kv_handoff.{export,import}_direct_min_copy_bytes);
-# else through the device staging buffer and one gather or scatter kernel.
-# `python benchmarks/handoff_copy_engines.py` (H100, a 115 MB V2-Lite request): runs of 8
-# blocks (147 KB copies) import in 2.6 ms idle and 2.9 with matmuls on another stream, where
-# the staged kernel takes 2.3 / 3.5, and with a Python thread contending for the GIL 28 ms
-# against 263 (every torch op and launch gives the GIL up); one-block runs (18 KB copies) take
-# 28 ms even idle against the staged 2.5.
-DIRECT_MIN_COPY_BYTES = 64 * 2**10
 # Threads of the host memcpy from object-store memory into pinned memory on import: one
 # thread's memcpy runs at about 8-10 GB/s, far below the host link.
 HOST_COPY_THREADS = 8

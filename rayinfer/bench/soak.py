@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 from rayinfer.bench import soak_faults, soak_memory, soak_report
-from rayinfer.bench.serve_cluster import wait_for
+from rayinfer.bench.polling import wait_for
 from rayinfer.bench.soak_load import Load, references
 
 DISAGGREGATED_FAULTS = (

@@ -11,7 +11,8 @@ import shutil
 import httpx
 import pytest
 
-from rayinfer.bench.serve_cluster import REPO_ROOT, wait_for
+from rayinfer.bench.polling import wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT
 from tests.serve.offline_reference import (
     PROMPTS,
     metric_samples,

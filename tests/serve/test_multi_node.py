@@ -30,7 +30,8 @@ import yaml
 
 from rayinfer.app import phase_options
 from rayinfer.bench.cluster_processes import cluster_process_ids
-from rayinfer.bench.serve_cluster import REPO_ROOT, NodeSpec, ServeCluster, wait_for
+from rayinfer.bench.polling import wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT, NodeSpec, ServeCluster
 from rayinfer.config import ConfigError
 from rayinfer.deployments.config import AppConfig
 from rayinfer.deployments.node_fit import check_nodes_fit

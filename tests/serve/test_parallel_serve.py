@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import rayinfer
-from rayinfer.bench.serve_cluster import wait_for
+from rayinfer.bench.polling import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster, wait_for
+from rayinfer.bench.polling import wait_for
+from rayinfer.bench.serve_cluster import REPO_ROOT, ServeCluster
 from tests.serve.offline_reference import metric_samples, offline_replies, served_replies
 
 pytestmark = pytest.mark.slow

@@ -21,24 +21,6 @@ if os.environ["TRITON_INTERPRET"] == "1":
     install()
 
 
-SERVE_TESTS = "tests/serve/"
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(session, config, items):
-    """Scheduling units for `pytest -n 2 --dist loadgroup` (pytest-xdist; the README's command):
-    every module is one unit, so its module- and class-scoped fixtures (worker groups, tiny
-    checkpoints) are made once, on one process; the serve tests are one unit together, as they
-    share one private cluster and `serve run` (tests/serve/conftest.py orders them), and go
-    first, being the longest (~14 of the ~36 serial minutes on 2 cores): the other process runs
-    the rest beside them. Without xdist the marks do nothing and only the order changes."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "serve" if path.startswith(SERVE_TESTS) else path
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: not item.nodeid.startswith(SERVE_TESTS))  # stable
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster shared by every test that needs one; shut down at session end."""

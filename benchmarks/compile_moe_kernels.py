@@ -93,18 +93,21 @@ def mxfp4_quad(arch: int, is_w13: bool, fold: bool = False, lut_reg: bool = Fals
     return compile_for(moe_mxfp4_quad_kernel, types, constants, arch, warps, stages)
 
 
-def moe_gate_up(arch: int, fp8: bool):
+def moe_gate_up(arch: int, fp8: bool, quant_out: bool = False):
     """The fused MoE's gate+up GEMM: over FP8 block-scaled experts and activations (W8A8,
-    DeepSeek-V3's top-8), or bf16 with DeepSeek-V4's swiglu_limit (top-6)."""
-    tile = dict(DEFAULT_CONFIG["w13"])
+    DeepSeek-V3's top-8), or bf16 with DeepSeek-V4's swiglu_limit (top-6); quant_out: FP8,
+    writing the down GEMM's FP8 activations and scales itself (128-column tiles; 8 warps, as
+    4 spilled 36 instructions on sm_90)."""
+    tile = dict(DEFAULT_CONFIG["w13"]) | (dict(BLOCK_N=128, num_warps=8) if quant_out else {})
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
     data, scale = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
-    types = dict(a_ptr=data, b_ptr=data, c_ptr="*bf16", a_scale_ptr=scale, b_scale_ptr=scale,
+    types = dict(a_ptr=data, b_ptr=data, c_ptr="*fp8e4nv" if quant_out else "*bf16",
+                 c_scale_ptr="*fp32", a_scale_ptr=scale, b_scale_ptr=scale,
                  **GEMM_POINTERS)  # fmt: skip
     constants = dict(SLOTS_PER_A_ROW=8 if fp8 else 6, FUSE_SILU=True, MUL_WEIGHT=False,
                      USE_FP8=fp8, SCALE_BLOCK=128, EVEN_K=True, USE_TMA=False,
                      DOT_PRECISION="tf32", USE_LIMIT=not fp8, LIMIT=0.0 if fp8 else 10.0,
-                     ONE_B_SCALE=fp8, **tile)  # fmt: skip
+                     ONE_B_SCALE=fp8, QUANT_OUT=quant_out, ACT_DTYPE="bf16", **tile)  # fmt: skip
     return compile_for(_moe_gemm_kernel, types, constants, arch, warps, stages)
 
 
@@ -170,6 +173,7 @@ KERNELS = {
     "mxfp4_quad_swapped_fold_gate_up": lambda arch: mxfp4_quad(arch, True, True, True, True),
     "mxfp4_quad_swapped_fold_down": lambda arch: mxfp4_quad(arch, False, True, True, True),
     "fp8_gate_up": lambda arch: moe_gate_up(arch, fp8=True),
+    "fp8_gate_up_quant_out": lambda arch: moe_gate_up(arch, fp8=True, quant_out=True),
     "fp8_block_gemm": fp8_block_gemm,
     "fp8_activation_quant": fp8_activation_quant,
     "bf16_gate_up_limit": lambda arch: moe_gate_up(arch, fp8=False),

@@ -5,11 +5,15 @@ import pytest
 import torch
 
 from rayinfer.kernels import ops
+from rayinfer.kernels.fp8.fp8_quant import fp8_quant
 from rayinfer.kernels.moe.fused_moe import (
+    _launch_gemm,
     expert_chunks,
     fused_moe,
     fused_moe_fp8_reference,
     fused_moe_reference,
+    quantizes_in_epilogue,
+    row_granule,
 )
 from rayinfer.kernels.moe.moe_align import moe_align
 from rayinfer.models.fp8 import quantize_block_fp8
@@ -188,6 +192,62 @@ def test_fused_moe_fp8_block_scales(case):
     # FP8 activations and weights stay within a few percent of the unquantized experts.
     unquantized = fused_moe_reference(x, w13, w2, weights, ids)
     assert (out - unquantized).norm() / unquantized.norm() < 0.08
+
+
+# gate+up tiles whose output columns are whole 128-channel groups: the plain kernel, chunks of
+# rows (main + tail), and gate and up as one dot (256 weight rows make 128 output columns).
+QUANTIZING_TILES = {
+    "plain": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 2},
+    "chunks": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 2, "TAIL_M": 8},
+    "one_dot": {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 2, "TAIL_M": 8,
+                "GATE_UP_ONE_DOT": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(QUANTIZING_TILES))
+def test_gate_up_writes_the_fp8_activations_fp8_quant_would(name, dtype):
+    """The gate+up epilogue's FP8 activations and scales are, byte for byte, fp8_quant's of the
+    activations the same tile writes in x's dtype (the pass it replaces)."""
+    case = dict(T=7, H=256, I=256, E=3, K=2, foreign=True)
+    x, w13, _, weights, ids = _problem(case, torch.float32, seed=11)
+    w13_q, w13_scale = _quantize_experts(w13)
+    x_in, x_scale = fp8_quant(x.to(dtype))
+    tile = QUANTIZING_TILES[name]
+    config = {"w13": tile, "w2": tile}
+    assert quantizes_in_epilogue(tile, case["I"])
+    alignment = moe_align(ids, case["E"], row_granule(config))
+    num_slots = ids.numel()
+    chunks = expert_chunks(alignment, num_slots, case["E"], tile) if "TAIL_M" in tile else None
+    common = (x_in, w13_q)
+    act = torch.zeros(num_slots, case["I"], dtype=dtype)
+    _launch_gemm(*common, act, x_scale, w13_scale, weights, alignment, "w13", config, case["K"],
+                 chunks)  # fmt: skip
+    act_q = torch.zeros(num_slots, case["I"], dtype=torch.float8_e4m3fn)
+    act_scale = torch.zeros(num_slots, case["I"] // 128)
+    _launch_gemm(*common, act_q, x_scale, w13_scale, weights, alignment, "w13", config,
+                 case["K"], chunks, c_scale=act_scale, act_dtype=dtype)  # fmt: skip
+    want_q, want_scale = fp8_quant(act)
+    held = ((ids >= 0) & (ids < case["E"])).reshape(-1)  # other slots are never written
+    assert held.any() and not held.all()
+    assert torch.equal(act_q[held].view(torch.uint8), want_q[held].view(torch.uint8))
+    assert torch.equal(act_scale[held], want_scale[held])
+
+
+def test_a_tile_that_splits_a_quantization_group_is_refused():
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 2}
+    assert not quantizes_in_epilogue(tile, 256)
+    assert not quantizes_in_epilogue({**tile, "BLOCK_N": 128}, 192)  # 1.5 tiles of columns
+    case = dict(T=2, H=128, I=128, E=2, K=1)
+    x, w13, _, weights, ids = _problem(case, torch.float32, seed=1)
+    w13_q, w13_scale = _quantize_experts(w13)
+    x_in, x_scale = fp8_quant(x)
+    config = {"w13": tile, "w2": tile}
+    alignment = moe_align(ids, case["E"], row_granule(config))
+    act_q = torch.zeros(2, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="cannot quantize its output"):
+        _launch_gemm(x_in, w13_q, act_q, x_scale, w13_scale, weights, alignment, "w13", config,
+                     1, c_scale=torch.zeros(2, 1), act_dtype=torch.float32)  # fmt: skip
 
 
 def test_ops_fused_moe_fp8_reference_path_dequantizes():

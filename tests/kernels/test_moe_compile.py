@@ -35,7 +35,7 @@ def test_moe_kernels_compile_for_sm80_sm89_sm90():
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [parse(line) for line in run.stdout.splitlines() if line.startswith("kernel=")]
-    fp8_kernels = ("fp8_gate_up", "fp8_block_gemm")
+    fp8_kernels = ("fp8_gate_up", "fp8_gate_up_quant_out", "fp8_block_gemm")
     kernels = ("mxfp4_gate_up", "mxfp4_down", "mxfp4_split_asm_gate_up", "mxfp4_split_asm_down",
                "mxfp4_quad_reg_gate_up", "mxfp4_quad_reg_fold_gate_up",
                "mxfp4_quad_reg_fold_down", "mxfp4_quad_swapped_fold_gate_up",

@@ -29,6 +29,7 @@ from rayinfer.kernels.moe.fused_moe_chunks import (
     row_granule,
 )
 from rayinfer.kernels.moe.fused_moe_kernels import (
+    QUANT_GROUP,
     _moe_chunk_gemm_kernel,
     _moe_gemm_kernel,
     _sum_topk_kernel,
@@ -46,6 +47,7 @@ DEFAULT_CONFIG = {
     "w2": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
            "num_stages": 3},
 }  # fmt: skip
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale):
@@ -88,13 +90,29 @@ def _pick_config(x, w13, num_slots):
     return config or DEFAULT_CONFIG
 
 
+def _is_one_dot(tile: dict, stage: str) -> bool:
+    """Whether the stage's tile makes gate and up as one product (GATE_UP_ONE_DOT, chunked)."""
+    return stage == "w13" and "TAIL_M" in tile and bool(tile.get("GATE_UP_ONE_DOT"))
+
+
+def quantizes_in_epilogue(tile: dict, intermediate: int) -> bool:
+    """Whether gate+up with this tile writes the FP8 experts' activations and their scales
+    itself: each program's output columns (BLOCK_N, or BLOCK_N / 2 with GATE_UP_ONE_DOT) are
+    whole 128-channel groups and the tiles cover the intermediate size exactly."""
+    out_n = tile["BLOCK_N"] // 2 if _is_one_dot(tile, "w13") else tile["BLOCK_N"]
+    return out_n % QUANT_GROUP == 0 and intermediate % out_n == 0
+
+
 def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, config, top_k,
-                 chunks: ExpertChunks | None = None,
-                 swiglu_limit: float | None = None):  # fmt: skip
+                 chunks: ExpertChunks | None = None, swiglu_limit: float | None = None,
+                 c_scale: torch.Tensor | None = None,
+                 act_dtype: torch.dtype | None = None):  # fmt: skip
     """One grouped GEMM; stage "w13" (gate+up with SiLU) or "w2" (down with top-k weights).
 
     A tile with TAIL_M runs one program per chunk of an expert's rows (alignment made with
-    block_m = TAIL_M); chunks are built here when not given.
+    block_m = TAIL_M); chunks are built here when not given. With c_scale (gate+up, a tile
+    that `quantizes_in_epilogue`), c is float8_e4m3fn: the activations as `fp8_quant` would
+    make them from their act_dtype values, c_scale [T*K, I/128] their scales.
     """
     tile = {key: value for key, value in config[stage].items() if key not in LAUNCH_OPTIONS}
     is_w13 = stage == "w13"
@@ -104,7 +122,7 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         raise ValueError(f"config {stage}: BLOCK_K={tile['BLOCK_K']} must divide the FP8 scale "
                          f"block ({SCALE_BLOCK})")  # fmt: skip
     use_tma = bool(config[stage].get("USE_TMA")) and k * b.element_size() % 16 == 0
-    one_dot = is_w13 and "TAIL_M" in tile and bool(config[stage].get("GATE_UP_ONE_DOT"))
+    one_dot = _is_one_dot(config[stage], stage)
     weights = b
     if use_tma and one_dot:  # w13 as [E, 2, I, H]: a box holds BN/2 gate and BN/2 up rows
         box = [1, 2, tile["BLOCK_N"] // 2, tile["BLOCK_K"]]
@@ -119,9 +137,17 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
     )  # fmt: skip
     if swiglu_limit is not None:  # a constexpr: the default path compiles as before
         common.update(USE_LIMIT=True, LIMIT=float(swiglu_limit))
-    operands = (a, weights, c, a_scale if use_fp8 else a, b_scale if use_fp8 else b, topk_weights)
+    if c_scale is not None:  # constexprs: the default path compiles as before
+        if not (is_w13 and quantizes_in_epilogue(config[stage], n_out)):
+            raise ValueError(f"config {stage}: {config[stage]} cannot quantize its output")
+        common.update(QUANT_OUT=True, ACT_DTYPE=DTYPE_NAMES[act_dtype])
+    operands = (
+        a, weights, c, c if c_scale is None else c_scale, a_scale if use_fp8 else a,
+        b_scale if use_fp8 else b, topk_weights,
+    )  # fmt: skip
     strides = (
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_scale.stride(0) if use_fp8 else 0,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        0 if c_scale is None else c_scale.stride(0), a_scale.stride(0) if use_fp8 else 0,
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
     )  # fmt: skip
     num_pid_n = triton.cdiv(n_out, tile["BLOCK_N"] // 2 if one_dot else tile["BLOCK_N"])
@@ -176,13 +202,23 @@ def fused_moe(
         _check_chunk_tile(config["w13"])
         chunks = expert_chunks(alignment, num_tokens * top_k, num_experts, config["w13"])
     weights = topk_weights.float().contiguous()
-    act = torch.empty(num_tokens * top_k, two_i // 2, dtype=x.dtype, device=x.device)  # [T*K, I]
+    num_slots, intermediate = num_tokens * top_k, two_i // 2
+    # FP8 experts: gate+up quantizes the activations itself where its tile allows, else a pass
+    # of fp8_quant after it does (the same bytes and scales either way).
+    fused_quant = w2_scale is not None and quantizes_in_epilogue(config["w13"], intermediate)
+    act_dtype = torch.float8_e4m3fn if fused_quant else x.dtype
+    act = torch.empty(num_slots, intermediate, dtype=act_dtype, device=x.device)  # [T*K, I]
+    act_scale = None
+    if fused_quant:
+        act_scale = torch.empty(num_slots, intermediate // QUANT_GROUP, device=x.device)
     slot_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*K, H]
     x_in, x_scale = fp8_quant(x) if w13_scale is not None else (x, None)
     stage_args = (weights, alignment)
     _launch_gemm(x_in, w13, act, x_scale, w13_scale, *stage_args, "w13", config, top_k, chunks,
-                 swiglu_limit)  # fmt: skip
-    act_in, act_scale = fp8_quant(act) if w2_scale is not None else (act, None)
+                 swiglu_limit, act_scale, x.dtype)  # fmt: skip
+    act_in = act
+    if w2_scale is not None and not fused_quant:
+        act_in, act_scale = fp8_quant(act)
     w2_chunks = chunks if config["w2"].get("BLOCK_M") == config["w13"]["BLOCK_M"] else None
     _launch_gemm(act_in, w2, slot_out, act_scale, w2_scale, *stage_args, "w2", config, 1, w2_chunks)
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, 1024))](

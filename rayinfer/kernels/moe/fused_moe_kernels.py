@@ -6,8 +6,14 @@ top-k reduction (`_sum_topk_kernel`). Launched by fused_moe._launch_gemm and fus
 from __future__ import annotations
 
 from rayinfer.kernels.elementwise.activation import clamp_gate_up
+from rayinfer.kernels.fp8.fp8_quant import FP8_MAX, MIN_SCALE, _round_to_e4m3_grid
 from rayinfer.kernels.tile_order import grouped_tile_ids
 from rayinfer.kernels.triton_compat import tl, triton
+
+QUANT_GROUP = 128  # channels per activation scale, as fp8_quant's default group
+_QUANT_GROUP = tl.constexpr(QUANT_GROUP)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
@@ -36,21 +42,48 @@ def _add_rescaled(acc, product, a_scale, b_scale_ptrs, ONE_B_SCALE: tl.constexpr
     return acc
 
 
+@triton.jit
+def _store_fp8_rows(values, rows, is_real, q_ptr, scale_ptr, first_col, N, stride_qm, stride_sm,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+    """q[rows, first_col:+COLS] and scale[rows, first_col/128:+COLS/128] of values [ROWS, COLS]
+    (float32), quantized as fp8_quant quantizes them once rounded to ACT_DTYPE ("bf16", "fp16"
+    or "fp32", the activations' dtype without the fusion): the bytes and
+    scales of writing them in ACT_DTYPE and quantizing that, without the second pass. COLS is a
+    multiple of QUANT_GROUP and first_col starts a group (the launcher checks)."""
+    groups: tl.constexpr = COLS // _QUANT_GROUP
+    if ACT_DTYPE == "bf16":  # a name, not a dtype: sm_80's refusal of FP8 stays the only error
+        values = values.to(tl.bfloat16).to(tl.float32)
+    elif ACT_DTYPE == "fp16":
+        values = values.to(tl.float16).to(tl.float32)
+    x = tl.reshape(values, (ROWS, groups, _QUANT_GROUP))
+    scale = tl.maximum(tl.max(tl.abs(x), 2) / _FP8_MAX, _MIN_SCALE)  # [ROWS, groups]
+    q = _round_to_e4m3_grid(tl.clamp(x / scale[:, :, None], -_FP8_MAX, _FP8_MAX))
+    q = tl.reshape(q, (ROWS, COLS))
+    cols = first_col + tl.arange(0, COLS)
+    row_offs = rows[:, None].to(tl.int64)
+    tl.store(q_ptr + row_offs * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=is_real[:, None] & (cols[None, :] < N))  # fmt: skip
+    group_cols = first_col // _QUANT_GROUP + tl.arange(0, groups)
+    tl.store(scale_ptr + row_offs * stride_sm + group_cols[None, :], scale,
+             mask=is_real[:, None] & (group_cols[None, :] < N // _QUANT_GROUP))  # fmt: skip
+
+
 # Integer arguments that follow the step's token count: Triton would compile a kernel per value
 # class (1, divisible by 16, other), each the first time a step met it, holding up that step and
 # every request in flight (a fresh H100 compiled 8 such variants of these kernels for 7.3 s while
 # serving: workers/kernel_compiles.py), so they are not specialized (do_not_specialize).
 @triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, c_ptr, c_scale_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
     N, K, num_slots, up_offset, num_blocks_m,
-    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    stride_am, stride_be, stride_bn, stride_cm, stride_csm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0, ONE_B_SCALE: tl.constexpr = False,
+    QUANT_OUT: tl.constexpr = False, ACT_DTYPE: tl.constexpr = None,
 ):  # fmt: skip
     """c[slot, n] for one tile of sorted slots (one expert) and one tile of output columns.
 
@@ -61,6 +94,8 @@ def _moe_gemm_kernel(
     (the launcher checks), so each K step's product is rescaled by one FMA per element with a
     per-row factor, not a multiply and an FMA (ncu, FP8 MoE at 4,096 tokens on an H100: FMUL
     was 17% of the gate+up kernel's instructions).
+    QUANT_OUT (gate+up before FP8 experts): c is float8_e4m3fn and c_scale [slots, N/128] its
+    scales, quantized per row and 128 columns here (_store_fp8_rows) instead of in a pass after.
     """
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -115,9 +150,14 @@ def _moe_gemm_kernel(
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+    if QUANT_OUT:
+        _store_fp8_rows(acc, slots, is_real, c_ptr, c_scale_ptr, pid_n * BLOCK_N, N, stride_cm,
+                        stride_csm, BLOCK_M, BLOCK_N, ACT_DTYPE)  # fmt: skip
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                 mask=is_real[:, None] & (cols[None, :] < N))  # fmt: skip
 
 
 @triton.jit
@@ -209,11 +249,14 @@ def _chunk_k_loop(
 
 @triton.jit
 def _store_rows(
-    acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
+    acc, acc_up, slots, is_real, c_ptr, c_scale_ptr, topk_weights_ptr, pid_n, N, stride_cm,
+    stride_csm,
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, USE_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    QUANT_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """c[slot, cols] = silu(gate) * up (gate+up) or topk_weight[slot] * acc (down).
+    """c[slot, cols] = silu(gate) * up (gate+up) or topk_weight[slot] * acc (down); with
+    QUANT_OUT in FP8 with its scales (_store_fp8_rows).
 
     With GATE_UP_ONE_DOT, acc [R, BN] holds gate in its first BN/2 columns and up in the rest.
     """
@@ -226,9 +269,14 @@ def _store_rows(
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
-    cols = pid_n * out_n + tl.arange(0, out_n)
-    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_real[:, None] & (cols[None, :] < N))
+    if QUANT_OUT:
+        _store_fp8_rows(acc, slots, is_real, c_ptr, c_scale_ptr, pid_n * out_n, N, stride_cm,
+                        stride_csm, ROWS, out_n, ACT_DTYPE)  # fmt: skip
+    else:
+        cols = pid_n * out_n + tl.arange(0, out_n)
+        c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                 mask=is_real[:, None] & (cols[None, :] < N))  # fmt: skip
 
 
 @triton.jit
@@ -246,16 +294,17 @@ def _weight_rows(pid_n, N, up_offset, GATE_UP_ONE_DOT: tl.constexpr, BLOCK_N: tl
 
 @triton.jit(do_not_specialize=["num_slots", "max_chunks"])  # as _moe_gemm_kernel
 def _moe_chunk_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, c_ptr, c_scale_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr,
     chunk_first_tile_ptr, chunk_num_tiles_ptr, num_chunks_ptr,
     N, K, num_slots, up_offset, max_chunks,
-    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    stride_am, stride_be, stride_bn, stride_cm, stride_csm, stride_asm, stride_bse, stride_bsn,
     SLOTS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GATE_UP_ONE_DOT: tl.constexpr, WITH_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, USE_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
+    QUANT_OUT: tl.constexpr = False, ACT_DTYPE: tl.constexpr = None,
 ):  # fmt: skip
     """Like _moe_gemm_kernel, for one chunk of an expert's rows: BLOCK_M main rows plus up to
     TAIL_M tail rows (row tiles of TAIL_M), so an expert with 1.5 tiles' worth of rows reads each
@@ -301,12 +350,13 @@ def _moe_chunk_gemm_kernel(
         BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if WITH_TAIL:
-        _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, topk_weights_ptr, pid_n, N,
-                    stride_cm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, TAIL_M, BLOCK_N,
-                    USE_LIMIT, LIMIT)  # fmt: skip
-    _store_rows(acc, acc_up, slots, is_real, c_ptr, topk_weights_ptr, pid_n, N, stride_cm,
-                FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N,
-                USE_LIMIT, LIMIT)  # fmt: skip
+        _store_rows(tail, tail_up, tail_slots, tail_is_real, c_ptr, c_scale_ptr,
+                    topk_weights_ptr, pid_n, N, stride_cm, stride_csm, FUSE_SILU, MUL_WEIGHT,
+                    GATE_UP_ONE_DOT, TAIL_M, BLOCK_N, USE_LIMIT, LIMIT, QUANT_OUT,
+                    ACT_DTYPE)  # fmt: skip
+    _store_rows(acc, acc_up, slots, is_real, c_ptr, c_scale_ptr, topk_weights_ptr, pid_n, N,
+                stride_cm, stride_csm, FUSE_SILU, MUL_WEIGHT, GATE_UP_ONE_DOT, BLOCK_M, BLOCK_N,
+                USE_LIMIT, LIMIT, QUANT_OUT, ACT_DTYPE)  # fmt: skip
 
 
 @triton.jit

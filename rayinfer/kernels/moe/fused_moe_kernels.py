@@ -145,19 +145,9 @@ def _moe_gemm_kernel(
             else:
                 acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-    if FUSE_SILU:
-        acc, acc_up = clamp_gate_up(acc, acc_up, USE_LIMIT, LIMIT)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + slots, mask=is_real, other=0.0)[:, None]
-    if QUANT_OUT:
-        _store_fp8_rows(acc, slots, is_real, c_ptr, c_scale_ptr, pid_n * BLOCK_N, N, stride_cm,
-                        stride_csm, BLOCK_M, BLOCK_N, ACT_DTYPE)  # fmt: skip
-    else:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-                 mask=is_real[:, None] & (cols[None, :] < N))  # fmt: skip
+    _store_rows(acc, acc_up, slots, is_real, c_ptr, c_scale_ptr, topk_weights_ptr, pid_n, N,
+                stride_cm, stride_csm, FUSE_SILU, MUL_WEIGHT, False, BLOCK_M, BLOCK_N,
+                USE_LIMIT, LIMIT, QUANT_OUT, ACT_DTYPE)  # fmt: skip
 
 
 @triton.jit

@@ -95,11 +95,16 @@ def _is_one_dot(tile: dict, stage: str) -> bool:
     return stage == "w13" and "TAIL_M" in tile and bool(tile.get("GATE_UP_ONE_DOT"))
 
 
+def _output_columns(tile: dict, stage: str) -> int:
+    """A program's output columns: BLOCK_N, or BLOCK_N / 2 with gate and up in one product."""
+    return tile["BLOCK_N"] // 2 if _is_one_dot(tile, stage) else tile["BLOCK_N"]
+
+
 def quantizes_in_epilogue(tile: dict, intermediate: int) -> bool:
     """Whether gate+up with this tile writes the FP8 experts' activations and their scales
-    itself: each program's output columns (BLOCK_N, or BLOCK_N / 2 with GATE_UP_ONE_DOT) are
-    whole 128-channel groups and the tiles cover the intermediate size exactly."""
-    out_n = tile["BLOCK_N"] // 2 if _is_one_dot(tile, "w13") else tile["BLOCK_N"]
+    itself: each program's output columns are whole 128-channel groups and the tiles cover the
+    intermediate size exactly."""
+    out_n = _output_columns(tile, "w13")
     return out_n % QUANT_GROUP == 0 and intermediate % out_n == 0
 
 
@@ -150,7 +155,7 @@ def _launch_gemm(a, b, c, a_scale, b_scale, topk_weights, alignment, stage, conf
         0 if c_scale is None else c_scale.stride(0), a_scale.stride(0) if use_fp8 else 0,
         b_scale.stride(0) if use_fp8 else 0, b_scale.stride(1) if use_fp8 else 0,
     )  # fmt: skip
-    num_pid_n = triton.cdiv(n_out, tile["BLOCK_N"] // 2 if one_dot else tile["BLOCK_N"])
+    num_pid_n = triton.cdiv(n_out, _output_columns(config[stage], stage))
     if "TAIL_M" in tile:
         _check_chunk_tile(tile)
         if chunks is None:
@@ -206,8 +211,8 @@ def fused_moe(
     # FP8 experts: gate+up quantizes the activations itself where its tile allows, else a pass
     # of fp8_quant after it does (the same bytes and scales either way).
     fused_quant = w2_scale is not None and quantizes_in_epilogue(config["w13"], intermediate)
-    act_dtype = torch.float8_e4m3fn if fused_quant else x.dtype
-    act = torch.empty(num_slots, intermediate, dtype=act_dtype, device=x.device)  # [T*K, I]
+    act_stored_as = torch.float8_e4m3fn if fused_quant else x.dtype
+    act = torch.empty(num_slots, intermediate, dtype=act_stored_as, device=x.device)  # [T*K, I]
     act_scale = None
     if fused_quant:
         act_scale = torch.empty(num_slots, intermediate // QUANT_GROUP, device=x.device)

@@ -206,12 +206,30 @@ def compile_mla_ws_for_sm90(tokens_major: bool = False, block_h: int = 16):
                                    ws.LAUNCH_REGISTERS)  # fmt: skip
 
 
+def compile_sparse_mla_ws_for_sm90(tokens_major: bool = False, block_h: int = 16):
+    """sparse_mla_hopper's warp-specialized Gluon split kernel (cp.async gathering producer
+    warpgroup), as `sparse_mla_ws_launch` launches it; tokens_major as for the dense one."""
+    from rayinfer.kernels.dsa import sparse_mla_hopper as ws
+
+    head_rows = block_h if tokens_major else ws.HEAD_ROWS
+    types = dict(q_latent_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*bf16", slots_ptr="*i32",
+                 out_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")  # fmt: skip
+    aligned = ("q_latent_ptr", "q_pe_ptr", "cache_ptr", "slots_ptr", "out_ptr", "lse_ptr",
+               "stride_ql", "stride_qp", "stride_row", "stride_ot", "stride_oh",
+               "stride_os")  # fmt: skip
+    constants = dict(HEAD_ROWS_C=head_rows, IS_ONLY_SPLIT=False, TOKENS_MAJOR=tokens_major)
+    return _compile_gluon_for_sm90(ws._sparse_mla_ws_kernel, types, constants, aligned,
+                                   ws.LAUNCH_REGISTERS)  # fmt: skip
+
+
 GLUON_KERNELS = {
     "prefill-ws": compile_prefill_ws_for_sm90,
     "prefill-ws-mla": lambda: compile_prefill_ws_for_sm90(rope=True),
     "fp8-ws": compile_fp8_ws_for_sm90,
     "mla-ws": compile_mla_ws_for_sm90,
     "mla-ws-tokens": lambda: compile_mla_ws_for_sm90(tokens_major=True),
+    "sparse-mla-ws": compile_sparse_mla_ws_for_sm90,
+    "sparse-mla-ws-tokens": lambda: compile_sparse_mla_ws_for_sm90(tokens_major=True),
 }
 
 

@@ -120,10 +120,13 @@ def time_sparse_attention(batch: int, context: int, copy_rate: float) -> dict:
     its slot lists, wherever in the cache they point)."""
     inputs = sparse_attention_inputs(batch, context)
     ms = median_ms(lambda: sparse_mla_attention(*inputs))
+    # the Triton kernel in the same run (the entry's fallback tiles where it is a Gluon entry)
+    triton_ms = median_ms(lambda: sparse_mla_attention(*inputs, backend="triton"))
     rate = attention_bytes(batch) / (ms * 1e-3)
     return dict(kernel="sparse_mla_decode", batch=batch, context=context, ms=ms,
                 bytes=attention_bytes(batch), tb_per_s=rate / 1e12,
-                copy_share=rate / copy_rate)  # fmt: skip
+                copy_share=rate / copy_rate, triton_ms=triton_ms,
+                vs_triton=triton_ms / ms)  # fmt: skip
 
 
 def time_indexer(batch: int, context: int, copy_rate: float) -> dict:
@@ -195,6 +198,8 @@ def print_row(row: dict) -> None:
               f"sparse {row['sparse_ms']:.3f}) = {row['speedup']:6.2f}x", flush=True)  # fmt: skip
     else:
         extra = f" scores {row['scores_ms']:.3f} ms" if "scores_ms" in row else ""
+        if "triton_ms" in row:  # the sparse attention's Triton kernel, same run
+            extra += f" (Triton {row['triton_ms']:.3f} ms: {row['vs_triton']:.2f}x)"
         if "torch_topk_ms" in row:  # the same selection with torch.topk, same run
             extra += (f" (radix {row['radix_topk_ms']:.3f} ms, torch.topk "
                       f"{row['torch_topk_ms']:.3f} ms)")  # fmt: skip
@@ -231,6 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sweep", action="store_true", help="also sweep both kernels' tiles at 1/16/64 x 128k"
     )
+    parser.add_argument("--sparse-only", action="store_true",
+                        help="only the sparse attention (no indexer, dense, sweep)")  # fmt: skip
     parser.add_argument("--sweep-kernels", nargs="+", choices=dsa_sweep.SWEPT_KERNELS,
                         default=list(dsa_sweep.SWEPT_KERNELS),
                         help="with --sweep: which kernels' tiles (default: both)")  # fmt: skip
@@ -251,6 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = copy_bytes_per_s()
     print(f"HBM copy (1 GiB): {copy_rate / 1e12:.2f} TB/s", flush=True)
     sparse = measure(time_sparse_attention, "sparse_mla_decode", ATTENTION_CASES, copy_rate)
+    if args.sparse_only:
+        rows = list(sparse.values())
+        _write(
+            args.json,
+            dict(
+                device=torch.cuda.get_device_name(),
+                copy_tb_per_s=copy_rate / 1e12,
+                timing=args.timing,
+                rows=rows,
+            ),
+        )
+        return 0
     indexer = measure(time_indexer, "dsa_indexer_decode", INDEXER_CASES, copy_rate)
     dense = measure(time_dense_attention, "mla_dense_decode", ATTENTION_CASES, copy_rate)
     speedups = [speedup_row(sparse[c], timed(indexer, c), timed(dense, c))
@@ -262,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                   timing=args.timing, rows=rows)  # fmt: skip
     if args.sweep:
         result["sweep"] = dsa_sweep.run(args.config_out, tuple(args.sweep_kernels))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    _write(args.json, result)
     return 0
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

@@ -2,8 +2,9 @@
 the Hopper kernels (`*_hopper.py`), when the installed Triton ships it; HAS_GLUON False otherwise
 (no Triton, or an older one): those modules then define no kernels and their `supports` says no.
 
-The TMA copies and the thread barrier were renamed between Triton 3.6 (the GPU machine's) and
-3.9 (CI's); `tma_load` / `tma_store` / `thread_barrier` are whichever this Triton has.
+The TMA copies, cp.async's copy and the thread barrier were renamed between Triton 3.6 (the GPU
+machine's) and 3.9 (CI's); `tma_load` / `tma_store` / `async_load` / `thread_barrier` are
+whichever this Triton has.
 `rows_descriptor` builds the host TMA descriptors the kernels take.
 
 Gluon is experimental and its API moves between Triton releases, so a kernel that builds with
@@ -37,11 +38,18 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6 | 3.9 name
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
+
+    # cp.async into shared memory (pointer gathers): async_load | 3.6's name
+    async_load = getattr(_async_copy, "async_load", None)
+    async_load = async_load or _async_copy.async_copy_global_to_shared
+    async_commit_group, async_wait_group = _async_copy.commit_group, _async_copy.wait_group
     HAS_GLUON = True
 except (ImportError, AttributeError):  # placeholders: the Hopper modules use them only when
     HAS_GLUON = False  # HAS_GLUON
     gluon = gl = mbarrier = tma = TensorDescriptor = None
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = tma_load = tma_store = None
+    async_load = async_commit_group = async_wait_group = None
     thread_barrier = None
 
 try:  # what a kernel that does not build (or fit) with this Triton raises
@@ -52,7 +60,8 @@ except ImportError:
     GLUON_BUILD_ERRORS = ()
 
 __all__ = [
-    "GLUON_BUILD_ERRORS", "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl",
+    "GLUON_BUILD_ERRORS", "HAS_GLUON", "TensorDescriptor", "async_commit_group", "async_load",
+    "async_wait_group", "fence_async_shared", "gl",
     "gluon", "gluon_enabled", "gluon_failed", "mbarrier", "rows_descriptor", "thread_barrier",
     "tma", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip

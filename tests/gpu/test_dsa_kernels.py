@@ -166,3 +166,51 @@ def test_radix_topk_picks_the_values_torch_topk_picks(num_rows, num_cols, k):
     assert torch.equal(chosen, scores.topk(k, dim=-1).values.sort(-1).values)
     distinct = out.sort(-1).values.diff(dim=-1)
     assert (distinct > 0).all()  # each column once
+
+
+def hopper_only():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon sparse MLA kernel runs on sm_90 only")
+
+
+GLUON_FORMS = [("gluon_ws", 64, 64), ("gluon_ws_tokens", 16, 16), ("gluon_ws_tokens", 32, 32),
+               ("gluon_ws_tokens", 64, 20)]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout,block_h,num_heads", GLUON_FORMS,
+                         ids=[f"{f}-{n}heads" for f, _, n in GLUON_FORMS])  # fmt: skip
+@pytest.mark.parametrize("num_listed", [2048, 100, 1], ids=["k2048", "k100", "k1"])
+def test_gluon_sparse_mla_matches_float32_reference(monkeypatch, layout, block_h, num_heads,
+                                                    num_listed):  # fmt: skip
+    """The Gluon split kernel (sparse_mla_hopper) in both forms, launched (counted), against
+    float32: lists of 1, of 100 (a partial last tile) and of 2048 entries with -1 runs (a short
+    context's padding, a whole tile of it, and one query with nothing listed), 37 queries."""
+    hopper_only()
+    from rayinfer.kernels.dsa import sparse_mla_hopper
+
+    launches = []
+    launch = sparse_mla_hopper.sparse_mla_ws_launch
+    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_ws_launch",
+                        lambda *a, **k: launches.append(k) or launch(*a, **k))  # fmt: skip
+    seq_lens = [8192, 1000, 65536]
+    kv_cache, tables = paged_cache(seq_lens, torch.bfloat16, seed=3)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    slots = random_selection(seq_lens, tables, 12, generator)[:, :num_listed]  # [36, K]
+    slots = torch.cat([slots, torch.full_like(slots[:1], -1)])  # a query with nothing listed
+    if num_listed == TOPK:
+        slots[0, 64:192] = -1  # two whole tiles of -1 inside a list
+    num_queries = slots.shape[0]
+    q_latent = torch.randn(num_queries, num_heads, LATENT_RANK, device="cuda", generator=generator)
+    q_pe = torch.randn(num_queries, num_heads, ROPE_DIM, device="cuda", generator=generator)
+    q_latent, q_pe = q_latent.bfloat16(), q_pe.bfloat16()
+    scale = (LATENT_RANK // 4 + ROPE_DIM) ** -0.5
+    params = {**launch_params("sparse_mla", q_latent.device, num_heads), "layout": layout,
+              "BLOCK_H": block_h, "BLOCK_N": 64, "whole_waves": True, "programs_per_sm": 1,
+              "min_tokens_per_split": 64, "max_splits": 32}  # fmt: skip
+    ours = sparse_mla_attention(q_latent, q_pe, kv_cache, slots, scale, params=params)
+    reference = sparse_mla_attention_reference(
+        q_latent.float(), q_pe.float(), kv_cache.float(), slots, scale
+    )
+    assert launches and launches[0]["tokens_major"] == (layout == "gluon_ws_tokens")
+    assert not ours[-1].any()  # nothing listed: zeros (the reference's softmax has no entry)
+    torch.testing.assert_close(ours[:-1].float(), reference[:-1], atol=2e-2, rtol=2e-2)

@@ -91,3 +91,15 @@ def test_the_other_gluon_kernels_compile_for_sm90(kernel, spills, tmp_path):
     assert report["spill_instructions"] is None or report["spill_instructions"] <= spills
     assert report["wgmma"] >= 1 and report["tma_copies"] >= 2
     assert "ttg.warp_specialize" in dump.read_text()
+
+
+@pytest.mark.parametrize("kernel", ["sparse-mla-ws", "sparse-mla-ws-tokens"])
+def test_the_gluon_sparse_mla_kernel_compiles_for_sm90(kernel, tmp_path):
+    """Both forms of the sparse MLA split kernel (the dense one's consumers, a cp.async gathering
+    producer warpgroup): within an SM's shared memory, no spills, the gathers as cp.async."""
+    dump = tmp_path / "kernel.ttgir"
+    report = probe([kernel], dump)
+    assert 0 < report["shared_memory_bytes"] <= 227 * 1024
+    assert report["spill_instructions"] in (0, None)
+    assert report["wgmma"] >= 3 and report["cp_async"] >= 6 and report["tma_copies"] == 0
+    assert "ttg.warp_specialize" in dump.read_text()

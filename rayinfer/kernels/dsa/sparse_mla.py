@@ -11,6 +11,11 @@ BLOCK_N listed rows at a time (c_kv and k_pe of each, once for the group's BLOCK
 an online softmax, and the splits of a long list (index_topk 2048 at decode) are merged by their
 log-sum-exps with mla_decode's combine kernel. A prefill step has enough queries to fill the GPU
 with one split each, which then writes the output directly.
+
+On sm_90 a config entry with a Gluon layout ("gluon_ws", "gluon_ws_tokens") runs the split kernel
+of sparse_mla_hopper instead (same partial outputs, same combine), with the dense Gluon MLA
+decode's split policy ("whole_waves", "programs_per_sm") and its "fallback" Triton tiles
+wherever it cannot run or `backend` is "triton" (KernelBackends.mla_decode).
 """
 
 from __future__ import annotations
@@ -18,12 +23,21 @@ from __future__ import annotations
 import torch
 
 from rayinfer.kernels.attention.paged_attention import choose_split, dot_precision, launch_params
+from rayinfer.kernels.dsa import sparse_mla_hopper
+from rayinfer.kernels.gluon_compat import GLUON_BUILD_ERRORS, gluon_enabled, gluon_failed
+from rayinfer.kernels.mla.mla_decode import (
+    GLUON_LAYOUTS,
+    per_sm,
+    split_buffers,
+    triton_fallback,
+)
 from rayinfer.kernels.mla.mla_decode_kernels import _mla_combine_kernel
 from rayinfer.kernels.triton_compat import tl, triton
 
 # float32 on a GPU (parity checks, not a speed path): tiles that fit shared memory at four bytes
 # an element on every target (sm_80, sm_89, sm_90).
 FLOAT32_TILES = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2)
+GLUON_KERNEL = "sparse_mla"  # its name for gluon_compat's failure record
 
 
 def sparse_mla_attention_reference(
@@ -115,7 +129,13 @@ def _sparse_mla_split_kernel(
 
 def sparse_mla_params(q_latent: torch.Tensor) -> dict:
     """Tiles and split policy from configs/sparse_mla.json (bucketed by heads per rank)."""
-    params = launch_params("sparse_mla", q_latent.device, q_latent.shape[1])
+    return launch_params("sparse_mla", q_latent.device, q_latent.shape[1])
+
+
+def triton_params(params: dict, q_latent: torch.Tensor) -> dict:
+    """The Triton kernel's tiles: a Gluon entry's fallback; float32 tiles for float32 on a GPU."""
+    if params.get("layout") in GLUON_LAYOUTS:
+        params = triton_fallback(params)
     if q_latent.dtype == torch.float32 and q_latent.is_cuda:
         params = {**params, **FLOAT32_TILES}
     return params
@@ -145,8 +165,10 @@ def sparse_mla_attention(
     slots: torch.Tensor,  # [T, K] int32, -1 skipped
     scale: float,
     params: dict | None = None,  # tile override (tests, sweeps); else sparse_mla_params
+    backend: str = "auto",  # "triton" pins the Triton kernel (KernelBackends.mla_decode)
 ) -> torch.Tensor:  # [T, N, L]; a query with no listed slot gets zeros
-    """The Triton kernel (module docstring): split launch, then the combine where K is split."""
+    """Split launch (the Gluon kernel where the entry and operands allow, else Triton), then
+    the combine where the list is split (module docstring)."""
     num_queries, num_heads, latent_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     if q_pe.shape[:2] != (num_queries, num_heads) or slots.shape[0] != num_queries:
@@ -160,15 +182,20 @@ def sparse_mla_attention(
     if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or slots.dtype != torch.int32:
         raise ValueError("q_latent, q_pe need a dense last dim; slots must be int32")
     slots = slots.contiguous()
-    params = {**sparse_mla_params(q_latent), **(params or {})}
-    num_groups = triton.cdiv(num_heads, heads_per_program(params, num_heads))
+    found = sparse_mla_params(q_latent)
+    if params and "layout" not in params and found.get("layout") in GLUON_LAYOUTS:
+        found = triton_fallback(found)  # an override without a layout names Triton tiles
+    params = {**found, **(params or {})}
     num_listed = slots.shape[1]
+    if params.get("layout") in GLUON_LAYOUTS and backend != "triton":
+        gluon_out = _gluon_split_k(q_latent, q_pe, kv_cache, slots, scale, params)
+        if gluon_out is not None:
+            return gluon_out
+    params = triton_params(params, q_latent)
+    num_groups = triton.cdiv(num_heads, heads_per_program(params, num_heads))
     split = choose_split(num_queries, num_groups, num_listed, params)
-    out = q_latent.new_empty(num_queries, num_heads, latent_rank)
+    out, mid_out, mid_lse = split_buffers(q_latent, split.num_splits)
     is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
-    mid_shape = (num_queries, num_heads, split.num_splits, latent_rank)
-    mid_out = out[:, :, None] if is_only_split else out.new_empty(mid_shape, dtype=torch.float32)
-    mid_lse = out.new_empty(num_queries, num_heads, split.num_splits, dtype=torch.float32)
     constants = split_constants(params, q_latent.dtype, num_heads, latent_rank, rope_dim,
                                 is_only_split)  # fmt: skip
     _sparse_mla_split_kernel[(num_groups * num_queries, split.num_splits)](
@@ -180,6 +207,35 @@ def sparse_mla_attention(
         **constants, num_warps=params["num_warps"], num_stages=params["num_stages"],
     )  # fmt: skip
     if not is_only_split:
+        _combine_splits(mid_out, mid_lse, out, num_listed, split.tokens_per_split)
+    return out
+
+
+def _gluon_split_k(q_latent, q_pe, kv_cache, slots, scale, params) -> torch.Tensor | None:
+    """The Gluon split kernel and the combine -> out [T, N, L]; None where it cannot serve these
+    operands (or did not build with this Triton: reported once, Triton from then on)."""
+    if not gluon_enabled(GLUON_KERNEL):
+        return None
+    q_latent = sparse_mla_hopper.with_uniform_rows(q_latent)  # (query, head) rows one apart
+    q_pe = sparse_mla_hopper.with_uniform_rows(q_pe)
+    params = per_sm(params, q_latent.device)
+    num_queries, num_heads = q_latent.shape[:2]
+    tokens_major = params["layout"] == "gluon_ws_tokens"
+    block_h = heads_per_program(params, num_heads) if tokens_major else sparse_mla_hopper.HEAD_ROWS
+    num_listed = slots.shape[1]
+    split = choose_split(num_queries, triton.cdiv(num_heads, block_h), num_listed, params)
+    if not sparse_mla_hopper.supports(q_latent, q_pe, kv_cache, slots, split.tokens_per_split):
+        return None
+    out, mid_out, mid_lse = split_buffers(q_latent, split.num_splits)
+    try:
+        sparse_mla_hopper.sparse_mla_ws_launch(
+            q_latent, q_pe, kv_cache, slots, scale, mid_out, mid_lse, split.tokens_per_split,
+            split.num_splits, split.num_splits == 1, tokens_major=tokens_major, block_h=block_h,
+        )  # fmt: skip
+    except GLUON_BUILD_ERRORS as error:
+        gluon_failed(GLUON_KERNEL, error)
+        return None
+    if split.num_splits > 1:
         _combine_splits(mid_out, mid_lse, out, num_listed, split.tokens_per_split)
     return out
 

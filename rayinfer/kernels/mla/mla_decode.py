@@ -131,10 +131,10 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
     if params["layout"] in GLUON_LAYOUTS and _gluon_allowed(backend):
         q_latent = mla_decode_hopper.with_uniform_rows(q_latent)  # heads one row apart
         q_pe = mla_decode_hopper.with_uniform_rows(q_pe)
-        params = _per_sm(params, q_latent.device)
+        params = per_sm(params, q_latent.device)
         block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
         if mla_decode_hopper.supports(q_latent, q_pe, slots, block_size, split.tokens_per_split):
-            out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
+            out, mid_out, mid_lse = split_buffers(q_latent, split.num_splits)
             launch_split = functools.partial(
                 mla_decode_hopper.mla_decode_ws_launch, q_latent, q_pe, slots, block_tables,
                 seq_lens, scale, mid_out, mid_lse, split.tokens_per_split, split.num_splits,
@@ -148,7 +148,7 @@ def mla_decode_launches(q_latent, q_pe, slots, block_tables, seq_lens, scale, pa
         params = {**params, **FLOAT32_TILES}
     block_h, split = _programs(params, num_seqs, num_heads, block_tables.shape[1] * block_size)
     num_groups = triton.cdiv(num_heads, block_h)
-    out, mid_out, mid_lse = _buffers(q_latent, split.num_splits)
+    out, mid_out, mid_lse = split_buffers(q_latent, split.num_splits)
     is_only_split = split.num_splits == 1  # the split kernel writes `out`: one launch
     use_tma = bool(params.get("USE_TMA")) and mla_tma_fits(slots, latent_rank, rope_dim,
                                                            block_size, params)  # fmt: skip
@@ -187,7 +187,7 @@ def triton_fallback(params: dict) -> dict:
     return {**kept, "layout": "heads_major", **params.get("fallback", {})}
 
 
-def _per_sm(params: dict, device: torch.device) -> dict:
+def per_sm(params: dict, device: torch.device) -> dict:
     """Turns "programs_per_sm" (an entry for GPUs of any SM count) into target_programs here."""
     per_sm = params.get("programs_per_sm")
     if not per_sm or device.type != "cuda":
@@ -208,7 +208,7 @@ def _programs(params: dict, num_seqs: int, num_heads: int, max_context: int):
     return block_h, choose_split(num_seqs, triton.cdiv(num_heads, block_h), max_context, params)
 
 
-def _buffers(q_latent: torch.Tensor, num_splits: int):
+def split_buffers(q_latent: torch.Tensor, num_splits: int):
     """(out [B, N, L], partial outputs [B, N, S, L] float32, their lse [B, N, S]); one split
     writes `out` itself, so its partial outputs are `out` [B, N, 1, L]."""
     num_seqs, num_heads, latent_rank = q_latent.shape

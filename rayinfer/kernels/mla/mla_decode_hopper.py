@@ -140,13 +140,17 @@ if HAS_GLUON:
         )
         if TOKENS_MAJOR:
             gl.warp_specialize(
-                [(tokens_major_consumer, (ctx, 0)), (producer, (ctx, 1))],
+                [(tokens_major_consumer, (ctx, 0, False)), (producer, (ctx, 1, False))],
                 [1],
                 [PRODUCER_REGISTERS_C],
             )
         else:
             gl.warp_specialize(
-                [(scores_consumer, (ctx, 0)), (values_consumer, (ctx, 1)), (producer, (ctx, 2))],
+                [
+                    (scores_consumer, (ctx, 0, False)),
+                    (values_consumer, (ctx, 1, False)),
+                    (producer, (ctx, 2, False)),
+                ],
                 [4, 1],
                 [CONSUMER_REGISTERS_C, PRODUCER_REGISTERS_C],
             )

@@ -2,7 +2,13 @@
 kernel, its launch and the design notes): the TMA producer warp, the two heads-major consumer
 warpgroups (scores once in the first, p handed to the second) and the one tokens-major consumer,
 with the tile geometry they share. Each takes the kernel's ctx tuple (descriptors, shared memory,
-barriers, rows, block table, tile count, outputs, scalars) and its warpgroup index.
+barriers, rows, block table, tile count, outputs, scalars), its warpgroup index and SPARSE.
+
+The consumers also serve the sparse MLA decode (dsa/sparse_mla_hopper, its own gathering
+producer): with SPARSE a tile's 64 columns are entries of a query's slot list (table[0] points
+at the list, first_token / split_end are list positions) and a -1 entry weighs 0 like a
+position past the split's end. The consumers read the tile geometry from the shared memory, not
+from the descriptors, which only the TMA producer uses.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ if HAS_GLUON:
     TILE_BLOCKS_C = gl.constexpr(TILE_BLOCKS)
 
     @gluon.jit
-    def producer(ctx, WG: gl.constexpr):
+    def producer(ctx, WG: gl.constexpr, SPARSE: gl.constexpr):
         """One warp: the queries once, then every cache block of the split into the ring."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
@@ -78,6 +84,25 @@ if HAS_GLUON:
         )
 
     @gluon.jit
+    def _counted(table, tokens, split_end, SPARSE: gl.constexpr):
+        """Which of a tile's columns count: positions before the split's end, and with SPARSE
+        only listed slots (table[0] is the query's slot list; -1 entries do not count)."""
+        counted = tokens < split_end
+        if SPARSE:
+            listed = gl.load(table[0] + tokens, mask=counted, other=-1)
+            counted = counted & (listed >= 0)
+        return counted
+
+    @gluon.jit
+    def _finite_max(m_new, SPARSE: gl.constexpr):
+        """The running max to subtract: 0 where nothing counted yet (a sparse tile of only -1
+        entries; p = 0 then, not NaN). A dense tile always counts a token: m_new itself (the
+        select cost the heads-major form 8 spill instructions on sm_90)."""
+        if SPARSE:
+            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new
+
+    @gluon.jit
     def _store_half(o, l_i, ctx, WG: gl.constexpr):
         """A consumer's 256 latent columns of the output, divided by the softmax sums; rows of
         real heads only (an empty split stores zeros)."""
@@ -98,7 +123,7 @@ if HAS_GLUON:
                  mask=(heads < num_heads)[:, None])  # fmt: skip
 
     @gluon.jit
-    def scores_consumer(ctx, WG: gl.constexpr):
+    def scores_consumer(ctx, WG: gl.constexpr, SPARSE: gl.constexpr):
         """Warpgroup 0 of the heads-major form: every tile's scores and softmax, p handed to
         warpgroup 1 through shared memory, then PV on latent columns 0..255 (p from registers).
         The scores are computed once (not by both consumers): the 128-head case is
@@ -110,8 +135,8 @@ if HAS_GLUON:
         _, head_start = rows
         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
         seq, split, num_heads, first_token, split_end, qk_scale = scalars
-        head_rows: gl.constexpr = ql_desc.block_type.shape[0]
-        half: gl.constexpr = kc_desc.block_type.shape[1]
+        head_rows: gl.constexpr = ql_smem.type.shape[1]
+        half: gl.constexpr = kc_smem.type.shape[2]
         tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile, 16]
@@ -137,11 +162,12 @@ if HAS_GLUON:
                               is_async=True)  # fmt: skip
             s = warpgroup_mma(qp_smem, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            tokens = first_token + j * tile + cols  # [64] positions in the sequence
-            s = gl.where((tokens < split_end)[None, :], s, float("-inf"))
+            tokens = first_token + j * tile + cols  # [64] positions in the sequence (list)
+            s = gl.where(_counted(table, tokens, split_end, SPARSE)[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-            p = gl.exp2(s * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
+            m_safe = _finite_max(m_new, SPARSE)
+            p = gl.exp2(s * qk_scale - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             p = p.to(gl.bfloat16)
@@ -169,15 +195,15 @@ if HAS_GLUON:
                  mask=lse_heads < num_heads)  # fmt: skip
 
     @gluon.jit
-    def values_consumer(ctx, WG: gl.constexpr):
+    def values_consumer(ctx, WG: gl.constexpr, SPARSE: gl.constexpr):
         """Warpgroup 1 of the heads-major form: PV on latent columns 256..511 with the p and
         alpha warpgroup 0 hands over each tile."""
         descs, smem, bars, rows, table, n_tiles, outs, scalars = ctx
         ql_desc, qp_desc, kc_desc, kp_desc = descs
         ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem = smem
         q_bar, ready, empty, p_ready, p_free = bars
-        head_rows: gl.constexpr = ql_desc.block_type.shape[0]
-        half: gl.constexpr = kc_desc.block_type.shape[1]
+        head_rows: gl.constexpr = ql_smem.type.shape[1]
+        half: gl.constexpr = kc_smem.type.shape[2]
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16]
         )
@@ -198,7 +224,7 @@ if HAS_GLUON:
         _store_half(o, l_i, ctx, 1)
 
     @gluon.jit
-    def tokens_major_consumer(ctx, WG: gl.constexpr):
+    def tokens_major_consumer(ctx, WG: gl.constexpr, SPARSE: gl.constexpr):
         """The one consumer warpgroup of the tokens-major form (few heads): a tile's 64 tokens
         are wgmma's rows, the heads its columns, so no row is padding.
 
@@ -213,8 +239,8 @@ if HAS_GLUON:
         _, head_start = rows
         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lse = outs
         seq, split, num_heads, first_token, split_end, qk_scale = scalars
-        heads_n: gl.constexpr = ql_desc.block_type.shape[0]
-        half: gl.constexpr = kc_desc.block_type.shape[1]
+        heads_n: gl.constexpr = ql_smem.type.shape[1]
+        half: gl.constexpr = kc_smem.type.shape[2]
         tile: gl.constexpr = kc_smem.type.shape[1]  # tokens per tile
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads_n, 16]
@@ -238,10 +264,12 @@ if HAS_GLUON:
             s = warpgroup_mma(kp_smem.index(slot), qp_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             tokens = first_token + j * tile + rows_in_tile  # [64] positions in the sequence
-            s = gl.where((tokens < split_end)[:, None], s * qk_scale, float("-inf"))
+            counted = _counted(table, tokens, split_end, SPARSE)
+            s = gl.where(counted[:, None], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            p = gl.exp2(s - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
+            m_safe = _finite_max(m_new, SPARSE)
+            p = gl.exp2(s - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=0)
             m_i = m_new
             p_smem.store(p.to(p_smem.dtype))

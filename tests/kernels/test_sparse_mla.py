@@ -122,3 +122,27 @@ def test_top_k_past_the_tokens_lists_them_all_then_nothing():
     slots[1, 3] = -1  # a hole inside the listed part too
     for dtype in TOLERANCES:
         assert_matches_reference(q_latent, q_pe, kv_cache, slots, dtype, SPLITS["many_splits"])
+
+
+def test_a_gluon_entry_runs_its_fallback_tiles_where_the_gluon_kernel_cannot(monkeypatch):
+    """A config entry routing to the Gluon kernel (sm_90 only) runs the Triton kernel with the
+    entry's "fallback" tiles elsewhere (here: the interpreter), and a tile override without a
+    layout names Triton tiles (the sweeps'), not the Gluon entry's."""
+    from rayinfer.kernels.dsa import sparse_mla
+
+    seen = []
+    gluon_entry = dict(layout="gluon_ws", BLOCK_H=64, BLOCK_N=64, num_warps=4, num_stages=2,
+                       target_programs=132, min_tokens_per_split=64, max_splits=32,
+                       whole_waves=True, programs_per_sm=1,
+                       fallback=dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1,
+                                     target_programs=8, min_tokens_per_split=16,
+                                     max_splits=64))  # fmt: skip
+    monkeypatch.setattr(sparse_mla, "sparse_mla_params", lambda q: dict(gluon_entry))
+    constants = sparse_mla.split_constants
+    record = lambda params, *rest: seen.append(params) or constants(params, *rest)  # noqa: E731
+    monkeypatch.setattr(sparse_mla, "split_constants", record)
+    case = random_case(3, 5, 64, 16, 80, 90, 37)
+    assert_matches_reference(*case, torch.float32)
+    assert seen[-1]["BLOCK_N"] == 16 and "fallback" not in seen[-1]
+    assert_matches_reference(*case, torch.float32, params=dict(BLOCK_N=32))
+    assert seen[-1]["BLOCK_N"] == 32 and seen[-1]["max_splits"] == 64  # over the fallback

@@ -18,6 +18,10 @@ through, then one arrival), so two tiles are in flight. The queries come the sam
 Forms as in the dense kernel: heads-major (layout "gluon_ws": two consumers, 64 query rows a
 program) and tokens-major ("gluon_ws_tokens": one consumer, 16-64 heads a program).
 
+Status (benchmarks/RESULTS.md): correct on an H100 (tests/gpu/test_dsa_kernels.py, DSA
+parity) and 1.26x / 1.43x the Triton kernel at 16 / 64 decodes over 128k (34% / 53% of the copy
+figure); issue and compute still take turns (docs/kernels.md, DSA).
+
 Layout contract: the cache's rows [num_slots, W >= 576] bf16 with 16-byte aligned rows (c_kv
 at [0, 512), k_pe at [512, 576)); q_latent [T, N, 512] and q_pe [T, N, 64] bf16 with rows that
 step uniformly over (query, head); slots [T, K] int32 contiguous.

@@ -61,6 +61,7 @@ LOG2E = 1.4426950408889634
 if HAS_GLUON:
     from rayinfer.kernels.mla.mla_decode_partitions import (
         STAGES,
+        handoff_state,
         scores_consumer,
         tokens_major_consumer,
         values_consumer,
@@ -193,39 +194,15 @@ if HAS_GLUON:
         kp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, rope], dtype)
         kc_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, tile, half], kc_layout)
         kp_smem = gl.allocate_shared_memory(dtype, [STAGES, tile, rope], kp_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        if TOKENS_MAJOR:
-            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, HEAD_ROWS_C],
-                                                                           dtype)  # fmt: skip
-            p_smem = gl.allocate_shared_memory(dtype, [tile, HEAD_ROWS_C], p_layout)
-            row_smem = p_smem  # unused
-            p_ready = q_bar  # unused
-            p_free = q_bar  # unused
-            consumers: gl.constexpr = 1
-        else:
-            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_ROWS_C, tile],
-                                                                           dtype)  # fmt: skip
-            p_smem = gl.allocate_shared_memory(dtype, [HEAD_ROWS_C, tile], p_layout)
-            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            row_smem = gl.allocate_shared_memory(gl.float32, [HEAD_ROWS_C], row_layout)
-            p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(p_ready, count=1)
-            mbarrier.init(p_free, count=1)
-            consumers: gl.constexpr = 2
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=consumers)
+        handoff, bars = handoff_state(TOKENS_MAJOR, HEAD_ROWS_C, tile, dtype)
+        p_smem, row_smem = handoff
 
         num_splits = gl.num_programs(2)
         q_row = query * num_heads + head_start
         ctx = (
             ((q_latent_ptr, q_pe_ptr), (stride_ql, stride_qp, num_q_rows), cache_ptr, stride_row),
             (ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem),
-            (q_bar, ready, empty, p_ready, p_free),
+            bars,
             (q_row, head_start),
             (slots_ptr + query.to(gl.int64) * stride_slots, 0, 0),
             n_tiles,

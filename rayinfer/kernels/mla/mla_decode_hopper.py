@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels.gluon_compat import HAS_GLUON, gl, gluon, mbarrier, rows_descriptor
+from rayinfer.kernels.gluon_compat import HAS_GLUON, gl, gluon, rows_descriptor
 from rayinfer.kernels.mla.mla_decode_partitions import (  # noqa: F401 (geometry re-exported)
     BLOCK_SIZE,
     CONSUMER_REGISTERS,
@@ -58,6 +58,7 @@ if HAS_GLUON:
     from rayinfer.kernels.mla.mla_decode_partitions import (
         STAGES,
         TILE_BLOCKS_C,
+        handoff_state,
         producer,
         scores_consumer,
         tokens_major_consumer,
@@ -95,39 +96,14 @@ if HAS_GLUON:
         kp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, rope], dtype)
         kc_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, tile, half], kc_layout)
         kp_smem = gl.allocate_shared_memory(dtype, [STAGES, tile, rope], kp_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        if TOKENS_MAJOR:  # one consumer; p^T [64, H] through shared memory
-            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, head_rows],
-                                                                           dtype)  # fmt: skip
-            p_smem = gl.allocate_shared_memory(dtype, [tile, head_rows], p_layout)
-            row_smem = p_smem  # unused
-            p_ready = q_bar  # unused
-            p_free = q_bar  # unused
-            consumers: gl.constexpr = 1
-        else:  # two consumers, each releasing every slot; p [64, 64] and a row vector handed
-            # from the first to the second
-            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([head_rows, tile],
-                                                                           dtype)  # fmt: skip
-            p_smem = gl.allocate_shared_memory(dtype, [head_rows, tile], p_layout)
-            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            row_smem = gl.allocate_shared_memory(gl.float32, [head_rows], row_layout)
-            p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(p_ready, count=1)
-            mbarrier.init(p_free, count=1)
-            consumers: gl.constexpr = 2
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=consumers)
+        handoff, bars = handoff_state(TOKENS_MAJOR, head_rows, tile, dtype)
+        p_smem, row_smem = handoff
 
         num_splits = gl.num_programs(2)
         ctx = (
             (ql_desc, qp_desc, kc_desc, kp_desc),
             (ql_smem, qp_smem, kc_smem, kp_smem, p_smem, row_smem),
-            (q_bar, ready, empty, p_ready, p_free),
+            bars,
             (seq * num_heads + head_start, head_start),
             (
                 block_tables_ptr + seq * stride_table,

@@ -73,6 +73,42 @@ if HAS_GLUON:
                          kp_smem.index(slot).slice(part * block, block))  # fmt: skip
 
     @gluon.jit
+    def handoff_state(TOKENS_MAJOR: gl.constexpr, head_rows: gl.constexpr, tile: gl.constexpr,
+                      dtype: gl.constexpr):  # fmt: skip
+        """The barriers and hand-off buffers both kernels' consumers share: the queries' q_bar,
+        the ring's ready / empty per stage, and p (with, heads-major, the row vector and the
+        p_ready / p_free barriers from warpgroup 0 to warpgroup 1) ->
+        ((p_smem, row_smem), (q_bar, ready, empty, p_ready, p_free))."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        if TOKENS_MAJOR:  # one consumer; p^T [64, H] through shared memory
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([tile, head_rows],
+                                                                           dtype)  # fmt: skip
+            p_smem = gl.allocate_shared_memory(dtype, [tile, head_rows], p_layout)
+            row_smem = p_smem  # unused
+            p_ready = q_bar  # unused
+            p_free = q_bar  # unused
+            consumers: gl.constexpr = 1
+        else:  # two consumers, each releasing every slot; p [64, 64] and a row vector handed
+            # from the first to the second
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([head_rows, tile],
+                                                                           dtype)  # fmt: skip
+            p_smem = gl.allocate_shared_memory(dtype, [head_rows, tile], p_layout)
+            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            row_smem = gl.allocate_shared_memory(gl.float32, [head_rows], row_layout)
+            p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(p_ready, count=1)
+            mbarrier.init(p_free, count=1)
+            consumers: gl.constexpr = 2
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=consumers)
+        return (p_smem, row_smem), (q_bar, ready, empty, p_ready, p_free)
+
+    @gluon.jit
     def _tile_block_ids(table_ptr, first, last):
         """The cache block ids of one tile (TILE_BLOCKS = 4 entries from `first`); entries at or
         past `last` (the split's end) read as block 0, whose rows the consumers mask."""

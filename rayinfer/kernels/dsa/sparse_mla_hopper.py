@@ -42,7 +42,11 @@ from rayinfer.kernels.gluon_compat import (
     mbarrier,
     thread_barrier,
 )
-from rayinfer.kernels.mla.mla_decode_hopper import rows_step_uniformly, with_uniform_rows  # noqa: F401
+from rayinfer.kernels.mla.mla_decode_hopper import (  # noqa: F401 (with_uniform_rows re-exported)
+    LOG2E,
+    rows_step_uniformly,
+    with_uniform_rows,
+)
 from rayinfer.kernels.mla.mla_decode_partitions import (
     CONSUMER_REGISTERS,
     HALF_L,
@@ -56,7 +60,6 @@ CHUNK_ROWS = 16  # rows a producer gather covers: [16, 256] is 4 16-byte copies 
 GATHER_WARPS = 4
 GATHER_REGISTERS = 40  # 2 x 128 x 232 + 128 x 40 + the default partition's within 64K
 LAUNCH_REGISTERS = 168  # 384 threads x 168 <= 64K
-LOG2E = 1.4426950408889634
 
 if HAS_GLUON:
     from rayinfer.kernels.mla.mla_decode_partitions import (
